@@ -1,0 +1,267 @@
+"""`CheckpointIndex`: a DCP checkpoint described in global terms.
+
+Every entry (tensor or object) with its global shape, dtype and chunks, and for each chunk
+where its bytes live. Building the index reads `.metadata` and stats the data files; it
+never reads tensor bytes, so it is cheap enough to run on every command. Completeness is
+judged here, once, as a list of findings that name files and keys.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from reshard.errors import BadInput, Incomplete, ReshardError
+from reshard.geometry import Box, coverage_problems, whole
+from reshard.io import dcp
+
+RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: its box in global coordinates and where its bytes are."""
+
+    box: Box
+    location: dcp.ItemLocation | None
+
+
+@dataclass
+class Entry:
+    """One flat key of the checkpoint."""
+
+    key: str
+    kind: str  # "tensor" | "object"
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    location: dcp.ItemLocation | None = None  # objects only
+    path: tuple = ()
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind == "tensor"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape or ():
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of the global tensor (objects: stored bytes)."""
+        if self.is_tensor:
+            return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.location.length if self.location else 0
+
+    @property
+    def dtype_name(self) -> str | None:
+        return str(self.dtype).removeprefix("torch.") if self.dtype is not None else None
+
+    def files(self) -> set[str]:
+        if self.is_tensor:
+            return {c.location.file for c in self.chunks if c.location}
+        return {self.location.file} if self.location else set()
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something wrong (or notable) about the checkpoint, with enough to act on it."""
+
+    severity: str  # "error" (incomplete/unreadable) | "inconsistent" | "warning" | "info"
+    code: str
+    message: str
+    file: str | None = None
+    keys: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity, "code": self.code, "message": self.message,
+                "file": self.file, "keys": list(self.keys)}
+
+
+class CheckpointIndex:
+    """The global view of one DCP checkpoint directory (read-only)."""
+
+    def __init__(self, root: Path, raw: dcp.RawMetadata, *, trust_pickle: bool = False):
+        self.root = root
+        self.version = raw.version
+        self.trust_pickle = trust_pickle
+        self.entries: dict[str, Entry] = {}
+        self.findings: list[Finding] = []
+        self._build(raw)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "CheckpointIndex":
+        root = Path(path)
+        raw = dcp.read_raw_metadata(root)
+        return cls(root, raw, trust_pickle=trust_pickle)
+
+    def _build(self, raw: dcp.RawMetadata) -> None:
+        missing_loc: list[str] = []
+        for key, e in raw.entries.items():
+            path = raw.planner_paths.get(key, ())
+            if isinstance(e, dcp.RawObject):
+                loc = raw.locations.get((key, None))
+                if loc is None:
+                    missing_loc.append(key)
+                self.entries[key] = Entry(key, "object", location=loc, path=path)
+            else:
+                chunks = []
+                for offsets, sizes in e.chunks:
+                    loc = raw.locations.get((key, offsets))
+                    if loc is None:
+                        missing_loc.append(key)
+                    chunks.append(Chunk(Box(offsets, sizes), loc))
+                self.entries[key] = Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path)
+        if missing_loc:
+            self.findings.append(Finding("error", "no_storage", "metadata names chunks with no storage location",
+                                         file=dcp.METADATA_FILE, keys=tuple(sorted(set(missing_loc)))))
+        orphans = sorted({k for (k, _) in raw.locations if k not in raw.entries})
+        if orphans:
+            self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
+                                         file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
+        self._check_files()
+        self._check_coverage()
+
+    def _check_files(self) -> None:
+        """Missing data files and files shorter than the byte ranges the metadata names."""
+        need: dict[str, int] = defaultdict(int)
+        keys_by_file: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for e in self.entries.values():
+            locs = [c.location for c in e.chunks] if e.is_tensor else [e.location]
+            for loc in locs:
+                if loc is None:
+                    continue
+                end = loc.offset + loc.length
+                need[loc.file] = max(need[loc.file], end)
+                keys_by_file[loc.file].append((end, e.key))
+        self.file_sizes: dict[str, int] = {}
+        for name in sorted(need):
+            p = self.root / name
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                keys = sorted({k for _, k in keys_by_file[name]})
+                self.findings.append(Finding("error", "missing_file", f"data file '{name}' is missing; {len(keys)} keys lose bytes",
+                                             file=name, keys=tuple(keys)))
+                continue
+            self.file_sizes[name] = size
+            if size < need[name]:
+                keys = sorted({k for end, k in keys_by_file[name] if end > size})
+                self.findings.append(Finding(
+                    "error", "truncated_file",
+                    f"data file '{name}' has {size} bytes but the metadata needs {need[name]}; {len(keys)} keys lose bytes",
+                    file=name, keys=tuple(keys)))
+
+    def _check_coverage(self) -> None:
+        for e in self.entries.values():
+            if not e.is_tensor:
+                continue
+            probs = coverage_problems(e.shape, (c.box for c in e.chunks))
+            for p in probs:
+                self.findings.append(Finding("error", f"chunk_{p.kind}", f"tensor '{e.key}': {p.detail}",
+                                             file=dcp.METADATA_FILE, keys=(e.key,)))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def complete(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def data_files(self) -> list[str]:
+        """Data files present in the directory (whether or not the metadata names them)."""
+        return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
+
+    def writer_ranks(self) -> list[int]:
+        """Ranks that wrote data files, from DCP's `__{rank}_{n}.distcp` naming."""
+        ranks = set()
+        for name in set(self.file_sizes) | set(self.data_files()):
+            m = RANK_FILE.match(name)
+            if m:
+                ranks.add(int(m.group(1)))
+        return sorted(ranks)
+
+    def tensors(self) -> Iterator[Entry]:
+        return (e for e in self.entries.values() if e.is_tensor)
+
+    def entry(self, key: str) -> Entry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise BadInput(f"no entry '{key}' in the checkpoint", where=str(self.root)) from None
+
+    # ------------------------------------------------------------------ reading bytes
+    def read_object(self, key: str) -> Any:
+        e = self.entry(key)
+        if e.is_tensor:
+            return self.read_tensor(key)
+        if e.location is None:
+            raise Incomplete(f"object '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
+        return dcp.load_item(self.root, e.location, key=key, trust_pickle=self.trust_pickle)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        e = self.entry(key)
+        return self.read_box(key, whole(e.shape))
+
+    def read_box(self, key: str, box: Box) -> torch.Tensor:
+        """Assemble one box of a tensor from the chunks that intersect it, reading only those."""
+        e = self.entry(key)
+        if not e.is_tensor:
+            raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
+        if not whole(e.shape).contains(box) or len(box.sizes) != len(e.shape):
+            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
+                           where=str(self.root))
+        out = torch.empty(box.sizes, dtype=e.dtype)
+        filled = 0
+        for c in e.chunks:
+            inter = c.box.intersect(box) if e.shape else (c.box if not c.box.offsets else None)
+            if inter is None:
+                continue
+            if c.location is None:
+                raise Incomplete(f"a chunk of '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
+            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.box.sizes:
+                raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
+                               f"metadata says {list(c.box.sizes)}", where=str(self.root / c.location.file),
+                               hint="The checkpoint is corrupt.")
+            if t.dtype != e.dtype:
+                raise BadInput(f"chunk of '{key}' is {t.dtype}, metadata says {e.dtype}",
+                               where=str(self.root / c.location.file), hint="The checkpoint is corrupt.")
+            src = inter.relative_to(c.box).slices()
+            dst = inter.relative_to(box).slices()
+            out[dst] = t[src]
+            filled += inter.numel
+        if filled != box.numel:
+            raise Incomplete(f"the chunks of '{key}' cover {filled} of {box.numel} elements of the requested box",
+                             where=str(self.root / dcp.METADATA_FILE))
+        return out
+
+    def deep_check(self, progress: Any = None) -> list[Finding]:
+        """Load every item; report the ones that fail (with --deep)."""
+        found: list[Finding] = []
+        for e in self.entries.values():
+            items = [(c.location, c.box.sizes) for c in e.chunks] if e.is_tensor else [(e.location, None)]
+            for loc, sizes in items:
+                if loc is None:
+                    continue
+                try:
+                    obj = dcp.load_item(self.root, loc, key=e.key, trust_pickle=self.trust_pickle)
+                    if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
+                        raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
+                                       f"metadata says {e.dtype_name} {list(sizes)}")
+                except ReshardError as exc:
+                    code = "unsafe_item" if exc.__class__.__name__ == "UnsafeInput" else "unreadable_item"
+                    found.append(Finding("error", code, exc.message, file=loc.file, keys=(e.key,)))
+                if progress is not None:
+                    progress.update(1)
+        self.findings.extend(found)
+        return found
+
+    def item_count(self) -> int:
+        return sum(len(e.chunks) if e.is_tensor else 1 for e in self.entries.values())

@@ -1,0 +1,245 @@
+"""Safe, byte-range reader for PyTorch Distributed Checkpoint directories.
+
+A DCP checkpoint is a directory holding `.metadata` (a pickle, written last by rank 0 as the
+commit) and `__{rank}_{n}.distcp` data files. Every item (one chunk of one tensor, or one
+plain object) is its own ``torch.save`` blob at ``[offset, offset + length)`` of a data file,
+optionally passed through stream transforms such as zstd.
+
+This module knows bytes and formats, nothing of training: it turns `.metadata` into plain
+records without executing code, and reads single items from their byte ranges with
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from reshard.errors import BadInput, Incomplete, UnsafeInput
+from reshard.io.safe_pickle import Record, load_metadata_pickle
+
+METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where one item's bytes live: a file inside the checkpoint and a byte range."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass
+class RawTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes)
+
+
+@dataclass
+class RawObject:
+    key: str
+
+
+@dataclass
+class RawMetadata:
+    """`.metadata` decoded into plain Python, validated for shape (not for consistency)."""
+
+    entries: dict[str, RawTensor | RawObject]
+    # (key, chunk offsets or None for objects) -> location
+    locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation]
+    planner_paths: dict[str, tuple]
+    version: str | None
+
+
+def read_raw_metadata(ckpt: Path) -> RawMetadata:
+    """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed."""
+    path = ckpt / METADATA_FILE
+    where = str(path)
+    if not ckpt.exists():
+        raise BadInput("no such checkpoint directory", where=str(ckpt))
+    if not ckpt.is_dir():
+        raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(ckpt))
+    if not path.exists():
+        extra = " A '.metadata.tmp' exists: rank 0 died while committing." if (ckpt / ".metadata.tmp").exists() else ""
+        raise Incomplete(
+            "not committed: the checkpoint has no .metadata, so a writer died before the commit" + extra,
+            where=str(ckpt),
+            hint="Resume from the previous checkpoint; this one cannot be trusted to be complete.",
+        )
+    size = path.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise BadInput(f".metadata is {size} bytes, larger than any real DCP metadata", where=where)
+    data = path.read_bytes()
+    md = load_metadata_pickle(data, where)
+    return _decode(md, where)
+
+
+def _bad(where: str, what: str) -> BadInput:
+    return BadInput(
+        f"malformed checkpoint metadata: {what}",
+        where=where,
+        hint="The file is corrupt or was not written by torch.distributed.checkpoint.",
+    )
+
+
+def _int_tuple(v: Any, where: str, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise _bad(where, f"{what} is not a tuple of integers")
+    return tuple(int(x) for x in v)
+
+
+def _decode(md: Any, where: str) -> RawMetadata:
+    if not isinstance(md, Record) or type(md).__name__ != "Metadata":
+        raise _bad(where, f"top-level object is {type(md).__name__}, not Metadata")
+    sdm = md.get("state_dict_metadata")
+    if not isinstance(sdm, dict):
+        raise _bad(where, "state_dict_metadata is not a mapping")
+    entries: dict[str, RawTensor | RawObject] = {}
+    for key, value in sdm.items():
+        if not isinstance(key, str):
+            raise _bad(where, f"entry key {key!r} is not a string")
+        kind = type(value).__name__
+        if kind == "BytesStorageMetadata":
+            entries[key] = RawObject(key)
+        elif kind == "TensorStorageMetadata":
+            props = value.get("properties")
+            dtype = props.get("dtype") if isinstance(props, Record) else None
+            if not isinstance(dtype, torch.dtype):
+                raise _bad(where, f"tensor '{key}' has no valid dtype")
+            shape = _int_tuple(value.get("size"), where, f"global shape of '{key}'")
+            chunks_in = value.get("chunks")
+            if not isinstance(chunks_in, list):
+                raise _bad(where, f"chunks of '{key}' are not a list")
+            chunks = []
+            for c in chunks_in:
+                if not isinstance(c, Record):
+                    raise _bad(where, f"a chunk of '{key}' is not a chunk record")
+                chunks.append((_int_tuple(c.get("offsets"), where, f"chunk offsets of '{key}'"),
+                               _int_tuple(c.get("sizes"), where, f"chunk sizes of '{key}'")))
+            entries[key] = RawTensor(key, shape, dtype, chunks)
+        else:
+            raise _bad(where, f"entry '{key}' has unknown storage type {kind}")
+    storage = md.get("storage_data")
+    if not isinstance(storage, dict):
+        raise _bad(where, "storage_data is not a mapping (not written by the filesystem writer?)")
+    locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+    for idx, info in storage.items():
+        if not isinstance(idx, Record) or not isinstance(info, Record):
+            raise _bad(where, "storage_data holds unexpected objects")
+        fqn = idx.get("fqn")
+        if not isinstance(fqn, str):
+            raise _bad(where, "a storage index has no key name")
+        off = idx.get("offset")
+        offsets = None if off is None else _int_tuple(off, where, f"storage offset of '{fqn}'")
+        rel = info.get("relative_path")
+        if not isinstance(rel, str):
+            raise _bad(where, f"storage of '{fqn}' has no file name")
+        if os.path.isabs(rel) or ".." in Path(rel).parts or "/" in rel or "\\" in rel:
+            raise BadInput(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
+                           hint="Refusing to read files outside the checkpoint directory.")
+        o, n = info.get("offset"), info.get("length")
+        if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
+            raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
+        tds = info.get("transform_descriptors") or ()
+        if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
+            raise _bad(where, f"storage of '{fqn}' has invalid transforms")
+        locations[(fqn, offsets)] = ItemLocation(rel, o, n, tuple(tds))
+    planner = md.get("planner_data")
+    paths: dict[str, tuple] = {}
+    if isinstance(planner, dict):
+        for k, v in planner.items():
+            if isinstance(k, str) and isinstance(v, (tuple, list)):
+                paths[k] = tuple(v)
+    version = md.get("version")
+    return RawMetadata(entries, locations, paths, version if isinstance(version, str) else None)
+
+
+# ---------------------------------------------------------------------------- item bytes
+
+def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
+    """The raw (still transformed) bytes of one item, checked for length."""
+    path = ckpt / loc.file
+    try:
+        with open(path, "rb") as f:
+            f.seek(loc.offset)
+            data = f.read(loc.length)
+    except FileNotFoundError:
+        raise Incomplete(f"data file '{loc.file}' is missing (needed for '{key}')", where=str(ckpt),
+                         hint="The checkpoint is incomplete; restore the file or use another checkpoint.") from None
+    except OSError as exc:
+        raise BadInput(f"cannot read '{key}': {exc}", where=str(path)) from None
+    if len(data) != loc.length:
+        raise Incomplete(
+            f"'{key}' needs bytes [{loc.offset}, {loc.offset + loc.length}) but the file ends at {loc.offset + len(data)}",
+            where=str(path),
+            hint="The data file is truncated; the checkpoint is incomplete.",
+        )
+    return data
+
+
+def _untransform(data: bytes, transforms: Sequence[str], *, key: str, where: str) -> bytes:
+    # DCP applies transforms in order on save; undo them in reverse on load.
+    for desc in reversed(list(transforms)):
+        name, _, version = desc.partition("/")
+        if name == "stream.zstd" and version.split(".")[0] == "1":
+            data = _zstd_decompress(data, key=key, where=where)
+        else:
+            raise BadInput(f"item '{key}' uses transform '{desc}', which reshard does not know", where=where,
+                           hint="Convert the checkpoint with the tool that wrote it, or file an issue with the descriptor.")
+    return data
+
+
+def _zstd_decompress(data: bytes, *, key: str, where: str) -> bytes:
+    try:
+        import zstandard  # type: ignore[import-not-found]
+
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+            return r.read()
+    except ImportError:
+        pass
+    try:
+        import pyzstd  # type: ignore[import-not-found]
+
+        return pyzstd.decompress(data)
+    except ImportError:
+        raise BadInput(f"item '{key}' is zstd-compressed and no zstd module is installed", where=where,
+                       hint="pip install 'reshard[zstd]' (the zstandard package) and run again.") from None
+    except Exception as exc:  # pragma: no cover - corrupt stream
+        raise BadInput(f"item '{key}' has a corrupt zstd stream: {exc}", where=where) from None
+
+
+def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        msg = str(exc)
+        if "weights_only" in msg.lower() or "unsupported global" in msg.lower():
+            first = msg.strip().splitlines()
+            detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else "")
+            raise UnsafeInput(
+                f"item '{key}' is a pickle that references code outside the safe set ({detail[:200]})",
+                where=where,
+                hint="reshard refuses to run it. If you wrote this checkpoint yourself, pass --trust-pickle.",
+            ) from None
+        raise BadInput(f"item '{key}' is not a readable torch.save blob ({msg[:200]})", where=where) from None
+    except Exception as exc:
+        raise BadInput(f"item '{key}' is not a readable torch.save blob ({type(exc).__name__}: {str(exc)[:200]})",
+                       where=where, hint="The data file is corrupt.") from None
+
+
+def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False) -> Any:
+    """Read one item (a tensor chunk or an object) from its byte range."""
+    where = str(ckpt / loc.file)
+    data = read_item_bytes(ckpt, loc, key=key)
+    data = _untransform(data, loc.transforms, key=key, where=where)
+    return _torch_load(data, key=key, where=where, trust_pickle=trust_pickle)
