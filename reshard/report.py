@@ -1,0 +1,107 @@
+"""Render command results for people (terminal text) and scripts (JSON).
+
+Reports are plain dicts produced by the library; this module only formats them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=False, default=str)
+
+
+def _topo_line(t: dict[str, Any]) -> str:
+    dims = [f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1] or ["dp=1"]
+    return f"{', '.join(dims)} (world size {t.get('world_size')}, {t.get('source')})"
+
+
+def render_inspect(r: dict[str, Any]) -> str:
+    out: list[str] = []
+    verdict = "complete" if r["complete"] else "INCOMPLETE"
+    if r["complete"] and not r["consistent"]:
+        verdict = "complete but INCONSISTENT"
+    elif r["complete"]:
+        verdict = "complete and consistent"
+    out.append(f"checkpoint  {r['path']}")
+    out.append(f"verdict     {verdict}")
+    out.append(f"experiment  {r.get('experiment_id') or '-'}   continuity: {r.get('continuity') or '-'}")
+    out.append(f"step        {r.get('step') if r.get('step') is not None else '-'}"
+               + (f" (from {r['step_source']})" if r.get("step_source") else "")
+               + f"   tokens seen: {r.get('tokens_seen') if r.get('tokens_seen') is not None else '-'}")
+    out.append(f"topology    {_topo_line(r['topology'])}; {r['writer_ranks']} writer rank(s)")
+    for ev in r["topology"].get("evidence", []):
+        out.append(f"            - {ev}")
+    b = r.get("batch")
+    if b:
+        out.append(f"batch       micro-batch {b.get('micro_batch')} x accumulation {b.get('grad_accum')} x dp "
+                   f"= global batch {b.get('global_batch')} (seq len {b.get('seq_len')})")
+    acc = r.get("accumulation")
+    if acc:
+        phase = "at an optimizer-step boundary" if not acc.get("micro_step") else f"mid-accumulation (micro-step {acc['micro_step']})"
+        out.append(f"accum phase {phase}")
+    out.append(f"convention  {r['convention']['name']}   manifest: {'yes' if r['manifest'] else 'no'}   DCP {r.get('dcp_version') or '?'}")
+    out.append(f"contents    {r['entries']} entries, {r['items']} items in {r['files']} files, {human_bytes(r['bytes'])} on disk")
+    out.append("")
+    out.append(f"  {'role':<18}{'count':>8}{'bytes':>12}  dtypes")
+    for role, s in sorted(r["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
+        dts = ", ".join(f"{d} x{v['count']}" for d, v in s["dtypes"].items())
+        out.append(f"  {role:<18}{s['count']:>8}{human_bytes(s['bytes']):>12}  {dts}")
+    out.append("")
+    o = r["optimizer"]
+    if o["moment_names"]:
+        out.append(f"optimizer   moments {', '.join(o['moment_names'])} for {o['with_moments']} of {o['parameters']} parameters"
+                   + ("; missing for " + ", ".join(o["missing_moments"][:5]) if o["missing_moments"] else "; every trainable parameter covered"))
+    else:
+        out.append("optimizer   no moments (a resume from here is a warm start)")
+    sc = o["step_counters"]
+    if sc["count"]:
+        out.append(f"            step counters: {sc['count']}, " + (f"one value {sc['values'][0]}" if sc["consistent"] else f"DISAGREE {sc['values']}"))
+    for t in o["tied"]:
+        eq = {True: "bitwise equal", False: "DIFFER", None: t.get("note", "-")}[t["equal"]]
+        out.append(f"            tied ({t['source']}): {' = '.join(t['names'])}: {eq}")
+    for role, info in r["per_rank_state"].items():
+        if info["keyed_per_rank"]:
+            miss = f"; missing ranks {info['missing_ranks']}" if info.get("missing_ranks") else ""
+            out.append(f"per-rank    {role}: keyed per rank, ranks {_ranges(info['ranks'])}{miss}")
+        else:
+            out.append(f"per-rank    {role}: one shared copy ({info['keys']} keys)")
+    if r["unknown_keys"]:
+        out.append(f"unknown     {len(r['unknown_keys'])} keys: " + ", ".join(r["unknown_keys"][:8]) + (" ..." if len(r["unknown_keys"]) > 8 else ""))
+    if r["problems"]:
+        out.append("")
+        out.append("problems")
+        for p in r["problems"]:
+            where = f" [{p['file']}]" if p.get("file") else ""
+            keys = p.get("keys") or []
+            ks = (": " + ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")) if keys else ""
+            out.append(f"  {p['severity']:<12} {p['message']}{where}{ks}")
+    for n in r.get("notes", []):
+        out.append(f"note        {n['message']}")
+    return "\n".join(out)
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)

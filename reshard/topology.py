@@ -1,0 +1,136 @@
+"""Parallel layouts: parse `dp=32,tp=2,pp=4`, and infer a writer's layout from chunk geometry.
+
+A topology is a named mesh. Dims are ordered outer to inner as torchtitan builds its
+mesh (`pp, dp_replicate, dp_shard, cp, tp`); omitted dims are 1. `dp` is an alias for
+`dp_shard`, the FSDP dimension.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, Iterable
+
+from reshard.errors import BadInput
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ALIASES = {"dp": "dp_shard"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Degrees of each parallel dim; ``source`` says where we learned them."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    source: str = "given"  # "manifest" | "inferred" | "given"
+    evidence: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return prod(self.degrees().values())
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel width: the number of distinct batches per micro-step."""
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
+    def spec(self) -> str:
+        parts = [f"{d}={n}" for d, n in self.degrees().items() if n != 1]
+        return ",".join(parts) or "dp=1"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = dict(self.degrees())
+        d["world_size"] = self.world_size
+        d["source"] = self.source
+        if self.evidence:
+            d["evidence"] = list(self.evidence)
+        return d
+
+    def with_source(self, source: str, evidence: Iterable[str] = ()) -> "Topology":
+        return Topology(**self.degrees(), source=source, evidence=tuple(evidence))
+
+
+def parse_spec(spec: str, *, source: str = "given") -> Topology:
+    """Parse ``dim=N,dim=N``; unknown dims, repeats and non-positive degrees are errors."""
+    degrees: dict[str, int] = {}
+    text = (spec or "").strip()
+    if not text:
+        raise BadInput("empty topology spec", hint="Write e.g. --to dp=32 or --to dp_shard=16,tp=2.")
+    for part in text.split(","):
+        part = part.strip()
+        name, sep, value = part.partition("=")
+        name = ALIASES.get(name.strip(), name.strip())
+        if not sep or name not in DIMS:
+            raise BadInput(f"bad topology term '{part}' in '{spec}'",
+                           hint="Use comma-separated dim=N with dims dp, dp_shard, dp_replicate, tp, pp, cp.")
+        if name in degrees:
+            raise BadInput(f"dim '{name}' given twice in '{spec}'")
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise BadInput(f"degree of '{name}' must be a positive integer, got '{value}'")
+        degrees[name] = n
+    return Topology(**degrees, source=source)
+
+
+def from_manifest(topo: dict[str, Any]) -> Topology:
+    dims = topo.get("dims", {}) if isinstance(topo, dict) else {}
+    try:
+        degrees = {d: int(dims.get(d, 1)) for d in DIMS}
+    except (TypeError, ValueError):
+        raise BadInput("manifest topology has non-integer degrees", where="manifest.json") from None
+    return Topology(**degrees, source="manifest")
+
+
+def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]],
+          writer_ranks: list[int]) -> Topology:
+    """Infer a layout from how parameter tensors were cut.
+
+    FSDP2 cuts dim 0 into ``dp_shard`` pieces; tensor parallelism adds cuts along the dim a
+    layer is parallel in. We count distinct cut positions per dim over all parameters: the
+    largest number of dim-0 pieces of a tensor whose other dims are whole is the FSDP
+    degree; cuts along dim >= 1 indicate TP. The number of writer files bounds the world.
+    Replicated dims (dp_replicate, and pp for stage-local tensors) leave no trace in chunk
+    geometry; they are reported as 1 with that caveat.
+    """
+    dim0 = Counter()
+    tp_cuts = Counter()
+    n = 0
+    for shape, chunks in param_chunks:
+        n += 1
+        if not shape:
+            continue
+        starts = [set() for _ in shape]
+        for offsets, sizes in chunks:
+            if all(s > 0 for s in sizes):
+                for d, o in enumerate(offsets):
+                    starts[d].add(o)
+        pieces = [len(s) for s in starts]
+        if all(p == 1 for p in pieces[1:]):
+            dim0[pieces[0]] += 1
+        for d in range(1, len(shape)):
+            if pieces[d] > 1:
+                tp_cuts[pieces[d]] += 1
+    tp = max(tp_cuts) if tp_cuts else 1
+    shard = max(dim0) if dim0 else 1
+    world = len(writer_ranks) or 1
+    evidence = [f"{n} parameter tensors examined", f"{world} writer rank(s) from data file names"]
+    if dim0:
+        evidence.append(f"dim-0 pieces per tensor: {dict(sorted(dim0.items()))}")
+    if tp_cuts:
+        evidence.append(f"tensors cut along dim>=1 into {dict(sorted(tp_cuts.items()))} pieces (tensor parallel)")
+    if tp > 1 and world % tp == 0 and shard * tp != world:
+        # With 2-D (FSDP x TP) the dim-0 pieces seen on column-parallel weights are dp*tp.
+        shard = max(1, world // tp)
+    if shard * tp < world:
+        evidence.append(f"{world} writers but only {shard * tp} distinct shards: the rest may be replicas (dp_replicate) or pipeline stages")
+    return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
