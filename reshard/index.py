@@ -257,7 +257,8 @@ class CheckpointIndex:
                                        f"metadata says {e.dtype_name} {list(sizes)}")
                 except ReshardError as exc:
                     code = "unsafe_item" if exc.__class__.__name__ == "UnsafeInput" else "unreadable_item"
-                    found.append(Finding("error", code, exc.message, file=loc.file, keys=(e.key,)))
+                    msg = f"{exc.message}. {exc.hint}" if exc.hint else exc.message
+                    found.append(Finding("error", code, msg, file=loc.file, keys=(e.key,)))
                 if progress is not None:
                     progress.update(1)
         self.findings.extend(found)

@@ -75,6 +75,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
         findings.append(Finding("error", "bad_manifest", exc.message, file="manifest.json"))
     mdict: dict[str, Any] = manifest.to_dict() if manifest is not None else {}
 
+    can_read = ix.complete  # byte ranges all present: small items can be read for the checks below
     if deep:
         ix.deep_check(progress=progress)
 
@@ -108,7 +109,6 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
         d["count"] += 1
         d["bytes"] += e.nbytes
 
-    can_read = ix.complete
     # ---------------------------------------------------------------- counters
     counters: dict[str, Any] = {}
     for name, key in cls.convention.counters.items():
@@ -166,11 +166,15 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             if present:
                 tied_members.update(present)
         elif can_read:
-            eq = all(bitwise_equal(ix, params[present[0]], params[n]) for n in present[1:])
+            try:
+                eq = all(bitwise_equal(ix, params[present[0]], params[n]) for n in present[1:])
+            except ReshardError as exc:
+                findings.append(Finding("error", "unreadable_item", exc.message, keys=tuple(params[n] for n in present)))
+                eq = None
             rec["equal"] = eq
             if eq or source == "manifest":
                 tied_members.update(present)
-            if not eq and source == "manifest":
+            if eq is False and source == "manifest":
                 findings.append(Finding("inconsistent", "tied_differ",
                                         f"tied copies {' and '.join(present)} differ", keys=tuple(params[n] for n in present)))
         tied.append(rec)

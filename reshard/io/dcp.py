@@ -223,7 +223,7 @@ def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
         msg = str(exc)
-        if "weights_only" in msg.lower() or "unsupported global" in msg.lower():
+        if "unsupported global" in msg.lower() or "global " in msg.lower() and "not an allowed global" in msg.lower():
             first = msg.strip().splitlines()
             detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else "")
             raise UnsafeInput(
@@ -231,7 +231,9 @@ def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any
                 where=where,
                 hint="reshard refuses to run it. If you wrote this checkpoint yourself, pass --trust-pickle.",
             ) from None
-        raise BadInput(f"item '{key}' is not a readable torch.save blob ({msg[:200]})", where=where) from None
+        detail = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if msg.strip() else ""
+        raise BadInput(f"item '{key}' is not a readable torch.save blob ({detail[:200]})", where=where,
+                       hint="The data file is corrupt.") from None
     except Exception as exc:
         raise BadInput(f"item '{key}' is not a readable torch.save blob ({type(exc).__name__}: {str(exc)[:200]})",
                        where=where, hint="The data file is corrupt.") from None

@@ -1,0 +1,64 @@
+"""Shared, session-scoped checkpoints written by real torch code (spawned gloo ranks).
+
+Fixtures that a test mutates are copied first: the session copies are never modified.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def reference_ckpt(tmp_path_factory) -> Path:
+    """A 4-rank FSDP2 checkpoint from the reference trainer, reshard convention, with manifest."""
+    from reshard.reference import TrainConfig, run_reference
+
+    out = tmp_path_factory.mktemp("reference")
+    cfg = TrainConfig(dp=4, tp=1, steps=3, save_at=[3], out=str(out), log=str(out / "steps.jsonl"),
+                      experiment_id="test-ref")
+    return run_reference(cfg)[-1]
+
+
+@pytest.fixture(scope="session")
+def torchtitan_ckpt(tmp_path_factory) -> Path:
+    """A 2-rank checkpoint in torchtitan's key layout, without manifest."""
+    from reshard.reference import TrainConfig, run_reference
+
+    out = tmp_path_factory.mktemp("titan")
+    cfg = TrainConfig(dp=2, tp=1, steps=2, save_at=[2], out=str(out), convention="torchtitan")
+    return run_reference(cfg)[-1]
+
+
+@pytest.fixture(scope="session")
+def plain_fsdp2_ckpt(tmp_path_factory) -> Path:
+    """A checkpoint from a plain FSDP2 script (get_state_dict + dcp.save, no manifest)."""
+    from reshard.synthetic import make_plain_fsdp2
+
+    return make_plain_fsdp2(tmp_path_factory.mktemp("plain") / "ckpt", world_size=4)
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+    """Copy a session checkpoint so a test may damage it."""
+
+    def _copy(src: Path) -> Path:
+        dst = tmp_path / ("copy_" + src.name)
+        shutil.copytree(src, dst)
+        return dst
+
+    return _copy
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    from reshard.cli import main
+
+    code = 0
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    out, err = capsys.readouterr()
+    return code, out, err
