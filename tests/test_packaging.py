@@ -1,0 +1,39 @@
+"""The package installs as a wheel with its `formats/` data, and CI runs the README's command."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    commands = [b.strip() for b in blocks if "python3 -m venv" in b]
+    assert len(commands) == 2, "README must hold exactly two set-up commands"
+    test_cmd = next(c for c in commands if "pytest" in c)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd in ci.splitlines()
+
+
+def test_non_editable_install_finds_formats(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True)
+    assert (target / "reshard" / "formats" / "conventions" / "reshard.toml").exists()
+    code = ("import reshard.conventions as c, reshard.io.safe_pickle as s; "
+            "print(sorted(x.name for x in c.builtin_conventions())); print(len(s._allow_list()))")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True).stdout.split("\n")
+    assert out[0] == "['reshard', 'torch-get-state-dict', 'torchtitan']"
+    assert int(out[1]) > 10
+
+
+def test_python_dash_m_reshard_help():
+    out = subprocess.run([sys.executable, "-m", "reshard", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "inspect" in out.stdout
