@@ -499,6 +499,7 @@ def write_manifest(ckpt_dir: str | os.PathLike, manifest: Manifest) -> Path:
     text = json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=ckpt_dir)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a manifest is meant to be read by others
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
