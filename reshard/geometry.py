@@ -49,6 +49,8 @@ class Box:
         return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
 
     def contains(self, other: "Box") -> bool:
+        if len(self.offsets) != len(other.offsets):
+            raise ValueError("boxes of different rank")
         return all(
             a0 <= b0 and b1 <= a1
             for a0, a1, b0, b1 in zip(self.offsets, self.ends, other.offsets, other.ends)
@@ -100,11 +102,13 @@ def coverage_problems(shape: Sequence[int], chunks: Iterable[Box]) -> list[Cover
         elif not boxes:
             problems.append(CoverageProblem("gap", "scalar tensor has no chunk"))
         return problems
-    # Sweep along dim 0: only boxes whose dim-0 ranges overlap can overlap.
-    boxes.sort(key=lambda b: (b.offsets[0], b.offsets[1:]))
+    # Sweep along the dim with the most distinct cut positions (dim 0 for FSDP, dim 1 for
+    # row-parallel TP): only boxes whose ranges along it overlap can overlap.
+    sweep = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in boxes}))
+    boxes.sort(key=lambda b: (b.offsets[sweep], b.offsets))
     active: list[Box] = []
     for b in boxes:
-        active = [a for a in active if a.ends[0] > b.offsets[0]]
+        active = [a for a in active if a.ends[sweep] > b.offsets[sweep]]
         for a in active:
             if a.intersect(b) is not None:
                 problems.append(CoverageProblem(
