@@ -1,0 +1,223 @@
+"""The data position across a world-size change.
+
+A global cursor (samples consumed in the epoch, plus what defines the order) is
+elastic: each rank's share is derived from it and the current world size, so it is carried
+unchanged. Per-rank loader states are not: replaying rank k's local position on a new
+world size skips (growing) or repeats (shrinking) samples, and states of vanished ranks are
+silently lost (torchtitan #811). They are translated only through a known elastic form
+(`formats/data_states.toml`) and only when the user asks (`--data-policy translate`), since
+opening them means unpickling; otherwise the conversion is refused and the choices listed.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from reshard.errors import BadInput, UnsafeInput
+from reshard.paths import formats_root
+
+POLICIES = ("translate", "restart-epoch", "drop")
+
+
+@dataclass
+class DataDecision:
+    kind: str  # "global_cursor" | "per_rank" | "none"
+    policy: str  # "carry" | "translate" | "restart-epoch" | "drop" | "none"
+    form: str | None = None
+    cursor_before: int | None = None
+    cursor_after: int | None = None
+    repeated: int | None = 0
+    skipped: int | None = 0
+    continuity: bool = True
+    note: str = ""
+    # new per-rank states: target key -> value (bytes when the source was pickled bytes)
+    writes: dict[str, Any] = field(default_factory=dict)
+    rewritten: dict[str, str] = field(default_factory=dict)  # source key -> why
+    dropped: dict[str, str] = field(default_factory=dict)    # source key -> why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "policy": self.policy, "form": self.form, "cursor_before": self.cursor_before,
+                "cursor_after": self.cursor_after, "repeated": self.repeated, "skipped": self.skipped,
+                "continuity": self.continuity, "note": self.note, "new_keys": sorted(self.writes)}
+
+
+class _BuiltinsOnly(pickle.Unpickler):
+    """Per-rank loader states are usually pickled dicts of numbers: admit no global at all."""
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeInput(f"per-rank data state references '{module}.{name}'; refusing to unpickle it",
+                          where=self.where, hint="Use --data-policy drop, or --trust-pickle if you wrote this checkpoint.")
+
+
+def decode_state(value: Any, where: str) -> tuple[Any, bool]:
+    """(state, was_pickled_bytes)."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return _BuiltinsOnly(bytes(value), where).load(), True
+        except UnsafeInput:
+            raise
+        except Exception as exc:
+            raise BadInput(f"per-rank data state is not a readable pickle ({type(exc).__name__})", where=where) from None
+    return value, False
+
+
+def encode_state(state: Any, pickled: bool) -> Any:
+    return pickle.dumps(state, protocol=4) if pickled else state
+
+
+@lru_cache(maxsize=1)
+def forms() -> tuple[dict[str, Any], ...]:
+    with open(formats_root() / "data_states.toml", "rb") as f:
+        return tuple(tomllib.load(f)["form"])
+
+
+def _paths(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    if isinstance(obj, dict):
+        out = []
+        for k, v in obj.items():
+            out.extend(_paths(v, prefix + (k,)))
+        return out
+    return [(prefix, obj)]
+
+
+def _set(obj: Any, path: tuple, value: Any) -> None:
+    for p in path[:-1]:
+        obj = obj[p]
+    obj[path[-1]] = value
+
+
+def _match_form(states: dict[int, Any]) -> tuple[dict[str, Any], dict[str, list[tuple]]] | None:
+    """The first form whose masked fields explain every difference between ranks."""
+    ranks = sorted(states)
+    flat = {r: dict(_paths(states[r])) for r in ranks}
+    for form in forms():
+        roles: dict[str, list[tuple]] = {"rank": [], "world": [], "cursor": [], "count": []}
+        for path in flat[ranks[0]]:
+            last = path[-1] if path else None
+            for role in roles:
+                if last in form.get(f"{role}_fields", []):
+                    roles[role].append(path)
+        if not roles["cursor"] and not roles["count"]:
+            continue
+        if any(set(flat[r]) != set(flat[ranks[0]]) for r in ranks):
+            continue
+        masked = set(roles["rank"]) | set(roles["world"])
+        if form["name"] == "strided-count":
+            counts = {r: tuple(flat[r][p] for p in roles["count"]) for r in ranks}
+            if len(set(counts.values())) != 1 or not all(isinstance(c, int) for c in counts[ranks[0]]):
+                continue
+            masked |= set(roles["count"])
+        same = all({p: v for p, v in flat[r].items() if p not in masked} ==
+                   {p: v for p, v in flat[ranks[0]].items() if p not in masked} for r in ranks)
+        if same:
+            return form, roles
+    return None
+
+
+def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, source_dp: int, target_dp: int,
+           policy: str | None, key_for_rank: Any, cursor: int | None = None) -> DataDecision:
+    """Decide what happens to the data position.
+
+    ``per_rank``: dp rank -> (source key, raw value); ``shared``: shared data keys -> value
+    (world-size fields among them are rewritten); ``key_for_rank(k)`` names the key of new
+    rank k; ``cursor`` is the global cursor when the checkpoint has one.
+    """
+    if not per_rank:
+        if not shared and cursor is None:
+            return DataDecision("none", "none", continuity=False, repeated=None, skipped=None,
+                                note="no data position in the checkpoint: the resumed run cannot know which samples it has seen")
+        return DataDecision("global_cursor", "carry", cursor_before=cursor, cursor_after=cursor,
+                            note="global cursor carried unchanged; each rank derives its share from the new world size")
+    keys = sorted(k for k, _ in per_rank.values())
+    if source_dp == target_dp and policy in (None, "translate"):
+        return DataDecision("per_rank", "carry", note="data-parallel width unchanged: per-rank states carried to the same ranks")
+    if policy is None:
+        raise BadInput(
+            f"per-rank data-loader state ({', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}) cannot follow a change of "
+            f"data-parallel width {source_dp} -> {target_dp} as is: replaying local positions skips or repeats samples, and "
+            "states of vanished ranks would be lost",
+            hint="Choose --data-policy translate (use a known elastic form of the state), restart-epoch (start the epoch "
+            "over: samples already seen this epoch are seen again) or drop (no data position: a warm start for data).")
+    if policy not in POLICIES:
+        raise BadInput(f"unknown --data-policy '{policy}'", hint="Use translate, restart-epoch or drop.")
+    world_keys = {k: v for k, v in shared.items()}
+    if policy == "drop":
+        d = DataDecision("per_rank", "drop", continuity=False, repeated=None, skipped=None,
+                         note="data position dropped: the trainer must not load data-loader state; which samples repeat or are skipped is unknown")
+        for _, (k, _) in per_rank.items():
+            d.dropped[k] = "--data-policy drop"
+        for k in world_keys:
+            d.dropped[k] = "--data-policy drop"
+        return d
+    states = {}
+    pickled = False
+    for r, (k, v) in per_rank.items():
+        states[r], pickled = decode_state(v, where=k)
+    missing = sorted(set(range(source_dp)) - set(states))
+    if missing:
+        raise BadInput(f"per-rank data state missing for dp ranks {missing}", where=keys[0],
+                       hint="The checkpoint lost state (was per-rank state saved under a shared key?); use --data-policy drop.")
+    matched = _match_form(states)
+    if matched is None:
+        raise BadInput("per-rank data states match no known elastic form (formats/data_states.toml)", where=keys[0],
+                       hint="Use --data-policy restart-epoch or drop, or describe the form in formats/data_states.toml.")
+    form, roles = matched
+    template = states[0]
+    if form["name"] == "strided-count":
+        local = _get(template, roles["count"][0])
+        global_before = local * source_dp
+        new_local = global_before // target_dp
+        global_after = new_local * target_dp
+    else:
+        global_before = _get(template, roles["cursor"][0])
+        new_local = None
+        global_after = global_before
+    if policy == "restart-epoch":
+        global_after, new_local = 0, 0
+    d = DataDecision("per_rank", policy, form=form["name"], cursor_before=global_before, cursor_after=global_after,
+                     repeated=max(0, global_before - global_after), skipped=max(0, global_after - global_before),
+                     continuity=(global_after == global_before))
+    for k in range(target_dp):
+        st = copy.deepcopy(template)
+        for p in roles["rank"]:
+            _set(st, p, k)
+        for p in roles["world"]:
+            _set(st, p, target_dp)
+        for p in roles["cursor"]:
+            if policy == "restart-epoch":
+                _set(st, p, 0)
+        for p in roles["count"]:
+            _set(st, p, new_local)
+        d.writes[key_for_rank(k)] = encode_state(st, pickled)
+    for r, (k, _) in per_rank.items():
+        if key_for_rank(r) in d.writes:
+            d.rewritten[k] = f"{policy} ({form['name']}): rank {r} of {target_dp}"
+        else:
+            d.dropped[k] = f"{policy} ({form['name']}): dp rank {r} does not exist on {target_dp} ranks; its position is in the global cursor"
+    for k, v in world_keys.items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            d.writes[k] = target_dp
+            d.rewritten[k] = f"world size {v} -> {target_dp}"
+        else:
+            raise BadInput(f"shared data key holds {type(v).__name__}, expected a world size", where=k,
+                           hint="Use --data-policy drop.")
+    what = {"translate": "translated", "restart-epoch": "restarted"}[policy]
+    d.note = (f"per-rank states {what} through form '{form['name']}': global position {global_before} -> {global_after}"
+              + (f"; {d.repeated} samples will be seen again" if d.repeated else "")
+              + (f"; {d.skipped} samples will be skipped" if d.skipped else ""))
+    return d
+
+
+def _get(obj: Any, path: tuple) -> Any:
+    for p in path:
+        obj = obj[p]
+    return obj

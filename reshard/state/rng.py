@@ -1,0 +1,127 @@
+"""RNG policy across a topology change.
+
+Per-rank RNG states belong to rank positions. When every rank keeps its position they are
+carried. Otherwise a state must come from somewhere explicit: `reseed` derives each new
+rank's state from (seed, step, rank), deterministically and recorded; `carry` keeps the
+states of ranks that still exist and reseeds the new ones; `drop` removes them. Rank 0's
+state is never handed to other ranks: identical dropout masks on every rank would be a
+silent change of the training distribution.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from reshard.errors import BadInput
+
+POLICIES = ("carry", "reseed", "drop")
+
+
+@dataclass
+class RngDecision:
+    policy: str  # "carry" | "reseed" | "drop" | "none" | "shared"
+    seed: int | None = None
+    step: int | None = None
+    per_rank: dict[int, str] = field(default_factory=dict)  # new rank -> "carried from rank r" | "reseeded(...)"
+    note: str = ""
+    writes: dict[str, Any] = field(default_factory=dict)    # flat key -> value (new per-rank states)
+    rewritten: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    carried_to: dict[str, int] = field(default_factory=dict)  # source key -> target rank whose file holds it
+
+    @property
+    def streams_kept(self) -> bool:
+        return self.policy in ("carry", "none", "shared") and all(v.startswith("carried") for v in self.per_rank.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "seed": self.seed, "step": self.step,
+                "per_rank": {str(k): v for k, v in sorted(self.per_rank.items())}, "note": self.note}
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed from (seed, step, rank); stable across Python versions and machines."""
+    h = hashlib.sha256(f"reshard-rng:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1
+
+
+def seeded_state(seed: int) -> dict[str, Any]:
+    """A fresh state in the shape `reshard.train.rng.capture()` returns, without touching this process's RNGs."""
+    py_version, py_state, py_gauss = random.Random(seed).getstate()
+    _, np_keys, np_pos, np_has_gauss, np_cached = np.random.RandomState(seed % (2**32)).get_state(legacy=True)
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return {
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": [] if py_gauss is None else [float(py_gauss)]},
+        "numpy": {"keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64).copy()), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
+        "torch": g.get_state(),
+    }
+
+
+def flatten(obj: Any, prefix: str) -> dict[str, Any]:
+    """Flatten nested dicts as DCP does (dict levels joined with '.'; other values are leaves)."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: obj}
+
+
+def decide(per_rank: dict[int, list[str]], *, source_world: int, target_world: int, same_positions: bool,
+           policy: str | None, seed: int, step: int, prefix_for_rank: Any) -> RngDecision:
+    """``per_rank``: source rank -> its flat keys; ``prefix_for_rank(r)`` -> e.g. ``rng.rank_<r>``."""
+    if not per_rank:
+        return RngDecision("none", note="no per-rank RNG state in the checkpoint")
+    if policy is None:
+        policy = "carry" if same_positions else "reseed"
+        auto = True
+    else:
+        auto = False
+    if policy not in POLICIES:
+        raise BadInput(f"unknown --rng-policy '{policy}'", hint="Use carry, reseed or drop.")
+    d = RngDecision(policy, seed=seed, step=step)
+    if policy == "drop":
+        for keys in per_rank.values():
+            for k in keys:
+                d.dropped[k] = "--rng-policy drop"
+        d.note = "per-rank RNG dropped: the trainer seeds itself; random streams differ from the source run"
+        return d
+    template_rank = min(per_rank)
+    tpl_prefix = prefix_for_rank(template_rank)
+    suffixes = sorted(k[len(tpl_prefix):] for k in per_rank[template_rank])
+    for r in range(target_world):
+        if policy == "carry" and r in per_rank:
+            d.per_rank[r] = f"carried from rank {r}"
+            for k in per_rank[r]:
+                d.carried_to[k] = r
+            continue
+        s = derived_seed(seed, step, r)
+        fresh = flatten(seeded_state(s), prefix_for_rank(r))
+        got = sorted(k[len(prefix_for_rank(r)):] for k in fresh)
+        if got != suffixes:
+            raise BadInput(f"per-rank RNG state has a structure reshard cannot regenerate (keys {suffixes[:6]})",
+                           where=tpl_prefix, hint="Use --rng-policy drop (the trainer then seeds itself) or keep the world size.")
+        d.per_rank[r] = f"reseeded from (seed={seed}, step={step}, rank={r})"
+        d.writes.update(fresh)
+    for r, keys in per_rank.items():
+        for k in keys:
+            if k in d.carried_to:
+                continue
+            if r < target_world:
+                d.rewritten[k] = f"rank {r} reseeded (--rng-policy {policy})"
+            else:
+                d.dropped[k] = f"rank {r} does not exist on {target_world} ranks (--rng-policy {policy})"
+    if policy == "carry" and d.writes:
+        d.note = "states of ranks that keep their position carried; new ranks reseeded from (seed, step, rank)"
+    elif policy == "carry":
+        d.note = "every rank keeps its position: per-rank RNG carried"
+    else:
+        d.note = ("ranks change position: " if auto else "") + "every rank's RNG reseeded from (seed, step, rank); random streams (dropout) differ from the source run"
+    return d
