@@ -55,6 +55,107 @@ def inspect(
     raise typer.Exit(result.exit_code)
 
 
+def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle):
+    from reshard.plan import Options
+
+    return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+                   data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle)
+
+
+_TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
+_FROM = typer.Option(None, "--from", help="Override the source topology.")
+_MB = typer.Option(None, "--micro-batch", help="Target micro-batch (default: the source's).")
+_GA = typer.Option(None, "--grad-accum", help="Target accumulation (default: what keeps the global batch).")
+_SCHED = typer.Option(None, "--schedule", help="steps|tokens: how the LR schedule maps when the global batch changes.")
+_DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop for per-rank data-loader state.")
+_RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
+_SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the manifest's).")
+_TRUST = typer.Option(False, "--trust-pickle", help="Allow object items to unpickle arbitrary classes (only for sources you trust).")
+
+
+@app.command()
+def plan(
+    ckpt: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
+    seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
+) -> None:
+    """Dry run: what a conversion to --to would do, and whether the run stays the same run.
+
+    Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
+    """
+    from reshard.plan import make_plan
+    from reshard.report import render_plan, to_json
+
+    p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle))
+    d = p.to_dict(tensors=json_out or verbose)
+    typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
+    raise typer.Exit(0 if p.feasible else 1)
+
+
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="Source DCP checkpoint (never modified)."),
+    dst: Path = typer.Argument(..., help="Destination directory (appears atomically)."),
+    to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
+    from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
+    seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
+) -> None:
+    """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically."""
+    import json as _json
+
+    from reshard.execute import convert as run_convert
+    from reshard.plan import check_plan_matches, make_plan, options_from_plan
+    from reshard.report import render_convert, to_json
+    from reshard.errors import BadInput
+
+    given = None
+    if plan_file is not None:
+        try:
+            given = _json.loads(plan_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"cannot read the plan ({exc})", where=str(plan_file)) from None
+        opts = options_from_plan(given)
+        if to is not None and to != opts.to:
+            raise BadInput(f"--to {to} disagrees with the plan's target {opts.to}", where=str(plan_file))
+    elif to is None:
+        raise BadInput("convert needs --to SPEC or --plan PLAN.json")
+    else:
+        opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle)
+    p = make_plan(src, opts)
+    if given is not None:
+        check_plan_matches(given, p)
+    bar = _progress(len(p.keys), "convert")
+    report = run_convert(p, src, dst, overwrite=overwrite, progress=bar)
+    bar.close()
+    typer.echo(to_json(report) if json_out else render_convert(report))
+    raise typer.Exit(0 if report["verification"]["equal"] else 1)
+
+
+@app.command()
+def verify(
+    a: Path = typer.Argument(..., help="First checkpoint."),
+    b: Path = typer.Argument(..., help="Second checkpoint."),
+    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance (default: bitwise)."),
+    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance (default: bitwise)."),
+    trust_pickle: bool = _TRUST,
+    json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
+    from reshard.report import to_json
+    from reshard.verify import render_verify, verify_checkpoints
+
+    r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle)
+    typer.echo(to_json(r) if json_out else render_verify(r))
+    raise typer.Exit(0 if r["equal"] else 1)
+
+
 @app.command()
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),

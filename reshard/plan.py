@@ -355,7 +355,7 @@ def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, An
         warm.append("no optimizer moments in the source: fresh Adam state")
     if ddec is not None and not ddec.continuity:
         warm.append("data continuity lost: " + ddec.note)
-    if bdec.kept is False:
+    if bdec.kept is False and bdec.feasible:
         changes.append(bdec.note)
     elif bdec.kept is None:
         changes.append("batch recipe unknown: global batch not checked")

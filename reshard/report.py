@@ -105,3 +105,86 @@ def _ranges(xs: list[int]) -> str:
         if x is not None:
             start = prev = x
     return ",".join(parts)
+
+
+def _spec(t: dict[str, Any]) -> str:
+    return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
+
+
+def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
+    out: list[str] = []
+    s, t = p["source"], p["target"]
+    out.append(f"source      {s['path']}")
+    out.append(f"            {_spec(s['topology'])} (world size {s['topology']['world_size']}, {s['topology']['source']}), "
+               f"step {s['step']}, convention {s['convention']}")
+    out.append(f"target      {_spec(t)} (world size {t['world_size']})")
+    b = p["batch"]
+    if b["before"]:
+        bb = b["before"]
+        out.append(f"batch       before: micro-batch {bb['micro_batch']} x accumulation {bb['grad_accum']} x dp {bb['dp']} = {bb['global_batch']}")
+    if b["after"]:
+        ba = b["after"]
+        out.append(f"            after:  micro-batch {ba['micro_batch']} x accumulation {ba['grad_accum']} x dp {ba['dp']} = {ba['global_batch']}"
+                   + ("  (global batch kept)" if b["kept"] else ""))
+    if b["note"]:
+        out.append(f"            {b['note']}")
+    for a in b["alternatives"]:
+        out.append(f"            choice: micro-batch {a['micro_batch']} x accumulation {a['grad_accum']} x dp {a['dp']} = {a['global_batch']}")
+    if p["schedule"]:
+        sc = p["schedule"]
+        out.append(f"schedule    {sc['policy']}: {sc['note']}")
+        for k, v in sc["rewrites"].items():
+            out.append(f"            {k}: {v['old']} -> {v['new']}")
+    if p["data"]:
+        d = p["data"]
+        extra = ""
+        if d["repeated"] is not None:
+            extra = f" (repeated: {d['repeated']}, skipped: {d['skipped']})"
+        out.append(f"data        {d['policy']}: {d['note']}{extra}")
+    if p["rng"]:
+        r = p["rng"]
+        out.append(f"rng         {r['policy']}: {r['note']}")
+    acc = p["accumulation"]
+    out.append(f"accum phase {acc['note']}")
+    m = p["memory"]
+    out.append(f"memory      per rank max {human_bytes(m['max'])}, min {human_bytes(m['min'])} "
+               "(parameters + gradients + optimizer state)")
+    if verbose:
+        for row in m["per_rank"]:
+            out.append(f"            rank {row['rank']}: params {human_bytes(row['parameters'])}, grads {human_bytes(row['gradients'])}, "
+                       f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
+    summ = ", ".join(f"{n} {a}" for a, n in sorted(p["summary"].items()))
+    out.append(f"keys        {summ}")
+    for k in p["keys"]:
+        if k["action"] in ("dropped", "added") or (verbose and k["action"] == "rewritten"):
+            out.append(f"            {k['action']:<9} {k['key']}: {k['reason']}")
+    if verbose and "tensors" in p:
+        out.append("")
+        out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<14}per-rank local shapes")
+        for tp in p["tensors"]:
+            locs = ", ".join(f"r{c['rank']}:{c['sizes']}" for c in tp["chunks"])
+            out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<14}{locs}")
+    v = p["verdict"]
+    out.append("")
+    out.append(f"verdict     {v['kind'].replace('_', ' ').upper()}")
+    for r_ in p["reasons"]:
+        out.append(f"  infeasible: {r_}")
+    for w in v["warm_start_reasons"]:
+        out.append(f"  warm start: {w}")
+    for c in v["changes"]:
+        out.append(f"  change: {c}")
+    out.append(f"fingerprint {p['fingerprint']}")
+    return "\n".join(out)
+
+
+def render_convert(r: dict[str, Any]) -> str:
+    v = r["verification"]
+    lines = [
+        f"converted   {r['source']} -> {r['destination']}",
+        f"verdict     {r['plan']['verdict']['kind'].replace('_', ' ')}; experiment {r['manifest']['experiment_id']} ({r['manifest']['continuity']})",
+        f"verified    {'equal to the source in global terms' if v['equal'] else 'DIFFERENT'} "
+        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {len(v.get('rewritten', []))} keys rewritten on purpose)",
+        f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
+        f"report      {r['destination']}/reshard-report.md (and .json)",
+    ]
+    return "\n".join(lines)
