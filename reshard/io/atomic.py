@@ -1,0 +1,254 @@
+"""Make an output directory appear all at once, or not at all.
+
+`atomic_directory(dst)` hands out a fresh temporary directory next to ``dst`` (same parent,
+so the same filesystem) and, when the block finishes without an exception, makes it
+durable and renames it into place. A reader looking at ``dst`` therefore sees either
+nothing (or what was there before) or the complete new output, never a half-written one.
+When the block raises, the temporary directory is deleted and ``dst`` is left untouched.
+
+Two runs into the same ``dst`` exclude each other with an ``flock`` on a lock file
+``.{dst.name}.reshard-lock`` in the parent directory; the second run fails at once with
+`BadInput` instead of waiting.
+
+Replacing a non-empty ``dst`` (``overwrite=True``) first tries the Linux
+``renameat2(RENAME_EXCHANGE)`` system call, which swaps the two directories in one atomic
+step. Where that is unavailable (other kernels/filesystems, e.g. NFS) it falls back to two
+renames: old ``dst`` to a trash name, then the new directory to ``dst``. In that fallback
+there is a tiny window between the two renames in which ``dst`` does not exist at all; at
+no moment is a mix of old and new files visible under ``dst``. The trash is deleted after
+the new output is in place.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from reshard.errors import BadInput
+
+__all__ = ["atomic_directory", "fsync_dir", "fsync_tree"]
+
+_TMP_TAG = ".reshard-tmp-"
+_TRASH_TAG = ".reshard-trash-"
+_LOCK_TAG = ".reshard-lock"
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so the names created, renamed or removed in it are durable.
+
+    Filesystems that cannot fsync a directory (EINVAL/ENOTSUP) are tolerated silently.
+    """
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every regular file and directory under ``root`` (children before parents)."""
+    for dirpath, _dirnames, filenames in os.walk(os.fspath(root), topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                _fsync_file(p)
+        fsync_dir(dirpath)
+
+
+# ---------------------------------------------------------------------------- state of dst
+
+def _state(dst: Path) -> str:
+    """'absent' | 'empty_dir' | 'occupied' (non-empty directory, file, or symlink)."""
+    if not os.path.lexists(dst):
+        return "absent"
+    if dst.is_dir() and not dst.is_symlink():
+        with os.scandir(dst) as it:
+            return "occupied" if any(True for _ in it) else "empty_dir"
+    return "occupied"
+
+
+def _refuse(dst: Path) -> BadInput:
+    return BadInput(
+        "the output already exists and is not empty",
+        where=str(dst),
+        hint="Choose another output path, or pass --overwrite to replace it entirely.",
+    )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---------------------------------------------------------------------------- locking
+
+def _acquire_lock(lock_path: Path, dst: Path) -> int:
+    """Exclusive, non-blocking flock on ``lock_path``; returns the open fd.
+
+    The holder unlinks the lock file when done, so after locking we check that the file
+    we locked is still the one at ``lock_path`` (else a finished run unlinked it under us
+    and a third run could lock a fresh file): retry in that case.
+    """
+    for _ in range(100):
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BadInput(
+                f"another reshard run is writing {dst}",
+                where=str(dst),
+                hint=f"Wait for it to finish. If no run is active, remove '{lock_path}'.",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # locked a file that was unlinked meanwhile; try again
+    raise BadInput(f"could not take the lock for {dst}", where=str(lock_path))  # pragma: no cover
+
+
+def _release_lock(fd: int, lock_path: Path) -> None:
+    try:
+        try:
+            lock_path.unlink()  # while still holding the lock (see _acquire_lock)
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- swapping
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace_occupied(tmp: Path, dst: Path, *, use_exchange: bool = True) -> None:
+    """Put ``tmp`` at ``dst`` and delete the old ``dst``; never show a mix of both."""
+    if use_exchange and _exchange(tmp, dst):
+        fsync_dir(dst.parent)
+        _remove(tmp)  # tmp now holds the old output
+        return
+    trash = dst.parent / f".{dst.name}{_TRASH_TAG}{secrets.token_hex(6)}"
+    os.rename(dst, trash)
+    try:
+        os.rename(tmp, dst)  # dst is absent only between these two renames
+    except BaseException:
+        os.rename(trash, dst)  # put the old output back
+        raise
+    fsync_dir(dst.parent)
+    _remove(trash)
+
+
+# ---------------------------------------------------------------------------- the context
+
+def _make_tmp(parent: Path, name: str) -> Path:
+    # os.mkdir (not tempfile.mkdtemp, which forces mode 0700) so the final output gets the
+    # same permissions as a directory created with mkdir under the user's umask.
+    for _ in range(100):
+        tmp = parent / f".{name}{_TMP_TAG}{secrets.token_hex(6)}"
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+    raise BadInput("could not create a temporary directory", where=str(parent))  # pragma: no cover
+
+
+
+@contextmanager
+def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
+
+    - ``dst`` absent or an empty directory: the temporary directory is renamed onto it.
+    - ``dst`` non-empty (or a file/symlink): `BadInput` before anything is created, unless
+      ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring).
+    - An exception in the block deletes the temporary directory and propagates; ``dst``
+      is untouched.
+    - A concurrent run into the same ``dst`` raises `BadInput` ("another reshard run is
+      writing ...") instead of proceeding.
+
+    Missing parent directories of ``dst`` are created (after the checks above pass). Whether
+    ``dst`` overlaps the input is the caller's concern.
+    """
+    dst = Path(os.path.abspath(os.fspath(dst)))
+    if not dst.name:
+        raise BadInput("the output path has no name", where=str(dst))
+    if _state(dst) == "occupied" and not overwrite:
+        raise _refuse(dst)
+    parent = dst.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    lock_path = parent / f".{dst.name}{_LOCK_TAG}"
+    lock_fd = _acquire_lock(lock_path, dst)
+    try:
+        # Re-check under the lock: another run may have finished since the first look.
+        if _state(dst) == "occupied" and not overwrite:
+            raise _refuse(dst)
+        tmp = _make_tmp(parent, dst.name)
+        try:
+            yield tmp
+            fsync_tree(tmp)
+            state = _state(dst)
+            if state == "occupied":
+                if not overwrite:
+                    raise _refuse(dst)
+                _replace_occupied(tmp, dst)
+            else:
+                # rename(2) replaces an empty directory atomically.
+                os.rename(tmp, dst)
+                fsync_dir(parent)
+        except BaseException:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        _release_lock(lock_fd, lock_path)

@@ -1,0 +1,405 @@
+"""Streaming writer for PyTorch Distributed Checkpoint directories.
+
+`DcpWriter` writes a checkpoint in the exact on-disk format of
+``torch.distributed.checkpoint.FileSystemWriter`` (what ``dcp.save`` produces), one item at
+a time, so memory stays bounded by the largest single item:
+
+- data files ``__{rank}_0.distcp``, created lazily (a rank with no items gets no file).
+  Each item (one chunk of one tensor, or one object) is its own ``torch.save`` blob
+  appended at the current end of its rank's file; its location is ``(file, offset,
+  length)`` with the offset taken from ``tell()`` before the write.
+- ``.metadata``, a pickle of a real ``torch.distributed.checkpoint.metadata.Metadata``:
+  ``state_dict_metadata`` (global shape, dtype and chunk list per tensor; a
+  ``BytesStorageMetadata`` per object), ``storage_data`` (``MetadataIndex`` ->
+  ``_StorageInfo``), ``planner_data`` (flat key -> path in the nested state dict) and
+  ``version``. It is written last, via ``.metadata.tmp`` + fsync + rename: a directory
+  without ``.metadata`` is an uncommitted checkpoint, exactly as with DCP.
+
+About ``planner_data``: stock ``dcp.load`` with a caller-provided state dict never needs it;
+only tools that rebuild the nested state dict from the checkpoint alone (e.g.
+``format_utils.dcp_to_torch_save``) use it. It is a hint. When no path is given it is
+derived by splitting the key on ".", which nests *every* dotted component — a model
+state dict saved by DCP as ``{"model": {"layers.0.w": t}}`` has the path
+``("model", "layers.0.w")``, so callers that know the source's path should pass it on.
+
+The writer only ever touches files inside the directory it was given (normally a
+temporary directory from `reshard.io.atomic.atomic_directory`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from reshard.errors import ReshardError
+from reshard.geometry import Box, coverage_problems
+from reshard.io.atomic import fsync_dir
+from reshard.io.dcp import METADATA_FILE, ItemLocation
+
+try:  # the version string stock DCP stamps into .metadata
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    _DCP_VERSION = "1.0.0"
+
+__all__ = ["DcpWriter", "WriterError", "data_file_name"]
+
+# Every torch.save blob is a zip archive (torch >= 1.6 default; DCP always uses it).
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class WriterError(ReshardError):
+    """The writer was asked for something a consistent checkpoint cannot hold.
+
+    This is a caller bug (a plan producing a wrong chunk), not a property of the user's
+    input; it names the key and what is wrong. Exit code 2, like any unusable output.
+    """
+
+    exit_code = 2
+
+
+def data_file_name(rank: int) -> str:
+    """DCP's name for a rank's (single) data file."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass
+class _Tensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    path: tuple
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], ItemLocation]] = field(default_factory=list)
+    offsets_seen: set[tuple[int, ...]] = field(default_factory=set)
+
+
+@dataclass
+class _Object:
+    path: tuple
+    location: ItemLocation
+
+
+class _HashingSink:
+    """A write-only stream that appends to a file and hashes what passes through.
+
+    torch.save needs nothing but ``write`` (DCP itself saves through such a wrapper), and
+    the zip offsets it records are relative to where it started, so blobs can be appended
+    at any file offset.
+    """
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self.hash = hashlib.sha256()
+        self.written = 0
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = self._f.write(mv)
+        if n is None:  # pragma: no cover - raw unbuffered writes are not used
+            n = len(mv)
+        if n != len(mv):  # pragma: no cover - BufferedWriter writes all or raises
+            raise OSError(f"short write: {n} of {len(mv)} bytes")
+        self.hash.update(mv)
+        self.written += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _default_path(key: str) -> tuple:
+    return tuple(key.split("."))
+
+
+class DcpWriter:
+    """Write a DCP checkpoint item by item into an existing (normally empty) directory.
+
+    Typical use::
+
+        w = DcpWriter(tmp)
+        w.declare_tensor("model.w", (10, 4), torch.float32)
+        w.write_chunk(0, "model.w", (0, 0), t[:5])
+        w.write_chunk(1, "model.w", (5, 0), t[5:])
+        w.write_object(0, "step", 100)
+        w.finish()   # checks coverage, writes .metadata last
+
+    Not thread-safe. After `finish` (or `close`) no further writes are accepted.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise WriterError("the output directory does not exist", where=str(self.directory))
+        self._files: dict[int, BinaryIO] = {}
+        self._tensors: dict[str, _Tensor] = {}
+        self._objects: dict[str, _Object] = {}
+        self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
+        self._checksums: dict[str, str] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ declarations
+    def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, path: tuple | None = None) -> None:
+        """Announce a tensor's global shape and dtype; its chunks follow with `write_chunk`.
+
+        Declaring the same key again with the same shape and dtype is a no-op.
+        """
+        self._check_open()
+        self._check_key(key)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise WriterError(f"tensor '{key}' declared with negative size {list(shape)}", where=str(self.directory))
+        if not isinstance(dtype, torch.dtype):
+            raise WriterError(f"tensor '{key}' declared with {dtype!r}, not a torch.dtype", where=str(self.directory))
+        if key in self._objects:
+            raise WriterError(f"'{key}' was already written as an object", where=str(self.directory))
+        old = self._tensors.get(key)
+        if old is not None:
+            if old.shape != shape or old.dtype != dtype:
+                raise WriterError(f"tensor '{key}' declared twice: {old.dtype} {list(old.shape)} and {dtype} {list(shape)}",
+                                  where=str(self.directory))
+            return
+        self._tensors[key] = _Tensor(shape, dtype, tuple(path) if path is not None else _default_path(key))
+        self._order.append(key)
+
+    # ------------------------------------------------------------------ tensors
+    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...], tensor: torch.Tensor) -> ItemLocation:
+        """Append one chunk of a declared tensor to rank ``rank``'s file.
+
+        The chunk's sizes are ``tensor.shape``; dtype, rank (number of dims) and bounds are
+        checked against the declaration. Views are saved compact (contiguous, own storage),
+        so a slice never drags its whole base storage into the file.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise WriterError(f"chunk of '{key}' is a {type(tensor).__name__}, not a tensor", where=str(self.directory))
+        t = tensor.detach()
+        if type(t) is not torch.Tensor:
+            raise WriterError(f"chunk of '{key}' is a {type(t).__name__}; pass the plain local tensor",
+                              where=str(self.directory))
+        offsets, sizes = self._check_chunk(key, offsets, tuple(t.shape))
+        decl = self._tensors[key]
+        if t.dtype != decl.dtype:
+            raise WriterError(f"chunk of '{key}' at {list(offsets)} is {t.dtype}, declared {decl.dtype}",
+                              where=str(self.directory))
+        t = _compact(t)
+        f, start = self._stream(rank)
+        sink = _HashingSink(f)
+        torch.save(t, sink)
+        loc = self._record(rank, start, sink)
+        decl.chunks.append((offsets, sizes, loc))
+        decl.offsets_seen.add(offsets)
+        return loc
+
+    def write_chunk_bytes(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], blob: bytes) -> ItemLocation:
+        """Append an existing ``torch.save``'d chunk blob verbatim (no re-serialisation).
+
+        Only the geometry is checked (the blob is not deserialised); the caller vouches that
+        the blob holds a ``sizes``-shaped tensor of the declared dtype, with any storage
+        transforms (zstd, ...) already undone.
+        """
+        offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
+        loc = self._append_blob(rank, blob)
+        decl = self._tensors[key]
+        decl.chunks.append((offsets, sizes, loc))
+        decl.offsets_seen.add(offsets)
+        return loc
+
+    # ------------------------------------------------------------------ objects
+    def write_object(self, rank: int, key: str, obj: Any, path: tuple | None = None) -> ItemLocation:
+        """Append a non-tensor item: ``torch.save(obj)``, as DCP does for BYTE_IO items."""
+        self._check_object_key(key)
+        f, start = self._stream(rank)
+        sink = _HashingSink(f)
+        torch.save(obj, sink)
+        loc = self._record(rank, start, sink)
+        self._add_object(key, path, loc)
+        return loc
+
+    def write_object_bytes(self, rank: int, key: str, blob: bytes, path: tuple | None = None) -> ItemLocation:
+        """Append an already ``torch.save``'d object blob verbatim."""
+        self._check_object_key(key)
+        self._check_blob(blob, f"object '{key}'")
+        loc = self._append_blob(rank, blob)
+        self._add_object(key, path, loc)
+        return loc
+
+    # ------------------------------------------------------------------ results
+    def checksums(self) -> dict[str, str]:
+        """``"{file}:{offset}"`` -> sha256 hex of that item's bytes exactly as written."""
+        return dict(self._checksums)
+
+    def locations(self) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
+        """(key, chunk offsets or None for objects) -> where the item was written."""
+        out: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+        for key in self._order:
+            if key in self._tensors:
+                for offsets, _sizes, loc in self._tensors[key].chunks:
+                    out[(key, offsets)] = loc
+            else:
+                out[(key, None)] = self._objects[key].location
+        return out
+
+    def finish(self) -> Path:
+        """Make the data durable, check every tensor is tiled exactly, commit `.metadata`.
+
+        Raises `WriterError` naming the key when a declared tensor's chunks leave a gap or
+        overlap; no `.metadata` is written then (the directory stays uncommitted).
+        Returns the path of `.metadata`.
+        """
+        self._check_open()
+        for key in self._order:
+            decl = self._tensors.get(key)
+            if decl is None:
+                continue
+            probs = coverage_problems(decl.shape, (Box(o, s) for o, s, _ in decl.chunks))
+            if probs:
+                self.close()
+                detail = "; ".join(p.detail for p in probs)
+                raise WriterError(
+                    f"tensor '{key}' is not tiled exactly by its written chunks ({probs[0].kind}: {detail})",
+                    where=str(self.directory),
+                    hint="This is a bug in the resharding plan; the output was not committed.",
+                )
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self.close()
+
+        md = self._metadata()
+        tmp = self.directory / (METADATA_FILE + ".tmp")
+        final = self.directory / METADATA_FILE
+        with open(tmp, "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.directory)
+        return final
+
+    def close(self) -> None:
+        """Close the data files without committing (idempotent). `finish` calls it."""
+        self._closed = True
+        files, self._files = self._files, {}
+        for f in files.values():
+            try:
+                f.close()
+            except OSError:  # pragma: no cover
+                pass
+
+    # ------------------------------------------------------------------ internals
+    def _metadata(self) -> Metadata:
+        sdm: dict[str, Any] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        planner: dict[str, tuple] = {}
+        for key in self._order:
+            if key in self._tensors:
+                d = self._tensors[key]
+                sdm[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=d.dtype),
+                    size=torch.Size(d.shape),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in d.chunks],
+                )
+                for o, _s, loc in d.chunks:
+                    storage[MetadataIndex(key, o)] = _StorageInfo(loc.file, loc.offset, loc.length)
+                planner[key] = d.path
+            else:
+                ob = self._objects[key]
+                sdm[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(ob.location.file, ob.location.offset, ob.location.length)
+                planner[key] = ob.path
+        # checkpoint_id is left unset: the directory is normally renamed into place later.
+        return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
+                        storage_meta=StorageMeta(), version=_DCP_VERSION)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterError("the writer is already finished or closed", where=str(self.directory))
+
+    def _check_key(self, key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise WriterError(f"invalid key {key!r}", where=str(self.directory))
+
+    def _check_object_key(self, key: str) -> None:
+        self._check_open()
+        self._check_key(key)
+        if key in self._tensors:
+            raise WriterError(f"'{key}' is declared as a tensor, cannot write it as an object", where=str(self.directory))
+        if key in self._objects:
+            raise WriterError(f"object '{key}' written twice", where=str(self.directory))
+
+    def _check_chunk(self, key: str, offsets: Any, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        self._check_open()
+        decl = self._tensors.get(key)
+        if decl is None:
+            raise WriterError(f"chunk for undeclared tensor '{key}' (call declare_tensor first)", where=str(self.directory))
+        offsets = tuple(int(o) for o in offsets)
+        shape = decl.shape
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise WriterError(f"chunk of '{key}' has offsets {list(offsets)} and sizes {list(sizes)}, "
+                              f"but the tensor has {len(shape)} dims {list(shape)}", where=str(self.directory))
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise WriterError(f"chunk of '{key}' at {list(offsets)} size {list(sizes)} lies outside {list(shape)}",
+                              where=str(self.directory))
+        if offsets in decl.offsets_seen:
+            raise WriterError(f"two chunks of '{key}' at the same offsets {list(offsets)}", where=str(self.directory))
+        return offsets, sizes
+
+    def _check_blob(self, blob: bytes, what: str) -> None:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise WriterError(f"{what}: blob is a {type(blob).__name__}, not bytes", where=str(self.directory))
+        if bytes(memoryview(blob)[:4]) != _ZIP_MAGIC:
+            raise WriterError(f"{what}: blob is not a torch.save archive (transformed or corrupt bytes?)",
+                              where=str(self.directory))
+
+    def _stream(self, rank: int) -> tuple[BinaryIO, int]:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
+        f = self._files.get(rank)
+        if f is None:
+            # "xb": never reuse or clobber a file that is already there.
+            f = open(self.directory / data_file_name(rank), "xb")
+            self._files[rank] = f
+        return f, f.tell()
+
+    def _record(self, rank: int, start: int, sink: _HashingSink) -> ItemLocation:
+        f = self._files[rank]
+        end = f.tell()
+        if end - start != sink.written:  # pragma: no cover - defensive
+            raise WriterError(f"data file of rank {rank} moved unexpectedly while writing", where=str(self.directory))
+        loc = ItemLocation(data_file_name(rank), start, end - start)
+        self._checksums[f"{loc.file}:{loc.offset}"] = sink.hash.hexdigest()
+        return loc
+
+    def _append_blob(self, rank: int, blob: bytes) -> ItemLocation:
+        f, start = self._stream(rank)
+        sink = _HashingSink(f)
+        sink.write(blob)
+        return self._record(rank, start, sink)
+
+    def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
+        self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
+        self._order.append(key)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that is contiguous and owns exactly its bytes (no offset, no excess)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
