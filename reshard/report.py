@@ -155,9 +155,13 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
                        f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
     summ = ", ".join(f"{n} {a}" for a, n in sorted(p["summary"].items()))
     out.append(f"keys        {summ}")
+    groups: dict[tuple[str, str], list[str]] = {}
     for k in p["keys"]:
         if k["action"] in ("dropped", "added") or (verbose and k["action"] == "rewritten"):
-            out.append(f"            {k['action']:<9} {k['key']}: {k['reason']}")
+            groups.setdefault((k["action"], k["reason"]), []).append(k["key"])
+    for (action, reason), keys in groups.items():
+        more = f" (+{len(keys) - 1} keys)" if len(keys) > 1 else ""
+        out.append(f"            {action:<9} {keys[0]}{more}: {reason}")
     if verbose and "tensors" in p:
         out.append("")
         out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<14}per-rank local shapes")
