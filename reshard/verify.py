@@ -1,0 +1,408 @@
+"""`reshard verify`: do two DCP checkpoints hold the same state, in global terms?
+
+Two checkpoints are compared as what they *mean*, independent of how either is chunked or
+which rank file holds which bytes: a 4-rank FSDP2 save and its conversion to 3 ranks are
+equal when every global tensor has the same shape, dtype and values, every object is
+structurally equal, and the trainer semantics (step, tokens seen, data cursor) agree.
+
+Rules
+-----
+* **Keys.** Keys of A missing in B are ``missing``; keys of B not in A are ``unexpected``.
+  Per-rank state (roles ``rng``/``data`` carrying a rank, e.g. ``rng.rank_<r>.*``,
+  ``dataloader.dp_rank_<k>``) legitimately changes with the world size, so it is judged
+  per side: every rank ``0..N-1`` of that side's declared size (topology world size for
+  rng, data-parallel width for data) must be present, and no rank beyond it (otherwise a
+  ``per_rank`` difference). A per-rank key present on both sides is compared by value; one
+  whose rank exists on one side only is not a key difference.
+* **Tensors.** Shape, then dtype, then values, one stored chunk of A at a time (the same box
+  is read from B whatever B's chunking), so memory is bounded by the largest chunk.
+  Values are compared bit for bit (NaN-safe; ``-0.0 != 0.0``) unless ``rtol`` or ``atol``
+  is > 0, in which case both sides are cast to float64 (complex128) and compared with
+  ``torch.isclose(rtol, atol, equal_nan=True)``; a dtype difference is then tolerated (and
+  listed under ``notes``), otherwise it is a ``dtype`` difference.
+* **Objects.** Loaded safely (``trust_pickle`` as for inspect) and compared structurally:
+  dicts, lists and tuples recursively, types exactly, floats exactly (NaN equals NaN),
+  tensors bit for bit.
+* **Semantics** (from each side's inspection): ``step``, ``tokens_seen`` and, when both
+  have a manifest, ``data.cursor``. The experiment id is not compared (a warm-start
+  conversion may give a new one).
+* **Expected rewrites.** ``expected_rewrites = {key: reason}`` names keys the caller changed
+  on purpose. A difference on such a key (or on a key below it: ``"scheduler"`` covers
+  ``"scheduler.last_epoch"``), including one present on one side only, is listed under
+  ``rewritten`` instead of ``differences``. The semantics names above may be used as keys.
+
+Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle) raises the
+:class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
+
+Result (the ``--json`` shape)::
+
+    {
+      "equal": bool,                     # no differences (rewritten items do not count)
+      "a": str, "b": str,                # the two paths
+      "compared": {"tensors": n,         # tensor keys present on both sides
+                   "objects": n,         # object keys present on both sides
+                   "elements": n,        # tensor elements compared
+                   "bytes": n},          # logical bytes of A's compared tensor elements
+      "differences": [{"key": str,
+                       "kind": "missing" | "unexpected" | "shape" | "dtype" | "value"
+                               | "object" | "per_rank" | "semantics",
+                       "detail": str,    # one line for people
+                       ...}],            # kind-specific: value -> "index" (first differing
+                                         # global index), "a", "b" (its values), "count"
+                                         # (differing elements of the key), "numel";
+                                         # shape/dtype/semantics -> "a", "b";
+                                         # per_rank -> "side", "role", "ranks", "expected"
+      "rewritten": [{"key": str, "reason": str, "kind": str, "detail": str}],
+      "notes": [str],                    # tolerated dtype changes and the like
+      "tolerance": {"rtol": float, "atol": float},
+      "exit_code": 0 | 1                 # 0 equal, 1 different
+    }
+
+``progress``: an optional tqdm-like object; ``progress.update(1)`` is called once per item
+of A (a tensor chunk or an object), so ``CheckpointIndex.open(a).item_count()`` is the total.
+"""
+from __future__ import annotations
+
+import math
+import reprlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.errors import BadInput, Incomplete
+from reshard.index import CheckpointIndex, Entry
+from reshard.inspection import Inspection, inspect_checkpoint
+
+PER_RANK_ROLES = ("rng", "data")
+_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
+
+
+def short_repr(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)})"
+    return _repr.repr(x)
+
+
+# ---------------------------------------------------------------------------------- opening
+def _open(path: Path, trust_pickle: bool) -> Inspection:
+    insp = inspect_checkpoint(path, trust_pickle=trust_pickle)
+    errors = [p for p in insp.report["problems"] if p["severity"] == "error"]
+    if errors:
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        index_codes = {"missing_file", "truncated_file", "no_storage"}
+        cls = Incomplete if first["code"] in index_codes or first["code"].startswith("chunk_") else BadInput
+        where = str(path / first["file"]) if first.get("file") else str(path)
+        raise cls(first["message"].rstrip(".") + more + ".", where=where,
+                  hint="Run `reshard inspect` on it for the full list; verify needs two complete checkpoints.")
+    return insp
+
+
+# ---------------------------------------------------------------------------------- tensors
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D integer view ``[numel, words]`` of the raw bytes of ``t`` (contiguous)."""
+    flat = t.contiguous().reshape(-1)
+    size = flat.element_size()
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8).reshape(-1, 1)
+    if size in _INT_BY_SIZE:
+        return flat.view(_INT_BY_SIZE[size]).reshape(-1, 1)
+    return flat.view(torch.uint8).reshape(-1, size)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _item(t: torch.Tensor, flat: int) -> Any:
+    v = t.reshape(-1)[flat]
+    try:
+        return v.item()
+    except (RuntimeError, TypeError):  # exotic dtypes (float8, ...) have no .item()
+        return float(v.to(torch.float64).item())
+
+
+def _unravel(flat: int, sizes: tuple[int, ...]) -> list[int]:
+    idx = []
+    for s in reversed(sizes):
+        idx.append(flat % s)
+        flat //= s
+    return idx[::-1]
+
+
+def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: CheckpointIndex,
+                    rtol: float, atol: float, stats: dict[str, int], notes: list[str],
+                    progress: Any) -> dict[str, Any] | None:
+    def done(n: int) -> None:
+        if progress is not None and n:
+            progress.update(n)
+
+    if ea.shape != eb.shape:
+        done(len(ea.chunks))
+        return {"key": key, "kind": "shape", "detail": f"shape {list(ea.shape)} in A, {list(eb.shape)} in B",
+                "a": list(ea.shape), "b": list(eb.shape)}
+    tolerant = rtol > 0 or atol > 0
+    if ea.dtype != eb.dtype:
+        if not tolerant:
+            done(len(ea.chunks))
+            return {"key": key, "kind": "dtype", "detail": f"dtype {ea.dtype_name} in A, {eb.dtype_name} in B",
+                    "a": ea.dtype_name, "b": eb.dtype_name}
+        notes.append(f"{key}: dtype {ea.dtype_name} in A, {eb.dtype_name} in B (compared within tolerance)")
+    stats["tensors"] += 1
+    count = 0
+    first: tuple[list[int], Any, Any] | None = None
+    for c in ea.chunks:
+        if c.box.is_empty():
+            done(1)
+            continue
+        ta = ia.read_box(key, c.box)
+        tb = ib.read_box(key, c.box)
+        if tolerant:
+            wa, wb = _wide(ta), _wide(tb)
+            bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
+            del wa, wb
+        else:
+            bad = (_bits(ta) != _bits(tb)).any(dim=1)
+        n = int(bad.sum())
+        stats["elements"] += c.box.numel
+        stats["bytes"] += c.box.numel * ta.element_size()
+        if n:
+            count += n
+            flat = int(bad.nonzero()[0, 0])
+            idx = [o + i for o, i in zip(c.box.offsets, _unravel(flat, c.box.sizes))]
+            # row-major order within a box is lexicographic, so the global first is the min
+            if first is None or idx < first[0]:
+                first = (idx, _item(ta, flat), _item(tb, flat))
+        del ta, tb, bad
+        done(1)
+    if not count:
+        return None
+    assert first is not None
+    idx, va, vb = first
+    how = "bitwise" if not tolerant else f"beyond rtol={rtol}, atol={atol}"
+    return {"key": key, "kind": "value",
+            "detail": f"{count} of {ea.numel} elements differ ({how}); first at {idx}: {va!r} in A, {vb!r} in B",
+            "index": idx, "a": va, "b": vb, "count": count, "numel": ea.numel}
+
+
+# ---------------------------------------------------------------------------------- objects
+def _same_float(x: float, y: float) -> bool:
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    return bool(torch.equal(x, y)) or bool(torch.equal(_bits(x), _bits(y)))
+
+
+def object_difference(x: Any, y: Any, path: str = "") -> str | None:
+    """The first structural difference between ``x`` and ``y`` as a short line, or None."""
+    where = path or "value"
+    if type(x) is not type(y):
+        return f"{where}: {type(x).__name__} {short_repr(x)} in A, {type(y).__name__} {short_repr(y)} in B"
+    if isinstance(x, dict):
+        if set(x) != set(y):
+            only_a = [k for k in x if k not in y]
+            only_b = [k for k in y if k not in x]
+            return f"{where}: keys only in A {short_repr(only_a)}, only in B {short_repr(only_b)}"
+        for k in x:
+            d = object_difference(x[k], y[k], f"{path}[{k!r}]")
+            if d:
+                return d
+        return None
+    if isinstance(x, (list, tuple)):
+        if len(x) != len(y):
+            return f"{where}: length {len(x)} in A, {len(y)} in B"
+        for i, (u, v) in enumerate(zip(x, y)):
+            d = object_difference(u, v, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+        return None if _tensor_same(x, y) else f"{where}: tensor values differ"
+    if isinstance(x, float):
+        return None if _same_float(x, y) else f"{where}: {x!r} in A, {y!r} in B"
+    try:
+        res = x == y
+        same = res if isinstance(res, bool) else bool(res.all() if hasattr(res, "all") else res)
+    except Exception:  # noqa: BLE001 - objects whose == misbehaves: compare their repr
+        same = repr(x) == repr(y)
+    return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+
+
+# ---------------------------------------------------------------------------------- main
+def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
+    """role -> rank -> keys, for per-rank keys (roles rng/data with a rank)."""
+    out: dict[str, dict[int, set[str]]] = {}
+    for k, r in insp.classification.roles.items():
+        if r.role in PER_RANK_ROLES and r.rank is not None:
+            out.setdefault(r.role, {}).setdefault(r.rank, set()).add(k)
+    return out
+
+
+def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
+                       expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
+                       progress: Any = None) -> dict[str, Any]:
+    """Compare two DCP checkpoints in global terms; see the module docstring for the result."""
+    a, b = Path(a), Path(b)
+    if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
+        raise BadInput(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
+    rewrites = dict(expected_rewrites or {})
+    sa, sb = _open(a, trust_pickle), _open(b, trust_pickle)
+    ia, ib = sa.index, sb.index
+
+    found: list[dict[str, Any]] = []
+    notes: list[str] = []
+    stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
+
+    def tick(n: int = 1) -> None:
+        if progress is not None and n:
+            progress.update(n)
+
+    # ---------------------------------------------------------------- semantics
+    ra, rb = sa.report, sb.report
+    sem = [("step", ra.get("step"), rb.get("step")),
+           ("tokens_seen", ra.get("tokens_seen"), rb.get("tokens_seen"))]
+    if sa.manifest is not None and sb.manifest is not None:
+        sem.append(("data.cursor", sa.manifest.data.cursor, sb.manifest.data.cursor))
+    for name, va, vb in sem:
+        if va != vb:
+            fmt = lambda v: "unknown" if v is None else repr(v)  # noqa: E731
+            found.append({"key": name, "kind": "semantics", "detail": f"{name} {fmt(va)} in A, {fmt(vb)} in B",
+                          "a": va, "b": vb})
+
+    # ---------------------------------------------------------------- per-rank completeness
+    pra, prb = _per_rank(sa), _per_rank(sb)
+    for side, insp, pr in (("A", sa, pra), ("B", sb, prb)):
+        for role, ranks in sorted(pr.items()):
+            expect = insp.topology.world_size if role == "rng" else insp.topology.dp
+            what = "world size" if role == "rng" else "data-parallel width"
+            missing = sorted(set(range(expect)) - set(ranks))
+            extra = sorted(r for r in ranks if r >= expect)
+            if missing or extra:
+                parts = []
+                if missing:
+                    parts.append(f"missing ranks {missing}")
+                if extra:
+                    parts.append(f"ranks {extra} beyond it")
+                found.append({"key": role, "kind": "per_rank", "side": side, "role": role,
+                              "ranks": sorted(ranks), "expected": expect,
+                              "detail": f"{side}: per-rank {role} state for {what} {expect} "
+                                        f"({insp.topology.source} topology): {'; '.join(parts)}"})
+    rank_of: dict[str, tuple[str, int]] = {}
+    for pr in (pra, prb):
+        for role, ranks in pr.items():
+            for r, keys in ranks.items():
+                for k in keys:
+                    rank_of[k] = (role, r)
+
+    def rank_elsewhere(key: str, other: dict[str, dict[int, set[str]]]) -> bool:
+        """A per-rank key whose rank the other side does not have at all (not a key difference)."""
+        if key not in rank_of:
+            return False
+        role, r = rank_of[key]
+        return r not in other.get(role, {})
+
+    # ---------------------------------------------------------------- keys
+    for key in sorted(set(ia.entries) | set(ib.entries)):
+        ea, eb = ia.entries.get(key), ib.entries.get(key)
+        if eb is None:
+            tick(len(ea.chunks) if ea.is_tensor else 1)
+            if not rank_elsewhere(key, prb):
+                found.append({"key": key, "kind": "missing", "detail": f"{_describe(ea)} in A, missing in B"})
+            continue
+        if ea is None:
+            if not rank_elsewhere(key, pra):
+                found.append({"key": key, "kind": "unexpected", "detail": f"not in A, {_describe(eb)} in B"})
+            continue
+        if ea.is_tensor != eb.is_tensor:
+            tick(len(ea.chunks) if ea.is_tensor else 1)
+            found.append({"key": key, "kind": "object", "detail": f"{_describe(ea)} in A, {_describe(eb)} in B"})
+            continue
+        if ea.is_tensor:
+            d = _compare_tensor(key, ea, eb, ia, ib, rtol, atol, stats, notes, progress)
+            if d:
+                found.append(d)
+            continue
+        stats["objects"] += 1
+        d = object_difference(ia.read_object(key), ib.read_object(key))
+        tick(1)
+        if d:
+            found.append({"key": key, "kind": "object", "detail": d})
+
+    # ---------------------------------------------------------------- expected rewrites
+    differences: list[dict[str, Any]] = []
+    rewritten: list[dict[str, Any]] = []
+    for d in found:
+        reason = _rewrite_reason(d["key"], rewrites)
+        if reason is None:
+            differences.append(d)
+        else:
+            rewritten.append({"key": d["key"], "reason": reason, "kind": d["kind"], "detail": d["detail"]})
+
+    equal = not differences
+    return {
+        "equal": equal,
+        "a": str(a),
+        "b": str(b),
+        "compared": stats,
+        "differences": differences,
+        "rewritten": rewritten,
+        "notes": notes,
+        "tolerance": {"rtol": float(rtol), "atol": float(atol)},
+        "exit_code": 0 if equal else 1,
+    }
+
+
+def _describe(e: Entry) -> str:
+    return f"tensor {e.dtype_name}{list(e.shape)}" if e.is_tensor else "object"
+
+
+def _rewrite_reason(key: str, rewrites: dict[str, str]) -> str | None:
+    if key in rewrites:
+        return rewrites[key]
+    best = None
+    for k, reason in rewrites.items():
+        if key.startswith(k + ".") and (best is None or len(k) > len(best[0])):
+            best = (k, reason)
+    return best[1] if best else None
+
+
+# ---------------------------------------------------------------------------------- rendering
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def render_verify(r: dict[str, Any], *, limit: int = 50) -> str:
+    """A few lines for a terminal: the verdict first, then one line per difference."""
+    from reshard.report import human_bytes
+
+    c = r["compared"]
+    tol = r["tolerance"]
+    how = "bitwise" if not (tol["rtol"] or tol["atol"]) else f"rtol={tol['rtol']:g}, atol={tol['atol']:g}"
+    n = len(r["differences"])
+    verdict = "equal" if r["equal"] else f"DIFFERENT ({n} difference{'s' if n != 1 else ''})"
+    out = [f"verdict     {verdict}",
+           f"A           {r['a']}",
+           f"B           {r['b']}",
+           f"compared    {_n(c['tensors'], 'tensor')} ({_n(c['elements'], 'element')}, {human_bytes(c['bytes'])}, {how}), "
+           f"{_n(c['objects'], 'object')}"]
+    for d in r["differences"][:limit]:
+        out.append(f"  {d['kind']:<10} {d['key']}: {d['detail']}")
+    if n > limit:
+        out.append(f"  ... and {n - limit} more (use --json for all)")
+    if r["rewritten"]:
+        out.append(f"rewritten   {len(r['rewritten'])} expected rewrite(s)")
+        for w in r["rewritten"][:limit]:
+            out.append(f"  {w['key']}: {w['reason']} ({w['detail']})")
+    for note in r.get("notes", [])[:limit]:
+        out.append(f"note        {note}")
+    return "\n".join(out)
