@@ -154,14 +154,14 @@ class Batch:
     """The batch recipe. ``global_batch`` (sequences per optimizer step) is what the LR
     schedule and the data cursor are defined against; it must survive a topology change."""
 
-    micro_batch: int
-    """Sequences per rank per forward/backward."""
-    grad_accum: int
-    """Micro-steps per optimizer step."""
-    seq_len: int
-    """Tokens per sequence."""
-    global_batch: int
-    """micro_batch * grad_accum * dp_replicate * dp_shard, in sequences."""
+    micro_batch: int | None
+    """Sequences per rank per forward/backward (null: unknown, e.g. converted from a source without a manifest)."""
+    grad_accum: int | None
+    """Micro-steps per optimizer step (null: unknown)."""
+    seq_len: int | None
+    """Tokens per sequence (null: unknown)."""
+    global_batch: int | None
+    """micro_batch * grad_accum * dp_replicate * dp_shard, in sequences (null: unknown)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,7 +169,10 @@ class Batch:
     @classmethod
     def from_dict(cls, d: Any, path: str = "batch", ctx: _Ctx | None = None) -> "Batch":
         ctx = ctx or _Ctx("<manifest>")
-        kw = {f.name: _pos(_get(d, f.name, f"{path}.{f.name}", ctx, int), f"{path}.{f.name}", ctx) for f in fields(cls)}
+        kw = {}
+        for f in fields(cls):
+            v = _get(d, f.name, f"{path}.{f.name}", ctx, int, nullable=True)
+            kw[f.name] = None if v is None else _pos(v, f"{path}.{f.name}", ctx)
         return cls(**kw)
 
 

@@ -172,7 +172,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     # ------------------------------------------------------------ batch recipe and schedule
     before = None
     b = r.get("batch")
-    if b:
+    if b and b.get("micro_batch") and b.get("grad_accum"):
         before = batch_mod.Recipe(int(b["micro_batch"]), int(b["grad_accum"]), source_topo.dp)
     bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
     if not bdec.feasible:
@@ -279,6 +279,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     memory = _memory(tensors, ix, cls, target)
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
     source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
+              "tokens_seen": r.get("tokens_seen"),
               "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
               "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
     return Plan(source, target.with_source("given"), options, not reasons, reasons, bdec, sdec, ddec, rdec, acc_out,

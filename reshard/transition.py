@@ -28,7 +28,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
     old_id = src.get("experiment_id")
     exp_id = new_experiment_id(old_id, plan) if kind == "warm_start" or old_id is None else old_id
     after = plan.batch.after
-    batch = src.get("batch") or {"micro_batch": 0, "grad_accum": 0, "seq_len": 0, "global_batch": 0}
+    batch = src.get("batch") or {"micro_batch": None, "grad_accum": None, "seq_len": None, "global_batch": None}
     if after is not None:
         batch = {**batch, "micro_batch": after.micro_batch, "grad_accum": after.grad_accum, "global_batch": after.global_batch}
     data = dict(src.get("data") or {"sampler": "unknown", "seed": 0, "epoch": 0, "cursor": 0, "dataset_len": 0,
@@ -44,7 +44,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         rng["policy"] = "none"
     reason = "; ".join(plan.verdict["warm_start_reasons"] + plan.verdict["changes"]) or "all state and batch semantics kept"
     if not src:
-        reason = "source had no manifest (unknown fields recorded as 0/'unknown'); " + reason
+        reason = "source had no manifest (unknown fields recorded as null, 0 or 'unknown'); " + reason
     policies = {
         "batch": plan.batch.to_dict(), "schedule": plan.schedule.policy if plan.schedule else None,
         "data": plan.data.policy if plan.data else None, "rng": plan.rng.policy if plan.rng else None,
@@ -60,7 +60,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
         "experiment_id": exp_id,
         "step": int(src.get("step", plan.source.get("step") or 0)),
-        "tokens_seen": int(src.get("tokens_seen", 0)),
+        "tokens_seen": int(src.get("tokens_seen", plan.source.get("tokens_seen") or 0)),
         "samples_seen": int(src.get("samples_seen", 0)),
         "key_convention": src.get("key_convention") or plan.source["convention"],
         "topology": _topo(target).to_dict(),
