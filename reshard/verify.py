@@ -248,6 +248,32 @@ def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
     return out
 
 
+def rewrites_from_reports(a: Path, b: Path) -> tuple[dict[str, str], str | None]:
+    """Keys one side's conversion report says were rewritten, dropped or added on purpose.
+
+    `reshard convert` writes `reshard-report.json` into its output naming every key it
+    changed deliberately (reseeded RNG, translated data state, remapped schedule). When one
+    side is the recorded output of converting the other, those keys are expected
+    differences; the report is only trusted when its recorded source is the other side.
+    """
+    import json
+
+    for src, out in ((a, b), (b, a)):
+        rp = Path(out) / "reshard-report.json"
+        if not rp.is_file():
+            continue
+        try:
+            rep = json.loads(rp.read_text())
+            if Path(rep["source"]).resolve() != Path(src).resolve():
+                continue
+            keys = {k["key"]: f"{k['action']} by the conversion ({k['reason']})" for k in rep["plan"]["keys"]
+                    if k["action"] in ("rewritten", "dropped", "added")}
+            return keys, str(rp)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return {}, None
+
+
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
                        progress: Any = None) -> dict[str, Any]:
