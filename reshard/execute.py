@@ -69,6 +69,8 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
                 w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
                 if a.action == "rewritten":
                     w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
+                elif t.transform:
+                    _write_transformed(ix, w, t)
                 else:
                     _copy_tensor(ix, w, e, t)
             else:
@@ -82,8 +84,19 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
                     w.write_object_bytes(rank, key, raw, path=e.path or None)
             if progress is not None:
                 progress.update(1)
+        for key, equal_to in plan.checks.items():
+            from reshard.inspection import bitwise_equal
+
+            if not bitwise_equal(ix, key, equal_to):
+                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ, so dropping one would lose state",
+                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         for a in plan.keys:
             if a.action != "added":
+                continue
+            t = planned.get(a.key)
+            if t is not None and t.copy_from:
+                w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
+                _write_transformed(ix, w, t, source_key=t.copy_from)
                 continue
             v = plan.new_values[a.key]
             if isinstance(v, torch.Tensor):
@@ -104,6 +117,49 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
                              + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
     return report
+
+
+def _write_transformed(ix: CheckpointIndex, w: DcpWriter, t, source_key: str | None = None) -> None:
+    """Tensors whose global layout depends on TP (fused, padded vocab): whole tensor, transformed, re-cut.
+
+    Memory: one global tensor, the bound the design accepts for these (they are per-layer).
+    """
+    from reshard import transforms
+
+    full = ix.read_tensor(source_key or t.key)
+    tr = t.transform
+    if tr and tr["kind"] == "reinterleave":
+        full = transforms.reinterleave(full, tr["dim"], tr["parts"], tr["from_tp"], tr["to_tp"])
+    elif tr and tr["kind"] == "repad":
+        full, _ = transforms.repad_rows(full, tr["dim"], tr["to_rows"], tr["fill"])
+    for rank, offsets, sizes in t.chunks:
+        box = Box(tuple(offsets), tuple(sizes))
+        w.write_chunk(rank, t.key, box.offsets, full[box.slices()])
+
+
+def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
+    """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides."""
+    from reshard import transforms
+
+    a, b = CheckpointIndex.open(src), CheckpointIndex.open(out)
+    problems = []
+    for t in plan.tensors:
+        tr = t.transform
+        if not tr or t.key not in b.entries:
+            continue
+        x, y = a.read_tensor(t.copy_from or t.key), b.read_tensor(t.key)
+        if tr["kind"] == "reinterleave":
+            ok = torch.equal(transforms.to_canonical(x, tr["dim"], tr["parts"], tr["from_tp"]),
+                             transforms.to_canonical(y, tr["dim"], tr["parts"], tr["to_tp"]))
+        else:
+            n = min(tr["from_rows"], tr["to_rows"])
+            ok = torch.equal(x.narrow(tr["dim"], 0, n), y.narrow(tr["dim"], 0, n))
+        if not ok:
+            problems.append(t.key)
+    for t in plan.tensors:
+        if t.copy_from and not t.transform and not torch.equal(a.read_tensor(t.copy_from), b.read_tensor(t.key)):
+            problems.append(t.key)
+    return problems
 
 
 def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t) -> None:
@@ -129,7 +185,16 @@ def _verify(src: Path, out: Path, plan: Plan) -> dict[str, Any]:
     from reshard.verify import verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
-    return verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle)
+    for t in plan.tensors:
+        if t.transform:
+            expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
+    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle)
+    bad = check_transforms(src, out, plan)
+    result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
+    for k in bad:
+        result["differences"].append({"key": k, "kind": "value", "detail": "canonical form differs from the source"})
+        result["equal"] = False
+    return result
 
 
 def _report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict[str, Any], manifest: dict[str, Any],

@@ -1,10 +1,17 @@
 """Where each global tensor lives on a target topology: placements and per-rank boxes.
 
-A placement says how a tensor is cut; `target_chunks` turns it into the exact boxes each
-rank owns. Data-parallel sharding follows FSDP2: dim 0 is cut with ``torch.chunk``
-semantics (pieces of ``ceil(n / S)`` rows, the last one shorter, trailing ranks possibly
-empty), and replicas along ``dp_replicate`` hold identical pieces, of which the first
-replica (``dp_replicate`` index 0) writes the bytes, as DCP's save-time dedup would.
+The mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, row-major (rank = index over that
+order), as torchtitan builds it. A tensor is placed by three independent choices:
+
+- pipeline ``stage``: only that stage's ranks hold it (``None``: not stage-bound);
+- tensor parallel ``tp_dim``: cut into ``tp`` pieces along that dim (``None``: replicated);
+- data parallel ``dp_shard``: FSDP2 cuts dim 0 of the TP-local piece into ``dp_shard``
+  pieces with ``torch.chunk`` semantics (pieces of ``ceil(n / S)``, trailing ranks possibly
+  empty). For a TP cut along dim 0 this is a sub-piece of the rank's TP block, as FSDP2
+  lays out a 2-D (FSDP x TP) DTensor.
+
+Replicas (``dp_replicate``, ``cp``, TP ranks of a replicated tensor) hold identical pieces;
+the one with index 0 on those dims writes the bytes, as DCP's save-time dedup would.
 """
 from __future__ import annotations
 
@@ -17,20 +24,31 @@ from reshard.topology import DIMS, Topology
 
 @dataclass(frozen=True)
 class Placement:
-    """How one tensor is laid out: ``shard`` along ``dim`` over the dp_shard mesh dim, or ``replicate``."""
+    dp_shard: bool = True
+    tp_dim: int | None = None
+    stage: int | None = None
 
-    kind: str  # "shard" | "replicate"
-    dim: int = 0
+    @property
+    def kind(self) -> str:
+        return "shard" if self.dp_shard or self.tp_dim is not None else "replicate"
 
     def describe(self) -> str:
-        return f"Shard({self.dim})" if self.kind == "shard" else "Replicate()"
+        parts = []
+        if self.dp_shard:
+            parts.append("FSDP Shard(0)")
+        if self.tp_dim is not None:
+            parts.append(f"TP Shard({self.tp_dim})")
+        s = " x ".join(parts) or "Replicate()"
+        if self.stage is not None:
+            s += f" @stage {self.stage}"
+        return s
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "dim": self.dim}
+        return {"dp_shard": self.dp_shard, "tp_dim": self.tp_dim, "stage": self.stage}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Placement":
-        return cls(str(d["kind"]), int(d.get("dim", 0)))
+    def replicated(cls, stage: int | None = None) -> "Placement":
+        return cls(dp_shard=False, tp_dim=None, stage=stage)
 
 
 def mesh_coords(topo: Topology, rank: int) -> dict[str, int]:
@@ -61,32 +79,49 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def piece(shape: tuple[int, ...], placement: Placement, topo: Topology, *, tp: int, dp: int) -> Box:
+    """The box held by TP index ``tp`` and dp_shard index ``dp`` (may be empty)."""
+    offs = [0] * len(shape)
+    sizes = list(shape)
+    if not shape:
+        return Box((), ())
+    if placement.tp_dim is not None and topo.tp > 1:
+        d = placement.tp_dim
+        start, size = chunk_bounds(shape[d], topo.tp)[tp]
+        offs[d], sizes[d] = start, size
+    if placement.dp_shard and topo.dp_shard > 1:
+        start, size = chunk_bounds(sizes[0], topo.dp_shard)[dp]
+        offs[0], sizes[0] = offs[0] + start, size
+    return Box(tuple(offs), tuple(sizes))
+
+
+def holds(placement: Placement, topo: Topology, rank: int) -> bool:
+    c = mesh_coords(topo, rank)
+    return placement.stage is None or c["pp"] == placement.stage or topo.pp == 1
+
+
 def target_chunks(shape: tuple[int, ...], placement: Placement, topo: Topology) -> list[tuple[int, Box]]:
     """(writer rank, box) for every non-empty piece of a tensor on ``topo``.
 
     Only writers are listed: replicas hold the same piece and read it from the writer's
     file (DCP resolves reads by global offsets, not by file).
     """
-    if placement.kind == "replicate" or not shape:
-        return [(0, Box(tuple(0 for _ in shape), tuple(shape)))]
-    dim = placement.dim
-    pieces = chunk_bounds(shape[dim], topo.dp_shard)
+    stage = placement.stage if placement.stage is not None and placement.stage < topo.pp else 0
+    tps = range(topo.tp) if placement.tp_dim is not None else [0]
+    dps = range(topo.dp_shard) if placement.dp_shard else [0]
     out = []
-    for i, (start, size) in enumerate(pieces):
-        if size == 0:
-            continue
-        offs = [0] * len(shape)
-        sizes = list(shape)
-        offs[dim], sizes[dim] = start, size
-        out.append((rank_of(topo, dp_shard=i), Box(tuple(offs), tuple(sizes))))
+    for t in tps:
+        for d in dps:
+            box = piece(tuple(shape), placement, topo, tp=t, dp=d)
+            if shape and box.is_empty():
+                continue
+            out.append((rank_of(topo, pp=stage, dp_shard=d, tp=t), box))
     return out
 
 
-def local_shape(shape: tuple[int, ...], placement: Placement, topo: Topology, shard_index: int) -> tuple[int, ...]:
-    """What rank with ``dp_shard`` index ``shard_index`` holds locally (empty pieces included)."""
-    if placement.kind == "replicate" or not shape:
-        return tuple(shape)
-    start, size = chunk_bounds(shape[placement.dim], topo.dp_shard)[shard_index]
-    s = list(shape)
-    s[placement.dim] = size
-    return tuple(s)
+def local_box(shape: tuple[int, ...], placement: Placement, topo: Topology, rank: int) -> Box | None:
+    """What ``rank`` holds locally (possibly an empty box), or None when its stage does not hold the tensor."""
+    if not holds(placement, topo, rank):
+        return None
+    c = mesh_coords(topo, rank)
+    return piece(tuple(shape), placement, topo, tp=c["tp"], dp=c["dp_shard"])

@@ -19,7 +19,8 @@ import torch
 from reshard import __version__
 from reshard.errors import BadInput, Infeasible, ReshardError
 from reshard.inspection import Inspection, inspect_checkpoint
-from reshard.layout import Placement, local_shape, mesh_coords, target_chunks
+from reshard.layout import Placement, local_box, target_chunks
+from reshard import placement as placement_mod
 from reshard.state import batch as batch_mod
 from reshard.state import data as data_mod
 from reshard.state import rng as rng_mod
@@ -43,6 +44,8 @@ class Options:
     rng_policy: str | None = None
     seed: int | None = None
     trust_pickle: bool = False
+    rules: str | None = None
+    model_config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -67,15 +70,22 @@ class KeyAction:
 class TensorPlan:
     key: str
     role: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # target global shape
     dtype: str
     placement: Placement
     chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # (writer rank, offsets, sizes)
+    transform: dict[str, Any] | None = None  # reinterleave / repad (TP-dependent global layouts)
+    copy_from: str | None = None  # tied copies: the source key whose values this key takes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "role": self.role, "shape": list(self.shape), "dtype": self.dtype,
-                "placement": self.placement.describe(),
-                "chunks": [{"rank": r, "offsets": list(o), "sizes": list(s)} for r, o, s in self.chunks]}
+        d = {"key": self.key, "role": self.role, "shape": list(self.shape), "dtype": self.dtype,
+             "placement": self.placement.describe(),
+             "chunks": [{"rank": r, "offsets": list(o), "sizes": list(s)} for r, o, s in self.chunks]}
+        if self.transform:
+            d["transform"] = self.transform
+        if self.copy_from:
+            d["copy_from"] = self.copy_from
+        return d
 
 
 @dataclass
@@ -95,6 +105,9 @@ class Plan:
     keys: list[KeyAction]
     verdict: dict[str, Any]
     new_values: dict[str, Any] = field(default_factory=dict)  # key -> value written by a rewrite (not in JSON)
+    stage_map: dict[str, Any] | None = None
+    rules: str | None = None
+    checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
 
     def to_dict(self, *, tensors: bool = True) -> dict[str, Any]:
         d = {
@@ -111,6 +124,8 @@ class Plan:
             "rng": self.rng.to_dict() if self.rng else None,
             "accumulation": self.accumulation,
             "memory": self.memory,
+            "stage_map": self.stage_map,
+            "rules": self.rules,
             "verdict": self.verdict,
             "keys": [k.to_dict() for k in self.keys],
             "summary": _summary(self.keys),
@@ -154,10 +169,12 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     reasons: list[str] = []
 
     # ------------------------------------------------------------ layouts we can execute
-    for d in ("tp", "pp", "cp"):
-        if getattr(source_topo, d) != 1 or getattr(target, d) != 1:
-            reasons.append(f"{d} changes and {d} > 1 layouts need per-parameter partition rules, which this version "
-                           f"does not have yet (source {d}={getattr(source_topo, d)}, target {d}={getattr(target, d)})")
+    for d in ("cp", "dp_replicate"):
+        if getattr(source_topo, d) != getattr(target, d) and d == "cp":
+            reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
+    geo = placement_mod.decide(ix, cls, mdict, source_topo, target, rules_file=options.rules,
+                               model_config=options.model_config)
+    reasons.extend(geo.reasons)
     # ------------------------------------------------------------ accumulation phase
     acc = r.get("accumulation") or {}
     acc_out = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
@@ -236,6 +253,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         if k in ix.entries:
             rewrites[k] = (rdec.rewritten.get(k, "RNG reseeded"), v)
     dropped = {**ddec.dropped, **rdec.dropped}
+    checks: dict[str, str] = {}
 
     for key, e in ix.entries.items():
         role = cls.roles[key].role
@@ -254,17 +272,39 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
                            "what it means (add a rule in formats/conventions/)")
             actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
             continue
+        if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
+            _, why, equal_to = geo.tied_actions[key]
+            actions.append(KeyAction(key, role, "dropped", why))
+            if equal_to:
+                checks[key] = equal_to
+            continue
         if e.is_tensor:
-            placement = Placement("shard", 0) if role in SHARDED_ROLES and e.shape else Placement("replicate")
-            owner = _owner_rank(key, cls, target) if placement.kind == "replicate" else 0
-            chunks = [(owner if placement.kind == "replicate" else rk, b_.offsets, b_.sizes)
-                      for rk, b_ in target_chunks(e.shape, placement, target)]
-            tensors.append(TensorPlan(key, role, e.shape, e.dtype_name or "", placement, chunks))
+            tg = geo.by_key[key]
+            placement = tg.placement
+            owner = _owner_rank(key, cls, target)
+            chunks = [(owner if placement.kind == "replicate" and owner else rk, b_.offsets, b_.sizes)
+                      for rk, b_ in target_chunks(tg.target_shape, placement, target)]
+            tensors.append(TensorPlan(key, role, tg.target_shape, e.dtype_name or "", placement, chunks, tg.transform))
+            why = placement.describe()
+            if tg.transform:
+                why += "; " + _describe_transform(tg.transform)
             actions.append(KeyAction(key, role, "resharded" if placement.kind == "shard" else "carried",
-                                     placement.describe() + f" over dp_shard={target.dp_shard}" if placement.kind == "shard" else "replicated, unchanged",
-                                     rank=None if placement.kind == "shard" else owner))
+                                     why if placement.kind == "shard" or tg.transform else why + ", unchanged",
+                                     rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner))
         else:
             actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+    for key, (action, why, src_key) in geo.tied_actions.items():
+        if action != "added" or src_key is None:
+            continue
+        se = ix.entries[src_key]
+        pl = geo.by_key[src_key].placement
+        b_param = cls.roles[src_key].param
+        stage = target.pp - 1
+        pl = Placement(dp_shard=pl.dp_shard, tp_dim=pl.tp_dim, stage=stage)
+        chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(geo.by_key[src_key].target_shape, pl, target)]
+        tensors.append(TensorPlan(key, cls.roles[src_key].role, geo.by_key[src_key].target_shape, se.dtype_name or "", pl,
+                                  chunks, geo.by_key[src_key].transform, copy_from=src_key))
+        actions.append(KeyAction(key, cls.roles[src_key].role, "added", why))
     for k, v in list(ddec.writes.items()) + list(rdec.writes.items()):
         if k in ix.entries:
             continue
@@ -278,12 +318,20 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
 
     memory = _memory(tensors, ix, cls, target)
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
+    verdict["changes"].extend(geo.numerics)
     source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
               "tokens_seen": r.get("tokens_seen"),
               "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
               "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
     return Plan(source, target.with_source("given"), options, not reasons, reasons, bdec, sdec, ddec, rdec, acc_out,
-                memory, tensors, actions, verdict, new_values)
+                memory, tensors, actions, verdict, new_values, geo.stage_map,
+                geo.rules.family if geo.rules else None, checks)
+
+
+def _describe_transform(t: dict[str, Any]) -> str:
+    if t["kind"] == "reinterleave":
+        return f"fused parts {t['parts']} re-interleaved for tp {t['from_tp']} -> {t['to_tp']}"
+    return f"vocab {t['vocab']} padded {t['from_rows']} -> {t['to_rows']} rows (fill {t['fill']})"
 
 
 def _per_rank_prefix(data_roles) -> str:
@@ -326,13 +374,12 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology) -> dict[str, A
     trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"}
     per_rank = []
     for rank in range(target.world_size):
-        shard_idx = mesh_coords(target, rank)["dp_shard"]
         acc = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
         for t in tensors:
-            n = 1
-            for s in local_shape(t.shape, t.placement, target, shard_idx):
-                n *= s
-            nbytes = n * _dtype_size(t.dtype)
+            box = local_box(t.shape, t.placement, target, rank)
+            if box is None:
+                continue
+            nbytes = box.numel * _dtype_size(t.dtype)
             role = cls.roles.get(t.key)
             if t.role == "parameter":
                 acc["parameters"] += nbytes
@@ -340,7 +387,7 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology) -> dict[str, A
                     acc["gradients"] += nbytes
             elif t.role in ("optimizer_moment", "optimizer_step"):
                 acc["optimizer"] += nbytes
-            elif t.placement.kind == "replicate" and any(c[0] == rank for c in t.chunks):
+            elif any(c[0] == rank for c in t.chunks):
                 acc["other"] += nbytes
         acc["total"] = sum(acc.values())
         per_rank.append({"rank": rank, **acc})

@@ -164,10 +164,11 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"            {action:<9} {keys[0]}{more}: {reason}")
     if verbose and "tensors" in p:
         out.append("")
-        out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<14}per-rank local shapes")
+        out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<36}writer rank: local shape")
         for tp in p["tensors"]:
             locs = ", ".join(f"r{c['rank']}:{c['sizes']}" for c in tp["chunks"])
-            out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<14}{locs}")
+            flag = "  (uneven)" if len({tuple(c["sizes"]) for c in tp["chunks"]}) > 1 else ""
+            out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<36}{locs}{flag}")
     v = p["verdict"]
     out.append("")
     out.append(f"verdict     {v['kind'].replace('_', ' ').upper()}")

@@ -115,9 +115,18 @@ def test_plan_indivisible_is_infeasible_exit_1(reference_ckpt, capsys):
     assert p["verdict"]["kind"] == "continuation_with_changes"
 
 
-def test_plan_tp_is_not_yet_feasible(reference_ckpt, capsys):
+def test_plan_tp_degree_must_divide_heads(reference_ckpt, capsys):
+    """The reference model has 2 heads: tp=4 is refused with the nearest feasible degrees."""
+    code, out, _ = run_cli(["plan", reference_ckpt, "--to", "dp=1,tp=4", "--json"], capsys)
+    p = json.loads(out)
+    assert code == 1 and p["rules"] == "reference-gpt"
+    assert any("tp=4 does not divide n_heads = 2" in r and "nearest feasible tp: [2, 1]" in r for r in p["reasons"])
     code, out, _ = run_cli(["plan", reference_ckpt, "--to", "dp=2,tp=2", "--json"], capsys)
-    assert code == 1 and any("partition rules" in r for r in json.loads(out)["reasons"])
+    p = json.loads(out)
+    assert code == 0, p["reasons"]
+    wo = next(t for t in p["tensors"] if t["key"] == "model.blocks.0.attn.wo.weight")
+    assert wo["placement"] == "FSDP Shard(0) x TP Shard(1)"
+    assert any("tensor parallel 1 -> 2" in c for c in p["verdict"]["changes"])
 
 
 def test_plan_bad_spec_exit_2(reference_ckpt, capsys):

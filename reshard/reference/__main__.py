@@ -3,6 +3,7 @@
 Two launch modes:
   torchrun --nproc-per-node 4 -m reshard.reference --dp 4 --steps 6 --save-at 3 --out ckpts --log-file log.jsonl
   python -m reshard.reference --spawn --dp 4 --steps 6 --save-at 3 --out ckpts
+  python -m reshard.reference --spawn --pp 2 --dp 2 --steps 6 --save-at 3 --out ckpts   # 4 ranks, 2 stages
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m reshard.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spawn", action="store_true", help="spawn dp*tp local gloo processes (else expect torchrun)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) degree; default WORLD_SIZE/tp or 2")
+    p.add_argument("--spawn", action="store_true", help="spawn pp*dp*tp local gloo processes (else expect torchrun)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) degree; default WORLD_SIZE/(pp*tp) or 2")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=d.pp,
+                   help="pipeline-parallel degree (stages; must divide the number of layers)")
     p.add_argument("--steps", type=int, default=d.steps, help="stop after this (absolute) optimizer step")
     p.add_argument("--total-steps", type=int, default=None, help="LR schedule horizon (default: --steps)")
     p.add_argument("--save-at", action="append", default=None, metavar="K[,K...]",
@@ -52,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     dp = a.dp
     if dp is None:
         world = int(os.environ.get("WORLD_SIZE", "0"))
-        dp = world // a.tp if world and not a.spawn else 2
-    cfg = TrainConfig(dp=dp, tp=a.tp, steps=a.steps, total_steps=a.total_steps, save_at=_int_list(a.save_at),
+        dp = world // (a.tp * a.pp) if world and not a.spawn else 2
+    cfg = TrainConfig(dp=dp, tp=a.tp, pp=a.pp, steps=a.steps, total_steps=a.total_steps, save_at=_int_list(a.save_at),
                       out=a.out, micro_batch=a.micro_batch, grad_accum=a.grad_accum, seq_len=a.seq_len, lr=a.lr,
                       warmup=a.warmup, seed=a.seed, dataset_len=a.dataset_len, dropout=a.dropout,
                       convention=a.convention, manifest=a.manifest, log=a.log, resume=a.resume,

@@ -8,6 +8,12 @@ partition rules in ``formats/`` rely on:
     blocks.<i>.ln2.{weight,bias}, blocks.<i>.mlp.{fc1,fc2}.{weight,bias},
     ln_f.{weight,bias}
 
+Under pipeline parallelism (``GPTStage``) each stage keeps the GLOBAL names of the
+parameters it holds (``blocks`` becomes a ModuleDict keyed by the global block index), so
+a pp>1 checkpoint has the same model keys as a pp=1 one. With pp>1 the last stage's
+``lm_head.weight`` is its own parameter (a copy of ``tok_emb.weight``), kept equal to
+stage 0's by summing the two gradients (see ``reshard.reference.pipeline``).
+
 Attention infers the number of *local* heads from the projection's output width, so the
 same code runs unsharded and with q/k/v column-sharded by tensor parallelism.
 """
@@ -115,6 +121,58 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def stage_layers(n_layers: int, pp: int) -> list[list[int]]:
+    """``[[first, last_exclusive], ...]``: the blocks each of ``pp`` stages holds (even split)."""
+    if pp < 1 or n_layers % pp:
+        raise ValueError(f"pp={pp} must divide n_layers={n_layers}")
+    per = n_layers // pp
+    return [[s * per, (s + 1) * per] for s in range(pp)]
+
+
+class GPTStage(nn.Module):
+    """Stage ``stage`` of a ``pp``-way pipeline split of a (freshly initialised) :class:`GPT`.
+
+    Holds blocks ``stage_layers(n_layers, pp)[stage]``; the first stage also holds
+    ``tok_emb``/``pos_emb`` (and the embedding dropout), the last ``ln_f`` and ``lm_head``.
+    With ``pp == 1`` the head stays tied to ``tok_emb``; otherwise the last stage's
+    ``lm_head.weight`` is a separate parameter initialised as a copy of ``tok_emb.weight``.
+    ``forward(x, targets)``: ``x`` is token ids on the first stage, the previous stage's
+    activations [b, t, dim] elsewhere; returns activations, or (last stage) logits / the loss.
+    """
+
+    def __init__(self, full: GPT, stage: int, pp: int):
+        super().__init__()
+        cfg = full.cfg
+        if not 0 <= stage < pp:
+            raise ValueError(f"stage {stage} outside 0..{pp - 1}")
+        self.cfg, self.stage, self.pp = cfg, stage, pp
+        self.is_first, self.is_last = stage == 0, stage == pp - 1
+        lo, hi = stage_layers(cfg.n_layers, pp)[stage]
+        if self.is_first:
+            self.tok_emb, self.pos_emb, self.drop = full.tok_emb, full.pos_emb, full.drop
+        self.blocks = nn.ModuleDict({str(i): full.blocks[i] for i in range(lo, hi)})
+        if self.is_last:
+            self.ln_f = full.ln_f
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            if self.is_first:
+                self.lm_head.weight = self.tok_emb.weight  # pp == 1: tied, one tensor
+            else:
+                self.lm_head.weight = nn.Parameter(full.tok_emb.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.is_first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if not self.is_last:
+            return x
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

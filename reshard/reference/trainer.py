@@ -4,7 +4,7 @@ It exists to produce real distributed checkpoints for ``reshard`` to inspect, co
 verify, and to resume from them. Read top to bottom:
 
 1. ``TrainConfig``          every knob (the CLI in ``__main__`` maps 1:1 onto it)
-2. ``build``                mesh ("dp_shard",) or ("dp_shard", "tp"), model, TP, FSDP2, AdamW, LambdaLR
+2. ``build``                mesh ([pp,] dp_shard[, tp]), model (or its pipeline stage), TP, FSDP2, AdamW, LambdaLR
 3. ``state_for_save``       the checkpoint key layout (conventions "reshard" / "torchtitan")
 4. ``load_checkpoint``      dcp.load + set_state_dict, sampler, counters, this rank's RNG
 5. ``train``                the loop: elastic sampler -> grad accumulation -> clip -> step -> log -> save
@@ -21,6 +21,15 @@ Convention "torchtitan":
     <fqn> (no prefix), optimizer.state.<fqn>.<name>, optimizer.param_groups.<fqn>.<hyper>,
     lr_scheduler.*, dataloader.dp_rank_<k> (pickled bytes), dataloader.world_size,
     train_state.{step,ntokens_seen}; no RNG.
+
+Pipeline parallelism (``pp > 1``, see ``reshard.reference.pipeline``): mesh
+("pp", "dp_shard"[, "tp"]), rank = (stage * dp + dp_rank) * tp + tp_rank; each rank holds
+its stage's blocks (global names) and saves only its stage's ``model.*`` / ``optim.*`` keys.
+The last stage's ``lm_head.weight`` is a separate copy of ``tok_emb.weight`` (gradients
+summed across the two ends, so the copies stay bitwise equal; both have optimizer state),
+and the optimizer is saved with ``flatten_optimizer_state_dict=True``:
+``optim.param_groups.<fqn>.<hyper>`` per parameter instead of ``optim.param_groups.<i>.*``,
+whose ``params`` FQN list differs per stage and would be kept only once by DCP.
 
 Tensor parallelism keeps the tied embedding / LM head replicated over TP (only the
 attention and MLP projections are sharded); FSDP2 shards everything over dp_shard.
@@ -56,7 +65,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from reshard import manifest as mf
-from reshard.reference.model import FAMILY, GPT, TIED, GPTConfig, SyntheticTokens
+from reshard.reference import pipeline as pipe
+from reshard.reference.model import FAMILY, GPT, TIED, GPTConfig, GPTStage, SyntheticTokens, stage_layers
 from reshard.train import rng as rngmod
 from reshard.train.sampler import ElasticSampler
 
@@ -70,6 +80,7 @@ class TrainConfig:
 
     dp: int = 2
     tp: int = 1
+    pp: int = 1
     steps: int = 4
     total_steps: int | None = None
     save_at: list[int] = field(default_factory=list)
@@ -97,7 +108,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -118,8 +129,10 @@ class TrainConfig:
     def validate(self) -> None:
         if self.convention not in CONVENTIONS:
             raise ValueError(f"convention must be one of {CONVENTIONS}, got {self.convention!r}")
-        if self.dp < 1 or self.tp < 1:
-            raise ValueError("dp and tp must be >= 1")
+        if self.dp < 1 or self.tp < 1 or self.pp < 1:
+            raise ValueError("dp, tp and pp must be >= 1")
+        if self.n_layers % self.pp:
+            raise ValueError(f"pp={self.pp} must divide n_layers={self.n_layers}")
         if self.n_heads % self.tp or (4 * self.dim) % self.tp:
             raise ValueError(f"tp={self.tp} must divide n_heads={self.n_heads} and the MLP width")
         if self.save_at and not self.out:
@@ -156,30 +169,40 @@ class Run:
     tokens_seen: int = 0
     samples_seen: int = 0
     resumed_manifest: mf.Manifest | None = None
+    stage: int = 0
+    embed_group: Any = None  # pp > 1, first/last stage: the 2-rank tied-embedding group
 
 
 def build(cfg: TrainConfig) -> Run:
     rank = dist.get_rank()
     if dist.get_world_size() != cfg.world_size:
-        raise RuntimeError(f"world size {dist.get_world_size()} != dp {cfg.dp} x tp {cfg.tp}")
-    if cfg.tp > 1:
-        mesh = init_device_mesh("cpu", (cfg.dp, cfg.tp), mesh_dim_names=("dp_shard", "tp"))
-        dp_mesh, tp_rank = mesh["dp_shard"], mesh["tp"].get_local_rank()
-    else:
-        mesh = init_device_mesh("cpu", (cfg.dp,), mesh_dim_names=("dp_shard",))
-        dp_mesh, tp_rank = mesh, 0
+        raise RuntimeError(f"world size {dist.get_world_size()} != pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp}")
+    # size-1 dims are dropped except dp_shard; order (pp, dp_shard, tp), row-major
+    names = [n for n, size in (("pp", cfg.pp), ("dp_shard", cfg.dp), ("tp", cfg.tp))
+             if size > 1 or n == "dp_shard"]
+    sizes = {"pp": cfg.pp, "dp_shard": cfg.dp, "tp": cfg.tp}
+    mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
+    dp_mesh = mesh["dp_shard"] if len(names) > 1 else mesh
+    tp_rank = mesh["tp"].get_local_rank() if cfg.tp > 1 else 0
+    stage = mesh["pp"].get_local_rank() if cfg.pp > 1 else 0
     dp_rank = dp_mesh.get_local_rank()
+    if pipe.coords(rank, cfg.dp, cfg.tp) != pipe.Coords(stage, dp_rank, tp_rank):  # the rank-order interface
+        raise RuntimeError(f"rank {rank}: mesh coordinates {(stage, dp_rank, tp_rank)} are not row-major")
 
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model_config())
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (and for every pp)
+    model: GPT | GPTStage = GPT(cfg.model_config())
+    if cfg.pp > 1:
+        model = GPTStage(model, stage, cfg.pp)  # this stage's layers, global names
+    blocks = list(model.blocks.values()) if isinstance(model.blocks, torch.nn.ModuleDict) else list(model.blocks)
     if cfg.tp > 1:
         plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
                 "attn.wo": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-        for block in model.blocks:
+        for block in blocks:
             parallelize_module(block, mesh["tp"], plan)
-    for block in model.blocks:
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)  # root: embeddings (tied head), ln_f
+    fully_shard(model, mesh=dp_mesh)  # root: embeddings (tied head), ln_f -- those this stage holds
+    embed_group = pipe.embedding_group(cfg.pp, cfg.dp, cfg.tp, rank)
 
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                               weight_decay=cfg.weight_decay)
@@ -189,7 +212,8 @@ def build(cfg: TrainConfig) -> Run:
     # per-rank streams keyed by dp rank: TP peers share one (they see the same data and
     # must draw the same dropout masks in the replicated regions)
     rngmod.seed_all(cfg.seed * 7919 + 1 + dp_rank)
-    return Run(cfg, rank, dp_rank, tp_rank, mesh, model, optim, sched, sampler, data)
+    return Run(cfg, rank, dp_rank, tp_rank, mesh, model, optim, sched, sampler, data,
+               stage=stage, embed_group=embed_group)
 
 
 # ----------------------------------------------------------------------------- state layout
@@ -205,13 +229,20 @@ def _load_scheduler_state(sched, state: dict) -> None:
     sched.load_state_dict(state)
 
 
+def optim_options(cfg: TrainConfig) -> StateDictOptions | None:
+    """pp > 1: per-parameter param groups (``optim.param_groups.<fqn>.<hyper>``), because the
+    nested ``optim.param_groups.<i>.params`` FQN list differs per stage and DCP keeps one copy
+    of a key several ranks save. pp == 1: the nested layout (``optim.param_groups.0.*``)."""
+    return StateDictOptions(flatten_optimizer_state_dict=True) if cfg.pp > 1 else None
+
+
 def state_for_save(run: Run) -> dict:
     """The nested state dict handed to dcp.save (DCP flattens it with '.')."""
     cfg = run.cfg
     if cfg.convention == "reshard":
         return {
             "model": get_model_state_dict(run.model),
-            "optim": get_optimizer_state_dict(run.model, run.optim),
+            "optim": get_optimizer_state_dict(run.model, run.optim, options=optim_options(cfg)),
             "scheduler": _scheduler_state(run.sched),
             "trainer": {"step": run.step, "tokens_seen": run.tokens_seen,
                         "samples_seen": run.samples_seen, "micro_step": 0},
@@ -229,13 +260,16 @@ def state_for_save(run: Run) -> dict:
 
 
 def topology(cfg: TrainConfig) -> mf.Topology:
-    order = ["dp_shard", "tp"] if cfg.tp > 1 else ["dp_shard"]
-    return mf.Topology.make(dp_shard=cfg.dp, tp=cfg.tp, mesh_order=order)
+    order = (["pp"] if cfg.pp > 1 else []) + ["dp_shard"] + (["tp"] if cfg.tp > 1 else [])
+    return mf.Topology.make(pp=cfg.pp, dp_shard=cfg.dp, tp=cfg.tp, mesh_order=order)
 
 
 def build_manifest(run: Run) -> mf.Manifest:
     cfg = run.cfg
     topo = topology(cfg)
+    model_config = cfg.model_config().to_dict()
+    if cfg.pp > 1:
+        model_config["pp_stages"] = stage_layers(cfg.n_layers, cfg.pp)
     prev = run.resumed_manifest
     tool = mf.Writer.current("reshard.reference").tool
     if prev is not None:
@@ -260,7 +294,7 @@ def build_manifest(run: Run) -> mf.Manifest:
                        global_batch=cfg.global_batch),
         accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
         precision=mf.Precision(param_dtype="float32", reduce_dtype="float32", loss_scaler=None),
-        model=mf.ModelInfo(family=FAMILY, config=cfg.model_config().to_dict(), tied=[list(g) for g in TIED]),
+        model=mf.ModelInfo(family=FAMILY, config=model_config, tied=[list(g) for g in TIED]),
         optimizer=mf.OptimizerInfo(name="AdamW", config={"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                                          "weight_decay": cfg.weight_decay,
                                                          "grad_clip": cfg.grad_clip}),
@@ -297,9 +331,15 @@ def load_checkpoint(run: Run, path: Path) -> None:
     prev = run.resumed_manifest
     same_topology = prev is None or prev.topology.to_dict() == topology(cfg).to_dict()
     if cfg.convention == "reshard":
+        opts = optim_options(cfg)
+        if cfg.pp > 1 and "optim.param_groups.0.params" in keys:
+            raise RuntimeError(f"{path}: nested optimizer param groups (a pp=1 checkpoint); a pp>1 run needs "
+                               f"per-parameter param groups and optimizer state for lm_head.weight")
+        if cfg.pp == 1 and "optim.param_groups.0.params" not in keys:
+            opts = StateDictOptions(flatten_optimizer_state_dict=True)  # written with pp > 1
         sd = {
             "model": get_model_state_dict(run.model),
-            "optim": get_optimizer_state_dict(run.model, run.optim),
+            "optim": get_optimizer_state_dict(run.model, run.optim, options=opts),
             "scheduler": _scheduler_state(run.sched),
             "trainer": {"step": 0, "tokens_seen": 0, "samples_seen": 0, "micro_step": 0},
             "data": {"sampler": run.sampler.state_dict()},
@@ -312,7 +352,7 @@ def load_checkpoint(run: Run, path: Path) -> None:
             sd["rng"] = {entry: rngmod.capture()}
         dcp.load(sd, checkpoint_id=str(path))
         set_model_state_dict(run.model, sd["model"])
-        set_optimizer_state_dict(run.model, run.optim, sd["optim"])
+        set_optimizer_state_dict(run.model, run.optim, sd["optim"], options=opts)
         _load_scheduler_state(run.sched, sd["scheduler"])
         run.sampler.load_state_dict(sd["data"]["sampler"])
         trainer = sd["trainer"]
@@ -349,16 +389,22 @@ def load_checkpoint(run: Run, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- training
-def clip_grad_norm(params, max_norm: float) -> float:
+def clip_grad_norm(params, max_norm: float, *, holders: int | None = None, exclude=()) -> float:
     """Global grad-norm clipping with one all-reduce over the world.
 
     Works when FSDP-only DTensors (on the dp mesh) sit next to FSDP+TP DTensors (on the
     2-D mesh), where torch's stacked per-mesh norms refuse to mix. Each rank sums the
     squares of its local shards, divided by how many ranks hold an identical copy
-    (Replicate placements and ranks outside the tensor's mesh).
+    (Replicate placements and ranks outside the tensor's mesh). ``holders``: how many ranks
+    hold this rank's parameters (the stage's dp*tp ranks under pipeline parallelism; default
+    the world); ``exclude``: parameters left out of the norm (but still scaled), e.g. the
+    last stage's copy of a tied weight so the pair counts once.
     """
-    world = dist.get_world_size()
-    grads = [p.grad for p in params if p.grad is not None]
+    world = holders or dist.get_world_size()
+    params = list(params)
+    skip = {id(p) for p in exclude}
+    all_grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     local = torch.zeros((), dtype=torch.float64)
     for g in grads:
         if isinstance(g, DTensor):
@@ -373,7 +419,7 @@ def clip_grad_norm(params, max_norm: float) -> float:
     total = local.sqrt().item()
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for g in grads:
+        for g in all_grads:
             g.mul_(coef)
     return total
 
@@ -387,11 +433,23 @@ def train_step(run: Run) -> dict:
     for micro in range(cfg.grad_accum):
         ids = run.sampler.local_ids(cfg.global_batch, cfg.dp, run.dp_rank, micro, cfg.grad_accum)
         local_ids.extend(ids)
-        x, y = run.data.batch(ids)
-        loss = run.model(x, y) / cfg.grad_accum
-        loss.backward()
-        loss_sum += loss.detach()
-    grad_norm = clip_grad_norm(run.model.parameters(), cfg.grad_clip)
+        x, y = run.data.batch(ids)  # every stage builds its dp rank's batch; first uses x, last y
+        if cfg.pp == 1:
+            loss = run.model(x, y) / cfg.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        else:
+            loss = pipe.micro_step(run.model, rank=run.rank, pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, x=x, y=y,
+                                   divisor=cfg.grad_accum, act_shape=(x.shape[0], x.shape[1], cfg.dim))
+            if loss is not None:
+                loss_sum += loss
+    if cfg.pp == 1:
+        grad_norm = clip_grad_norm(run.model.parameters(), cfg.grad_clip)
+    else:
+        pipe.sync_tied_grads(run.model, run.embed_group)
+        exclude = [run.model.lm_head.weight] if run.model.is_last else []
+        grad_norm = clip_grad_norm(run.model.parameters(), cfg.grad_clip, holders=cfg.dp * cfg.tp,
+                                   exclude=exclude)
     lr = run.optim.param_groups[0]["lr"]
     run.optim.step()
     run.sched.step()
@@ -401,12 +459,14 @@ def train_step(run: Run) -> dict:
     run.samples_seen += cfg.global_batch
     run.tokens_seen += cfg.global_batch * cfg.seq_len
 
-    dist.all_reduce(loss_sum)  # TP peers hold identical losses, so the mean over all ranks is the dp mean
+    # TP peers hold identical losses, so the mean over the ranks holding a loss (the last
+    # stage's dp*tp ranks; other stages add zeros) is the dp mean
+    dist.all_reduce(loss_sum)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (run.tp_rank, local_ids))
-    sample_ids = sorted(i for tp_rank, ids in gathered if tp_rank == 0 for i in ids)
+    dist.all_gather_object(gathered, (run.stage, run.tp_rank, local_ids))
+    sample_ids = sorted(i for stage, tp_rank, ids in gathered if stage == 0 and tp_rank == 0 for i in ids)
     dt = time.perf_counter() - t0
-    return {"step": run.step, "loss": loss_sum.item() / dist.get_world_size(), "grad_norm": grad_norm,
+    return {"step": run.step, "loss": loss_sum.item() / (cfg.dp * cfg.tp), "grad_norm": grad_norm,
             "lr": lr, "tokens_per_s": cfg.global_batch * cfg.seq_len / dt, "sample_ids": sample_ids,
             "world_size": dist.get_world_size()}
 
@@ -471,7 +531,7 @@ def checkpoint_dirs(cfg: TrainConfig) -> list[Path]:
 
 
 def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None = None) -> list[Path]:
-    """Spawn ``nprocs`` (default dp*tp) local gloo processes, train, return after all exit.
+    """Spawn ``nprocs`` (default pp*dp*tp) local gloo processes, train, return after all exit.
 
     ``cfg`` may be a list of configs with the same world size: they run one after the
     other in the same processes (a later one may ``resume`` from an earlier one's output,
@@ -487,7 +547,7 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
     nprocs = nprocs or cfgs[0].world_size
     for c in cfgs:
         if c.world_size != nprocs:
-            raise ValueError(f"nprocs {nprocs} != dp {c.dp} x tp {c.tp}")
+            raise ValueError(f"nprocs {nprocs} != pp {c.pp} x dp {c.dp} x tp {c.tp}")
         if c.out:
             Path(c.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
