@@ -338,7 +338,7 @@ class LineageEvent:
     event: str
     from_: Topology | None
     to: Topology | None
-    at_step: int
+    at_step: int | None
     policies: dict = field(default_factory=dict)
     tool: str = ""
     time: str = field(default_factory=now_iso)
@@ -360,7 +360,7 @@ class LineageEvent:
         return cls(event=_get(d, "event", f"{path}.event", ctx, str, choices=LINEAGE_EVENTS),
                    from_=None if frm is None else Topology.from_dict(frm, f"{path}.from", ctx),
                    to=None if to is None else Topology.from_dict(to, f"{path}.to", ctx),
-                   at_step=_get(d, "at_step", f"{path}.at_step", ctx, int),
+                   at_step=_get(d, "at_step", f"{path}.at_step", ctx, int, nullable=True),
                    policies=_get(d, "policies", f"{path}.policies", ctx, dict),
                    tool=_get(d, "tool", f"{path}.tool", ctx, str),
                    time=_get(d, "time", f"{path}.time", ctx, str),
@@ -397,10 +397,10 @@ class Manifest:
     """Everything a checkpoint must let you check beyond the tensors (see BACKGROUND.md)."""
 
     experiment_id: str
-    step: int
-    """Completed optimizer steps."""
-    tokens_seen: int
-    samples_seen: int
+    step: int | None
+    """Completed optimizer steps (null: unknown, e.g. converted from a source that does not record it)."""
+    tokens_seen: int | None
+    samples_seen: int | None
     key_convention: str
     """How state-dict keys are laid out: "reshard", "torchtitan" or "torch-get-state-dict"."""
     topology: Topology
@@ -448,9 +448,9 @@ class Manifest:
         lineage = _get(d, "lineage", "lineage", ctx, list)
         return cls(
             experiment_id=_get(d, "experiment_id", "experiment_id", ctx, str),
-            step=_get(d, "step", "step", ctx, int),
-            tokens_seen=_get(d, "tokens_seen", "tokens_seen", ctx, int),
-            samples_seen=_get(d, "samples_seen", "samples_seen", ctx, int),
+            step=_get(d, "step", "step", ctx, int, nullable=True),
+            tokens_seen=_get(d, "tokens_seen", "tokens_seen", ctx, int, nullable=True),
+            samples_seen=_get(d, "samples_seen", "samples_seen", ctx, int, nullable=True),
             key_convention=_get(d, "key_convention", "key_convention", ctx, str, choices=KEY_CONVENTIONS),
             topology=Topology.from_dict(_get(d, "topology", "topology", ctx, dict), "topology", ctx),
             batch=Batch.from_dict(_get(d, "batch", "batch", ctx, dict), "batch", ctx),

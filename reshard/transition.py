@@ -54,14 +54,14 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
     }
     lineage = list(src.get("lineage") or [])
     lineage.append({"event": "transition", "from": _topo(plan.source["topology"]).to_dict(), "to": _topo(target).to_dict(),
-                    "at_step": int(plan.source.get("step") or 0), "policies": policies, "tool": f"reshard {__version__}",
+                    "at_step": _int_or_none(plan.source.get("step")), "policies": policies, "tool": f"reshard {__version__}",
                     "time": time, "kind": kind, "reason": reason})
     d = {
         "format": mf.FORMAT, "format_version": mf.FORMAT_VERSION,
         "experiment_id": exp_id,
-        "step": int(src.get("step", plan.source.get("step") or 0)),
-        "tokens_seen": int(src.get("tokens_seen", plan.source.get("tokens_seen") or 0)),
-        "samples_seen": int(src.get("samples_seen", 0)),
+        "step": _int_or_none(src.get("step", plan.source.get("step"))),
+        "tokens_seen": _int_or_none(src.get("tokens_seen", plan.source.get("tokens_seen"))),
+        "samples_seen": _int_or_none(src.get("samples_seen")),
         "key_convention": src.get("key_convention") or plan.source["convention"],
         "topology": _topo(target).to_dict(),
         "batch": batch,
@@ -83,3 +83,7 @@ def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)
+
+
+def _int_or_none(v: object) -> int | None:
+    return None if v is None else int(v)  # type: ignore[call-overload]

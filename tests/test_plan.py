@@ -83,7 +83,7 @@ def test_plan_reference_4_to_2(reference_ckpt, capsys):
     # per-tensor placement: dim-0 torch.chunk pieces on ranks 0 and 1
     t = next(t for t in p["tensors"] if t["key"] == "model.tok_emb.weight")
     rows = t["shape"][0]
-    assert t["placement"] == "Shard(0)"
+    assert t["placement"] == "FSDP Shard(0)"
     assert [(c["rank"], c["offsets"][0], c["sizes"][0]) for c in t["chunks"]] == [(0, 0, (rows + 1) // 2), (1, (rows + 1) // 2, rows // 2)]
     mem = p["memory"]
     assert len(mem["per_rank"]) == 2 and mem["max"] >= mem["min"] > 0

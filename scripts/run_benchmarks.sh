@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Run every benchmark with its defaults and collect the Markdown into docs/benchmarks.md.
+#
+#   scripts/run_benchmarks.sh                 # from anywhere; uses the repo's .venv
+#   PYTHON=/path/to/python OUT=/tmp/b DOC=/tmp/benchmarks.md scripts/run_benchmarks.sh
+#   REPORT_ONLY=1 scripts/run_benchmarks.sh   # rebuild the doc from the results already in $OUT
+#
+# Each benchmark (scripts/<name>.py) writes <name>.md and <name>.json into $OUT (default
+# bench-results/). This script then writes $DOC (default docs/benchmarks.md): a header
+# naming the machine, then per benchmark its table and a paragraph interpreting the
+# figures against the target, computed from its JSON (so it is never stale).
+# Exit status: that of the first benchmark that failed (0 when all succeeded); the doc is
+# written either way with whatever tables exist.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+OUT="${OUT:-$ROOT/bench-results}"
+DOC="${DOC:-$ROOT/docs/benchmarks.md}"
+BENCHES=(bench_inspect bench_convert_memory)
+
+if [ ! -x "$PYTHON" ]; then
+  echo "error: no interpreter at $PYTHON (create the venv: python3 -m venv .venv && .venv/bin/pip install -e .)" >&2
+  exit 2
+fi
+mkdir -p "$OUT" "$(dirname "$DOC")"
+cd "$ROOT"
+
+status=0
+for b in "${BENCHES[@]}"; do
+  [ -n "${REPORT_ONLY:-}" ] && break   # REPORT_ONLY=1: only rebuild $DOC from the results already in $OUT
+  echo "== $b" >&2
+  rm -f "$OUT/$b.md" "$OUT/$b.json"
+  "$PYTHON" "scripts/$b.py" --out "$OUT"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "warning: $b exited $rc" >&2
+    [ "$status" -eq 0 ] && status=$rc
+  fi
+done
+
+mem_gib="$(awk '/^MemTotal:/ {printf "%.1f", $2 / 1048576}' /proc/meminfo 2>/dev/null || echo '?')"
+cpu_model="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null || true)"
+versions="$("$PYTHON" -c 'import platform, torch, reshard; print("Python", platform.python_version() + ", torch", torch.__version__ + ", reshard", getattr(reshard, "__version__", "?"))' 2>/dev/null || echo 'versions unavailable')"
+commit="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+dirty="$(git -C "$ROOT" status --porcelain 2>/dev/null | head -1)"
+
+interpret() {  # $1 = benchmark name; prints one paragraph from $OUT/$1.json
+  "$PYTHON" - "$OUT/$1.json" "$1" <<'PY'
+import json, sys
+path, name = sys.argv[1], sys.argv[2]
+try:
+    r = json.load(open(path))
+except (OSError, ValueError):
+    print(f"No result file ({path}); the benchmark did not finish.")
+    sys.exit()
+if name == "bench_inspect":
+    small, large = r["cases"]
+    d = r["difference_s"]
+    if d is None:
+        print("Inspect did not run to completion on both checkpoints, so the target cannot be judged; see Problems above.")
+        sys.exit()
+    extra = large["entries"] - small["entries"]
+    print(f"**Interpretation.** Target: inspecting {large['entries']:,} entries costs less than "
+          f"{r['target_s']:g} s more than {small['entries']:,}. Measured: {d:+.3f} s "
+          f"({'met' if r['meets_target'] else 'MISSED'}), i.e. about {1000 * d / extra * 1000:.2f} ms per 1,000 extra "
+          f"entries. The small case's {small['timing']['median_s']:.2f} s is almost all interpreter start-up and the "
+          f"torch import, paid once whatever the checkpoint; inspect reads the `.metadata`, stats the data files "
+          f"and reads only the few small items it needs.")
+elif name == "bench_convert_memory":
+    cs = r["cases"]
+    a, b = cs[0], cs[-1]
+    d = r["convert_rss_difference_mib"]
+    if d is None:
+        print("A convert or verify run failed, so the memory target cannot be judged; see Problems above.")
+        sys.exit()
+    base = (r.get("baseline") or {}).get("peak_rss_mib")
+    ratio = b["facts"]["bytes_on_disk"] / a["facts"]["bytes_on_disk"]
+    thr = lambda c: c["facts"]["bytes_on_disk"] / (1 << 20) / c["convert"]["wall_s"]
+    lt = a["facts"]["largest_tensor_bytes"] / (1 << 20)
+    lc = a["facts"]["largest_chunk_bytes"] / (1 << 20)
+    runs = lambda c: ", ".join(f"{x:,.0f}" for x in c["convert"].get("runs_peak_rss_mib", []))
+    s = (f"**Interpretation.** Target: the peak RSS of converting the {b['size_gib']:g} GiB checkpoint exceeds that of the "
+         f"{a['size_gib']:g} GiB one (same {lt:,.0f} MiB largest tensor) by less than {r['target_mib']:g} MiB. Measured: "
+         f"{a['convert']['peak_rss_mib']:,.0f} MiB vs {b['convert']['peak_rss_mib']:,.0f} MiB (medians; runs {runs(a)} and "
+         f"{runs(b)}), a difference of {d:+.1f} MiB for a {ratio:.1f}x larger checkpoint: "
+         f"**{'PASS' if r['meets_target'] else 'FAIL'}**. ")
+    if base:
+        own = sorted(c["convert"]["peak_rss_mib"] - base for c in (a, b))
+        s += (f"A process that only imports torch and reshard already peaks at {base:,.0f} MiB, so convert's own working "
+              f"set is about {own[0]:,.0f}-{own[1]:,.0f} MiB: "
+              f"a few {lc:,.0f} MiB source chunks and the target chunks assembled from them, not the checkpoint. ")
+    spread = max(max(c["convert"]["runs_peak_rss_mib"]) - min(c["convert"]["runs_peak_rss_mib"]) for c in cs)
+    s += (f"Identical runs spread by up to {spread:,.0f} MiB, "
+          + ("so the difference is within run-to-run noise. " if abs(d) <= spread else
+             "so the difference is larger than run-to-run noise. "))
+    samples = b["convert"].get("run_samples", [[]])[-1]
+    if len(samples) > 20:
+        import statistics as st
+        t_end = samples[-1][0]
+        # the conversion proper: from when RSS first reaches the import baseline (torch loaded) to the end
+        t0 = next((t for t, m in samples if base and m >= 0.9 * base), samples[0][0])
+        span = t_end - t0
+        q1 = [m for t, m in samples if t0 <= t < t0 + span * 0.25]
+        q4 = [m for t, m in samples if t >= t0 + span * 0.75]
+        if q1 and q4 and span > 2:
+            s += (f"After the imports ({t0:.1f} s), the sampled RSS of the {b['size_gib']:g} GiB conversion is "
+                  f"{st.median(q1):,.0f} MiB (median) in the first quarter of the remaining {span:.0f} s and "
+                  f"{st.median(q4):,.0f} MiB in the last: "
+                  + ("a plateau, not a climb with the bytes processed. " if st.median(q4) - st.median(q1) < 16 else
+                     "it climbs as it goes. "))
+    s += (f"Page cache "
+          f"(the checkpoint's bytes read and written) is not RSS and is not counted. Throughput: "
+          f"{thr(a):,.0f} and {thr(b):,.0f} MiB/s for convert (which also re-reads both checkpoints to verify the "
+          f"output before committing it), against {a['cp']['wall_s']:.2f} and {b['cp']['wall_s']:.2f} s for a plain "
+          f"`cp -r` of the source (mostly from page cache). Wall times vary a lot with the machine's load "
+          f"(load average {r['machine'].get('loadavg', ['?'])[0]:.1f} on {r['machine']['nproc']} CPUs at the end of this run; "
+          f"convert runs of the {b['size_gib']:g} GiB checkpoint took "
+          f"{min(b['convert']['runs_wall_s']):.0f}-{max(b['convert']['runs_wall_s']):.0f} s); "
+          f"peak RSS does not.")
+    print(s)
+PY
+}
+
+{
+  echo "# Benchmarks"
+  echo
+  echo "Generated by \`scripts/run_benchmarks.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC') at commit \`$commit\`${dirty:+ (with uncommitted changes)}."
+  echo
+  echo "Machine: $(nproc) CPUs${cpu_model:+ ($cpu_model)}, $mem_gib GiB RAM, $(uname -sr), $versions, CPU only."
+  echo "Times are wall-clock and include interpreter start-up and imports; each table gives the load average when it ran."
+  echo "Re-run with \`scripts/run_benchmarks.sh\` (raw results: \`bench-results/*.json\`)."
+  echo
+  for b in "${BENCHES[@]}"; do
+    if [ -f "$OUT/$b.md" ]; then
+      sed -e 's/^# /## /' "$OUT/$b.md"   # the benchmark's H1 becomes an H2 under the page title
+    else
+      printf '## %s\n\nDid not produce a table (see its output).\n' "$b"
+    fi
+    echo
+    interpret "$b"
+    echo
+  done
+} > "$DOC.tmp" && mv "$DOC.tmp" "$DOC"
+echo "wrote $DOC" >&2
+exit "$status"
