@@ -55,11 +55,23 @@ def inspect(
     raise typer.Exit(result.exit_code)
 
 
-def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle):
+def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
+             rules=None, model_config=None):
+    from reshard.errors import BadInput
     from reshard.plan import Options
 
+    config = {}
+    for item in model_config or []:
+        name, sep, value = item.partition("=")
+        try:
+            config[name.strip()] = int(value)
+        except ValueError:
+            raise BadInput(f"--model-config expects name=integer, got '{item}'") from None
+        if not sep or not name.strip():
+            raise BadInput(f"--model-config expects name=integer, got '{item}'")
     return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-                   data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle)
+                   data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
+                   rules=str(rules) if rules else None, model_config=config or None)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
@@ -71,6 +83,8 @@ _DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop f
 _RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
 _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the manifest's).")
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items to unpickle arbitrary classes (only for sources you trust).")
+_RULES = typer.Option(None, "--rules", help="Partition rules file (formats/models/*.toml format) for TP/PP changes.")
+_MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
 
 
 @app.command()
@@ -79,6 +93,7 @@ def plan(
     to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
+    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
 ) -> None:
@@ -89,7 +104,8 @@ def plan(
     from reshard.plan import make_plan
     from reshard.report import render_plan, to_json
 
-    p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle))
+    p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
+                                 rules, model_config))
     d = p.to_dict(tensors=json_out or verbose)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
     raise typer.Exit(0 if p.feasible else 1)
@@ -103,6 +119,8 @@ def convert(
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
+    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG,
+    output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
@@ -127,12 +145,15 @@ def convert(
     elif to is None:
         raise BadInput("convert needs --to SPEC or --plan PLAN.json")
     else:
-        opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle)
+        opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
+                        rules, model_config)
+    if output_format not in ("dcp", "local"):
+        raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     p = make_plan(src, opts)
     if given is not None:
         check_plan_matches(given, p)
     bar = _progress(len(p.keys), "convert")
-    report = run_convert(p, src, dst, overwrite=overwrite, progress=bar)
+    report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format)
     bar.close()
     typer.echo(to_json(report) if json_out else render_convert(report))
     raise typer.Exit(0 if report["verification"]["equal"] else 1)

@@ -46,8 +46,11 @@ def _check_destination(src: Path, dst: Path) -> None:
                        hint="Write the converted checkpoint to a separate directory; the source is never modified.")
 
 
-def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
+def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
+            output_format: str = "dcp") -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report."""
+    if output_format == "local":
+        return convert_local(plan, src, dst, overwrite=overwrite, progress=progress)
     if not plan.feasible:
         raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
                          hint="Run `reshard plan` to see the choices.")
@@ -253,3 +256,33 @@ def render_markdown(r: dict[str, Any]) -> str:
 
 def _spec(t: dict[str, Any]) -> str:
     return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
+
+
+def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
+    """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
+    from reshard.io.local_format import write_local
+
+    if not plan.feasible:
+        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
+                         hint="Run `reshard plan` to see the choices.")
+    src, dst = Path(src), Path(dst)
+    _check_destination(src, dst)
+    ix = CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+    started = _time.time()
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        info = write_local(plan, ix, tmp, progress=progress)
+        manifest = output_manifest(plan, _source_manifest(src), time=_now())
+        write_manifest(tmp, manifest)
+        verification = _verify(src, tmp, plan)
+        report = _report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
+        report["output_format"] = "local"
+        report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
+        report["bytes_written"] = sum(report["files"].values())
+        report["local"] = info
+        (tmp / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (tmp / REPORT_MD).write_text(render_markdown(report))
+        if not verification["equal"]:
+            raise Infeasible("the local output does not match the source: "
+                             + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
+                             where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+    return report
