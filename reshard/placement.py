@@ -142,8 +142,10 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         g.by_key[k] = TensorGeometry(Placement(dp_shard=True, tp_dim=tp_dim, stage=stage), shape, transform)
 
     # ------------------------------------------------------------- tied copies across stages
+    declared = {tuple(t) for t in (model.get("tied") or [])}
     for a, b in rules.pipeline.tied:
-        if a not in params or b not in params:
+        # The rules say which copies a model family may tie; the manifest says whether this model does.
+        if a not in params or b not in params or ((a, b) not in declared and (b, a) not in declared):
             continue
         ma, mb = sorted(moments_of.get(a, [])), sorted(moments_of.get(b, []))
         if target.pp > 1 and ma and not mb:
