@@ -184,6 +184,48 @@ def verify(
 
 
 @app.command()
+def rehearse(
+    from_spec: str = typer.Option(..., "--from", help="Source layout of the rehearsal, e.g. dp=4."),
+    to: str = typer.Option(..., "--to", help="Target layout, e.g. dp=2."),
+    steps: int = typer.Option(24, "--steps", help="Total optimizer steps of the baseline."),
+    switch_at: int = typer.Option(4, "--switch-at", help="Step at which the rehearsal checkpoints and converts."),
+    window: int = typer.Option(20, "--window", help="Steps after the switch that are compared."),
+    micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint."),
+    out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
+    json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),
+) -> None:
+    """Rehearse a transition on the small reference model: baseline, converted resume, naive control.
+
+    Exit 0 within tolerances with exact coverage, 1 otherwise.
+    """
+    from reshard.rehearsal import render_rehearsal, rehearse as run_rehearsal
+    from reshard.report import to_json
+
+    r = run_rehearsal(from_spec=from_spec, to_spec=to, steps=steps, switch_at=switch_at, window=window,
+                      micro_batch=micro_batch, grad_accum=grad_accum, like=like, out=out)
+    typer.echo(to_json(r) if json_out else render_rehearsal(r))
+    raise typer.Exit(int(r["exit_code"]))
+
+
+@app.command()
+def window(
+    before: Path = typer.Argument(..., help="Step log (JSON lines) before the transition."),
+    after: Path = typer.Argument(..., help="Step log after the transition."),
+    manifest: Optional[Path] = typer.Option(None, "--manifest", help="Checkpoint (or manifest.json) whose lineage names the transition."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write window.json, window.md and window.png here."),
+    json_out: bool = typer.Option(False, "--json", help="Print the judgement as JSON."),
+) -> None:
+    """Judge the verification window after a real transition: loss, grad norm, throughput, coverage."""
+    from reshard.report import to_json
+    from reshard.window import judge, render_window
+
+    r = judge(before, after, manifest=manifest, out=out)
+    typer.echo(to_json(r) if json_out else render_window(r))
+    raise typer.Exit(int(r["exit_code"]))
+
+
+@app.command()
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
     steps: int = typer.Option(6, "--steps", help="Optimizer steps the reference trainer runs."),
