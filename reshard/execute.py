@@ -39,6 +39,16 @@ def _now() -> str:
     return t.isoformat(timespec="seconds")
 
 
+def _prepare(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, CheckpointIndex]:
+    """Refuse infeasible plans and destinations that overlap the source; open the source."""
+    if not plan.feasible:
+        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
+                         hint="Run `reshard plan` to see the choices.")
+    src, dst = Path(src), Path(dst)
+    _check_destination(src, dst)
+    return src, dst, CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+
+
 def _check_destination(src: Path, dst: Path) -> None:
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents or d in s.parents:
@@ -51,12 +61,7 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
     """Write the plan's checkpoint to ``dst``; returns the conversion report."""
     if output_format == "local":
         return convert_local(plan, src, dst, overwrite=overwrite, progress=progress)
-    if not plan.feasible:
-        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
-                         hint="Run `reshard plan` to see the choices.")
-    src, dst = Path(src), Path(dst)
-    _check_destination(src, dst)
-    ix = CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+    src, dst, ix = _prepare(plan, src, dst)
     started = _time.time()
     stamp = _now()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -262,12 +267,7 @@ def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, 
     """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
     from reshard.io.local_format import write_local
 
-    if not plan.feasible:
-        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
-                         hint="Run `reshard plan` to see the choices.")
-    src, dst = Path(src), Path(dst)
-    _check_destination(src, dst)
-    ix = CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+    src, dst, ix = _prepare(plan, src, dst)
     started = _time.time()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         info = write_local(plan, ix, tmp, progress=progress)
