@@ -76,6 +76,7 @@ class TensorPlan:
     chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # (writer rank, offsets, sizes)
     transform: dict[str, Any] | None = None  # reinterleave / repad (TP-dependent global layouts)
     copy_from: str | None = None  # tied copies: the source key whose values this key takes
+    local: dict[int, tuple[int, ...]] = field(default_factory=dict)  # every holding rank -> its local shape
 
     def to_dict(self) -> dict[str, Any]:
         d = {"key": self.key, "role": self.role, "shape": list(self.shape), "dtype": self.dtype,
@@ -85,6 +86,9 @@ class TensorPlan:
             d["transform"] = self.transform
         if self.copy_from:
             d["copy_from"] = self.copy_from
+        if self.local:
+            d["local_shapes"] = {str(r): list(v) for r, v in self.local.items()}
+            d["uneven"] = len({v for v in self.local.values()}) > 1
         return d
 
 
@@ -316,6 +320,11 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         if isinstance(v, torch.Tensor):
             tensors.append(_replicated(k, role, v, rank or 0))
 
+    for t in tensors:
+        for rank in range(target.world_size):
+            box = local_box(t.shape, t.placement, target, rank)
+            if box is not None:
+                t.local[rank] = box.sizes
     memory = _memory(tensors, ix, cls, target)
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
     verdict["changes"].extend(geo.numerics)

@@ -167,7 +167,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<36}writer rank: local shape")
         for tp in p["tensors"]:
             locs = ", ".join(f"r{c['rank']}:{c['sizes']}" for c in tp["chunks"])
-            flag = "  (uneven)" if len({tuple(c["sizes"]) for c in tp["chunks"]}) > 1 else ""
+            flag = "  (uneven)" if tp.get("uneven") else ""
             out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<36}{locs}{flag}")
     v = p["verdict"]
     out.append("")
