@@ -149,7 +149,9 @@ def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
     """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides."""
     from reshard import transforms
 
-    a, b = CheckpointIndex.open(src), CheckpointIndex.open(out)
+    from reshard.io.local_format import open_any
+
+    a, b = CheckpointIndex.open(src), open_any(out)
     problems = []
     for t in plan.tensors:
         tr = t.transform

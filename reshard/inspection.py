@@ -18,6 +18,7 @@ from reshard import topology as topo_mod
 from reshard.conventions import Classification, classify, known_tied_pairs
 from reshard.errors import ReshardError
 from reshard.index import CheckpointIndex, Entry, Finding
+from reshard.io.local_format import open_any
 
 JSON_VERSION = 1
 
@@ -66,7 +67,7 @@ def _scalar(v: Any) -> Any:
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None) -> Inspection:
     root = Path(path)
-    ix = CheckpointIndex.open(root, trust_pickle=trust_pickle)
+    ix = open_any(root, trust_pickle=trust_pickle)  # DCP, or reshard's local format (local-index.json)
     findings: list[Finding] = ix.findings
     manifest = None
     try:

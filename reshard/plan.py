@@ -374,7 +374,7 @@ def _owner_rank(key: str, cls, target: Topology) -> int:
 
 def _replicated(key: str, role: str, value: torch.Tensor, rank: int) -> TensorPlan:
     shape = tuple(value.shape)
-    return TensorPlan(key, role, shape, str(value.dtype).removeprefix("torch."), Placement("replicate"),
+    return TensorPlan(key, role, shape, str(value.dtype).removeprefix("torch."), Placement.replicated(),
                       [(rank, tuple(0 for _ in shape), shape)])
 
 
