@@ -65,6 +65,12 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
     started = _time.time()
     stamp = _now()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
+        for key, equal_to in plan.checks.items():
+            from reshard.inspection import bitwise_equal
+
+            if not bitwise_equal(ix, key, equal_to):
+                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
+                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         w = DcpWriter(tmp)
         planned = {t.key: t for t in plan.tensors}
         actions = {a.key: a for a in plan.keys}
@@ -92,12 +98,6 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
                     w.write_object_bytes(rank, key, raw, path=e.path or None)
             if progress is not None:
                 progress.update(1)
-        for key, equal_to in plan.checks.items():
-            from reshard.inspection import bitwise_equal
-
-            if not bitwise_equal(ix, key, equal_to):
-                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ, so dropping one would lose state",
-                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         for a in plan.keys:
             if a.action != "added":
                 continue

@@ -33,6 +33,9 @@ class Geometry:
     numerics: list[str] = field(default_factory=list)       # what changes numerically
     stage_map: dict[str, Any] | None = None
     tied_actions: dict[str, tuple[str, str, str | None]] = field(default_factory=dict)  # key -> (action, reason, copy-from key)
+    tied_params: list[tuple[str, str]] = field(default_factory=list)  # declared tied model keys: must be equal
+    same_storage: set[str] = field(default_factory=set)  # model keys that share storage with their tie on the target
+    extra_trainable: set[str] = field(default_factory=set)  # params that become trainable copies on the target
 
 
 def needs_rules(source: Topology, target: Topology) -> bool:
@@ -147,15 +150,29 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         # The rules say which copies a model family may tie; the manifest says whether this model does.
         if a not in params or b not in params or ((a, b) not in declared and (b, a) not in declared):
             continue
+        g.tied_params.append((params[a], params[b]))
+        if target.pp == 1:
+            g.same_storage.add(params[b])
+        elif moments_of.get(a):
+            g.extra_trainable.add(b)
         ma, mb = sorted(moments_of.get(a, [])), sorted(moments_of.get(b, []))
+        # Flattened per-parameter param groups (`...param_groups.<fqn>.<hyper>`) follow the state.
+        ga = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{a}." in k)
+        gb = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{b}." in k)
         if target.pp > 1 and ma and not mb:
             for key in ma:
                 new = key.replace(a, b, 1)
                 g.tied_actions[new] = ("added", f"tied copy of {a} on the last stage: its optimizer state is a copy of {a}'s", key)
+            if not gb:
+                for key in ga:
+                    g.tied_actions[key.replace(f".{a}.", f".{b}.", 1)] = (
+                        "added", f"tied copy of {a} on the last stage: its param group is a copy of {a}'s", key)
         elif target.pp == 1 and ma and mb:
             for key in mb:
                 g.tied_actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, its state equals {a}'s (checked on convert)",
                                        key.replace(b, a, 1))
+            for key in gb:
+                g.tied_actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, one param group", None)
 
     # ------------------------------------------------------------- numerics
     if source.tp != target.tp:

@@ -297,10 +297,19 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
                                      rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner))
         else:
             actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+    param_keys = {r_.param: k for k, r_ in cls.roles.items() if r_.role == "parameter" and r_.param}
+    declared = [tuple(t) for t in ((mdict.get("model") or {}).get("tied") or []) if len(t) == 2]
+    for a_key, b_key in geo.tied_params + [(param_keys[a], param_keys[b]) for a, b in declared
+                                           if a in param_keys and b in param_keys]:
+        checks[b_key] = a_key  # declared tied weights must be equal, or the conversion would pick one silently
     for key, (action, why, src_key) in geo.tied_actions.items():
         if action != "added" or src_key is None:
             continue
         se = ix.entries[src_key]
+        if not se.is_tensor:
+            new_values[key] = ix.read_object(src_key)
+            actions.append(KeyAction(key, cls.roles[src_key].role, "added", why, rank=0))
+            continue
         pl = geo.by_key[src_key].placement
         b_param = cls.roles[src_key].param
         stage = target.pp - 1
@@ -325,7 +334,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
             box = local_box(t.shape, t.placement, target, rank)
             if box is not None:
                 t.local[rank] = box.sizes
-    memory = _memory(tensors, ix, cls, target)
+    memory = _memory(tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
     verdict["changes"].extend(geo.numerics)
     source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
@@ -378,9 +387,13 @@ def _replicated(key: str, role: str, value: torch.Tensor, rank: int) -> TensorPl
                       [(rank, tuple(0 for _ in shape), shape)])
 
 
-def _memory(tensors: list[TensorPlan], ix, cls, target: Topology) -> dict[str, Any]:
-    """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state."""
-    trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"}
+def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storage: set[str] = frozenset(),
+            extra_trainable: set[str] = frozenset()) -> dict[str, Any]:
+    """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state.
+
+    A tied copy that shares storage with its tie on the target is counted once.
+    """
+    trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"} | set(extra_trainable)
     per_rank = []
     for rank in range(target.world_size):
         acc = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
@@ -390,6 +403,8 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology) -> dict[str, A
                 continue
             nbytes = box.numel * _dtype_size(t.dtype)
             role = cls.roles.get(t.key)
+            if t.key in same_storage:
+                continue
             if t.role == "parameter":
                 acc["parameters"] += nbytes
                 if role is not None and role.param in trainable:

@@ -248,29 +248,35 @@ def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
     return out
 
 
-def rewrites_from_reports(a: Path, b: Path) -> tuple[dict[str, str], str | None]:
-    """Keys one side's conversion report says were rewritten, dropped or added on purpose.
+def rewrites_from_reports(a: Path, b: Path, *, max_hops: int = 16) -> tuple[dict[str, str], str | None]:
+    """Keys the conversion reports between A and B say were rewritten, dropped or added on purpose.
 
     `reshard convert` writes `reshard-report.json` into its output naming every key it
     changed deliberately (reseeded RNG, translated data state, remapped schedule). When one
-    side is the recorded output of converting the other, those keys are expected
-    differences; the report is only trusted when its recorded source is the other side.
+    side was produced from the other by a chain of conversions (A -> X -> ... -> B), the
+    reports along the chain are followed back to the other side; they are only trusted
+    when the chain really ends there.
     """
     import json
 
     for src, out in ((a, b), (b, a)):
-        rp = Path(out) / "reshard-report.json"
-        if not rp.is_file():
-            continue
-        try:
-            rep = json.loads(rp.read_text())
-            if Path(rep["source"]).resolve() != Path(src).resolve():
-                continue
-            keys = {k["key"]: f"{k['action']} by the conversion ({k['reason']})" for k in rep["plan"]["keys"]
-                    if k["action"] in ("rewritten", "dropped", "added")}
-            return keys, str(rp)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        keys: dict[str, str] = {}
+        first: str | None = None
+        cur = Path(out)
+        for _ in range(max_hops):
+            rp = cur / "reshard-report.json"
+            try:
+                rep = json.loads(rp.read_text())
+                prev = Path(rep["source"])
+                for k in rep["plan"]["keys"]:
+                    if k["action"] in ("rewritten", "dropped", "added"):
+                        keys.setdefault(k["key"], f"{k['action']} by the conversion {prev.name} -> {cur.name} ({k['reason']})")
+            except (OSError, ValueError, KeyError, TypeError):
+                break
+            first = first or str(rp)
+            if prev.resolve() == Path(src).resolve():
+                return keys, first
+            cur = prev
     return {}, None
 
 
