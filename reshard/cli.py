@@ -56,7 +56,7 @@ def inspect(
 
 
 def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-             rules=None, model_config=None):
+             rules=None, model_config=None, pp_stages=None):
     from reshard.errors import BadInput
     from reshard.plan import Options
 
@@ -71,7 +71,7 @@ def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy,
             raise BadInput(f"--model-config expects name=integer, got '{item}'")
     return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
                    data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
-                   rules=str(rules) if rules else None, model_config=config or None)
+                   rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
@@ -85,6 +85,7 @@ _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the 
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items to unpickle arbitrary classes (only for sources you trust).")
 _RULES = typer.Option(None, "--rules", help="Partition rules file (formats/models/*.toml format) for TP/PP changes.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
+_STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
 
 
 @app.command()
@@ -93,7 +94,7 @@ def plan(
     to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
-    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG,
+    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
 ) -> None:
@@ -105,7 +106,7 @@ def plan(
     from reshard.report import render_plan, to_json
 
     p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                                 rules, model_config))
+                                 rules, model_config, pp_stages))
     d = p.to_dict(tensors=json_out or verbose)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
     raise typer.Exit(0 if p.feasible else 1)
@@ -119,7 +120,7 @@ def convert(
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
-    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG,
+    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
@@ -146,7 +147,7 @@ def convert(
         raise BadInput("convert needs --to SPEC or --plan PLAN.json")
     else:
         opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                        rules, model_config)
+                        rules, model_config, pp_stages)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     p = make_plan(src, opts)

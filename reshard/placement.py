@@ -12,7 +12,7 @@ from typing import Any
 
 from reshard.errors import BadInput
 from reshard.layout import Placement
-from reshard.rules import ModelRules, evaluate, nearest_degrees, padded_vocab, select, stage_of
+from reshard.rules import ModelRules, evaluate, even_stages, nearest_degrees, padded_vocab, parse_stages, select, stage_of
 from reshard.topology import Topology
 
 SHARDED_ROLES = ("parameter", "optimizer_moment")
@@ -43,7 +43,8 @@ def needs_rules(source: Topology, target: Topology) -> bool:
 
 
 def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *,
-           rules_file: str | None = None, model_config: dict[str, Any] | None = None) -> Geometry:
+           rules_file: str | None = None, model_config: dict[str, Any] | None = None,
+           pp_stages: str | None = None) -> Geometry:
     params = {r.param: k for k, r in cls.roles.items() if r.role == "parameter" and r.param}
     if not needs_rules(source, target):
         by_key = {}
@@ -93,19 +94,22 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         num_layers = config.get(rules.pipeline.num_layers or "", counted) if rules.pipeline.num_layers else counted
         if not isinstance(num_layers, int):
             num_layers = counted
+    stages: list[tuple[int, int]] | None = None
     if target.pp > 1:
-        if not num_layers or num_layers % target.pp:
+        if pp_stages:
+            stages = parse_stages(pp_stages, num_layers or 0, target.pp)
+        elif not num_layers or num_layers % target.pp:
             g.reasons.append(f"pp={target.pp} does not divide the {num_layers} layers; nearest feasible pp: "
-                             f"{nearest_degrees([num_layers or 1], target.pp)}")
-        unstaged = sorted(p for p in params if stage_of(p, rules, target.pp, num_layers or 1) is None)
+                             f"{nearest_degrees([num_layers or 1], target.pp)} (or give an explicit --pp-stages)")
+        unstaged = sorted(p for p in params if stage_of(p, rules, target.pp, num_layers or 1, stages) is None)
         if unstaged:
             raise BadInput(f"{len(unstaged)} parameters have no pipeline stage rule: " + ", ".join(unstaged[:10]),
                            where=rules.source, hint="Add them to [pipeline] first/last or the layer pattern.")
     if num_layers:
-        per = max(1, num_layers // target.pp)
-        g.stage_map = {"num_layers": num_layers, "stages": [
-            {"stage": s, "layers": [s * per, min(num_layers, (s + 1) * per)],
-             "holds": [p for p in sorted(params) if (stage_of(p, rules, target.pp, num_layers) == s
+        split = stages or even_stages(num_layers, target.pp)
+        g.stage_map = {"num_layers": num_layers, "split": "explicit" if stages else "even", "stages": [
+            {"stage": s, "layers": list(split[s]),
+             "holds": [p for p in sorted(params) if (stage_of(p, rules, target.pp, num_layers, stages) == s
                                                     and not (rules.pipeline.layer and rules.pipeline.layer.match(p)))]}
             for s in range(target.pp)]}
 
@@ -120,7 +124,7 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         r = cls.roles[k]
         fqn = r.param if r.role in ("parameter", "optimizer_moment", "optimizer_step") else None
         rule = rules.rule_for(fqn) if fqn else None
-        stage = stage_of(fqn, rules, target.pp, num_layers or 1) if (fqn and target.pp > 1) else None
+        stage = stage_of(fqn, rules, target.pp, num_layers or 1, stages) if (fqn and target.pp > 1) else None
         if rule is None or r.role == "optimizer_step" or not e.shape:
             g.by_key[k] = TensorGeometry(Placement.replicated(stage), e.shape)
             continue

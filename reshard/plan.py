@@ -46,6 +46,7 @@ class Options:
     trust_pickle: bool = False
     rules: str | None = None
     model_config: dict[str, Any] | None = None
+    pp_stages: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -177,7 +178,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         if getattr(source_topo, d) != getattr(target, d) and d == "cp":
             reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
     geo = placement_mod.decide(ix, cls, mdict, source_topo, target, rules_file=options.rules,
-                               model_config=options.model_config)
+                               model_config=options.model_config, pp_stages=options.pp_stages)
     reasons.extend(geo.reasons)
     # ------------------------------------------------------------ accumulation phase
     acc = r.get("accumulation") or {}

@@ -165,15 +165,46 @@ def nearest_degrees(values: list[int], want: int, limit: int = 64) -> list[int]:
     return sorted(ok, key=lambda d: (abs(d - want), d))[:3]
 
 
-def stage_of(fqn: str, rules: ModelRules, pp: int, num_layers: int) -> int | None:
-    """Pipeline stage holding ``fqn`` under an even split; None when no pipeline rule places it."""
+def even_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """[start, end) layer ranges of an even split (the first stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def parse_stages(spec: str, num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """``"0-2,3-5"`` (inclusive ranges, one per stage, contiguous and covering every layer)."""
+    try:
+        ranges = []
+        for part in spec.split(","):
+            a, _, b = part.strip().partition("-")
+            ranges.append((int(a), int(b or a) + 1))
+    except ValueError:
+        raise BadInput(f"bad --pp-stages '{spec}'", hint="Write inclusive layer ranges per stage, e.g. 0-2,3-5.") from None
+    if len(ranges) != pp:
+        raise BadInput(f"--pp-stages gives {len(ranges)} stages for pp={pp}")
+    if ranges[0][0] != 0 or ranges[-1][1] != num_layers or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])) \
+            or any(b <= a for a, b in ranges):
+        raise BadInput(f"--pp-stages '{spec}' must cover layers 0..{num_layers - 1} contiguously, each stage non-empty")
+    return ranges
+
+
+def stage_of(fqn: str, rules: ModelRules, pp: int, num_layers: int,
+             stages: list[tuple[int, int]] | None = None) -> int | None:
+    """Pipeline stage holding ``fqn`` (even split unless ``stages`` is given); None when no pipeline rule places it."""
     pl = rules.pipeline
     if pl.layer is not None:
         m = pl.layer.match(fqn)
         if m:
             layer = int(m.group("layer"))
-            per = num_layers // pp
-            return min(layer // per, pp - 1)
+            for s, (a, b) in enumerate(stages or even_stages(num_layers, pp)):
+                if a <= layer < b:
+                    return s
+            return pp - 1
     if any(p.match(fqn) for p in pl.first) and any(p.match(fqn) for p in pl.last):
         return 0
     if any(p.match(fqn) for p in pl.first):

@@ -208,3 +208,44 @@ def test_unknown_keys_block_conversion(tmp_path, capsys):
     code, out, _ = run_cli(["plan", ck, "--to", "dp=2", "--json"], capsys)
     p = json.loads(out)
     assert code == 1 and any("mystery" in r for r in p["reasons"])
+
+
+def _reference_like(tmp_path, reference_ckpt, n_layers: int):
+    """The reference model's keys for ``n_layers`` layers (global values, one process) with a manifest."""
+    ix = CheckpointIndex.open(reference_ckpt)
+    model = {}
+    for k, e in ix.entries.items():
+        if not k.startswith("model.") or not e.is_tensor:
+            continue
+        name = k[len("model."):]
+        if name.startswith("blocks.0."):
+            for layer in range(n_layers):
+                model[name.replace("blocks.0.", f"blocks.{layer}.", 1)] = torch.zeros(e.shape, dtype=e.dtype)
+        elif not name.startswith("blocks."):
+            model[name] = torch.zeros(e.shape, dtype=e.dtype)
+    ck = tmp_path / "ck"
+    dcp.save({"model": model, "trainer": {"step": 3}}, checkpoint_id=str(ck), no_dist=True)
+    m = json.loads((reference_ckpt / "manifest.json").read_text())
+    m["model"]["config"]["n_layers"] = n_layers
+    m["topology"] = {"dims": {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}, "mesh_order": ["dp_shard"], "world_size": 1}
+    m["batch"]["global_batch"] = m["batch"]["micro_batch"] * m["batch"]["grad_accum"]
+    (ck / "manifest.json").write_text(json.dumps(m))
+    return ck
+
+
+def test_explicit_pipeline_stage_list(reference_ckpt, tmp_path, capsys):
+    ck = _reference_like(tmp_path, reference_ckpt, 4)
+    code, out, err = run_cli(["plan", ck, "--to", "pp=2", "--pp-stages", "0-0,1-3", "--json"], capsys)
+    assert code == 0, err
+    p = json.loads(out)
+    sm = p["stage_map"]
+    assert sm["split"] == "explicit" and [s["layers"] for s in sm["stages"]] == [[0, 1], [1, 4]]
+    assert "tok_emb.weight" in sm["stages"][0]["holds"] and "lm_head.weight" in sm["stages"][1]["holds"]
+    where = {t["key"]: t["chunks"][0]["rank"] for t in p["tensors"]}
+    assert where["model.blocks.0.attn.wq.weight"] == 0 and where["model.blocks.3.attn.wq.weight"] == 1
+    mem = {r["rank"]: r["parameters"] for r in p["memory"]["per_rank"]}
+    assert mem[1] > mem[0]  # three layers and the head against one layer and the embeddings
+    code, out, _ = run_cli(["plan", ck, "--to", "pp=2", "--json"], capsys)
+    assert [s["layers"] for s in json.loads(out)["stage_map"]["stages"]] == [[0, 2], [2, 4]]
+    code, _, err = run_cli(["plan", ck, "--to", "pp=2", "--pp-stages", "0-1,3-3"], capsys)
+    assert code == 2 and "contiguously" in err
