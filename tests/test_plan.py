@@ -249,3 +249,31 @@ def test_explicit_pipeline_stage_list(reference_ckpt, tmp_path, capsys):
     assert [s["layers"] for s in json.loads(out)["stage_map"]["stages"]] == [[0, 2], [2, 4]]
     code, _, err = run_cli(["plan", ck, "--to", "pp=2", "--pp-stages", "0-1,3-3"], capsys)
     assert code == 2 and "contiguously" in err
+
+
+def test_convert_executes_exactly_the_reviewed_plan(reference_ckpt, tmp_path, capsys):
+    code, out, _ = run_cli(["plan", reference_ckpt, "--to", "dp=2", "--json"], capsys)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(out)
+    dst = tmp_path / "out"
+    code, out, err = run_cli(["convert", reference_ckpt, dst, "--plan", plan_file, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["fingerprint"] == json.loads(plan_file.read_text())["fingerprint"]
+    # a plan whose options no longer match what it says is refused
+    doctored = json.loads(plan_file.read_text())
+    doctored["options"]["rng_policy"] = "drop"
+    plan_file.write_text(json.dumps(doctored))
+    code, _, err = run_cli(["convert", reference_ckpt, tmp_path / "out2", "--plan", plan_file], capsys)
+    assert code == 2 and "does not match" in err and not (tmp_path / "out2").exists()
+
+
+def test_existing_destination_refused_then_replaced_whole_with_overwrite(reference_ckpt, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old-file").write_text("old")
+    code, _, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=2"], capsys)
+    assert code == 2 and "--overwrite" in err and (dst / "old-file").exists()
+    code, _, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=2", "--overwrite"], capsys)
+    assert code == 0, err
+    assert not (dst / "old-file").exists() and (dst / ".metadata").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.reshard-tmp")]
