@@ -3,7 +3,9 @@
 A run on 4 CPU ranks (FSDP2 over gloo) checkpoints at step K; reshard inspects it, plans
 the move to 2 ranks (keeping the global batch by doubling accumulation), converts,
 verifies, and the reference trainer resumes on 2 ranks. The 4-rank run also continues
-uninterrupted, so the demo ends by comparing the two loss curves step by step.
+uninterrupted, so the demo compares the two loss curves step by step, and ends with a
+rehearsal of the same transition (baseline, converted resume and a naive control) and
+its figure.
 """
 from __future__ import annotations
 
@@ -33,29 +35,29 @@ def run_demo(out: Path, *, steps: int = 6) -> int:
     k = max(1, steps // 2)
     say = lambda msg: typer.echo(f"\n=== {msg}", err=True)  # noqa: E731
 
-    say(f"[1/5] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")
+    say(f"[1/6] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")
     base = TrainConfig(dp=4, steps=steps, total_steps=steps, save_at=[k], micro_batch=2, grad_accum=2, dropout=0.0,
                        out=str(out / "run4"), log=str(out / "run4.jsonl"), experiment_id="demo")
     ckpt = run_reference(base)[-1]
 
-    say(f"[2/5] reshard inspect {ckpt}")
+    say(f"[2/6] reshard inspect {ckpt}")
     typer.echo(render_inspect(inspect_checkpoint(ckpt).report))
 
-    say("[3/5] reshard plan --to dp=2 (dry run)")
+    say("[3/6] reshard plan --to dp=2 (dry run)")
     plan = make_plan(ckpt, Options(to="dp=2"))
     typer.echo(render_plan(plan.to_dict(tensors=False)))
     if not plan.feasible:
         return 1
 
     dst = out / f"step_{k}-dp2"
-    say(f"[4/5] reshard convert -> {dst}, then reshard verify")
+    say(f"[4/6] reshard convert -> {dst}, then reshard verify")
     report = convert(plan, ckpt, dst)
     typer.echo(render_convert(report))
     v = verify_checkpoints(ckpt, dst, expected_rewrites={a.key: a.action for a in plan.keys
                                                          if a.action in ("rewritten", "dropped", "added")})
     typer.echo(render_verify(v))
 
-    say(f"[5/5] resume on 2 ranks with accumulation {plan.batch.after.grad_accum} to step {steps}")
+    say(f"[5/6] resume on 2 ranks with accumulation {plan.batch.after.grad_accum} to step {steps}")
     resumed = TrainConfig(dp=2, steps=steps, total_steps=steps, micro_batch=plan.batch.after.micro_batch,
                           grad_accum=plan.batch.after.grad_accum, dropout=0.0, resume=str(dst),
                           log=str(out / "run2.jsonl"), experiment_id="demo")
@@ -69,4 +71,12 @@ def run_demo(out: Path, *, steps: int = 6) -> int:
         typer.echo(f"{s:>5} {a[s]:>16.6f} {b[s]:>16.6f} {rel:>10.2e}")
     typer.echo(f"\nmax relative loss difference after the transition: {worst:.2e}")
     typer.echo(f"conversion report: {dst / 'reshard-report.md'}")
-    return 0 if v["equal"] else 1
+
+    say("[6/6] reshard rehearse --from dp=4 --to dp=2: baseline vs converted resume vs naive control")
+    from reshard.rehearsal import rehearse, render_rehearsal
+
+    reh = rehearse(from_spec="dp=4", to_spec="dp=2", steps=12, switch_at=4, window=8, out=out / "rehearsal")
+    typer.echo(render_rehearsal(reh))
+    typer.echo(f"figure: {out / 'rehearsal' / 'rehearsal.png'} (loss and grad norm of baseline, resumed run and "
+               "control with the switch marked; the control's repeated samples)")
+    return 0 if v["equal"] and reh["exit_code"] == 0 else 1
