@@ -78,7 +78,11 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
 
     can_read = ix.complete  # byte ranges all present: small items can be read for the checks below
     if deep:
-        ix.deep_check(progress=progress)
+        integrity = getattr(manifest, "integrity", None)
+        if integrity is not None and isinstance(ix, CheckpointIndex):
+            ix.deep_check(progress=progress, integrity=integrity)  # also checks the recorded item checksums
+        else:
+            ix.deep_check(progress=progress)
 
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
     roles = cls.roles
@@ -178,6 +182,9 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             if eq is False and source == "manifest":
                 findings.append(Finding("inconsistent", "tied_differ",
                                         f"tied copies {' and '.join(present)} differ", keys=tuple(params[n] for n in present)))
+        else:
+            rec["equal"] = None
+            rec["note"] = "not checked: the checkpoint is incomplete"
         tied.append(rec)
     opt["tied"] = tied
 

@@ -230,7 +230,8 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
             cursor = int(ix.read_object(cur[0]))
     prefix = _per_rank_prefix(data_roles)
     ddec = data_mod.decide(per_rank_data, shared_data, source_dp=source_topo.dp, target_dp=target.dp,
-                           policy=options.data_policy, key_for_rank=lambda k: f"{prefix}{k}", cursor=cursor)
+                           policy=options.data_policy, key_for_rank=lambda k: f"{prefix}{k}", cursor=cursor,
+                           trust_pickle=options.trust_pickle)
 
     # ------------------------------------------------------------ RNG
     rng_ranks: dict[int, list[str]] = {}

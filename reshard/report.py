@@ -70,7 +70,7 @@ def render_inspect(r: dict[str, Any]) -> str:
     if sc["count"]:
         out.append(f"            step counters: {sc['count']}, " + (f"one value {sc['values'][0]}" if sc["consistent"] else f"DISAGREE {sc['values']}"))
     for t in o["tied"]:
-        eq = {True: "bitwise equal", False: "DIFFER", None: t.get("note", "-")}[t["equal"]]
+        eq = {True: "bitwise equal", False: "DIFFER", None: t.get("note", "-")}[t.get("equal")]
         out.append(f"            tied ({t['source']}): {' = '.join(t['names'])}: {eq}")
     for role, info in r["per_rank_state"].items():
         if info["keyed_per_rank"]:

@@ -58,9 +58,14 @@ class _BuiltinsOnly(pickle.Unpickler):
                           where=self.where, hint="Use --data-policy drop, or --trust-pickle if you wrote this checkpoint.")
 
 
-def decode_state(value: Any, where: str) -> tuple[Any, bool]:
-    """(state, was_pickled_bytes)."""
+def decode_state(value: Any, where: str, *, trust_pickle: bool = False) -> tuple[Any, bool]:
+    """(state, was_pickled_bytes). With ``trust_pickle`` (the user wrote this checkpoint) any pickle is opened."""
     if isinstance(value, (bytes, bytearray)):
+        if trust_pickle:
+            try:
+                return pickle.loads(bytes(value)), True
+            except Exception as exc:
+                raise BadInput(f"per-rank data state is not a readable pickle ({type(exc).__name__})", where=where) from None
         try:
             return _BuiltinsOnly(bytes(value), where).load(), True
         except UnsafeInput:
@@ -124,7 +129,8 @@ def _match_form(states: dict[int, Any]) -> tuple[dict[str, Any], dict[str, list[
 
 
 def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, source_dp: int, target_dp: int,
-           policy: str | None, key_for_rank: Any, cursor: int | None = None) -> DataDecision:
+           policy: str | None, key_for_rank: Any, cursor: int | None = None,
+           trust_pickle: bool = False) -> DataDecision:
     """Decide what happens to the data position.
 
     ``per_rank``: dp rank -> (source key, raw value); ``shared``: shared data keys -> value
@@ -161,7 +167,7 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
     states = {}
     pickled = False
     for r, (k, v) in per_rank.items():
-        states[r], pickled = decode_state(v, where=k)
+        states[r], pickled = decode_state(v, where=k, trust_pickle=trust_pickle)
     missing = sorted(set(range(source_dp)) - set(states))
     if missing:
         raise BadInput(f"per-rank data state missing for dp ranks {missing}", where=keys[0],
