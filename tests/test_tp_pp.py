@@ -504,6 +504,3 @@ def test_convert_refuses_differing_tied_moments_pp2_to_pp1(tied_differ, capsys):
 def test_convert_refuses_differing_tied_weights(tied_differ, capsys, which, to):
     _refuses(tied_differ[which], to, capsys)
 
-
-def test_timings():
-    print("\ntimings: " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMINGS.items()))
