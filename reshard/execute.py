@@ -6,6 +6,39 @@ bounded by the largest chunk involved, not by the checkpoint. Objects are valida
 the safe loader and copied verbatim. The output is written into a temporary directory
 beside the destination, verified against the source in global terms, and only then
 renamed into place; an interrupted run leaves nothing that looks like a checkpoint.
+
+Faults
+------
+* **Killed** (SIGKILL, OOM, power): ``dst`` is untouched (absent, or the previous output
+  with ``--overwrite``); at most a hidden temporary directory and the lock file remain
+  beside it, and the next run into ``dst`` deletes the former and reuses the latter
+  (`reshard.io.atomic`). Running the same command again gives the same bytes.
+* **Out of space** (ENOSPC, EFBIG, EDQUOT): `BadInput` (exit 2) naming the destination
+  and the estimated bytes needed (`reshard.integrity.estimate_output_bytes`); nothing is
+  committed and the temporary directory is removed. `reshard.integrity.space_check`
+  warns before a run.
+* **Integrity**: the manifest records the sha256 of every item written
+  (``manifest["integrity"]``); `inspect --deep` and `verify` check it.
+* **Reproducible outputs**: with ``SOURCE_DATE_EPOCH`` set, every time written is that
+  time and the reports record ``"seconds": null``, so two runs of the same command give
+  byte-identical directories (``.metadata``, data files, ``manifest.json`` and both
+  reports; the returned report still carries the measured seconds). The verification
+  result in the report names ``dst``, not the temporary directory.
+
+Test hook: fault injection
+--------------------------
+Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
+`DcpWriter` writes (``item FILE:OFFSET``), the ``.metadata`` commit (``metadata``),
+``manifest.json`` (``manifest``), ``reshard-report.json`` (``report.json``),
+``reshard-report.md`` (``report.md``) and the rename into place (``rename``, the last).
+`reshard.io.atomic.fault_point` counts them; environment variables act on them:
+
+* ``RESHARD_FAULT_COUNT=PATH``: append ``"N LABEL"`` per event (an uninterrupted run's
+  last line is the total);
+* ``RESHARD_FAULT_KILL_AT=N``: SIGKILL the process right after event N;
+* ``RESHARD_FAULT_SLEEP_AT=N:SECONDS``: sleep right after event N (to hold the lock).
+
+``tests/test_faults.py`` and ``scripts/soak_faults.py`` use them; they do nothing unset.
 """
 from __future__ import annotations
 
@@ -22,7 +55,9 @@ from reshard.errors import BadInput, Infeasible
 from reshard.geometry import Box
 from reshard.index import CheckpointIndex
 from reshard.io import dcp as dcp_io
-from reshard.io.atomic import atomic_directory
+from reshard.integrity import estimate_output_bytes, is_space_error, out_of_space
+from reshard.integrity import record as integrity_record
+from reshard.io.atomic import atomic_directory, fault_point
 from reshard.io.dcp_writer import DcpWriter
 from reshard.manifest import write_manifest
 from reshard.plan import Plan
@@ -30,6 +65,10 @@ from reshard.transition import output_manifest
 
 REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
+
+
+def _reproducible() -> bool:
+    return bool(os.environ.get("SOURCE_DATE_EPOCH"))
 
 
 def _now() -> str:
@@ -62,6 +101,16 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
     if output_format == "local":
         return convert_local(plan, src, dst, overwrite=overwrite, progress=progress)
     src, dst, ix = _prepare(plan, src, dst)
+    needed = estimate_output_bytes(plan, ix)
+    try:
+        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+    except OSError as exc:
+        if is_space_error(exc):
+            raise out_of_space(dst, needed, exc) from None
+        raise
+
+
+def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
     started = _time.time()
     stamp = _now()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -72,59 +121,78 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
                 raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
                                  where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         w = DcpWriter(tmp)
-        planned = {t.key: t for t in plan.tensors}
-        actions = {a.key: a for a in plan.keys}
-        for key, e in ix.entries.items():
-            a = actions[key]
-            if a.action == "dropped":
-                continue
-            if e.is_tensor:
-                t = planned[key]
-                w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
-                if a.action == "rewritten":
-                    w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-                elif t.transform:
-                    _write_transformed(ix, w, t)
-                else:
-                    _copy_tensor(ix, w, e, t)
-            else:
-                rank = a.rank or 0
-                if a.action == "rewritten":
-                    w.write_object(rank, key, plan.new_values[key], path=e.path or None)
-                else:
-                    raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
-                    raw = dcp_io._untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
-                    dcp_io._torch_load(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
-                    w.write_object_bytes(rank, key, raw, path=e.path or None)
-            if progress is not None:
-                progress.update(1)
-        for a in plan.keys:
-            if a.action != "added":
-                continue
-            t = planned.get(a.key)
-            if t is not None and t.copy_from:
-                w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
-                _write_transformed(ix, w, t, source_key=t.copy_from)
-                continue
-            v = plan.new_values[a.key]
-            if isinstance(v, torch.Tensor):
-                w.declare_tensor(a.key, tuple(v.shape), v.dtype)
-                w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
-            else:
-                w.write_object(a.rank or 0, a.key, v)
-        w.finish()
+        try:
+            _write_items(plan, ix, w, progress)
+        finally:
+            w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
         src_manifest = _source_manifest(src)
         manifest = output_manifest(plan, src_manifest, time=stamp)
+        manifest.integrity = integrity_record(w.checksums())
         write_manifest(tmp, manifest)
+        fault_point("manifest")
         verification = _verify(src, tmp, plan)
+        verification["b"] = str(dst)  # what was verified is what appears at dst
         report = _report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
-        (tmp / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (tmp / REPORT_MD).write_text(render_markdown(report))
+        _write_reports(tmp, report)
         if not verification["equal"]:
             raise Infeasible("the converted checkpoint does not match the source: "
                              + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
     return report
+
+
+def _write_reports(tmp: Path, report: dict[str, Any]) -> None:
+    """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
+    on_disk = {**report, "seconds": None} if _reproducible() else report
+    (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
+    fault_point("report.json")
+    (tmp / REPORT_MD).write_text(render_markdown(on_disk))
+    fault_point("report.md")
+
+
+def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any) -> None:
+    """Every item of the plan through the writer, then the `.metadata` commit."""
+    planned = {t.key: t for t in plan.tensors}
+    actions = {a.key: a for a in plan.keys}
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.action == "dropped":
+            continue
+        if e.is_tensor:
+            t = planned[key]
+            w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
+            if a.action == "rewritten":
+                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
+            elif t.transform:
+                _write_transformed(ix, w, t)
+            else:
+                _copy_tensor(ix, w, e, t)
+        else:
+            rank = a.rank or 0
+            if a.action == "rewritten":
+                w.write_object(rank, key, plan.new_values[key], path=e.path or None)
+            else:
+                raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
+                raw = dcp_io._untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
+                dcp_io._torch_load(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+                w.write_object_bytes(rank, key, raw, path=e.path or None)
+        if progress is not None:
+            progress.update(1)
+    for a in plan.keys:
+        if a.action != "added":
+            continue
+        t = planned.get(a.key)
+        if t is not None and t.copy_from:
+            w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
+            _write_transformed(ix, w, t, source_key=t.copy_from)
+            continue
+        v = plan.new_values[a.key]
+        if isinstance(v, torch.Tensor):
+            w.declare_tensor(a.key, tuple(v.shape), v.dtype)
+            w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
+        else:
+            w.write_object(a.rank or 0, a.key, v)
+    w.finish()
 
 
 def _write_transformed(ix: CheckpointIndex, w: DcpWriter, t, source_key: str | None = None) -> None:
@@ -237,7 +305,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"- verification against the source: **{'equal' if r['verification']['equal'] else 'DIFFERENT'}**"
         f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
         f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
-        f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, {r['seconds']} s",
+        f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
+        + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
     ]
     if v["warm_start_reasons"] or v["changes"]:
@@ -267,22 +336,33 @@ def _spec(t: dict[str, Any]) -> str:
 
 def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
     """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
+    src, dst, ix = _prepare(plan, src, dst)
+    needed = estimate_output_bytes(plan, ix)
+    try:
+        return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+    except OSError as exc:
+        if is_space_error(exc):
+            raise out_of_space(dst, needed, exc) from None
+        raise
+
+
+def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
     from reshard.io.local_format import write_local
 
-    src, dst, ix = _prepare(plan, src, dst)
     started = _time.time()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         info = write_local(plan, ix, tmp, progress=progress)
         manifest = output_manifest(plan, _source_manifest(src), time=_now())
         write_manifest(tmp, manifest)
+        fault_point("manifest")
         verification = _verify(src, tmp, plan)
+        verification["b"] = str(dst)
         report = _report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
         report["output_format"] = "local"
         report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
         report["bytes_written"] = sum(report["files"].values())
         report["local"] = info
-        (tmp / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (tmp / REPORT_MD).write_text(render_markdown(report))
+        _write_reports(tmp, report)
         if not verification["equal"]:
             raise Infeasible("the local output does not match the source: "
                              + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),

@@ -7,6 +7,7 @@ judged here, once, as a list of findings that name files and keys.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -242,16 +243,40 @@ class CheckpointIndex:
                              where=str(self.root / dcp.METADATA_FILE))
         return out
 
-    def deep_check(self, progress: Any = None) -> list[Finding]:
-        """Load every item; report the ones that fail (with --deep)."""
+    def deep_check(self, progress: Any = None, integrity: dict[str, Any] | None = None) -> list[Finding]:
+        """Load every item; report the ones that fail (with --deep).
+
+        ``integrity`` (a manifest's ``integrity`` field, see `reshard.integrity`): each
+        item's stored bytes are also hashed and compared with the recorded sha256; items
+        that differ are reported first, in (file, offset) order, by one finding whose
+        message names the first corrupt item (key and file) and whose keys list them all.
+        """
+        from reshard import integrity as integ
+
         found: list[Finding] = []
+        recorded = dict((integrity or {}).get("items") or {})
+        mismatched: list[dict[str, Any]] = []
+        unrecorded: list[tuple[str, str]] = []
         for e in self.entries.values():
             items = [(c.location, c.box.sizes) for c in e.chunks] if e.is_tensor else [(e.location, None)]
             for loc, sizes in items:
                 if loc is None:
                     continue
                 try:
-                    obj = dcp.load_item(self.root, loc, key=e.key, trust_pickle=self.trust_pickle)
+                    raw = dcp.read_item_bytes(self.root, loc, key=e.key)
+                    if integrity is not None:
+                        want = recorded.pop(integ.item_name(loc.file, loc.offset), None)
+                        if want is None:
+                            unrecorded.append((e.key, loc.file))
+                        elif hashlib.sha256(raw).hexdigest() != want:
+                            mismatched.append({"kind": "mismatch", "key": e.key, "file": loc.file,
+                                               "offset": loc.offset, "length": loc.length})
+                            if progress is not None:
+                                progress.update(1)
+                            continue
+                    where = str(self.root / loc.file)
+                    data = dcp._untransform(raw, loc.transforms, key=e.key, where=where)
+                    obj = dcp._torch_load(data, key=e.key, where=where, trust_pickle=self.trust_pickle)
                     if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
                         raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
                                        f"metadata says {e.dtype_name} {list(sizes)}")
@@ -261,6 +286,18 @@ class CheckpointIndex:
                     found.append(Finding("error", code, msg, file=loc.file, keys=(e.key,)))
                 if progress is not None:
                     progress.update(1)
+        if mismatched:
+            mismatched.sort(key=lambda m: (m["file"], m["offset"]))
+            first = mismatched[0]
+            found.insert(0, Finding("error", "checksum_mismatch",
+                                    integ.first_issue_message([integ.IntegrityIssue(**m) for m in mismatched]),
+                                    file=first["file"], keys=tuple(dict.fromkeys(m["key"] for m in mismatched))))
+        if unrecorded or recorded:
+            what = [f"'{k}' ({f})" for k, f in unrecorded[:5]] + [f"{n} (not in .metadata)" for n in list(recorded)[:5]]
+            found.append(Finding("warning", "checksum_unrecorded",
+                                 f"{len(unrecorded) + len(recorded)} items and recorded checksums do not pair up "
+                                 f"(.metadata changed after manifest.json was written?): {', '.join(what)}",
+                                 file="manifest.json", keys=tuple(k for k, _ in unrecorded[:50])))
         self.findings.extend(found)
         return found
 

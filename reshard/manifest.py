@@ -418,6 +418,10 @@ class Manifest:
     writer: Writer
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    integrity: dict | None = None
+    """Optional: {"algorithm": "sha256", "items": {"<file>:<offset>": hex}}, a checksum of every
+    stored item as written (see reshard/integrity.py). Absent in older manifests; omitted
+    from the JSON when None."""
 
     def to_dict(self) -> dict:
         return {
@@ -431,6 +435,7 @@ class Manifest:
             "scheduler": self.scheduler.to_dict(), "data": self.data.to_dict(), "rng": self.rng.to_dict(),
             "continuity": self.continuity, "lineage": [e.to_dict() for e in self.lineage],
             "writer": self.writer.to_dict(),
+            **({} if self.integrity is None else {"integrity": _integrity_copy(self.integrity)}),
         }
 
     @classmethod
@@ -465,7 +470,34 @@ class Manifest:
             lineage=[LineageEvent.from_dict(e, f"lineage[{i}]", ctx) for i, e in enumerate(lineage)],
             writer=Writer.from_dict(_get(d, "writer", "writer", ctx, dict), "writer", ctx),
             format=fmt, format_version=version,
+            integrity=_integrity_from(d, ctx),
         )
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _integrity_copy(v: dict) -> dict:
+    return {"algorithm": v.get("algorithm"), "items": dict(v.get("items") or {})}
+
+
+def _integrity_from(d: dict, ctx: _Ctx) -> dict | None:
+    """The optional ``integrity`` field: sha256 per stored item, keyed "file:offset"."""
+    v = _get(d, "integrity", "integrity", ctx, dict, optional=True)
+    if v is None:
+        return None
+    _get(v, "algorithm", "integrity.algorithm", ctx, str, choices=("sha256",))
+    items = _get(v, "items", "integrity.items", ctx, dict)
+    for name, h in items.items():
+        file, sep, off = name.rpartition(":")
+        if not sep or not file or not off.isdigit():
+            raise ctx.fail(f"integrity.items[{name!r}]", "expected a name '<file>:<offset>'")
+        if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
+            raise ctx.fail(f"integrity.items[{name!r}]", "expected a sha256 as 64 lowercase hex digits")
+    extra = set(v) - {"algorithm", "items"}
+    if extra:
+        raise ctx.fail("integrity", f"unknown fields {sorted(extra)}")
+    return _integrity_copy(v)
 
 
 # --------------------------------------------------------------------------- file I/O

@@ -34,6 +34,14 @@ Rules
 Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle) raises the
 :class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
 
+**Integrity.** When a side's manifest records item checksums (``integrity``, written by
+`reshard convert`), every item of that side is hashed before anything is compared; an
+item whose bytes do not match is *corrupt input*, not a difference: `BadInput` (exit 2)
+naming the first corrupt item in (file, offset) order, its key and file. Without this a
+flipped payload byte shows up, at best, as a value difference of unknown origin.
+Items and checksums that do not pair up (``.metadata`` changed after the manifest was
+written) are listed under ``notes``. ``check_integrity=False`` skips the check.
+
 Result (the ``--json`` shape)::
 
     {
@@ -101,6 +109,23 @@ def _open(path: Path, trust_pickle: bool) -> Inspection:
         raise cls(first["message"].rstrip(".") + more + ".", where=where,
                   hint="Run `reshard inspect` on it for the full list; verify needs two complete checkpoints.")
     return insp
+
+
+def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None = None) -> None:
+    """Hash every item of a checkpoint whose manifest records checksums; BadInput on the first mismatch."""
+    from reshard.integrity import check_items, describe, first_issue_message
+
+    integrity = getattr(insp.manifest, "integrity", None)
+    if not integrity or not isinstance(insp.index, CheckpointIndex):
+        return
+    issues = check_items(insp.index, integrity)
+    bad = [i for i in issues if i["kind"] == "mismatch"]
+    if bad:
+        raise BadInput(first_issue_message(bad), where=str(Path(path) / bad[0]["file"]),
+                       hint="The checkpoint is corrupt (exit 2: bad input, not a difference). Restore it from a good "
+                            "copy or convert again; `reshard inspect --deep` lists every corrupt item.")
+    if notes is not None:
+        notes.extend(f"{path}: {describe(i)}" for i in issues[:20])
 
 
 # ---------------------------------------------------------------------------------- tensors
@@ -282,7 +307,7 @@ def rewrites_from_reports(a: Path, b: Path, *, max_hops: int = 16) -> tuple[dict
 
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
-                       progress: Any = None) -> dict[str, Any]:
+                       progress: Any = None, check_integrity: bool = True) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result."""
     a, b = Path(a), Path(b)
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
@@ -293,6 +318,9 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
 
     found: list[dict[str, Any]] = []
     notes: list[str] = []
+    if check_integrity:
+        for path, insp in ((a, sa), (b, sb)):
+            check_item_checksums(insp, path, notes)
     stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
 
     def tick(n: int = 1) -> None:

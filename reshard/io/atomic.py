@@ -17,6 +17,16 @@ renames: old ``dst`` to a trash name, then the new directory to ``dst``. In that
 there is a tiny window between the two renames in which ``dst`` does not exist at all; at
 no moment is a mix of old and new files visible under ``dst``. The trash is deleted after
 the new output is in place.
+
+A run killed outright (SIGKILL, power loss) leaves at most a temporary directory
+``.{dst.name}.reshard-tmp-<hex>`` and the lock file beside ``dst``; ``dst`` itself is
+untouched. The kernel releases a dead process's ``flock``, so the lock file does not block
+the next run, and the next run that takes the lock deletes the stale temporary
+directories of the same ``dst`` (holding the lock, no live run can be using them).
+
+`fault_point` is a test hook (see `reshard.execute`): every write event of a conversion
+calls it, and the ``RESHARD_FAULT_*`` environment variables make the process SIGKILL or
+pause itself right after a chosen event.
 """
 from __future__ import annotations
 
@@ -24,15 +34,18 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
+import signal
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from reshard.errors import BadInput
 
-__all__ = ["atomic_directory", "fsync_dir", "fsync_tree"]
+__all__ = ["atomic_directory", "fsync_dir", "fsync_tree", "fault_point", "stale_temporaries"]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
@@ -73,6 +86,42 @@ def fsync_tree(root: str | os.PathLike) -> None:
             if os.path.isfile(p) and not os.path.islink(p):
                 _fsync_file(p)
         fsync_dir(dirpath)
+
+
+# ---------------------------------------------------------------------------- fault injection (test hook)
+
+FAULT_KILL_ENV = "RESHARD_FAULT_KILL_AT"    # N: SIGKILL this process right after write event N
+FAULT_SLEEP_ENV = "RESHARD_FAULT_SLEEP_AT"  # N:SECONDS: sleep that long right after write event N
+FAULT_COUNT_ENV = "RESHARD_FAULT_COUNT"     # PATH: append "N LABEL" for every write event
+_fault_events = 0
+
+
+def fault_point(label: str) -> int:
+    """Count one write event of this process; returns its number (1, 2, ...).
+
+    A test hook with no effect unless one of the ``RESHARD_FAULT_*`` variables is set:
+    ``RESHARD_FAULT_COUNT=PATH`` appends ``"N LABEL"`` per event (the last line gives the
+    total of an uninterrupted run), ``RESHARD_FAULT_SLEEP_AT=N:SECONDS`` pauses after event
+    N, ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
+    kind runs: what is left on disk is what a power cut or the OOM killer leaves).
+    """
+    global _fault_events
+    _fault_events += 1
+    n = _fault_events
+    env = os.environ
+    count = env.get(FAULT_COUNT_ENV)
+    if count:
+        with open(count, "a") as f:
+            f.write(f"{n} {label}\n")
+    pause = env.get(FAULT_SLEEP_ENV)
+    if pause:
+        at, _, secs = pause.partition(":")
+        if at.strip() == str(n):
+            time.sleep(float(secs or 1))
+    kill = env.get(FAULT_KILL_ENV)
+    if kill and kill.strip() == str(n):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
 
 
 # ---------------------------------------------------------------------------- state of dst
@@ -205,6 +254,22 @@ def _make_tmp(parent: Path, name: str) -> Path:
 
 
 
+def stale_temporaries(parent: Path, name: str) -> list[Path]:
+    """Temporary directories of earlier runs into ``parent / name`` (``.{name}.reshard-tmp-<hex>``)."""
+    pat = re.compile(r"^\." + re.escape(name) + re.escape(_TMP_TAG) + r"[0-9a-f]{12}$")
+    try:
+        with os.scandir(parent) as it:
+            return sorted(Path(e.path) for e in it if pat.match(e.name))
+    except FileNotFoundError:
+        return []
+
+
+def _clean_stale(parent: Path, name: str) -> None:
+    """Delete what killed runs into the same output left behind (call only holding the lock)."""
+    for p in stale_temporaries(parent, name):
+        shutil.rmtree(p, ignore_errors=True)
+
+
 @contextmanager
 def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
@@ -216,6 +281,8 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
       is untouched.
     - A concurrent run into the same ``dst`` raises `BadInput` ("another reshard run is
       writing ...") instead of proceeding.
+    - Temporary directories left by killed runs into the same ``dst`` are deleted once the
+      lock is held; a stale lock file is simply reused.
 
     Missing parent directories of ``dst`` are created (after the checks above pass). Whether
     ``dst`` overlaps the input is the caller's concern.
@@ -233,6 +300,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
         # Re-check under the lock: another run may have finished since the first look.
         if _state(dst) == "occupied" and not overwrite:
             raise _refuse(dst)
+        _clean_stale(parent, dst.name)
         tmp = _make_tmp(parent, dst.name)
         try:
             yield tmp
@@ -246,6 +314,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
                 # rename(2) replaces an empty directory atomically.
                 os.rename(tmp, dst)
                 fsync_dir(parent)
+            fault_point("rename")
         except BaseException:
             if os.path.lexists(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,11 @@ state dict saved by DCP as ``{"model": {"layers.0.w": t}}`` has the path
 
 The writer only ever touches files inside the directory it was given (normally a
 temporary directory from `reshard.io.atomic.atomic_directory`).
+
+Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
+that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
+otherwise wrap it in a RuntimeError). Every item written and the ``.metadata`` commit are
+write events for `reshard.io.atomic.fault_point` (a test hook).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from reshard.errors import ReshardError
 from reshard.geometry import Box, coverage_problems
-from reshard.io.atomic import fsync_dir
+from reshard.io.atomic import fault_point, fsync_dir
 from reshard.io.dcp import METADATA_FILE, ItemLocation
 
 try:  # the version string stock DCP stamps into .metadata
@@ -104,10 +109,15 @@ class _HashingSink:
         self._f = f
         self.hash = hashlib.sha256()
         self.written = 0
+        self.error: OSError | None = None  # kept: torch.save re-raises it as a RuntimeError
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        n = self._f.write(mv)
+        try:
+            n = self._f.write(mv)
+        except OSError as exc:
+            self.error = exc
+            raise
         if n is None:  # pragma: no cover - raw unbuffered writes are not used
             n = len(mv)
         if n != len(mv):  # pragma: no cover - BufferedWriter writes all or raises
@@ -196,7 +206,7 @@ class DcpWriter:
         t = _compact(t)
         f, start = self._stream(rank)
         sink = _HashingSink(f)
-        torch.save(t, sink)
+        _save(t, sink)
         loc = self._record(rank, start, sink)
         decl.chunks.append((offsets, sizes, loc))
         decl.offsets_seen.add(offsets)
@@ -223,7 +233,7 @@ class DcpWriter:
         self._check_object_key(key)
         f, start = self._stream(rank)
         sink = _HashingSink(f)
-        torch.save(obj, sink)
+        _save(obj, sink)
         loc = self._record(rank, start, sink)
         self._add_object(key, path, loc)
         return loc
@@ -287,6 +297,7 @@ class DcpWriter:
             os.fsync(f.fileno())
         os.replace(tmp, final)
         fsync_dir(self.directory)
+        fault_point("metadata")
         return final
 
     def close(self) -> None:
@@ -381,6 +392,7 @@ class DcpWriter:
             raise WriterError(f"data file of rank {rank} moved unexpectedly while writing", where=str(self.directory))
         loc = ItemLocation(data_file_name(rank), start, end - start)
         self._checksums[f"{loc.file}:{loc.offset}"] = sink.hash.hexdigest()
+        fault_point(f"item {loc.file}:{loc.offset}")
         return loc
 
     def _append_blob(self, rank: int, blob: bytes) -> ItemLocation:
@@ -392,6 +404,16 @@ class DcpWriter:
     def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
         self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
         self._order.append(key)
+
+
+def _save(obj: Any, sink: _HashingSink) -> None:
+    """torch.save into the sink; a file-system error surfaces as the OSError it was."""
+    try:
+        torch.save(obj, sink)
+    except Exception:
+        if sink.error is not None:
+            raise sink.error from None
+        raise
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
