@@ -97,6 +97,7 @@ def plan(
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
+    dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
 ) -> None:
     """Dry run: what a conversion to --to would do, and whether the run stays the same run.
 
@@ -108,7 +109,13 @@ def plan(
     p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
                                  rules, model_config, pp_stages))
     d = p.to_dict(tensors=json_out or verbose)
+    if dst is not None:
+        from reshard.integrity import space_check
+
+        d["space"] = space_check(p, dst)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
+    if dst is not None and d["space"]["warning"]:
+        typer.echo(f"warning: {d['space']['warning']}", err=True)
     raise typer.Exit(0 if p.feasible else 1)
 
 
@@ -174,7 +181,10 @@ def verify(
     from reshard.report import to_json
     from reshard.verify import render_verify, rewrites_from_reports, verify_checkpoints
 
+    from reshard.io.safetensors_format import export_rewrites
+
     expected, report = ({}, None) if strict else rewrites_from_reports(a, b)
+    expected.update(export_rewrites(a, b))
     r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, expected_rewrites=expected)
     r["conversion_report"] = report
     text = render_verify(r)
@@ -182,6 +192,51 @@ def verify(
         text += f"\nexpected rewrites taken from {report} (--strict ignores it)"
     typer.echo(to_json(r) if json_out else text)
     raise typer.Exit(0 if r["equal"] else 1)
+
+
+@app.command()
+def export(
+    src: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
+    fmt: str = typer.Option("safetensors", "--format", help="safetensors (Hugging Face layout) or torch."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (floating tensors only)."),
+    only: str = typer.Option("model", "--only", help="model or model+optim."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file, e.g. 5GB or 256MB."),
+    rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
+) -> None:
+    """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor."""
+    from reshard.export import export as run_export, parse_size
+    from reshard.report import to_json
+
+    r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
+                   rename=rename, overwrite=overwrite)
+    typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
+
+
+@app.command(name="import")
+def import_(
+    src: Path = typer.Argument(..., help="safetensors file or directory (HF shards), or a torch.save file."),
+    dst: Path = typer.Argument(..., help="Output DCP checkpoint (appears atomically)."),
+    to: str = typer.Option("dp=1", "--to", help="Target layout, e.g. dp=8."),
+    rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules, applied in reverse."),
+    experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
+) -> None:
+    """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id."""
+    from reshard.importer import import_checkpoint
+    from reshard.report import to_json
+
+    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id)
+    typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
+
+
+def _summary_line(verb: str, r: dict, dst: Path) -> str:
+    keys = r.get("keys") or r.get("summary") or {}
+    n = len(keys) if isinstance(keys, (list, dict)) else keys
+    return f"{verb}    {dst} ({n} keys accounted for; report in {dst})"
 
 
 @app.command()

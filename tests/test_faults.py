@@ -456,3 +456,18 @@ def test_writer_surfaces_file_system_errors_with_their_errno(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "EFBIG", r.stderr
+
+
+def test_plan_warns_in_advance_when_the_destination_lacks_space(src, small_tmpfs, capsys):
+    """`reshard plan --dst` compares the estimated output with the free space before anything is written."""
+    import json as _json
+
+    from conftest import run_cli
+
+    code, out, err = run_cli(["plan", src, "--to", "dp=2", "--dst", small_tmpfs / "out", "--json"], capsys)
+    assert code == 0
+    space = _json.loads(out)["space"]
+    assert space["enough"] is False and space["needed_bytes"] > space["free_bytes"]
+    assert err.startswith("warning:") and str(small_tmpfs / "out") in err
+    code, out, err = run_cli(["plan", src, "--to", "dp=2", "--dst", small_tmpfs.parent / "roomy"], capsys)
+    assert code == 0 and "warning" not in err

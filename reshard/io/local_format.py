@@ -671,7 +671,12 @@ def open_local(path: str | Path, *, trust_pickle: bool = False) -> LocalIndex:
 
 
 def open_any(path: str | Path, *, trust_pickle: bool = False) -> CheckpointIndex | LocalIndex:
-    """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``."""
+    """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``,
+    or an `ExportIndex` for a safetensors export (`reshard.io.safetensors_format.is_export`)."""
     if is_local(path):
         return open_local(path, trust_pickle=trust_pickle)
+    from reshard.io.safetensors_format import is_export, open_export
+
+    if is_export(path):
+        return open_export(path, trust_pickle=trust_pickle)  # type: ignore[return-value]
     return CheckpointIndex.open(path, trust_pickle=trust_pickle)

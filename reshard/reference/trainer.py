@@ -330,6 +330,16 @@ def load_checkpoint(run: Run, path: Path) -> None:
         run.resumed_manifest = None
     prev = run.resumed_manifest
     same_topology = prev is None or prev.topology.to_dict() == topology(cfg).to_dict()
+    if cfg.convention == "reshard" and not any(k.startswith("optim.") for k in keys):
+        # A warm start (e.g. `reshard import` of weights only): the model is loaded, the optimizer,
+        # schedule, data position and counters start fresh, and the manifest says so.
+        sd = {"model": get_model_state_dict(run.model)}
+        dcp.load(sd, checkpoint_id=str(path))
+        set_model_state_dict(run.model, sd["model"])
+        if run.rank == 0:
+            print(f"[reshard.reference] {path}: weights only (no optimizer state): warm start with fresh "
+                  "Adam moments, schedule and data position", file=sys.stderr)
+        return
     if cfg.convention == "reshard":
         opts = optim_options(cfg)
         if cfg.pp > 1 and "optim.param_groups.0.params" in keys:
