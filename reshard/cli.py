@@ -56,7 +56,7 @@ def inspect(
 
 
 def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-             rules=None, model_config=None, pp_stages=None):
+             rules=None, model_config=None, pp_stages=None, dtype=None, only=None):
     from reshard.errors import BadInput
     from reshard.plan import Options
 
@@ -71,7 +71,8 @@ def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy,
             raise BadInput(f"--model-config expects name=integer, got '{item}'")
     return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
                    data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
-                   rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages)
+                   rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages,
+                   dtype=dtype, only=only)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
@@ -129,6 +130,8 @@ def convert(
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
+    only: Optional[str] = typer.Option(None, "--only", help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
@@ -154,7 +157,7 @@ def convert(
         raise BadInput("convert needs --to SPEC or --plan PLAN.json")
     else:
         opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                        rules, model_config, pp_stages)
+                        rules, model_config, pp_stages, dtype, only)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     p = make_plan(src, opts)

@@ -163,7 +163,7 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any) -
             w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
             if a.action == "rewritten":
                 w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            elif t.transform:
+            elif t.transform or t.dtype != e.dtype_name:
                 _write_transformed(ix, w, t)
             else:
                 _copy_tensor(ix, w, e, t)
@@ -208,6 +208,7 @@ def _write_transformed(ix: CheckpointIndex, w: DcpWriter, t, source_key: str | N
         full = transforms.reinterleave(full, tr["dim"], tr["parts"], tr["from_tp"], tr["to_tp"])
     elif tr and tr["kind"] == "repad":
         full, _ = transforms.repad_rows(full, tr["dim"], tr["to_rows"], tr["fill"])
+    full = full.to(getattr(torch, t.dtype))  # reduced copies (--dtype); a no-op otherwise
     for rank, offsets, sizes in t.chunks:
         box = Box(tuple(offsets), tuple(sizes))
         w.write_chunk(rank, t.key, box.offsets, full[box.slices()])
@@ -235,7 +236,11 @@ def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
         if not ok:
             problems.append(t.key)
     for t in plan.tensors:
-        if t.copy_from and not t.transform and not torch.equal(a.read_tensor(t.copy_from), b.read_tensor(t.key)):
+        if t.transform or t.key not in b.entries:
+            continue
+        x = a.read_tensor(t.copy_from or t.key)
+        if (t.copy_from or str(x.dtype).removeprefix("torch.") != t.dtype) and \
+                not torch.equal(x.to(getattr(torch, t.dtype)), b.read_tensor(t.key)):
             problems.append(t.key)
     return problems
 
@@ -263,9 +268,12 @@ def _verify(src: Path, out: Path, plan: Plan) -> dict[str, Any]:
     from reshard.verify import verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
+    src_dtypes = {k: e.dtype_name for k, e in CheckpointIndex.open(src).entries.items() if e.is_tensor}
     for t in plan.tensors:
         if t.transform:
             expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
+        elif src_dtypes.get(t.key) not in (None, t.dtype):
+            expected[t.key] = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
     result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle)
     bad = check_transforms(src, out, plan)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)

@@ -47,6 +47,8 @@ class Options:
     rules: str | None = None
     model_config: dict[str, Any] | None = None
     pp_stages: str | None = None
+    dtype: str | None = None  # reduced copies: cast floating tensors (bf16, fp16, fp32)
+    only: str | None = None   # reduced copies: "model" or "model+optim" (default: everything)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -336,9 +338,13 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
             box = local_box(t.shape, t.placement, target, rank)
             if box is not None:
                 t.local[rank] = box.sizes
+    reduced = _reduce(options, tensors, actions, ix)
     memory = _memory(tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
     verdict["changes"].extend(geo.numerics)
+    if reduced and not reasons:
+        verdict["warm_start_reasons"].extend(reduced)
+        verdict["kind"] = "warm_start"
     source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
               "tokens_seen": r.get("tokens_seen"),
               "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
@@ -346,6 +352,46 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     return Plan(source, target.with_source("given"), options, not reasons, reasons, bdec, sdec, ddec, rdec, acc_out,
                 memory, tensors, actions, verdict, new_values, geo.stage_map,
                 geo.rules.family if geo.rules else None, checks)
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "float32": "float32"}
+OPTIMIZER_ROLES = ("optimizer_moment", "optimizer_step", "param_group")
+
+
+def _reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction], ix) -> list[str]:
+    """Reduced copies for testing (`--only`, `--dtype`): what they drop or cast, said out loud.
+
+    Such a copy is never the real continuation: the verdict becomes a warm start and the
+    reasons list exactly what it keeps, so nobody mistakes it for the run itself.
+    """
+    reasons: list[str] = []
+    if options.only not in (None, "model", "model+optim"):
+        raise BadInput(f"unknown --only '{options.only}'", hint="Use model or model+optim.")
+    if options.only == "model":
+        dropped = 0
+        for a in actions:
+            if a.role in OPTIMIZER_ROLES and a.action != "dropped":
+                a.action, a.reason, a.rank = "dropped", "--only model: a reduced copy without optimizer state", None
+                dropped += 1
+        tensors[:] = [t for t in tensors if t.role not in OPTIMIZER_ROLES]
+        reasons.append(f"reduced copy: optimizer state dropped ({dropped} keys, --only model)")
+    if options.dtype is not None:
+        name = DTYPES.get(options.dtype)
+        if name is None:
+            raise BadInput(f"unknown --dtype '{options.dtype}'", hint="Use bf16, fp16 or fp32.")
+        cast = 0
+        by_key = {a.key: a for a in actions}
+        for t in tensors:
+            if t.role in ("parameter", "optimizer_moment") and getattr(torch, t.dtype).is_floating_point and t.dtype != name:
+                a = by_key.get(t.key)
+                t.dtype = name
+                if a is not None:
+                    a.reason += f"; cast to {name}"
+                cast += 1
+        if cast:
+            reasons.append(f"reduced copy: {cast} parameter and moment tensors cast to {name} (--dtype {options.dtype})")
+    return reasons
 
 
 def _describe_transform(t: dict[str, Any]) -> str:

@@ -66,7 +66,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "topology": _topo(target).to_dict(),
         "batch": batch,
         "accumulation": src.get("accumulation") or {"micro_step": 0, "in_flight_grads": False},
-        "precision": src.get("precision") or {"param_dtype": "unknown", "reduce_dtype": "unknown", "loss_scaler": None},
+        "precision": _precision(src, plan),
         "model": src.get("model") or {"family": "unknown", "config": {}, "tied": []},
         "optimizer": src.get("optimizer") or {"name": "unknown", "config": {}},
         "scheduler": sched,
@@ -87,3 +87,12 @@ def _torch_version() -> str:
 
 def _int_or_none(v: object) -> int | None:
     return None if v is None else int(v)  # type: ignore[call-overload]
+
+
+def _precision(src: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    p = dict(src.get("precision") or {"param_dtype": "unknown", "reduce_dtype": "unknown", "loss_scaler": None})
+    if plan.options.dtype is not None:
+        from reshard.plan import DTYPES
+
+        p["param_dtype"] = DTYPES.get(plan.options.dtype, p["param_dtype"])
+    return p

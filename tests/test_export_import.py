@@ -273,3 +273,35 @@ def test_imported_checkpoint_trains_in_the_reference_trainer_at_dp2(reference_ck
     assert any(k.startswith("optim.state.") for k in saved.entries)  # it trained: Adam state exists now
     m = json.loads((ckpts[-1] / "manifest.json").read_text())
     assert m["lineage"][0]["event"] == "import" and m["continuity"] == "warm_start"
+
+
+def test_small_copy_for_testing_says_what_it_keeps(reference_ckpt, tmp_path, capsys):
+    """`convert --to dp=1 --dtype bf16 --only model`: a copy that loads on one machine, never mistaken for the run."""
+    import json
+
+    from conftest import run_cli
+    from reshard.reference import TrainConfig, run_reference
+
+    dst = tmp_path / "small"
+    code, out, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=1", "--dtype", "bf16", "--only", "model",
+                              "--json"], capsys)
+    assert code == 0, err
+    r = json.loads(out)
+    v = r["plan"]["verdict"]
+    assert v["kind"] == "warm_start"
+    assert any("optimizer state dropped" in x for x in v["warm_start_reasons"])
+    assert any("cast to bfloat16" in x for x in v["warm_start_reasons"])
+    assert all(k["action"] == "dropped" for k in r["plan"]["keys"] if k["key"].startswith("optim."))
+    m = json.loads((dst / "manifest.json").read_text())
+    assert m["continuity"] == "warm_start" and m["precision"]["param_dtype"] == "bfloat16"
+    assert m["experiment_id"] != r["plan"]["source"]["experiment_id"]
+    assert "reduced copy" in m["lineage"][-1]["reason"]
+    ix, src = CheckpointIndex.open(dst), CheckpointIndex.open(reference_ckpt)
+    assert {e.dtype_name for k, e in ix.entries.items() if k.startswith("model.")} == {"bfloat16"}
+    assert torch.equal(ix.read_tensor("model.tok_emb.weight"), src.read_tensor("model.tok_emb.weight").bfloat16())
+    md = (dst / "reshard-report.md").read_text()
+    assert "optimizer state dropped" in md and "cast to bfloat16" in md
+    # it loads on one machine and trains (a warm start in the reference trainer)
+    log = tmp_path / "log.jsonl"
+    run_reference(TrainConfig(dp=1, steps=1, resume=str(dst), log=str(log)))
+    assert json.loads(log.read_text().splitlines()[0])["step"] == 1
