@@ -305,7 +305,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     p = r["plan"]
     v = p["verdict"]
     lines = [
-        f"# reshard conversion report",
+        "# reshard conversion report",
         "",
         f"- source: `{r['source']}` ({_spec(p['source']['topology'])}, step {p['source']['step']})",
         f"- destination: `{r['destination']}` ({_spec(p['target'])})",

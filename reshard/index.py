@@ -86,7 +86,32 @@ class Finding:
                 "file": self.file, "keys": list(self.keys)}
 
 
-class CheckpointIndex:
+class EntryQueries:
+    """Queries shared by every read-only view (DCP, local output, export): they only need
+    ``entries``, ``findings`` and ``root``, so each reader implements just how bytes are found."""
+
+    entries: dict[str, Entry]
+    findings: list[Finding]
+    root: Path
+
+    @property
+    def complete(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def tensors(self) -> Iterator[Entry]:
+        return (e for e in self.entries.values() if e.is_tensor)
+
+    def entry(self, key: str) -> Entry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise BadInput(f"no entry '{key}' in the checkpoint", where=str(self.root)) from None
+
+    def item_count(self) -> int:
+        return sum(len(e.chunks) if e.is_tensor else 1 for e in self.entries.values())
+
+
+class CheckpointIndex(EntryQueries):
     """The global view of one DCP checkpoint directory (read-only)."""
 
     def __init__(self, root: Path, raw: dcp.RawMetadata, *, trust_pickle: bool = False):
@@ -171,10 +196,6 @@ class CheckpointIndex:
                                              file=dcp.METADATA_FILE, keys=(e.key,)))
 
     # ------------------------------------------------------------------ queries
-    @property
-    def complete(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
-
     def data_files(self) -> list[str]:
         """Data files present in the directory (whether or not the metadata names them)."""
         return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
@@ -187,15 +208,6 @@ class CheckpointIndex:
             if m:
                 ranks.add(int(m.group(1)))
         return sorted(ranks)
-
-    def tensors(self) -> Iterator[Entry]:
-        return (e for e in self.entries.values() if e.is_tensor)
-
-    def entry(self, key: str) -> Entry:
-        try:
-            return self.entries[key]
-        except KeyError:
-            raise BadInput(f"no entry '{key}' in the checkpoint", where=str(self.root)) from None
 
     # ------------------------------------------------------------------ reading bytes
     def read_object(self, key: str) -> Any:
@@ -301,5 +313,3 @@ class CheckpointIndex:
         self.findings.extend(found)
         return found
 
-    def item_count(self) -> int:
-        return sum(len(e.chunks) if e.is_tensor else 1 for e in self.entries.values())

@@ -17,7 +17,7 @@ import torch
 from reshard import topology as topo_mod
 from reshard.conventions import Classification, classify, known_tied_pairs
 from reshard.errors import ReshardError
-from reshard.index import CheckpointIndex, Entry, Finding
+from reshard.index import CheckpointIndex, Finding
 from reshard.io.local_format import open_any
 
 JSON_VERSION = 1

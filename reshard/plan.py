@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from reshard import __version__
-from reshard.errors import BadInput, Infeasible, ReshardError
+from reshard.errors import BadInput
 from reshard.inspection import Inspection, inspect_checkpoint
 from reshard.layout import Placement, local_box, target_chunks
 from reshard import placement as placement_mod
@@ -315,7 +315,6 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
             actions.append(KeyAction(key, cls.roles[src_key].role, "added", why, rank=0))
             continue
         pl = geo.by_key[src_key].placement
-        b_param = cls.roles[src_key].param
         stage = target.pp - 1
         pl = Placement(dp_shard=pl.dp_shard, tp_dim=pl.tp_dim, stage=stage)
         chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(geo.by_key[src_key].target_shape, pl, target)]

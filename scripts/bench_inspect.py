@@ -150,7 +150,7 @@ def render_markdown(result: dict) -> str:
         "",
         f"Machine: {m['nproc']} CPUs, {m['platform']}, Python {m['python']}, torch {m['torch']}, "
         f"reshard {m['reshard']}" + (f", load average {m['loadavg'][0]:.2f}" if m.get("loadavg") else "") + ".",
-        f"Checkpoint build (make_many_entries): "
+        "Checkpoint build (make_many_entries): "
         + ", ".join(f"{c['name']} {c['build_s']:.2f} s" for c in result["cases"]) + ".",
     ]
     problems = [(c["name"], p) for c in result["cases"] for p in c["timing"]["problems"]]

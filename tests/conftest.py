@@ -62,3 +62,26 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+class _Capture:
+    """A capsys stand-in for module-scoped fixtures (`run_cli` only calls `readouterr`)."""
+
+    def __init__(self) -> None:
+        import io
+
+        self.out, self.err = io.StringIO(), io.StringIO()
+
+    def readouterr(self) -> tuple[str, str]:
+        o, e = self.out.getvalue(), self.err.getvalue()
+        self.out.seek(0), self.out.truncate(), self.err.seek(0), self.err.truncate()
+        return o, e
+
+
+def cli(args: list) -> tuple[int, str, str]:
+    """`run_cli` without a capsys fixture (usable in module-scoped fixtures)."""
+    import contextlib
+
+    cap = _Capture()
+    with contextlib.redirect_stdout(cap.out), contextlib.redirect_stderr(cap.err):
+        return run_cli(args, cap)

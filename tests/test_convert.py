@@ -16,9 +16,7 @@ then the resumed run, 4 ranks load every converted output (see tests/_dcp_load_w
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli, run_cli
 from reshard.index import RANK_FILE, CheckpointIndex
 from reshard.integrity import record as integrity_record
 from reshard.io import dcp as dcp_io
@@ -51,22 +49,6 @@ PATCH_INDEX = (50, 7)      # row 50 of 128: rank 1's piece on 3 ranks (rows 43..
 
 
 # ------------------------------------------------------------------------------ helpers
-class _Capture:
-    """A capsys stand-in for module-scoped fixtures (`run_cli` only calls `readouterr`)."""
-
-    def __init__(self) -> None:
-        self.out, self.err = io.StringIO(), io.StringIO()
-
-    def readouterr(self) -> tuple[str, str]:
-        o, e = self.out.getvalue(), self.err.getvalue()
-        self.out.seek(0), self.out.truncate(), self.err.seek(0), self.err.truncate()
-        return o, e
-
-
-def cli(args: list) -> tuple[int, str, str]:
-    cap = _Capture()
-    with contextlib.redirect_stdout(cap.out), contextlib.redirect_stderr(cap.err):
-        return run_cli(args, cap)
 
 
 def snapshot(directory: Path) -> dict[str, tuple[str, int, int]]:

@@ -7,8 +7,6 @@ checkpoint loads into the reference model at dp=2 and trains.
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from pathlib import Path
 
 import pytest

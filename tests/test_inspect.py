@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import pickle
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import torch.distributed.checkpoint as dcp
 from conftest import run_cli
 from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard.index import CheckpointIndex
-from reshard.inspection import inspect_checkpoint
 
 
 def test_reference_checkpoint_complete_and_consistent(reference_ckpt, capsys):

@@ -4,12 +4,10 @@ from __future__ import annotations
 import json
 import pickle
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.errors import BadInput
 from reshard.index import CheckpointIndex
 from reshard.state.batch import Recipe, keep_global_batch
 from reshard.state import rng as rng_state

@@ -18,9 +18,7 @@ loads every converted output (jobs of 1, 2 and 4 ranks, one after the other).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import re
 import time
@@ -31,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import cli, run_cli
 from reshard import manifest as mf
 from reshard.index import RANK_FILE, CheckpointIndex
 from reshard.reference import TrainConfig
@@ -54,22 +52,6 @@ TIED_ALIAS = {"lm_head.weight": "tok_emb.weight"}  # named_parameters() lists a 
 
 
 # ------------------------------------------------------------------------------ helpers
-class _Capture:
-    """A capsys stand-in for module-scoped fixtures (`run_cli` only calls `readouterr`)."""
-
-    def __init__(self) -> None:
-        self.out, self.err = io.StringIO(), io.StringIO()
-
-    def readouterr(self) -> tuple[str, str]:
-        o, e = self.out.getvalue(), self.err.getvalue()
-        self.out.seek(0), self.out.truncate(), self.err.seek(0), self.err.truncate()
-        return o, e
-
-
-def cli(args: list) -> tuple[int, str, str]:
-    cap = _Capture()
-    with contextlib.redirect_stdout(cap.out), contextlib.redirect_stderr(cap.err):
-        return run_cli(args, cap)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

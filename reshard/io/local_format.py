@@ -81,13 +81,13 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.geometry import Box, coverage_problems, whole
-from reshard.index import CheckpointIndex, Chunk, Entry, Finding
+from reshard.index import CheckpointIndex, Chunk, Entry, EntryQueries, Finding
 from reshard.io.dcp import ItemLocation
 from reshard.layout import Placement, local_box, mesh_coords
 
@@ -413,7 +413,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-class LocalIndex:
+class LocalIndex(EntryQueries):
     """The global, read-only view of a ``reshard-local`` directory (the CheckpointIndex interface)."""
 
     def __init__(self, root: Path, *, trust_pickle: bool = False):
@@ -561,27 +561,11 @@ class LocalIndex:
             self.file_sizes[fname] = path.stat().st_size
 
     # ------------------------------------------------------------------ queries (CheckpointIndex interface)
-    @property
-    def complete(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
-
     def data_files(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.suffix in (".safetensors", ".pt"))
 
     def writer_ranks(self) -> list[int]:
         return list(range(self.world_size))
-
-    def tensors(self) -> Iterator[Entry]:
-        return (e for e in self.entries.values() if e.is_tensor)
-
-    def entry(self, key: str) -> Entry:
-        try:
-            return self.entries[key]
-        except KeyError:
-            raise BadInput(f"no entry '{key}' in the checkpoint", where=str(self.root)) from None
-
-    def item_count(self) -> int:
-        return sum(len(e.chunks) if e.is_tensor else 1 for e in self.entries.values())
 
     def holders(self, key: str) -> dict[int, Box]:
         """Every rank that holds ``key`` locally and its box (replicas included)."""

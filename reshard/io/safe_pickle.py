@@ -11,7 +11,7 @@ import io
 import pickle
 import tomllib
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 from reshard.errors import BadInput, UnsafeInput
 from reshard.paths import formats_root

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from reshard.errors import BadInput, Incomplete
 from reshard.geometry import Box, whole
-from reshard.index import Chunk, Entry, Finding
+from reshard.index import Chunk, Entry, EntryQueries, Finding
 from reshard.io.dcp import ItemLocation
 
 FORMAT = "safetensors-export"
@@ -91,7 +91,7 @@ def default_key(name: str) -> str:
     return "model." + name
 
 
-class ExportIndex:
+class ExportIndex(EntryQueries):
     """The read-only global view of a safetensors export (the CheckpointIndex interface)."""
 
     def __init__(self, path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False):
@@ -258,18 +258,11 @@ class ExportIndex:
         return self._rename.apply(name)
 
     # ------------------------------------------------------------------ queries (CheckpointIndex interface)
-    @property
-    def complete(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
-
     def data_files(self) -> list[str]:
         return sorted(self.file_sizes)
 
     def writer_ranks(self) -> list[int]:
         return [0]
-
-    def tensors(self) -> Iterator[Entry]:
-        return (e for e in self.entries.values() if e.is_tensor)
 
     def entry(self, key: str) -> Entry:
         try:

@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from reshard.errors import BadInput, Infeasible
 from reshard.rehearsal import compare
