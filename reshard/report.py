@@ -52,7 +52,9 @@ def render_inspect(r: dict[str, Any]) -> str:
     if acc:
         phase = "at an optimizer-step boundary" if not acc.get("micro_step") else f"mid-accumulation (micro-step {acc['micro_step']})"
         out.append(f"accum phase {phase}")
-    out.append(f"convention  {r['convention']['name']}   manifest: {'yes' if r['manifest'] else 'no'}   DCP {r.get('dcp_version') or '?'}")
+    version = r.get("dcp_version") or "?"
+    fmt = f"DCP {version}" if version[:1].isdigit() or version == "?" else version  # exports/local outputs name themselves
+    out.append(f"convention  {r['convention']['name']}   manifest: {'yes' if r['manifest'] else 'no'}   format: {fmt}")
     out.append(f"contents    {r['entries']} entries, {r['items']} items in {r['files']} files, {human_bytes(r['bytes'])} on disk")
     out.append("")
     out.append(f"  {'role':<18}{'count':>8}{'bytes':>12}  dtypes")
