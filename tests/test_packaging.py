@@ -32,6 +32,18 @@ def test_non_editable_install_finds_formats(tmp_path):
                          capture_output=True, text=True).stdout.split("\n")
     assert out[0] == "['reshard', 'torch-get-state-dict', 'torchtitan']"
     assert int(out[1]) > 10
+    # every module of the source tree is in the wheel and imports from it
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in (ROOT / "reshard").rglob("*.py") if p.name != "__main__.py")
+    code = "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; print('ok')"
+    r = subprocess.run([sys.executable, "-c", code, *modules], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    for m in modules:
+        assert (target / (m.replace(".", "/") + ".py")).exists() or (target / m.replace(".", "/") / "__init__.py").exists(), m
+    for data in ("formats/models/llama-fused.toml", "formats/renames/torchtitan-to-hf-llama.toml",
+                 "formats/data_states.toml", "formats/step_log.md", "formats/manifest.schema.json"):
+        assert (target / "reshard" / data).exists(), data
 
 
 def test_python_dash_m_reshard_help():
