@@ -239,6 +239,8 @@ def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
         if t.transform or t.key not in b.entries:
             continue
         src_key = t.copy_from or t.key
+        if src_key not in a.entries:
+            continue  # a new key (e.g. a new rank's reseeded RNG): nothing in the source to compare with
         if not t.copy_from and a.entries[src_key].dtype_name == t.dtype:
             continue  # a plain copy: the global comparison in verify covers it, no second read
         x = a.read_tensor(src_key)
