@@ -515,6 +515,13 @@ def _spawned_worker(rank: int, world: int, port: int, cfg_dicts: list[dict]) -> 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     run_in_process_group(*[TrainConfig(**d) for d in cfg_dicts])
+    # Everything is written and the process group destroyed. Leave without interpreter
+    # teardown: on 2-core CI machines a background C++ thread occasionally aborted the
+    # process at exit ("terminate called without an active exception"), turning a finished
+    # run into a spawn failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_in_process_group(*cfgs: TrainConfig) -> None:
@@ -544,8 +551,10 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
     """Spawn ``nprocs`` (default pp*dp*tp) local gloo processes, train, return after all exit.
 
     ``cfg`` may be a list of configs with the same world size: they run one after the
-    other in the same processes (a later one may ``resume`` from an earlier one's output,
-    but note the RNG/process state is then not fresh). Raises if any rank failed
+    other, each in freshly spawned processes (a later one may ``resume`` from an earlier
+    one's output). Fresh processes per config cost a few seconds of start-up but keep runs
+    independent: reusing one process group across configs occasionally aborted a rank on
+    2-core machines. Raises if any rank failed
     (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``).
     Returns the checkpoint directories written (``<out>/step_<k>``), in order.
     """
@@ -562,5 +571,6 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
             Path(c.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned_worker, args=(nprocs, free_port(), [asdict(c) for c in cfgs]), nprocs=nprocs, join=True)
+    for c in cfgs:
+        mp.spawn(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True)
     return [p for c in cfgs for p in checkpoint_dirs(c)]
