@@ -98,16 +98,22 @@ def _check_destination(src: Path, dst: Path) -> None:
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
             output_format: str = "dcp") -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report."""
-    if output_format == "local":
-        return convert_local(plan, src, dst, overwrite=overwrite, progress=progress)
     src, dst, ix = _prepare(plan, src, dst)
     needed = estimate_output_bytes(plan, ix)
+    body = _convert_local if output_format == "local" else _convert_dcp
     try:
-        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+        return body(plan, src, dst, ix, overwrite=overwrite, progress=progress)
     except OSError as exc:
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
         raise
+
+
+def _refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> None:
+    if not verification["equal"]:
+        raise Infeasible(f"{what} does not match the source: "
+                         + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
+                         where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
 
 
 def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
@@ -134,10 +140,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         verification["b"] = str(dst)  # what was verified is what appears at dst
         report = _report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         _write_reports(tmp, report)
-        if not verification["equal"]:
-            raise Infeasible("the converted checkpoint does not match the source: "
-                             + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
-                             where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+        _refuse_if_different(verification, dst, "the converted checkpoint")
     return report
 
 
@@ -348,14 +351,7 @@ def _spec(t: dict[str, Any]) -> str:
 
 def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
     """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
-    src, dst, ix = _prepare(plan, src, dst)
-    needed = estimate_output_bytes(plan, ix)
-    try:
-        return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress)
-    except OSError as exc:
-        if is_space_error(exc):
-            raise out_of_space(dst, needed, exc) from None
-        raise
+    return convert(plan, src, dst, overwrite=overwrite, progress=progress, output_format="local")
 
 
 def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
@@ -375,8 +371,5 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
         report["bytes_written"] = sum(report["files"].values())
         report["local"] = info
         _write_reports(tmp, report)
-        if not verification["equal"]:
-            raise Infeasible("the local output does not match the source: "
-                             + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
-                             where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+        _refuse_if_different(verification, dst, "the local output")
     return report
