@@ -289,7 +289,7 @@ def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
     steps: int = typer.Option(6, "--steps", help="Optimizer steps the reference trainer runs."),
 ) -> None:
-    """Train the reference model on 4 CPU ranks (FSDP2, gloo), save a DCP checkpoint, inspect it."""
+    """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse."""
     from reshard.demo import run_demo
 
     raise typer.Exit(run_demo(out, steps=steps))
