@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,36 +39,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert_memory import machine  # noqa: E402  (one description of the machine for every benchmark)
+
 TARGET_DIFF_S = 1.0
 OK_EXIT_CODES = (0, 1)  # 0 complete and consistent, 1 readable but inconsistent
-
-
-def machine() -> dict:
-    info = {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-    except Exception as e:  # pragma: no cover - torch is a dependency
-        info["torch"] = f"unavailable: {e}"
-    try:
-        import reshard
-
-        info["reshard"] = getattr(reshard, "__version__", "unknown")
-    except Exception as e:  # pragma: no cover
-        info["reshard"] = f"unavailable: {e}"
-    try:
-        info["loadavg"] = list(os.getloadavg())
-    except OSError:
-        pass
-    return info
 
 
 def time_inspect(python: str, ckpt: Path, runs: int, warmup: int, timeout: float) -> dict:

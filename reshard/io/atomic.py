@@ -57,18 +57,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
     Filesystems that cannot fsync a directory (EINVAL/ENOTSUP) are tolerated silently.
     """
-    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
+    _fsync(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
 
 
 def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    _fsync(path, os.O_RDONLY)
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as exc:
