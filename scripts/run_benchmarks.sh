@@ -4,6 +4,12 @@
 #   scripts/run_benchmarks.sh                 # from anywhere; uses the repo's .venv
 #   PYTHON=/path/to/python OUT=/tmp/b DOC=/tmp/benchmarks.md scripts/run_benchmarks.sh
 #   REPORT_ONLY=1 scripts/run_benchmarks.sh   # rebuild the doc from the results already in $OUT
+#   ONLY="bench_speed" ARGS_bench_speed="--sizes 0.125,0.25 --no-stock" scripts/run_benchmarks.sh
+#
+# ONLY (space-separated names) runs a subset; the doc still covers every benchmark, from the
+# results in $OUT. ARGS_<name> adds arguments to that benchmark's command line.
+# bench_speed (1 and 4 GiB checkpoints, cold cache; needs root to drop the page cache, else
+# it says "warm cache") takes much longer than the others.
 #
 # Each benchmark (scripts/<name>.py) writes <name>.md and <name>.json into $OUT (default
 # bench-results/). This script then writes $DOC (default docs/benchmarks.md): a header
@@ -17,7 +23,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 OUT="${OUT:-$ROOT/bench-results}"
 DOC="${DOC:-$ROOT/docs/benchmarks.md}"
-BENCHES=(bench_inspect bench_convert_memory)
+BENCHES=(bench_inspect bench_convert_memory bench_speed)
+read -r -a RUN <<< "${ONLY:-${BENCHES[*]}}"
 
 if [ ! -x "$PYTHON" ]; then
   echo "error: no interpreter at $PYTHON (create the venv: python3 -m venv .venv && .venv/bin/pip install -e .)" >&2
@@ -27,11 +34,18 @@ mkdir -p "$OUT" "$(dirname "$DOC")"
 cd "$ROOT"
 
 status=0
-for b in "${BENCHES[@]}"; do
+for b in "${RUN[@]}"; do
   [ -n "${REPORT_ONLY:-}" ] && break   # REPORT_ONLY=1: only rebuild $DOC from the results already in $OUT
-  echo "== $b" >&2
+  if [ ! -f "scripts/$b.py" ]; then
+    echo "error: no benchmark scripts/$b.py" >&2
+    [ "$status" -eq 0 ] && status=2
+    continue
+  fi
+  extra_var="ARGS_$b"
+  read -r -a extra <<< "${!extra_var:-}"
+  echo "== $b ${extra[*]}" >&2
   rm -f "$OUT/$b.md" "$OUT/$b.json"
-  "$PYTHON" "scripts/$b.py" --out "$OUT"
+  "$PYTHON" "scripts/$b.py" --out "$OUT" "${extra[@]}"
   rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "warning: $b exited $rc" >&2
@@ -118,6 +132,55 @@ elif name == "bench_convert_memory":
           f"convert runs of the {b['size_gib']:g} GiB checkpoint took "
           f"{min(b['convert']['runs_wall_s']):.0f}-{max(b['convert']['runs_wall_s']):.0f} s); "
           f"peak RSS does not.")
+    print(s)
+elif name == "bench_speed":
+    sm, M, T = r["summary"], r["summary"]["marginal"], r["summary"]["targets"]
+    a, b = r["cases"][0], r["cases"][-1]
+    sg, lg = f"{a['size_gib']:g} GiB", f"{b['size_gib']:g} GiB"
+    mg = lambda c, f="marginal_s_per_gib": (M.get(c) or {}).get(f)
+    names = {"convert_le_1.5x_cp": "convert <= 1.5x `cp -r`", "convert_10x_below_stock": "convert >= 10x below stock",
+             "convert_rss_flat": "convert peak RSS flat", "stock_rss_grows": "stock peak RSS grows",
+             "verify_le_1.5x_cp": "verify <= 1.5x `cp -r`", "torchrun_byte_identical": "torchrun byte-identical"}
+    met = [names.get(k, k) for k, v in T.items() if v]
+    missed = [names.get(k, k) for k, v in T.items() if not v]
+    ins = r.get("inspect") or {}
+    if ins.get("meets_target") is not None:
+        (met if ins["meets_target"] else missed).append("inspect 10,000 entries < 1 s more than 10")
+    s = (f"**Interpretation.** Marginal costs between the {sg} and {lg} checkpoints "
+         f"({sm['delta_gib']:.2f} GiB apart{'' if r['cold_cache'] else ', warm cache'}). "
+         f"Targets met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or 'none'}"
+         + (f"; not judged: {', '.join(names.get(k, k) for k in sm.get('unjudged', {}))}" if sm.get("unjudged") else "")
+         + ". ")
+    if mg("cp") and mg("convert") is not None:
+        s += (f"Copying costs {mg('cp'):.2f} s/GiB; `reshard convert --to {r['to']}` {mg('convert'):.2f} s/GiB "
+              f"({mg('convert', 'ratio_to_cp') or float('nan'):.1f}x) of which {mg('convert', 'marginal_cpu_s_per_gib'):.2f} "
+              f"s/GiB is CPU time (user + sys); "
+              f"`verify` {mg('verify') if mg('verify') is not None else float('nan'):.2f} s/GiB. ")
+    if mg("stock", "rss_diff_mib") is not None and mg("convert", "rss_diff_mib") is not None:
+        s += (f"The stock path's peak RSS goes from {mg('stock', 'small_rss_mib'):,.0f} to {mg('stock', 'large_rss_mib'):,.0f} "
+              f"MiB (it holds the whole checkpoint), convert's from {mg('convert', 'small_rss_mib'):,.0f} to "
+              f"{mg('convert', 'large_rss_mib'):,.0f} MiB. ")
+    if mg("convert_tp") is not None:
+        s += (f"The TP change (`--to {r['tp_to']}`, every tensor re-cut along dim {r['tp_dim']}) costs "
+              f"{mg('convert_tp'):.2f} s/GiB (peak RSS {mg('convert_tp', 'small_rss_mib'):,.0f} -> "
+              f"{mg('convert_tp', 'large_rss_mib'):,.0f} MiB). ")
+    elif r.get("tp_not_measured"):
+        s += f"The TP change was not measured: {r['tp_not_measured']}. "
+    for key, what in (("convert_torchrun", "torchrun"), ("convert_workers", "`--workers`")):
+        d = (sm.get("distributed") or {}).get(key)
+        if not d:
+            continue
+        if d.get("large_speedup") is None:
+            s += f"The {what} conversion did not complete (see Problems). "
+            continue
+        ident = {True: "byte-identical to", False: "NOT byte-identical to", None: "not compared with"}[d["byte_identical"]]
+        s += (f"With {what} ({r['dist_workers']} processes) the {lg} conversion is {d['large_speedup']:.2f}x as fast "
+              f"as one process (marginal {d['marginal_speedup'] or float('nan'):.2f}x) and its output is {ident} "
+              f"the single-process output. ")
+    la = (r.get("loadavg_start"), r["machine"].get("loadavg", [None])[0])
+    if None not in la and max(la) > r["machine"]["nproc"]:
+        s += (f"The load average ({la[0]:.1f} at the start, {la[1]:.1f} at the end, on {r['machine']['nproc']} CPUs) "
+              "says other work competed for the CPUs: the timings are noisy.")
     print(s)
 PY
 }
