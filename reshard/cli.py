@@ -135,8 +135,15 @@ def convert(
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Run as M processes on this machine (torchrun), each writing its share of the target files."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="I/O threads per process (default: 2-4 by CPU count)."),
+    window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
 ) -> None:
-    """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically."""
+    """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
+
+    Under torchrun (or with --workers M) the target files are divided among the processes;
+    worker 0 commits once every worker has written and verified its part.
+    """
     import json as _json
 
     from reshard.execute import convert as run_convert
@@ -160,14 +167,71 @@ def convert(
                         rules, model_config, pp_stages, dtype, only)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
+    from reshard.distributed import convert_distributed, in_torchrun, launch_workers
+    from reshard.execute import IOOptions
+
+    distributed = in_torchrun()
+    if workers is not None and workers != 1 and not distributed:
+        if output_format != "dcp":
+            raise BadInput("--workers writes DCP output only", hint="Drop --workers for --output-format local.")
+        raise typer.Exit(launch_workers(workers, _without_workers(_state.get("argv") or sys.argv[1:])))
+    io = IOOptions(**{k: v for k, v in (("threads", threads), ("window", _size(window, "--window"))) if v is not None})
     p = make_plan(src, opts)
     if given is not None:
         check_plan_matches(given, p)
-    bar = _progress(len(p.keys), "convert")
-    report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format)
-    bar.close()
+    if distributed:
+        if output_format != "dcp":
+            raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
+        lead = os.environ.get("RANK", "0") == "0"
+        bar = _progress(len(p.keys), "convert") if lead else None
+        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=bar, io=io)
+        if bar is not None:
+            bar.close()
+        if report is None:
+            raise typer.Exit(0)
+    else:
+        bar = _progress(len(p.keys), "convert")
+        report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format, io=io)
+        bar.close()
     typer.echo(to_json(report) if json_out else render_convert(report))
     raise typer.Exit(0 if report["verification"]["equal"] else 1)
+
+
+def _without_workers(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--workers":
+            skip = True
+            continue
+        if a.startswith("--workers="):
+            continue
+        out.append(a)
+    return out
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def _size(text: Optional[str], flag: str) -> Optional[int]:
+    """``256MiB`` / ``1g`` / ``1048576`` -> bytes."""
+    from reshard.errors import BadInput
+
+    if text is None:
+        return None
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise BadInput(f"{flag} {text!r} is not a size", hint="Write e.g. 256MiB, 1GiB or a number of bytes.")
+    return int(value * _UNITS[unit])
 
 
 @app.command()
@@ -296,7 +360,29 @@ def demo(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: typer handles usage errors (exit 2); our errors become one paragraph."""
+    """Entry point: typer handles usage errors (exit 2); our errors become one paragraph.
+
+    A worker of a distributed conversion (under torchrun) leaves with ``os._exit`` after
+    flushing its output: interpreter teardown with a live gloo process group can abort
+    (SIGABRT) on small machines, which would turn a clean exit code into a crash.
+    """
+    from reshard.distributed import in_torchrun
+
+    if in_torchrun():
+        code = 0
+        try:
+            _main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    _state["argv"] = list(argv) if argv is not None else sys.argv[1:]
     try:
         app(args=argv, prog_name="reshard")
     except ReshardError as exc:

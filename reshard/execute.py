@@ -46,6 +46,7 @@ import datetime as _dt
 import json
 import os
 import time as _time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +55,28 @@ import torch
 from reshard.errors import BadInput, Infeasible
 from reshard.geometry import Box
 from reshard.index import CheckpointIndex
-from reshard.io import dcp as dcp_io
 from reshard.integrity import estimate_output_bytes, is_space_error, out_of_space
 from reshard.integrity import record as integrity_record
+from reshard.io import archive, splice
+from reshard.io import dcp as dcp_io
 from reshard.io.atomic import atomic_directory, fault_point
-from reshard.io.dcp_writer import DcpWriter
+from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.io.splice import run_jobs
 from reshard.manifest import write_manifest
 from reshard.plan import Plan
 from reshard.transition import output_manifest
 
 REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How a conversion reads and writes: pool size, memory window, and whether to splice bytes."""
+
+    threads: int = field(default_factory=splice.default_threads)
+    window: int = field(default_factory=splice.default_window)
+    splice: bool = True
 
 
 def _reproducible() -> bool:
@@ -96,13 +108,14 @@ def _check_destination(src: Path, dst: Path) -> None:
 
 
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
-            output_format: str = "dcp") -> dict[str, Any]:
+            output_format: str = "dcp", io: IOOptions | None = None) -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report."""
     src, dst, ix = _prepare(plan, src, dst)
     needed = estimate_output_bytes(plan, ix)
-    body = _convert_local if output_format == "local" else _convert_dcp
     try:
-        return body(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+        if output_format == "local":
+            return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions())
     except OSError as exc:
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
@@ -116,7 +129,8 @@ def _refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> 
                          where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
 
 
-def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
+def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
+                 io: IOOptions) -> dict[str, Any]:
     started = _time.time()
     stamp = _now()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -128,12 +142,12 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                                  where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         w = DcpWriter(tmp)
         try:
-            _write_items(plan, ix, w, progress)
+            _write_items(plan, ix, w, progress, io=io)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
         src_manifest = _source_manifest(src)
         manifest = output_manifest(plan, src_manifest, time=stamp)
-        manifest.integrity = integrity_record(w.checksums())
+        manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
         write_manifest(tmp, manifest)
         fault_point("manifest")
         verification = _verify(src, tmp, plan)
@@ -153,10 +167,28 @@ def _write_reports(tmp: Path, report: dict[str, Any]) -> None:
     fault_point("report.md")
 
 
-def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any) -> None:
-    """Every item of the plan through the writer, then the `.metadata` commit."""
+def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, io: IOOptions | None = None,
+                 commit: bool = True) -> None:
+    """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
+
+    Re-cut tensors are spliced as bytes on a bounded pool (`reshard.io.splice`); the rest
+    (rewritten, transformed or cast tensors, objects) are written by this thread in
+    between. Items are reserved in one fixed order, so the files are the same bytes for
+    any pool size, and in a distributed run each worker fills only the files it owns
+    (``w.owns``) while reserving every item (`reshard.distributed`).
+    """
+    io = io or IOOptions()
+    run_jobs(_items(plan, ix, w, progress, io), threads=io.threads, window=io.window,
+             on_done=lambda loc, crc: w.filled(loc, crc))
+    if commit:
+        w.finish()
+
+
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions):
+    """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
+    located = splice.all_source_chunks(ix.root, ix.entries.values()) if io.splice else {}
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action == "dropped":
@@ -169,7 +201,7 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any) -
             elif t.transform or t.dtype != e.dtype_name:
                 _write_transformed(ix, w, t)
             else:
-                _copy_tensor(ix, w, e, t)
+                yield from _copy_tensor(ix, w, e, t, located.get(key))
         else:
             rank = a.rank or 0
             if a.action == "rewritten":
@@ -195,7 +227,6 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any) -
             w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
         else:
             w.write_object(a.rank or 0, a.key, v)
-    w.finish()
 
 
 def _write_transformed(ix: CheckpointIndex, w: DcpWriter, t, source_key: str | None = None) -> None:
@@ -217,17 +248,23 @@ def _write_transformed(ix: CheckpointIndex, w: DcpWriter, t, source_key: str | N
         w.write_chunk(rank, t.key, box.offsets, full[box.slices()])
 
 
-def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
-    """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides."""
-    from reshard import transforms
+def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -> list[str]:
+    """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides.
 
+    ``b_files``: only tensors with a chunk in these files of ``out`` (a distributed worker's part).
+    """
+    from reshard import transforms
     from reshard.io.local_format import open_any
 
     a, b = CheckpointIndex.open(src), open_any(out)
     problems = []
+    def mine(key: str) -> bool:
+        return b_files is None or any(c.location is not None and c.location.file in b_files
+                                      for c in b.entries[key].chunks)
+
     for t in plan.tensors:
         tr = t.transform
-        if not tr or t.key not in b.entries:
+        if not tr or t.key not in b.entries or not mine(t.key):
             continue
         x, y = a.read_tensor(t.copy_from or t.key), b.read_tensor(t.key)
         if tr["kind"] == "reinterleave":
@@ -239,7 +276,7 @@ def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
         if not ok:
             problems.append(t.key)
     for t in plan.tensors:
-        if t.transform or t.key not in b.entries:
+        if t.transform or t.key not in b.entries or not mine(t.key):
             continue
         src_key = t.copy_from or t.key
         if src_key not in a.entries:
@@ -252,16 +289,27 @@ def check_transforms(src: Path, out: Path, plan: Plan) -> list[str]:
     return problems
 
 
-def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t) -> None:
-    by_box = {c.box: c for c in e.chunks}
+def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None):
+    """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
+
+    Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
+    (storage transforms, a layout `reshard.io.fastread` does not parse) or a chunk is too
+    large for the plain zip framing.
+    """
+    dtype = e.dtype
     for rank, offsets, sizes in t.chunks:
         box = Box(tuple(offsets), tuple(sizes))
-        same = by_box.get(box)
-        if same is not None and same.location is not None and not same.location.transforms:
-            blob = dcp_io.read_item_bytes(ix.root, same.location, key=e.key)
-            w.write_chunk_bytes(rank, e.key, box.offsets, box.sizes, blob)
-        else:
+        if sources is not None and archive.fits(box.numel * dtype.itemsize):
+            fr = archive.framing(dtype, box.sizes)
+            loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+            if w.owns(rank):
+                job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
+                fd = w.fd(rank)
+                yield (lambda buffers, maps, slab, job=job, fd=fd, at=loc.offset: job.run(fd, at, buffers, maps, slab)), loc
+        elif w.owns(rank):
             w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
+        else:
+            w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
 
 
 def _source_manifest(src: Path) -> dict[str, Any] | None:
@@ -271,7 +319,7 @@ def _source_manifest(src: Path) -> dict[str, Any] | None:
     return m.to_dict() if m is not None else None
 
 
-def _verify(src: Path, out: Path, plan: Plan) -> dict[str, Any]:
+def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -> dict[str, Any]:
     from reshard.verify import verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
@@ -281,8 +329,9 @@ def _verify(src: Path, out: Path, plan: Plan) -> dict[str, Any]:
             expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
         elif src_dtypes.get(t.key) not in (None, t.dtype):
             expected[t.key] = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
-    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle)
-    bad = check_transforms(src, out, plan)
+    extra = {"b_files": b_files} if b_files is not None else {}
+    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle, **extra)
+    bad = check_transforms(src, out, plan, b_files=b_files)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
     for k in bad:
         result["differences"].append({"key": k, "kind": "value", "detail": "canonical form differs from the source"})

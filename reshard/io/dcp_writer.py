@@ -5,9 +5,15 @@
 a time, so memory stays bounded by the largest single item:
 
 - data files ``__{rank}_0.distcp``, created lazily (a rank with no items gets no file).
-  Each item (one chunk of one tensor, or one object) is its own ``torch.save`` blob
-  appended at the current end of its rank's file; its location is ``(file, offset,
-  length)`` with the offset taken from ``tell()`` before the write.
+  Each item (one chunk of one tensor, or one object) is its own ``torch.save`` archive
+  at a byte range reserved at the end of its rank's file; its location is ``(file,
+  offset, length)``. Tensor chunks are framed by `reshard.io.archive` (the archive
+  ``torch.save`` writes, built around the tensor's bytes, no pickling of data); objects
+  go through ``torch.save``. Writes are positional (``pwritev``): `reserve_chunk` /
+  `filled` let callers fill reserved items from several threads in any order, and the
+  layout depends only on the order of reservations.
+- checksums: the CRC-32 of every item as written (`checksums`), for the manifest's
+  ``integrity`` record.
 - ``.metadata``, a pickle of a real ``torch.distributed.checkpoint.metadata.Metadata``:
   ``state_dict_metadata`` (global shape, dtype and chunk list per tensor; a
   ``BytesStorageMetadata`` per object), ``storage_data`` (``MetadataIndex`` ->
@@ -32,12 +38,13 @@ write events for `reshard.io.atomic.fault_point` (a test hook).
 """
 from __future__ import annotations
 
-import hashlib
+import io
 import os
 import pickle
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -53,11 +60,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from reshard.errors import ReshardError
 from reshard.geometry import Box, coverage_problems
+from reshard.io import archive
 from reshard.io.atomic import fault_point, fsync_dir
 from reshard.io.dcp import METADATA_FILE, ItemLocation
 
 try:  # the version string stock DCP stamps into .metadata
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION as _DCP_VERSION,
+    )
 except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = "1.0.0"
 
@@ -97,37 +107,39 @@ class _Object:
     location: ItemLocation
 
 
-class _HashingSink:
-    """A write-only stream that appends to a file and hashes what passes through.
+CHECKSUM_ALGORITHM = "crc32"
 
-    torch.save needs nothing but ``write`` (DCP itself saves through such a wrapper), and
-    the zip offsets it records are relative to where it started, so blobs can be appended
-    at any file offset.
+
+def _crc_hex(crc: int) -> str:
+    return format(crc & 0xFFFFFFFF, "08x")
+
+
+def _pwrite_all(fd: int, parts: list[Any], at: int) -> int:
+    """Write ``parts`` (bytes-like) contiguously at file offset ``at``; returns the bytes written.
+
+    Positional, so items of one file can be written in any order (and by several threads)
+    once their ranges are reserved.
     """
+    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p))]
+    total = 0
+    while views:
+        n = os.pwritev(fd, views, at + total)
+        if n <= 0:  # pragma: no cover - pwritev raises on errors
+            raise OSError(f"short write at offset {at + total}")
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
 
-    def __init__(self, f: BinaryIO):
-        self._f = f
-        self.hash = hashlib.sha256()
-        self.written = 0
-        self.error: OSError | None = None  # kept: torch.save re-raises it as a RuntimeError
 
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        try:
-            n = self._f.write(mv)
-        except OSError as exc:
-            self.error = exc
-            raise
-        if n is None:  # pragma: no cover - raw unbuffered writes are not used
-            n = len(mv)
-        if n != len(mv):  # pragma: no cover - BufferedWriter writes all or raises
-            raise OSError(f"short write: {n} of {len(mv)} bytes")
-        self.hash.update(mv)
-        self.written += n
-        return n
-
-    def flush(self) -> None:
-        pass
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _default_path(key: str) -> tuple:
@@ -149,11 +161,18 @@ class DcpWriter:
     Not thread-safe. After `finish` (or `close`) no further writes are accepted.
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, owned: Any = None):
+        """``owned``: optional predicate on a rank's file; items of files it rejects are only
+        reserved (their bytes are written by another process of a distributed conversion,
+        which passes their checksums back through `adopt`)."""
         self.directory = Path(directory)
+        self._owned = owned
         if not self.directory.is_dir():
             raise WriterError("the output directory does not exist", where=str(self.directory))
-        self._files: dict[int, BinaryIO] = {}
+        self._fds: dict[int, int] = {}          # rank -> open data file
+        self._end: dict[int, int] = {}          # rank -> bytes reserved in its file so far
+        self._pending: set[tuple[str, int]] = set()  # reserved items not yet filled
+        self._foreign: set[tuple[str, int]] = set()  # items another process writes
         self._tensors: dict[str, _Tensor] = {}
         self._objects: dict[str, _Object] = {}
         self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
@@ -204,10 +223,20 @@ class DcpWriter:
             raise WriterError(f"chunk of '{key}' at {list(offsets)} is {t.dtype}, declared {decl.dtype}",
                               where=str(self.directory))
         t = _compact(t)
-        f, start = self._stream(rank)
-        sink = _HashingSink(f)
-        _save(t, sink)
-        loc = self._record(rank, start, sink)
+        if not self.owns(rank):
+            loc = self._reserve(rank, self.chunk_length(t.dtype, tuple(t.shape)) if archive.fits(
+                t.numel() * t.element_size()) else len(_save_bytes(t)))
+            self._foreign.add((loc.file, loc.offset))
+        elif archive.fits(t.numel() * t.element_size()):
+            fr = archive.framing(t.dtype, tuple(t.shape))
+            data = tensor_bytes(t)
+            scrc = zlib.crc32(data)
+            tail = fr.tail(scrc)
+            loc = self._reserve(rank, fr.length)
+            _pwrite_all(self._fds[rank], [fr.head, data, tail], loc.offset)
+            self._filled(loc, fr.item_crc(scrc, tail))
+        else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
+            loc = self._write_blob(rank, _save_bytes(t))
         decl.chunks.append((offsets, sizes, loc))
         decl.offsets_seen.add(offsets)
         return loc
@@ -221,7 +250,7 @@ class DcpWriter:
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
         self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
-        loc = self._append_blob(rank, blob)
+        loc = self._write_blob(rank, blob)
         decl = self._tensors[key]
         decl.chunks.append((offsets, sizes, loc))
         decl.offsets_seen.add(offsets)
@@ -231,10 +260,7 @@ class DcpWriter:
     def write_object(self, rank: int, key: str, obj: Any, path: tuple | None = None) -> ItemLocation:
         """Append a non-tensor item: ``torch.save(obj)``, as DCP does for BYTE_IO items."""
         self._check_object_key(key)
-        f, start = self._stream(rank)
-        sink = _HashingSink(f)
-        _save(obj, sink)
-        loc = self._record(rank, start, sink)
+        loc = self._write_blob(rank, _save_bytes(obj))
         self._add_object(key, path, loc)
         return loc
 
@@ -242,13 +268,78 @@ class DcpWriter:
         """Append an already ``torch.save``'d object blob verbatim."""
         self._check_object_key(key)
         self._check_blob(blob, f"object '{key}'")
-        loc = self._append_blob(rank, blob)
+        loc = self._write_blob(rank, blob)
         self._add_object(key, path, loc)
         return loc
 
+    # ------------------------------------------------------------------ reserved items
+    def reserve_chunk(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                      length: int) -> ItemLocation:
+        """Claim ``length`` bytes at the end of rank ``rank``'s file for one chunk; fill it later.
+
+        The caller writes the item's bytes at the returned location (``os.pwrite`` on
+        `fd`), from any thread and in any order, then calls `filled` with the CRC-32 of
+        exactly those bytes. `finish` refuses to commit while a reserved item is unfilled.
+        Reserving in a fixed order gives the same file layout whatever order the items
+        are then filled in, which is what makes parallel and distributed conversions
+        byte-identical to a sequential one.
+        """
+        offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        loc = self._reserve(rank, length)
+        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        decl = self._tensors[key]
+        decl.chunks.append((offsets, sizes, loc))
+        decl.offsets_seen.add(offsets)
+        return loc
+
+    def reserve_object(self, rank: int, key: str, length: int, path: tuple | None = None) -> ItemLocation:
+        """Like `reserve_chunk`, for an object item."""
+        self._check_object_key(key)
+        loc = self._reserve(rank, length)
+        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        self._add_object(key, path, loc)
+        return loc
+
+    def owns(self, rank: int) -> bool:
+        """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
+        return self._owned is None or bool(self._owned(rank))
+
+    @staticmethod
+    def chunk_length(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
+        """The length of the item `write_chunk` writes for a chunk of ``dtype`` and ``sizes``."""
+        return archive.framing(dtype, tuple(sizes)).length
+
+    def adopt(self, checksums: dict[str, str]) -> None:
+        """Take the checksums of items other processes wrote (``checksums()`` of their writers)."""
+        for file, off in sorted(self._foreign):
+            name = f"{file}:{off}"
+            if name not in checksums:
+                raise WriterError(f"no worker reported writing item {name}", where=str(self.directory),
+                                  hint="A worker of the distributed conversion did not finish; nothing was committed.")
+            self._checksums[name] = checksums[name]
+        self._foreign.clear()
+
+    def sync_files(self) -> None:
+        """fsync this writer's data files (a distributed worker, before it reports its part done)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+
+    def fd(self, rank: int) -> int:
+        """The open file descriptor of rank ``rank``'s data file (after a reservation in it)."""
+        return self._fds[rank]
+
+    def filled(self, loc: ItemLocation, crc: int) -> None:
+        """Record that a reserved item's bytes are written, with their CRC-32 (a write event)."""
+        name = (loc.file, loc.offset)
+        if name not in self._pending:
+            raise WriterError(f"item {loc.file}:{loc.offset} was not reserved or is already filled",
+                              where=str(self.directory))
+        self._pending.discard(name)
+        self._filled(loc, crc)
+
     # ------------------------------------------------------------------ results
     def checksums(self) -> dict[str, str]:
-        """``"{file}:{offset}"`` -> sha256 hex of that item's bytes exactly as written."""
+        """``"{file}:{offset}"`` -> CRC-32 (8 hex digits) of that item's bytes exactly as written."""
         return dict(self._checksums)
 
     def locations(self) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
@@ -270,6 +361,11 @@ class DcpWriter:
         Returns the path of `.metadata`.
         """
         self._check_open()
+        if self._pending or self._foreign:
+            file, off = min(self._pending | self._foreign)
+            self.close()
+            raise WriterError(f"{len(self._pending | self._foreign)} reserved items were never written (first: {file}:{off})",
+                              where=str(self.directory), hint="This is a bug in reshard; the output was not committed.")
         for key in self._order:
             decl = self._tensors.get(key)
             if decl is None:
@@ -283,9 +379,8 @@ class DcpWriter:
                     where=str(self.directory),
                     hint="This is a bug in the resharding plan; the output was not committed.",
                 )
-        for f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
+        for fd in self._fds.values():
+            os.fsync(fd)
         self.close()
 
         md = self._metadata()
@@ -303,10 +398,10 @@ class DcpWriter:
     def close(self) -> None:
         """Close the data files without committing (idempotent). `finish` calls it."""
         self._closed = True
-        files, self._files = self._files, {}
-        for f in files.values():
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
             try:
-                f.close()
+                os.close(fd)
             except OSError:  # pragma: no cover
                 pass
 
@@ -375,45 +470,43 @@ class DcpWriter:
             raise WriterError(f"{what}: blob is not a torch.save archive (transformed or corrupt bytes?)",
                               where=str(self.directory))
 
-    def _stream(self, rank: int) -> tuple[BinaryIO, int]:
+    def _reserve(self, rank: int, length: int) -> ItemLocation:
+        self._check_open()
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
-        f = self._files.get(rank)
-        if f is None:
-            # "xb": never reuse or clobber a file that is already there.
-            f = open(self.directory / data_file_name(rank), "xb")
-            self._files[rank] = f
-        return f, f.tell()
+        if rank not in self._end:
+            if self.owns(rank):
+                # O_EXCL: never reuse or clobber a file that is already there.
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                self._fds[rank] = os.open(self.directory / data_file_name(rank), flags, 0o644)
+            self._end[rank] = 0
+        start = self._end[rank]
+        self._end[rank] = start + int(length)
+        return ItemLocation(data_file_name(rank), start, int(length))
 
-    def _record(self, rank: int, start: int, sink: _HashingSink) -> ItemLocation:
-        f = self._files[rank]
-        end = f.tell()
-        if end - start != sink.written:  # pragma: no cover - defensive
-            raise WriterError(f"data file of rank {rank} moved unexpectedly while writing", where=str(self.directory))
-        loc = ItemLocation(data_file_name(rank), start, end - start)
-        self._checksums[f"{loc.file}:{loc.offset}"] = sink.hash.hexdigest()
+    def _filled(self, loc: ItemLocation, crc: int) -> None:
+        self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
         fault_point(f"item {loc.file}:{loc.offset}")
-        return loc
 
-    def _append_blob(self, rank: int, blob: bytes) -> ItemLocation:
-        f, start = self._stream(rank)
-        sink = _HashingSink(f)
-        sink.write(blob)
-        return self._record(rank, start, sink)
+    def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
+        loc = self._reserve(rank, len(blob))
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+            return loc
+        _pwrite_all(self._fds[rank], [blob], loc.offset)
+        self._filled(loc, zlib.crc32(blob))
+        return loc
 
     def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
         self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
         self._order.append(key)
 
 
-def _save(obj: Any, sink: _HashingSink) -> None:
-    """torch.save into the sink; a file-system error surfaces as the OSError it was."""
-    try:
-        torch.save(obj, sink)
-    except Exception:
-        if sink.error is not None:
-            raise sink.error from None
-        raise
+def _save_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` in memory (objects are small; tensors take the framing path)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:

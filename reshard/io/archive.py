@@ -1,0 +1,239 @@
+"""The ``torch.save`` archive of one tensor, framed around storage bytes the caller streams.
+
+A DCP tensor item is what ``torch.save(tensor)`` writes: a zip file (every member STORED)
+whose members are, in this order::
+
+    archive/data.pkl                 pickle: torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())
+    archive/.format_version          b"1"
+    archive/.storage_alignment       b"64"
+    archive/byteorder                b"little"
+    archive/data/0                   the storage bytes (row-major, the tensor's own)
+    archive/version                  b"3\\n"
+    archive/.data/serialization_id   40 digits
+    central directory, zip64 end record and locator, end record
+
+Every member's data starts at a multiple of 64 bytes (an ``FB`` extra field of ``Z``
+padding), local headers carry no sizes (flag bit 3) and each member is followed by a data
+descriptor with its CRC-32 and size, as PyTorch's own writer does. Why write it by hand:
+a conversion then never needs the tensor as a tensor. `head` is everything before the
+storage bytes and depends only on dtype and shape; `tail` is everything after and needs
+only the storage's CRC-32. So a writer can put `head` in place, stream the storage from
+the source files (``os.copy_file_range`` or a slab buffer) while computing its CRC, and
+append `tail`; the item's length is known before a byte is written, so several workers can
+fill one data file at precomputed offsets.
+
+The pickle is produced by the standard pickler (protocol 2, as torch) and is byte for byte
+the one ``torch.save`` writes for a contiguous tensor (``tests/test_archive.py`` checks
+it, and that ``torch.load(weights_only=True)`` returns the tensor); only the
+serialization id differs (torch derives it from a C++ hash; here it is derived from the
+storage CRC and size, so it is deterministic too). Members or offsets of 4 GiB and more
+would need zip64 extra fields: `fits` says when this framing applies, and callers fall
+back to ``torch.save`` otherwise.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Framing", "archive_bytes", "crc32_combine", "fits", "framing"]
+
+ALIGN = 64
+_U32 = 0xFFFFFFFF
+_PREFIX = "archive/"
+_FLAGS = 0x0808                      # bit 3: data descriptor follows; bit 11: UTF-8 names
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_DESCRIPTOR = struct.Struct("<4sIII")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")
+_LOCATOR = struct.Struct("<4sIQI")
+_EOCD = struct.Struct("<4sHHHHIIH")
+
+
+class _Storage:
+    """Stands for the tensor's storage in the pickle; `persistent_id` names it."""
+
+
+class _Rebuild:
+    def __init__(self, storage: _Storage, shape: tuple[int, ...], stride: tuple[int, ...]):
+        self.args = (storage, 0, shape, stride, False, OrderedDict())
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+def _storage_class(dtype: torch.dtype) -> type:
+    """The legacy typed-storage class torch.save names in the pickle (``torch.FloatStorage`` ...)."""
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """``archive/data.pkl`` for a C-contiguous tensor of ``dtype`` and ``shape`` with its own storage."""
+    shape = tuple(int(s) for s in shape)
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    numel = acc
+    storage = _Storage()
+    pid = ("storage", _storage_class(dtype), "0", "cpu", numel)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if obj is storage else None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_Rebuild(storage, shape, tuple(reversed(stride))))
+    return buf.getvalue()
+
+
+def _padding(pos: int, name: bytes) -> bytes:
+    start = pos + _LOCAL.size + len(name) + 4
+    pad = (-start) % ALIGN
+    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
+
+
+def _local(name: bytes, pos: int) -> bytes:
+    extra = _padding(pos, name)
+    return _LOCAL.pack(b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def _descriptor(crc: int, size: int) -> bytes:
+    return _DESCRIPTOR.pack(b"PK\x07\x08", crc, size, size)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm).
+
+    Lets an item's checksum be composed from its parts (head, storage, tail) without
+    reading the storage twice.
+    """
+    if len2 <= 0:
+        return crc1
+
+    def times(mat: list[int], vec: int) -> int:
+        s, i = 0, 0
+        while vec:
+            if vec & 1:
+                s ^= mat[i]
+            vec >>= 1
+            i += 1
+        return s
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    odd = [0xEDB88320] + [1 << n for n in range(31)]   # operator for one zero bit
+    even = square(odd)                                  # two zero bits
+    odd = square(even)                                  # four zero bits
+    while True:
+        even = square(odd)
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+@dataclass(frozen=True)
+class Framing:
+    """Where things go in one tensor item; ``head`` is final, the tail needs the storage CRC."""
+
+    head: bytes
+    storage_nbytes: int
+    tail_nbytes: int
+    members: tuple[tuple[str, int, int, int], ...]   # (name, local header offset, size, crc) in head
+
+    @property
+    def length(self) -> int:
+        return len(self.head) + self.storage_nbytes + self.tail_nbytes
+
+    @property
+    def storage_offset(self) -> int:
+        """Offset of the storage's first byte from the start of the item."""
+        return len(self.head)
+
+    def tail(self, storage_crc: int) -> bytes:
+        """Everything after the storage bytes, given their CRC-32."""
+        return _tail(self, storage_crc)
+
+    def item_crc(self, storage_crc: int, tail: bytes | None = None) -> int:
+        """CRC-32 of the whole item, composed from its parts."""
+        t = tail if tail is not None else self.tail(storage_crc)
+        c = crc32_combine(zlib.crc32(self.head), storage_crc, self.storage_nbytes)
+        return crc32_combine(c, zlib.crc32(t), len(t))
+
+
+_SMALL = [(".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", sys.byteorder.encode())]
+
+
+def fits(nbytes: int) -> bool:
+    """Whether an item with ``nbytes`` of storage can use this framing (no zip64 fields needed)."""
+    return nbytes < _U32 - (1 << 20)
+
+
+def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
+    """The framing of a C-contiguous ``dtype`` tensor of ``shape``; see the module docstring."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * dtype.itemsize
+    if not fits(nbytes):
+        raise ValueError(f"a {nbytes}-byte storage needs zip64 framing; use torch.save")
+    out = bytearray()
+    members = []
+    for name, data in [("data.pkl", data_pkl(dtype, tuple(shape)))] + _SMALL:
+        members.append((_PREFIX + name, len(out), len(data), zlib.crc32(data)))
+        out += _local((_PREFIX + name).encode(), len(out)) + data
+        out += _descriptor(zlib.crc32(data), len(data))
+    members.append((_PREFIX + "data/0", len(out), nbytes, -1))
+    out += _local((_PREFIX + "data/0").encode(), len(out))
+    f = Framing(head=bytes(out), storage_nbytes=nbytes, tail_nbytes=0, members=tuple(members))
+    return Framing(head=f.head, storage_nbytes=nbytes, tail_nbytes=len(_tail(f, 0)), members=f.members)
+
+
+def _tail(f: Framing, storage_crc: int) -> bytes:
+    members = list(f.members)
+    name0, off0, size0, _ = members[-1]
+    members[-1] = (name0, off0, size0, storage_crc)
+    out = bytearray(_descriptor(storage_crc, size0))
+    pos = len(f.head) + size0 + len(out)
+    sid = f"{storage_crc:020d}{size0 % 10**20:020d}".encode()
+    for name, data in [("version", b"3\n"), (".data/serialization_id", sid)]:
+        members.append((_PREFIX + name, pos, len(data), zlib.crc32(data)))
+        rec = _local((_PREFIX + name).encode(), pos) + data + _descriptor(zlib.crc32(data), len(data))
+        out += rec
+        pos += len(rec)
+    cd_start = pos
+    cd = bytearray()
+    for name, off, size, crc in members:
+        nb = name.encode()
+        cd += _CENTRAL.pack(b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(nb), 0, 0, 0, 0, 0, off) + nb
+    out += cd
+    n = len(members)
+    out += _EOCD64.pack(b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), cd_start)
+    out += _LOCATOR.pack(b"PK\x06\x07", 0, cd_start + len(cd), 1)
+    out += _EOCD.pack(b"PK\x05\x06", 0, 0, n, n, len(cd), cd_start, 0)
+    return bytes(out)
+
+
+def archive_bytes(t: torch.Tensor) -> bytes:
+    """The whole item for a small tensor, in memory (tests and small objects)."""
+    t = t.detach().contiguous()
+    f = framing(t.dtype, tuple(t.shape))
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    crc = zlib.crc32(raw)
+    return f.head + raw + f.tail(crc)

@@ -1,0 +1,728 @@
+"""Bitwise tensor comparison straight from two DCP checkpoints' data files (`reshard verify`'s fast path).
+
+`reshard verify` compares, for every tensor key, the values of A and B in global
+coordinates. Decoding every chunk with ``torch.load`` and comparing with torch ops costs
+several times a plain copy of the checkpoint; this module compares the *stored bytes*
+instead, which for a bitwise comparison is the same question (verify compares bit for bit:
+NaN payloads must match, ``-0.0 != 0.0``).
+
+`compare_tensors(ia, ib, keys)` takes keys whose entries have the same shape and dtype on
+both sides, both sides being `reshard.index.CheckpointIndex`. A key is compared here when
+every chunk of it, on both sides, is a plain ``torch.save`` archive without storage
+transforms whose layout `reshard.io.fastread.item_layout` parses (torch's weights-only
+unpickler over a meta storage: nothing from the file is executed) as a C-contiguous tensor
+of the chunk's shape and the key's dtype, its elements inside the item's byte range.
+
+The work is cut along B's chunks, so the result does not depend on either chunking: every
+chunk of B is cut (`split_box`) into row-major pieces of at most ``slab_bytes``, each one
+contiguous byte run in B, read with ``os.preadv`` into a reusable per-thread buffer; each
+piece is compared with every chunk of A it intersects (``Box.intersect``):
+
+* when the intersection is one contiguous run in both the piece and A's chunk
+  (`contiguous_run`), A's run is read with ``os.preadv`` into a second buffer and the two
+  byte ranges are compared as integers (numpy, memcmp speed, the GIL released);
+* otherwise the intersection is compared as two numpy views, B's buffer shaped as the
+  piece and A's bytes (read into the second buffer when contiguous there, else a strided
+  view over an ``mmap`` of A's data file), as unsigned integers of the element size (or
+  bytes with a trailing dimension), so the comparison is bitwise too.
+
+With ``hash_b`` (B's manifest records item checksums), a chunk of B whose item checksum is
+wanted is one task that reads its whole item in order (header, pieces, trailer) and hashes
+it while comparing, so B's bytes are read once for both jobs (`CompareResult.digests`);
+otherwise each piece is a task. Tasks run in a small thread pool (``workers``, default
+2-4) with a bounded window in flight, so memory stays at about ``workers x 2 x slab_bytes``
+plus the page cache, whatever the checkpoint's size. The layouts of large keys' items are
+parsed on a second small pool a bounded number of items ahead, after asking the kernel to
+read those items (``posix_fadvise WILLNEED``, at most ``PREFETCH_BYTES`` ahead), so a cold
+cache is read in large requests while earlier keys are compared. Small keys (at most
+``SMALL_KEY_BYTES``; their cost is Python, not bytes) are compared whole, one after the
+other, by the calling thread, between hand-offs to the pool. Each key gets a `KeyVerdict`:
+
+* ``"equal"``: every piece compared equal (and A's chunks are covered by B's);
+* ``"different"``: some piece differs: the caller decodes that key the slow way, so the
+  reported difference (first differing global index, count, values) is exactly the slow
+  path's;
+* ``"fallback"``: the fast path does not apply (``reason`` says why: a transform, an
+  unusual item, a read error, ...): the caller uses the slow path, which also reports any
+  error in its own words.
+
+``progress.update(1)`` is called (from the calling thread) once per chunk of A whose parts
+all compared equal (empty chunks at once); `KeyVerdict.ticked` says how many a key already
+got, so a caller that falls back can skip that many.
+
+`COUNTERS` counts keys and parts per path (``keys_equal``, ``keys_different``,
+``keys_fallback``, ``parts_contiguous`` (buffer against buffer), ``parts_strided``
+(shaped views), ``bytes``), for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from reshard.geometry import Box
+from reshard.integrity import new_hasher
+from reshard.io.fastread import item_layout
+
+__all__ = ["KeyVerdict", "CompareResult", "compare_tensors", "contiguous_run", "split_box", "COUNTERS", "counters",
+           "reset_counters", "SLAB_BYTES"]
+
+SLAB_BYTES = 16 << 20
+LAYOUT_WORKERS = 4      # threads parsing item layouts (latency-bound when the cache is cold)
+LAYOUT_AHEAD = 64       # items whose layouts may be parsed ahead of the comparison
+PREFETCH_BYTES = 256 << 20   # item bytes the kernel may be asked to read ahead of the comparison
+SMALL_KEY_BYTES = 1 << 20   # a key of at most this many bytes and SMALL_KEY_CHUNKS chunks (both sides)
+SMALL_KEY_CHUNKS = 64       # is "small": compared whole by the calling thread, SMALL_BATCH_KEYS at a time
+SMALL_BATCH_KEYS = 256
+_SMALL = object()
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+COUNTERS: Counter = Counter()
+_COUNTER_LOCK = threading.Lock()
+
+
+def counters() -> dict[str, int]:
+    """A copy of `COUNTERS` (cumulative over the process)."""
+    with _COUNTER_LOCK:
+        return dict(COUNTERS)
+
+
+def reset_counters() -> None:
+    with _COUNTER_LOCK:
+        COUNTERS.clear()
+
+
+def _count(**kw: int) -> None:
+    with _COUNTER_LOCK:
+        COUNTERS.update(kw)
+
+
+@dataclass
+class KeyVerdict:
+    """The fast path's answer for one key (see the module docstring)."""
+
+    key: str
+    status: str                 # "equal" | "different" | "fallback"
+    reason: str | None = None   # why "fallback"
+    elements: int = 0           # A's elements compared (non-empty chunks), when "equal"
+    nbytes: int = 0             # their logical bytes
+    ticked: int = 0             # progress ticks already given for this key
+
+
+# ------------------------------------------------------------------------------ geometry
+def contiguous_run(rel: Box, sizes: Sequence[int]) -> int | None:
+    """The flat element index where ``rel`` (a box in the local coordinates of a C-contiguous
+    array of shape ``sizes``) starts, when its elements are one contiguous run; else None.
+
+    Contiguous exactly when every dim after the last non-full one is full (true by
+    definition) and every dim before it has size 1.
+    """
+    n = len(sizes)
+    k = n - 1
+    while k >= 0 and rel.sizes[k] == sizes[k]:
+        k -= 1
+    if any(rel.sizes[j] != 1 for j in range(k)):
+        return None
+    flat = 0
+    for o, s in zip(rel.offsets, sizes):
+        flat = flat * s + o
+    return flat
+
+
+def split_box(box: Box, itemsize: int, limit: int) -> Iterator[Box]:
+    """Cut ``box`` into row-major pieces of at most ``limit`` bytes (at least one element each).
+
+    The split dim ``d`` is the outermost one whose inner block (dims after it) fits in
+    ``limit``; dims before it are taken one index at a time, dim ``d`` in steps. A piece of
+    a contiguous run is therefore a contiguous run too.
+    """
+    sizes = box.sizes
+    n = len(sizes)
+    if n == 0 or box.numel * itemsize <= limit:
+        yield box
+        return
+    inner = itemsize
+    d = n - 1
+    while d > 0 and inner * sizes[d] <= limit:
+        inner *= sizes[d]
+        d -= 1
+    step = max(1, limit // inner)
+    for lead in itertools.product(*(range(s) for s in sizes[:d])):
+        for start in range(0, sizes[d], step):
+            m = min(step, sizes[d] - start)
+            offs = tuple(box.offsets[i] + lead[i] for i in range(d)) + (box.offsets[d] + start,) + box.offsets[d + 1:]
+            yield Box(offs, (1,) * d + (m,) + sizes[d + 1:])
+
+
+# ------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class _Side:
+    """One chunk's item: ``base`` is the absolute file offset of its element [0, ..., 0]."""
+
+    root: Path
+    file: str
+    base: int
+    box: Box
+    item_offset: int
+    item_length: int
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.file
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The intersection of a piece of B with one chunk of A."""
+
+    a_chunk: int
+    box: Box                    # global coordinates
+    a: _Side
+    run_a: int | None           # flat element start in A's chunk when contiguous there, else None
+    run_p: int | None           # flat element start within the piece when contiguous there, else None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A row-major run of at most one slab of a chunk of B (contiguous in B by construction)."""
+
+    box: Box
+    run_b: int                  # flat element start in B's chunk
+    parts: tuple[_Part, ...]
+
+
+@dataclass(frozen=True)
+class _Task:
+    """Consecutive pieces of one chunk of B; ``hashed``: all of its item, header to trailer, in order."""
+
+    b: _Side
+    pieces: tuple[_Piece, ...]
+    hashed: bool
+    a_parts: tuple[tuple[int, int], ...]   # (A chunk, number of parts) covered by this task
+
+
+@dataclass
+class _KeyState:
+    verdict: KeyVerdict
+    itemsize: int
+    remaining: dict[int, int] = field(default_factory=dict)   # A chunk -> parts not yet compared
+    stop: bool = False          # a part differed or failed: skip the rest
+
+
+class _NotFast(Exception):
+    """Internal: this key does not qualify for the fast path (message: why)."""
+
+
+def _layout_job(ix: Any, chunk: Any) -> Any:
+    """What `_side` needs from the file: the chunk's ItemLayout (None: unusual; raises _NotFast)."""
+    loc = chunk.location
+    if loc is None:
+        raise _NotFast("a chunk has no storage location")
+    if loc.transforms:
+        raise _NotFast(f"storage transforms {list(loc.transforms)}")
+    return item_layout(Path(ix.root) / loc.file, int(loc.offset), int(loc.length))
+
+
+def _side(ix: Any, chunk: Any, dtype: Any, lay: Any) -> _Side:
+    loc = chunk.location
+    root = Path(ix.root)
+    if lay is None:
+        raise _NotFast(f"item {loc.file}:{loc.offset} is not a plain torch.save tensor")
+    if lay.dtype != dtype or tuple(lay.shape) != tuple(chunk.box.sizes) or not lay.contiguous:
+        raise _NotFast(f"item {loc.file}:{loc.offset} holds {lay.dtype} {list(lay.shape)} (stride {list(lay.stride)}), "
+                       f"metadata says {dtype} {list(chunk.box.sizes)}")
+    start = lay.storage_offset * lay.dtype.itemsize
+    if lay.storage_offset < 0 or start + lay.nbytes > lay.storage_nbytes:
+        raise _NotFast(f"item {loc.file}:{loc.offset} views outside its storage")
+    base = lay.storage_file_offset + start
+    if base < loc.offset or base + lay.nbytes > loc.offset + loc.length:
+        raise _NotFast(f"item {loc.file}:{loc.offset}: elements outside the item's byte range")
+    return _Side(root, loc.file, base, chunk.box, int(loc.offset), int(loc.length))
+
+
+def _check_key(ea: Any, eb: Any) -> int:
+    """The element size of a key the fast path may compare (else _NotFast)."""
+    if not (ea.is_tensor and eb.is_tensor) or ea.shape != eb.shape or ea.dtype != eb.dtype:
+        raise _NotFast("not two tensors of the same shape and dtype")
+    itemsize = int(ea.dtype.itemsize)
+    if itemsize <= 0:
+        raise _NotFast(f"dtype {ea.dtype} has no whole-byte element size")
+    return itemsize
+
+
+def _plan(ia: Any, ib: Any, key: str, slab: int, hash_names: Any, layout: Callable[[str, int], Any],
+          b_files: Any = None) -> tuple[_KeyState, list[_Task]]:
+    """The tasks comparing ``key`` (``layout(side, chunk index)``: that chunk's `_layout_job`).
+
+    ``hash_names``: item names of B whose checksum is wanted (their chunk becomes one task
+    that reads the whole item in order); other chunks of B are one task per piece.
+    ``b_files``: only B's chunks stored in these files (the verdict's elements are theirs).
+    """
+    ea, eb = ia.entries[key], ib.entries[key]
+    itemsize = _check_key(ea, eb)
+    state = _KeyState(KeyVerdict(key, "equal"), itemsize)
+    a_boxes = [(i, c) for i, c in enumerate(ea.chunks) if not c.box.is_empty()]
+    a_sides: dict[int, _Side] = {}
+    covered: dict[int, int] = {}
+    tasks: list[_Task] = []
+    for j, cb in enumerate(eb.chunks):
+        if cb.box.is_empty() or (b_files is not None and (cb.location is None or cb.location.file not in b_files)):
+            continue
+        sb = _side(ib, cb, eb.dtype, layout("b", j))
+        hits = []
+        for i, ca in a_boxes:
+            if ca.box.intersect(cb.box) is not None:
+                if i not in a_sides:
+                    a_sides[i] = _side(ia, ca, ea.dtype, layout("a", i))
+                hits.append((i, ca))
+        pieces = []
+        for piece in split_box(cb.box, itemsize, slab):
+            parts = []
+            for i, ca in hits:
+                inter = ca.box.intersect(piece)
+                if inter is None:
+                    continue
+                parts.append(_Part(i, inter, a_sides[i], contiguous_run(inter.relative_to(ca.box), ca.box.sizes),
+                                   contiguous_run(inter.relative_to(piece), piece.sizes)))
+                covered[i] = covered.get(i, 0) + inter.numel
+            run_b = contiguous_run(piece.relative_to(cb.box), cb.box.sizes)
+            if run_b is None:  # pragma: no cover - split_box keeps pieces of a chunk contiguous
+                raise _NotFast("a piece of a chunk of B is not contiguous")
+            pieces.append(_Piece(piece, run_b, tuple(parts)))
+        b_covered = sum(part.box.numel for p in pieces for part in p.parts)
+        if b_covered != cb.box.numel:
+            raise _NotFast(f"A's chunks cover {b_covered} of {cb.box.numel} elements of a chunk of B")
+        if b_files is not None:
+            state.verdict.elements += cb.box.numel
+            state.verdict.nbytes += cb.box.numel * itemsize
+        name = f"{cb.location.file}:{int(cb.location.offset)}"
+        groups = [pieces] if name in hash_names else [[p] for p in pieces]
+        for g in groups:
+            counts: dict[int, int] = {}
+            for p in g:
+                for part in p.parts:
+                    counts[part.a_chunk] = counts.get(part.a_chunk, 0) + 1
+            tasks.append(_Task(sb, tuple(g), len(groups) == 1 and name in hash_names, tuple(counts.items())))
+            for i, n in counts.items():
+                state.remaining[i] = state.remaining.get(i, 0) + n
+    if b_files is None:
+        for i, ca in a_boxes:
+            if covered.get(i, 0) != ca.box.numel:
+                raise _NotFast(f"B's chunks cover {covered.get(i, 0)} of {ca.box.numel} elements of a chunk of A")
+            state.verdict.elements += ca.box.numel
+            state.verdict.nbytes += ca.box.numel * itemsize
+    return state, tasks
+
+
+# ------------------------------------------------------------------------------ reading
+class _Files:
+    """Open data files (one fd and at most one read-only mmap each) and per-thread buffers."""
+
+    def __init__(self, slab: int):
+        self.slab = slab
+        self.lock = threading.Lock()
+        self.fds: dict[Path, int] = {}
+        self.maps: dict[Path, mmap.mmap] = {}
+        self.local = threading.local()
+
+    def fd(self, path: Path) -> int:
+        with self.lock:
+            fd = self.fds.get(path)
+            if fd is None:
+                fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return fd
+
+    def map(self, path: Path) -> mmap.mmap:
+        fd = self.fd(path)
+        with self.lock:
+            mm = self.maps.get(path)
+            if mm is None:
+                mm = self.maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return mm
+
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two reusable slab buffers of the calling thread (B's bytes, A's bytes)."""
+        bufs = getattr(self.local, "bufs", None)
+        if bufs is None:
+            bufs = self.local.bufs = (np.empty(self.slab, dtype=np.uint8), np.empty(self.slab, dtype=np.uint8))
+        return bufs
+
+    def close(self) -> None:
+        with self.lock:
+            for mm in self.maps.values():
+                try:
+                    mm.close()
+                except BufferError:  # a view still alive (e.g. in a traceback): let GC close it
+                    pass
+            self.maps.clear()
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+
+def _pread_exact(fd: int, buf: np.ndarray, pos: int) -> None:
+    view = memoryview(buf)
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], pos + done)
+        if n <= 0:
+            raise OSError(f"short read at offset {pos + done}")
+        done += n
+
+
+def _hash_range(fd: int, buf: np.ndarray, pos: int, n: int, h: Any) -> None:
+    while n > 0:
+        m = min(n, len(buf))
+        x = buf[:m]
+        _pread_exact(fd, x, pos)
+        h.update(x)
+        pos += m
+        n -= m
+
+
+def _equal_bytes(x: np.ndarray, y: np.ndarray) -> bool:
+    if x.size % 8 == 0:
+        return bool(np.array_equal(x.view(np.uint64), y.view(np.uint64)))
+    return bool(np.array_equal(x, y))
+
+
+def _shaped(buf: np.ndarray, sizes: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """A C-contiguous uint8 buffer as integers of the element size (bitwise-comparable), shaped ``sizes``."""
+    if itemsize in _UINT:
+        return buf.view(_UINT[itemsize]).reshape(sizes)
+    return buf.reshape(sizes + (itemsize,))
+
+
+def _strided_view(files: _Files, side: _Side, rel: Box, itemsize: int) -> np.ndarray:
+    mm = files.map(side.path)
+    sizes = side.box.sizes
+    strides, acc = [], itemsize
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= max(s, 1)
+    strides.reverse()
+    if itemsize in _UINT:
+        arr = np.ndarray(sizes, dtype=_UINT[itemsize], buffer=mm, offset=side.base, strides=strides)
+    else:
+        arr = np.ndarray(sizes + (itemsize,), dtype=np.uint8, buffer=mm, offset=side.base, strides=strides + [1])
+    return arr[rel.slices()]
+
+
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+def _willneed(files: _Files, path: Path, pos: int, n: int) -> None:
+    if _WILLNEED is None or n <= 0:
+        return
+    try:
+        os.posix_fadvise(files.fd(path), pos, n, _WILLNEED)
+    except OSError:  # a hint only (e.g. a missing file: the reader reports it)
+        pass
+
+
+def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> np.ndarray:
+    """``n`` bytes of ``path`` at ``pos``, read into the start of ``buf``."""
+    x = buf[:n]
+    _pread_exact(files.fd(path), x, pos)
+    return x
+
+
+def _run_task(files: _Files, state: _KeyState, task: _Task, algorithm: str | None) -> tuple[bool, str | None, int, int]:
+    """Compare a task's pieces (and hash its item): ``(equal, digest or None, contiguous parts, strided parts)``.
+
+    Returns ``equal=True`` without work (and no digest) once the key has stopped.
+    """
+    itemsize = state.itemsize
+    b = task.b
+    fb = files.fd(b.path)
+    bbuf, abuf = files.buffers()
+    h = new_hasher(algorithm) if task.hashed and algorithm else None
+    if h is not None:
+        _hash_range(fb, bbuf, b.item_offset, b.base - b.item_offset, h)
+    fast = slow = 0
+    for piece in task.pieces:
+        if state.stop:
+            return True, None, fast, slow
+        nb = piece.box.numel * itemsize
+        xb = _bytes_at(files, b.path, bbuf, b.base + piece.run_b * itemsize, nb)
+        if h is not None:
+            h.update(xb)
+        vb = None
+        for part in piece.parts:
+            if part.run_a is not None:
+                na = part.box.numel * itemsize
+                xa = _bytes_at(files, part.a.path, abuf, part.a.base + part.run_a * itemsize, na)
+                if part.run_p is not None:
+                    same = _equal_bytes(xa, xb[part.run_p * itemsize:part.run_p * itemsize + na])
+                    fast += 1
+                else:
+                    vb = _shaped(xb, piece.box.sizes, itemsize) if vb is None else vb
+                    same = bool(np.array_equal(vb[part.box.relative_to(piece.box).slices()],
+                                               _shaped(xa, part.box.sizes, itemsize)))
+                    slow += 1
+            else:
+                vb = _shaped(xb, piece.box.sizes, itemsize) if vb is None else vb
+                va = _strided_view(files, part.a, part.box.relative_to(part.a.box), itemsize)
+                same = bool(np.array_equal(vb[part.box.relative_to(piece.box).slices()], va))
+                del va
+                slow += 1
+            if not same:
+                return False, None, fast, slow
+    if h is None:
+        return True, None, fast, slow
+    end = b.base + b.box.numel * itemsize
+    _hash_range(fb, bbuf, end, b.item_offset + b.item_length - end, h)
+    return True, h.hexdigest(), fast, slow
+
+
+class _Done:
+    """A finished future's face for a result computed in the calling thread."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+    def cancel(self) -> bool:
+        return False
+
+
+def _run_small_keys(files: _Files, ia: Any, ib: Any, keys: list[str], slab: int, names: set[str],
+                    algorithm: str | None, b_files: Any = None) -> list[tuple[KeyVerdict, dict[str, str], int, int, int]]:
+    """Small keys, one after the other in the calling thread (layouts, plan, comparison):
+    ``(verdict, digests, contiguous parts, strided parts, bytes)`` per key, so a checkpoint
+    of many small tensors pays no thread hand-off per key."""
+    out = []
+    for key in keys:
+        ea, eb = ia.entries[key], ib.entries[key]
+        digests: dict[str, str] = {}
+        fast = slow = 0
+        def layout(side: str, i: int, ea: Any = ea, eb: Any = eb) -> Any:
+            return _layout_job(ia, ea.chunks[i]) if side == "a" else _layout_job(ib, eb.chunks[i])
+
+        try:
+            state, tasks = _plan(ia, ib, key, slab, names, layout, b_files)
+            for task in tasks:
+                same, dig, f, sl = _run_task(files, state, task, algorithm)
+                fast, slow = fast + f, slow + sl
+                if dig is not None:
+                    digests[f"{task.b.file}:{task.b.item_offset}"] = dig
+                if not same:
+                    state.verdict.status = "different"
+                    break
+            v = state.verdict
+        except _NotFast as exc:
+            v = KeyVerdict(key, "fallback", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
+            v = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
+        out.append((v, digests, fast, slow, v.nbytes if v.status == "equal" else 0))
+    return out
+
+
+# ------------------------------------------------------------------------------ driver
+def _default_workers() -> int:
+    return max(2, min(4, os.cpu_count() or 2))
+
+
+@dataclass
+class CompareResult:
+    """`compare_tensors`' answer: a verdict per key, and the checksums of B's items it read whole."""
+
+    verdicts: dict[str, KeyVerdict]
+    digests: dict[str, str]      # "file:offset" of B -> checksum (``hash_b``'s algorithm)
+
+
+def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = None, workers: int | None = None,
+                    slab_bytes: int = SLAB_BYTES, hash_b: str | None = None,
+                    hash_names: Any = (), prefetch: bool = True, b_files: Any = None) -> CompareResult:
+    """Compare the stored bytes of ``keys`` (tensors of the same shape and dtype on both
+    sides) of two `CheckpointIndex` es; a `KeyVerdict` per key (see the module docstring).
+
+    ``hash_b`` (an algorithm of `reshard.integrity`) with ``hash_names`` (item names
+    ``"file:offset"`` of B): each such item whose chunk takes part is read whole, in order,
+    by one task that hashes it while comparing, so B's bytes are read once for both; its
+    checksum lands in ``CompareResult.digests`` (items of keys that stopped early do not:
+    hash those separately).
+
+    ``b_files`` (a set of B's data file names): compare only B's chunks stored there (a
+    distributed worker's part); a verdict's ``elements``/``nbytes`` are then those chunks'.
+
+    ``prefetch``: ask the kernel (``posix_fadvise WILLNEED``) to read the items of the
+    next keys whole (at most ``PREFETCH_BYTES`` ahead), so reading overlaps comparing and
+    the layout parse's small reads do not wait for the disk one by one.
+
+    Never raises for a key's data: any error makes that key a ``"fallback"`` (its reason
+    names it) so the caller's slow path reports it as it always did.
+    """
+    slab = max(64, int(slab_bytes))  # at least one element of any dtype
+    nw = max(1, int(workers or _default_workers()))
+    names = set(hash_names) if hash_b else set()
+    files = _Files(slab)
+    out: dict[str, KeyVerdict] = {}
+    digests: dict[str, str] = {}
+    window: deque[tuple[_KeyState, _Task, Any]] = deque()
+    limit = 2 * nw
+
+    def tick(state: _KeyState, n: int = 1) -> None:
+        state.verdict.ticked += n
+        if progress is not None and n:
+            progress.update(n)
+
+    def fail(state: _KeyState, status: str, reason: str | None) -> None:
+        if not state.stop:
+            state.stop = True
+            state.verdict.status, state.verdict.reason = status, reason
+
+    def finish(state: _KeyState | None, task: Any, fut: Any) -> None:
+        if state is None:  # a batch of small keys (task: their names)
+            try:
+                results = fut.result()
+            except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the slow path decides
+                for key in task:
+                    out[key] = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
+                return
+            for v, dig, fast, slow, nbytes in results:
+                out[v.key] = v
+                digests.update(dig)
+                _count(parts_contiguous=fast, parts_strided=slow, bytes=nbytes)
+                if v.status == "equal":
+                    n = len(ia.entries[v.key].chunks)
+                    v.ticked = n
+                    if progress is not None and n:
+                        progress.update(n)
+            return
+        try:
+            same, dig, fast, slow = fut.result()
+        except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
+            fail(state, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
+            return
+        if dig is not None:
+            digests[f"{task.b.file}:{task.b.item_offset}"] = dig
+        if not same:
+            fail(state, "different", None)
+            return
+        if state.stop:
+            return
+        _count(parts_contiguous=fast, parts_strided=slow,
+               bytes=sum(p.box.numel for p in task.pieces) * state.itemsize)
+        for i, n in task.a_parts:
+            state.remaining[i] -= n
+            if not state.remaining[i]:
+                tick(state)
+
+    def key_bytes(ea: Any) -> int:
+        return ea.numel * int(ea.dtype.itemsize)
+
+    def small(ea: Any, eb: Any) -> bool:
+        return key_bytes(ea) <= min(slab, SMALL_KEY_BYTES) and len(ea.chunks) + len(eb.chunks) <= SMALL_KEY_CHUNKS
+
+    def layout_jobs(lpool: ThreadPoolExecutor) -> Iterator[tuple[str, Any]]:
+        """(key, layouts, or SMALL, or the _NotFast) in key order. A large key's item layouts
+        are parsed on a pool a bounded number of items (and bytes) ahead; with ``prefetch``
+        the kernel is first asked to read those items whole, so the parse's small reads (zip
+        directory, pickle) and later the comparison find them in the page cache instead of
+        waiting for the disk one small read at a time."""
+        ahead: deque[tuple[str, Any, int, int]] = deque()
+        items = nbytes = 0
+        for key in keys:
+            ea, eb = ia.entries[key], ib.entries[key]
+            try:
+                _check_key(ea, eb)
+                if small(ea, eb):
+                    futs: Any = _SMALL
+                    m = b = 0
+                else:
+                    bs = [(i, c) for i, c in enumerate(eb.chunks) if not c.box.is_empty() and
+                          (b_files is None or (c.location is not None and c.location.file in b_files))]
+                    as_ = [(i, c) for i, c in enumerate(ea.chunks) if not c.box.is_empty() and
+                           (b_files is None or any(c.box.intersect(d.box) is not None for _, d in bs))]
+                    chunks = [("a", ia, i, c) for i, c in as_] + [("b", ib, i, c) for i, c in bs]
+                    if prefetch:
+                        for _, ix, _, c in chunks:
+                            if c.location is not None:
+                                path, off, n = Path(ix.root) / c.location.file, int(c.location.offset), int(c.location.length)
+                                cap = PREFETCH_BYTES // 4  # a huge item: its head and its zip directory
+                                _willneed(files, path, off, min(n, cap))
+                                if n > cap:
+                                    _willneed(files, path, off + n - (64 << 10), 64 << 10)
+                    futs = {(side, i): lpool.submit(_layout_job, ix, c) for side, ix, i, c in chunks}
+                    m = len(chunks)
+                    b = sum(int(c.location.length) for *_, c in chunks if c.location is not None)
+            except _NotFast as exc:
+                futs, m, b = exc, 0, 0
+            ahead.append((key, futs, m, b))
+            items += m
+            nbytes += b
+            while len(ahead) > 1 and (items > LAYOUT_AHEAD or nbytes > PREFETCH_BYTES):
+                k, f, m, b = ahead.popleft()
+                items -= m
+                nbytes -= b
+                yield k, f
+        while ahead:
+            k, f, _, _ = ahead.popleft()
+            yield k, f
+
+    def submit(state: _KeyState | None, task: Any, fut: Any) -> None:
+        window.append((state, task, fut))
+        while len(window) >= limit:
+            finish(*window.popleft())
+
+    try:
+        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="reshard-compare") as pool, \
+                ThreadPoolExecutor(max_workers=LAYOUT_WORKERS, thread_name_prefix="reshard-layout") as lpool:
+            batch: list[str] = []
+            batch_bytes = 0
+
+            def flush() -> None:
+                # small keys are mostly Python work (layouts, planning), which threads would only
+                # contend for: this thread does them while the pool reads and compares large keys
+                nonlocal batch, batch_bytes
+                if batch:
+                    finish(None, batch, _Done(_run_small_keys(files, ia, ib, batch, slab, names, hash_b, b_files)))
+                    batch, batch_bytes = [], 0
+
+            try:
+                for key, layouts in layout_jobs(lpool):
+                    if layouts is _SMALL:
+                        batch.append(key)
+                        batch_bytes += key_bytes(ia.entries[key])
+                        if batch_bytes >= slab or len(batch) >= SMALL_BATCH_KEYS:
+                            flush()
+                        continue
+                    try:
+                        if isinstance(layouts, Exception):
+                            raise layouts
+                        state, tasks = _plan(ia, ib, key, slab, names, lambda side, i, lay=layouts: lay[(side, i)].result(),
+                                             b_files)
+                    except _NotFast as exc:
+                        out[key] = KeyVerdict(key, "fallback", str(exc))
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - unreadable item: the slow path says so
+                        out[key] = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
+                        continue
+                    out[key] = state.verdict
+                    tick(state, len(ia.entries[key].chunks) - len(state.remaining))  # empty chunks of A
+                    for task in tasks:
+                        if state.stop:
+                            break
+                        submit(state, task, pool.submit(_run_task, files, state, task, hash_b))
+                flush()
+                while window:
+                    finish(*window.popleft())
+            finally:
+                for _, _, fut in window:
+                    fut.cancel()
+    finally:
+        files.close()
+    for v in out.values():
+        _count(**{f"keys_{v.status}": 1})
+    return CompareResult(out, digests)

@@ -1,0 +1,396 @@
+"""Assemble target chunks from source chunks as bytes: no tensors, no pickling, bounded memory.
+
+Resharding a tensor that is only re-cut (same dtype, no layout transform) is a byte copy:
+each element of a target chunk sits somewhere in exactly one source chunk. This module
+does that copy from the source's data files straight into the target's data file:
+
+* A source item is located once (`reshard.io.fastread.item_layout`: its zip directory and
+  pickle, never its data), giving the file offset of its row-major storage bytes.
+* A target chunk is produced in **slabs** of whole dim-0 rows (at most ``slab_bytes``, at
+  least one row). For each source chunk meeting the slab, the intersection is either one
+  contiguous byte run in both (FSDP2's dim-0 shards, the common case), read with
+  ``os.preadv`` straight into the slab buffer, or a strided box (a TP split of dim 1),
+  whose source rows are read as one run into a second buffer and the box copied out of
+  them with NumPy. (No mmap: mapped file pages would count as the process's memory.)
+  When the whole target chunk is such runs, they go file to file in the kernel
+  (``os.copy_file_range``) and the CRC-32 comes from the source's own zip record where a
+  run is a whole source storage, so the bytes never enter this process.
+* The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
+  the item's head (`reshard.io.archive`) comes first and its tail, which needs the CRC,
+  last. Memory per worker: one slab buffer.
+* Items are independent: `run_jobs` fills them from a bounded thread pool (preadv,
+  pwrite, CRC-32 and NumPy copies release the GIL), so reading, checksumming and writing
+  overlap. The file layout is fixed before any byte is written (reservations), so the
+  output is byte-identical whatever the order of completion or the number of workers.
+
+Anything unusual (a storage transform such as zstd, an item this reader cannot parse, a
+non-contiguous source storage, a dtype that differs) makes `source_chunks` return None and
+the caller decodes that tensor the ordinary way.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reshard.geometry import Box
+from reshard.io import archive
+from reshard.io.fastread import item_layout
+
+__all__ = [
+    "SourceChunk",
+    "SpliceJob",
+    "WorkerBuffers",
+    "contiguous_run",
+    "default_window",
+    "run_jobs",
+    "source_chunks",
+]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SourceChunk:
+    """One stored chunk of a source tensor: its global box and where its bytes lie."""
+
+    path: str           # data file
+    storage_at: int     # file offset of the chunk's first element byte (row-major, C-contiguous)
+    box: Box
+    crc: int | None = None  # CRC-32 of exactly the chunk's element bytes, from its zip record (None: unknown)
+
+
+def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
+    """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual."""
+    out = []
+    for c in entry.chunks:
+        loc = c.location
+        if loc is None or loc.transforms:
+            return None
+        path = str(Path(root) / loc.file)
+        lay = item_layout(path, loc.offset, loc.length)
+        if lay is None or not lay.contiguous or lay.dtype != entry.dtype or lay.shape != tuple(c.box.sizes):
+            return None
+        start = lay.storage_offset * lay.dtype.itemsize
+        if start + lay.nbytes > lay.storage_nbytes:
+            return None
+        whole_storage = start == 0 and lay.nbytes == lay.storage_nbytes
+        # a CRC of 0 is what torch writes when asked not to compute CRCs: treat it as unknown
+        crc = lay.storage_crc if whole_storage and lay.storage_crc else None
+        out.append(SourceChunk(path, lay.storage_file_offset + start, c.box, crc))
+    return out
+
+
+def all_source_chunks(root: Path, entries: Iterable[Any], threads: int = 8) -> dict[str, list[SourceChunk] | None]:
+    """`source_chunks` of many tensor entries, located in parallel.
+
+    Locating an item reads two small pieces of it (zip directory, pickle); on a cold cache
+    each is a disk seek, so they are issued from several threads at once.
+    """
+    entries = [e for e in entries if e.is_tensor]
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate") as pool:
+        found = list(pool.map(lambda e: source_chunks(root, e), entries))
+    return {e.key: f for e, f in zip(entries, found)}
+
+
+def contiguous_run(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
+    """``(first element, count)`` when box ``offsets+sizes`` of a C-order ``shape`` array is one run.
+
+    It is when every dim after the first one the box does not span fully is spanned fully
+    and every dim before it has size 1 in the box.
+    """
+    n = 1
+    for s in sizes:
+        n *= s
+    if n == 0:
+        return (0, 0)
+    d = len(shape)
+    j = 0  # first dim (from the right) not spanned fully
+    for i in range(d - 1, -1, -1):
+        if sizes[i] != shape[i]:
+            j = i
+            break
+    else:
+        return (0, n)
+    if any(sizes[i] != 1 for i in range(j)):
+        return None
+    first = 0
+    for i in range(d):
+        first = first * shape[i] + offsets[i]
+    return first, n
+
+
+class WorkerBuffers(threading.local):
+    """Two buffers per worker thread (the target slab, and source rows for strided copies),
+    allocated on first use, so idle workers cost nothing."""
+
+    def __init__(self) -> None:
+        self.buf: bytearray | None = None
+        self.aux: bytearray | None = None
+
+    def get(self, n: int) -> memoryview:
+        if self.buf is None or len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+    def get_aux(self, n: int) -> memoryview:
+        if self.aux is None or len(self.aux) < n:
+            self.aux = bytearray(n)
+        return memoryview(self.aux)[:n]
+
+
+class _Maps:
+    """Read-only descriptors of source files, opened once per run and shared by the workers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[path] = fd
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+
+def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
+    """A byte-exact view ``shape + (itemsize,)`` of uint8 over ``buf`` (any dtype: bits are copied)."""
+    return np.ndarray(tuple(shape) + (itemsize,), dtype=np.uint8, buffer=buf, offset=offset)
+
+
+def _read_exact(fd: int, view: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], pos + done)
+        if n <= 0:
+            raise OSError(f"source data file ends early (wanted {len(view) - done} more bytes at {pos + done})")
+        done += n
+
+
+@dataclass
+class SpliceJob:
+    """Write one target chunk, assembled from ``sources``, at ``at`` of ``fd``."""
+
+    box: Box
+    itemsize: int
+    framing: archive.Framing
+    sources: list[SourceChunk]
+
+    def run(self, fd: int, at: int, buffers: WorkerBuffers, maps: _Maps, slab_bytes: int) -> int:
+        """Returns the CRC-32 of the whole item as written."""
+        from reshard.io.dcp_writer import _pwrite_all
+
+        box, isz = self.box, self.itemsize
+        _pwrite_all(fd, [self.framing.head], at)
+        pos = at + len(self.framing.head)
+        runs = self._runs()
+        if runs is not None:
+            crc = _copy_runs(runs, isz, fd, pos, buffers, maps, slab_bytes)
+            tail = self.framing.tail(crc)
+            _pwrite_all(fd, [tail], pos + self.framing.storage_nbytes)
+            return self.framing.item_crc(crc, tail)
+        crc = 0
+        sizes = box.sizes
+        rows = sizes[0] if sizes else 1
+        row_elems = 1
+        for s in sizes[1:]:
+            row_elems *= s
+        row_bytes = row_elems * isz
+        if rows and row_bytes:
+            meeting = [s for s in self.sources if not sizes or s.box.intersect(box) is not None]
+            widest = max([row_bytes] + [_row_bytes(s.box.sizes, isz) for s in meeting])
+            per_slab = max(1, slab_bytes // widest) if sizes else 1
+            for r0 in range(0, rows, per_slab):
+                r1 = min(rows, r0 + per_slab)
+                if sizes:
+                    slab = Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))
+                else:
+                    slab = box
+                view = buffers.get(slab.numel * isz)
+                filled = 0
+                for s in meeting:
+                    inter = s.box.intersect(slab) if sizes else s.box
+                    if inter is None or inter.is_empty():
+                        continue
+                    filled += inter.numel
+                    _copy_into(view, slab, s, inter, isz, maps, buffers)
+                if filled != slab.numel:
+                    raise OSError(f"source chunks cover {filled} of {slab.numel} elements of a target slab")
+                crc = zlib.crc32(view, crc)
+                _pwrite_all(fd, [view], pos)
+                pos += len(view)
+        tail = self.framing.tail(crc)
+        _pwrite_all(fd, [tail], pos)
+        return self.framing.item_crc(crc, tail)
+
+    def _runs(self) -> list[tuple[int, SourceChunk, int, int]] | None:
+            """``(target byte offset, source, source byte offset, nbytes)`` per source piece, in target
+            order, when every piece is one contiguous run on both sides (dim-0 re-cuts); else None."""
+            box, isz = self.box, self.itemsize
+            runs = []
+            covered = 0
+            for s in self.sources:
+                inter = s.box.intersect(box) if box.sizes else s.box
+                if inter is None or inter.is_empty():
+                    continue
+                rel_src, rel_dst = inter.relative_to(s.box), inter.relative_to(box)
+                src_run = contiguous_run(s.box.sizes, rel_src.offsets, rel_src.sizes)
+                dst_run = contiguous_run(box.sizes, rel_dst.offsets, rel_dst.sizes)
+                if src_run is None or dst_run is None:
+                    return None
+                runs.append((dst_run[0] * isz, s, src_run[0] * isz, src_run[1] * isz))
+                covered += src_run[1]
+            if covered != box.numel:
+                return None
+            runs.sort(key=lambda r: r[0])
+            return runs
+
+
+def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int, pos: int, buffers: WorkerBuffers,
+               maps: _Maps, slab_bytes: int) -> int:
+    """Copy contiguous runs file to file in the kernel (``copy_file_range``); returns the storage CRC.
+
+    A run that is a whole source storage takes its CRC from the source's zip record (no
+    read); a partial run is read once, in slabs, to checksum it.
+    """
+    crc = 0
+    for dst_off, s, src_off, n in runs:
+        sfd = maps.fd(s.path)
+        _kernel_copy(sfd, s.storage_at + src_off, fd, pos + dst_off, n, buffers, slab_bytes)
+        if s.crc is not None and src_off == 0 and n == s.box.numel * isz:
+            part = s.crc
+        else:
+            part = 0
+            done = 0
+            while done < n:
+                k = min(slab_bytes, n - done)
+                view = buffers.get(k)
+                _read_exact(sfd, view, s.storage_at + src_off + done)
+                part = zlib.crc32(view, part)
+                done += k
+        crc = archive.crc32_combine(crc, part, n)
+    return crc
+
+
+def _kernel_copy(sfd: int, src_at: int, dfd: int, dst_at: int, n: int, buffers: WorkerBuffers, slab_bytes: int) -> None:
+    """``n`` bytes from ``sfd@src_at`` to ``dfd@dst_at``: copy_file_range, else a buffered copy."""
+    done = 0
+    while done < n:
+        k = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                k = os.copy_file_range(sfd, dfd, n - done, src_at + done, dst_at + done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                k = 0
+        if k <= 0:
+            k = min(slab_bytes, n - done)
+            view = buffers.get(k)
+            _read_exact(sfd, view, src_at + done)
+            _pwrite_view(dfd, view, dst_at + done)
+        done += k
+
+
+def _pwrite_view(fd: int, view: memoryview, at: int) -> None:
+    from reshard.io.dcp_writer import _pwrite_all
+
+    _pwrite_all(fd, [view], at)
+
+
+def _copy_into(view: memoryview, slab: Box, s: SourceChunk, inter: Box, isz: int, maps: _Maps,
+               buffers: WorkerBuffers) -> None:
+    rel_src = inter.relative_to(s.box)
+    rel_dst = inter.relative_to(slab)
+    src_run = contiguous_run(s.box.sizes, rel_src.offsets, rel_src.sizes)
+    dst_run = contiguous_run(slab.sizes, rel_dst.offsets, rel_dst.sizes)
+    if src_run is not None and dst_run is not None:
+        (sf, n), (df, _) = src_run, dst_run
+        _read_exact(maps.fd(s.path), view[df * isz:(df + n) * isz], s.storage_at + sf * isz)
+        return
+    # Strided: read the source rows the box spans (one contiguous run), then copy the box.
+    # (Plain reads, not mmap: mapped file pages would count as this process's memory.)
+    first, count = rel_src.offsets[0], rel_src.sizes[0]
+    row = _row_bytes(s.box.sizes, isz)
+    span = buffers.get_aux(count * row)
+    _read_exact(maps.fd(s.path), span, s.storage_at + first * row)
+    src = _as_array(span, (count,) + tuple(s.box.sizes[1:]), isz)
+    dst = _as_array(view, slab.sizes, isz)
+    dst[rel_dst.slices()] = src[(slice(0, count),) + rel_src.slices()[1:]]
+    del src, dst
+
+
+def _row_bytes(sizes: Sequence[int], isz: int) -> int:
+    n = isz
+    for x in sizes[1:]:
+        n *= x
+    return n
+
+
+def default_window() -> int:
+    """Bytes of slab buffers in flight: 1/16 of available memory, between 64 MiB and 1 GiB."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    if not avail:
+        avail = 4 << 30
+    return int(min(1 << 30, max(64 * MIB, avail // 16)))
+
+
+def default_threads() -> int:
+    return max(2, min(4, os.cpu_count() or 2))
+
+
+def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, window: int,
+             on_done: Callable[[Any, int], None]) -> None:
+    """Run ``(job.run-like callable, token)`` pairs on a bounded pool; ``on_done(token, crc)`` in submission order.
+
+    Each callable is called as ``fn(buffers, maps, slab_bytes)`` and returns a CRC-32.
+    At most ``2 * threads`` jobs are queued ahead, so memory is ``threads`` slab buffers
+    of ``window // threads`` bytes each. The first exception stops the run and is raised
+    (after the in-flight jobs end); ``on_done`` is called in submission order so the
+    caller's bookkeeping (and fault-injection events) is deterministic.
+    """
+    threads = max(1, int(threads))
+    slab = max(MIB, int(window) // threads)
+    buffers, maps = WorkerBuffers(), _Maps()
+    pending: list[tuple[Any, Any]] = []
+    try:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-io") as pool:
+            try:
+                for fn, token in jobs:
+                    pending.append((pool.submit(fn, buffers, maps, slab), token))
+                    while len(pending) > 2 * threads:
+                        fut, tok = pending.pop(0)
+                        on_done(tok, fut.result())
+                while pending:
+                    fut, tok = pending.pop(0)
+                    on_done(tok, fut.result())
+            except BaseException:
+                for fut, _ in pending:
+                    fut.cancel()
+                raise
+    finally:
+        maps.close()

@@ -1,0 +1,142 @@
+"""`reshard.io.splice`: re-cut tensors are copied as bytes, and the result is exactly the decoded path's.
+
+Sources are real ``dcp.save`` checkpoints (spawned gloo ranks, `reshard.synthetic.make_sharded`),
+sharded along dim 0 (FSDP2) or dim 1. Each conversion is run twice: with byte splicing (the
+default) and with every chunk decoded by torch and re-encoded (``IOOptions(splice=False)``);
+the two output directories must be the same bytes, file for file, whatever the thread count
+and buffer window. That pins the splice engine (kernel copies, CRCs composed from the
+source's zip records, strided slabs) to the plain path, whose outputs the rest of the suite
+loads with ``dcp.load``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.execute import IOOptions, convert
+from reshard.index import CheckpointIndex
+from reshard.io import splice
+from reshard.plan import Options, make_plan
+from reshard.synthetic import make_sharded
+
+SHAPE = (96, 40)          # small, but not divisible by 3 or by the slab row counts used below
+RULES = r"""
+family = "test-synthetic"
+description = "make_sharded's tensors, sharded along dim 1 under TP"
+
+[[param]]
+match = '^(model\.)?layers\.\d+\.weight$'
+tp = "shard"
+dim = 1
+"""
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_contiguous_run_agrees_with_numpy(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
+    offsets = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
+    sizes = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    a = np.arange(int(np.prod(shape))).reshape(shape)
+    view = a[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    flat = view.reshape(-1)
+    run = splice.contiguous_run(shape, offsets, sizes)
+    is_run = bool(np.all(np.diff(flat) == 1))
+    assert (run is not None) == is_run
+    if run is not None:
+        assert run == (int(flat[0]), flat.size)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("splice")
+    return {
+        "dim0": make_sharded(root / "dim0", world_size=4, n_tensors=3, shape=SHAPE, seed=1),
+        "dim1": make_sharded(root / "dim1", world_size=4, n_tensors=2, shape=SHAPE, shard_dim=1, seed=2),
+    }
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    """Every file's bytes; the reports name their own destination, which is normalised."""
+    return {p.name: p.read_bytes().replace(str(d.resolve()).encode(), b"<DST>")
+            for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _run(src: Path, dst: Path, to: str, io: IOOptions, rules: Path | None = None, monkeypatch=None) -> dict:
+    opts = Options(to=to, rules=str(rules) if rules else None)
+    return convert(make_plan(src, opts), src, dst, io=io)
+
+
+CASES = [
+    ("dim0", "dp=2"),   # whole source storages per target chunk: kernel copies, CRCs composed
+    ("dim0", "dp=3"),   # uneven: partial runs, read once to checksum
+    ("dim0", "dp=1"),
+    ("dim1", "dp=2"),   # source split along dim 1, target along dim 0: strided slabs
+    ("dim0", "tp=4"),   # target split along dim 1 (rules): strided slabs
+]
+
+
+@pytest.mark.parametrize("name,to", CASES)
+def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, name, to):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    rules = tmp_path / "rules.toml"  # the dim-1 source reads as TP; rules matter whenever tp > 1
+    rules.write_text(RULES)
+    calls = {"n": 0}
+    real = splice.SpliceJob.run
+
+    def counting(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(splice.SpliceJob, "run", counting)
+    src = sources[name]
+    plain = _run(src, tmp_path / "plain", to, IOOptions(splice=False), rules)
+    assert calls["n"] == 0
+    fast = _run(src, tmp_path / "fast", to, IOOptions(threads=3, window=3 << 20), rules)
+    assert calls["n"] > 0, "the splice path was not taken"
+    tiny = _run(src, tmp_path / "tiny", to, IOOptions(threads=1, window=1), rules)  # one row per slab
+    assert plain["verification"]["equal"] and fast["verification"]["equal"] and tiny["verification"]["equal"]
+    ref = _files(tmp_path / "plain")
+    assert _files(tmp_path / "fast") == ref
+    assert _files(tmp_path / "tiny") == ref
+    # and the values are the source's, in global terms
+    a, b = CheckpointIndex.open(src), CheckpointIndex.open(tmp_path / "fast")
+    for key, e in a.entries.items():
+        if e.is_tensor:
+            assert torch.equal(a.read_tensor(key), b.read_tensor(key)), key
+
+
+def test_source_crc_of_zero_is_not_trusted(sources, tmp_path, monkeypatch):
+    """torch can be told not to compute CRCs (it then writes 0): such a source's CRC is recomputed."""
+    ix = CheckpointIndex.open(sources["dim0"])
+    e = next(e for e in ix.entries.values() if e.is_tensor)
+    chunks = splice.source_chunks(ix.root, e)
+    assert chunks is not None and all(c.crc for c in chunks)
+    monkeypatch.setattr(splice, "item_layout", lambda *a: _zero_crc(a))
+    assert all(c.crc is None for c in splice.source_chunks(ix.root, e))
+
+
+def _zero_crc(args):
+    from dataclasses import replace
+
+    from reshard.io.fastread import item_layout
+
+    lay = item_layout(*args)
+    return replace(lay, storage_crc=0)
+
+
+def test_unusual_items_fall_back_to_decoding(sources):
+    """A chunk whose item the byte reader does not parse (here: a storage transform) is decoded instead."""
+    from dataclasses import replace
+
+    ix = CheckpointIndex.open(sources["dim0"])
+    e = next(e for e in ix.entries.values() if e.is_tensor)
+    assert splice.source_chunks(ix.root, e) is not None
+    c0 = e.chunks[0]
+    e2 = replace(e, chunks=[replace(c0, location=replace(c0.location, transforms=("zstd",)))] + list(e.chunks[1:]))
+    assert splice.source_chunks(ix.root, e2) is None
