@@ -39,6 +39,7 @@ import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -108,44 +109,48 @@ def _descriptor(crc: int, size: int) -> bytes:
     return _DESCRIPTOR.pack(b"PK\x07\x08", crc, size, size)
 
 
+_POLY = 0xEDB88320  # CRC-32 (reflected)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x) mod P(x)`` for reflected 32-bit polynomials (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) mod P for k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@lru_cache(maxsize=4096)
+def _shift_operator(nbytes: int) -> int:
+    """``x^(8 * nbytes) mod P``: appending ``nbytes`` zero bytes, as one multiplication."""
+    p, k, n = 1 << 31, 3, nbytes
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm).
 
     Lets an item's checksum be composed from its parts (head, storage, tail) without
-    reading the storage twice.
+    reading the storage twice. The operator for a length is cached: chunks of a checkpoint
+    come in few sizes, so a combine is one 32-step multiplication.
     """
     if len2 <= 0:
         return crc1
-
-    def times(mat: list[int], vec: int) -> int:
-        s, i = 0, 0
-        while vec:
-            if vec & 1:
-                s ^= mat[i]
-            vec >>= 1
-            i += 1
-        return s
-
-    def square(mat: list[int]) -> list[int]:
-        return [times(mat, mat[n]) for n in range(32)]
-
-    odd = [0xEDB88320] + [1 << n for n in range(31)]   # operator for one zero bit
-    even = square(odd)                                  # two zero bits
-    odd = square(even)                                  # four zero bits
-    while True:
-        even = square(odd)
-        if len2 & 1:
-            crc1 = times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+    return _multmodp(_shift_operator(len2), crc1) ^ crc2
 
 
 @dataclass(frozen=True)

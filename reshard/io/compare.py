@@ -22,9 +22,10 @@ piece is compared with every chunk of A it intersects (``Box.intersect``):
   (`contiguous_run`), A's run is read with ``os.preadv`` into a second buffer and the two
   byte ranges are compared as integers (numpy, memcmp speed, the GIL released);
 * otherwise the intersection is compared as two numpy views, B's buffer shaped as the
-  piece and A's bytes (read into the second buffer when contiguous there, else a strided
-  view over an ``mmap`` of A's data file), as unsigned integers of the element size (or
-  bytes with a trailing dimension), so the comparison is bitwise too.
+  piece and A's bytes (read into the second buffer when contiguous there, else the rows of
+  A's chunk the box spans, read as one run into a third buffer and sliced), as unsigned
+  integers of the element size (or bytes with a trailing dimension), so the comparison is
+  bitwise too.
 
 With ``hash_b`` (B's manifest records item checksums), a chunk of B whose item checksum is
 wanted is one task that reads its whole item in order (header, pieces, trailer) and hashes
@@ -57,14 +58,14 @@ got, so a caller that falls back can skip that many.
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import threading
 from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,8 +73,17 @@ from reshard.geometry import Box
 from reshard.integrity import new_hasher
 from reshard.io.fastread import item_layout
 
-__all__ = ["KeyVerdict", "CompareResult", "compare_tensors", "contiguous_run", "split_box", "COUNTERS", "counters",
-           "reset_counters", "SLAB_BYTES"]
+__all__ = [
+    "COUNTERS",
+    "SLAB_BYTES",
+    "CompareResult",
+    "KeyVerdict",
+    "compare_tensors",
+    "contiguous_run",
+    "counters",
+    "reset_counters",
+    "split_box",
+]
 
 SLAB_BYTES = 16 << 20
 LAYOUT_WORKERS = 4      # threads parsing item layouts (latency-bound when the cache is cold)
@@ -324,13 +334,12 @@ def _plan(ia: Any, ib: Any, key: str, slab: int, hash_names: Any, layout: Callab
 
 # ------------------------------------------------------------------------------ reading
 class _Files:
-    """Open data files (one fd and at most one read-only mmap each) and per-thread buffers."""
+    """Open data files (one fd each) and per-thread buffers."""
 
     def __init__(self, slab: int):
         self.slab = slab
         self.lock = threading.Lock()
         self.fds: dict[Path, int] = {}
-        self.maps: dict[Path, mmap.mmap] = {}
         self.local = threading.local()
 
     def fd(self, path: Path) -> int:
@@ -340,13 +349,12 @@ class _Files:
                 fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             return fd
 
-    def map(self, path: Path) -> mmap.mmap:
-        fd = self.fd(path)
-        with self.lock:
-            mm = self.maps.get(path)
-            if mm is None:
-                mm = self.maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            return mm
+    def aux(self, n: int) -> np.ndarray:
+        """A third per-thread buffer of at least ``n`` bytes (A's rows for strided boxes); its first ``n``."""
+        buf = getattr(self.local, "aux", None)
+        if buf is None or buf.size < n:
+            buf = self.local.aux = np.empty(max(n, 1), dtype=np.uint8)
+        return buf[:n]
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """Two reusable slab buffers of the calling thread (B's bytes, A's bytes)."""
@@ -357,12 +365,6 @@ class _Files:
 
     def close(self) -> None:
         with self.lock:
-            for mm in self.maps.values():
-                try:
-                    mm.close()
-                except BufferError:  # a view still alive (e.g. in a traceback): let GC close it
-                    pass
-            self.maps.clear()
             for fd in self.fds.values():
                 os.close(fd)
             self.fds.clear()
@@ -402,18 +404,19 @@ def _shaped(buf: np.ndarray, sizes: tuple[int, ...], itemsize: int) -> np.ndarra
 
 
 def _strided_view(files: _Files, side: _Side, rel: Box, itemsize: int) -> np.ndarray:
-    mm = files.map(side.path)
+    """The box ``rel`` of a chunk, from the chunk's rows it spans read as one run into a buffer.
+
+    Plain reads rather than an mmap: mapped file pages would count as this process's memory
+    (a verify of a TP checkpoint would look like it holds the checkpoint)."""
     sizes = side.box.sizes
-    strides, acc = [], itemsize
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= max(s, 1)
-    strides.reverse()
-    if itemsize in _UINT:
-        arr = np.ndarray(sizes, dtype=_UINT[itemsize], buffer=mm, offset=side.base, strides=strides)
-    else:
-        arr = np.ndarray(sizes + (itemsize,), dtype=np.uint8, buffer=mm, offset=side.base, strides=strides + [1])
-    return arr[rel.slices()]
+    row = itemsize
+    for s in sizes[1:]:
+        row *= s
+    first, count = rel.offsets[0], rel.sizes[0]
+    buf = files.aux(count * row)
+    _pread_exact(files.fd(side.path), buf, side.base + first * row)
+    arr = _shaped(buf, (count,) + tuple(sizes[1:]), itemsize)
+    return arr[(slice(0, count),) + rel.slices()[1:]]
 
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)

@@ -353,8 +353,12 @@ class DcpWriter:
                 out[(key, None)] = self._objects[key].location
         return out
 
-    def finish(self) -> Path:
+    def finish(self, sync_data: bool = True) -> Path:
         """Make the data durable, check every tensor is tiled exactly, commit `.metadata`.
+
+        ``sync_data=False`` leaves the data files' fsync to the caller (`reshard convert`
+        runs it in the background while it verifies the output, and the atomic commit
+        fsyncs the whole directory before the rename).
 
         Raises `WriterError` naming the key when a declared tensor's chunks leave a gap or
         overlap; no `.metadata` is written then (the directory stays uncommitted).
@@ -379,8 +383,9 @@ class DcpWriter:
                     where=str(self.directory),
                     hint="This is a bug in the resharding plan; the output was not committed.",
                 )
-        for fd in self._fds.values():
-            os.fsync(fd)
+        if sync_data:
+            for fd in self._fds.values():
+                os.fsync(fd)
         self.close()
 
         md = self._metadata()
