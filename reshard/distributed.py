@@ -129,7 +129,8 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
                         raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of "
                                          "them silently", where=str(src),
                                          hint="Inspect the source: tied weights and their optimizer state must be equal.")
-            ex._write_items(plan, ix, w, progress if lead else None, io=io, commit=False)
+            checked: set[str] = set()
+            ex._write_items(plan, ix, w, progress if lead else None, io=io, commit=False, checked=checked)
             w.sync_files()
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums()}
         except Exception as exc:  # reported to every worker, then raised everywhere
@@ -160,7 +161,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
         # 4. each worker verifies its own files
         files = sorted({loc.file for loc in w.locations().values() if owns(_file_rank(loc.file))})
         try:
-            part = ex._verify(src, tmp, plan, b_files=set(files))
+            part = ex._verify(src, tmp, plan, b_files=set(files), checked=checked)
             status = {"ok": True, "verification": part, "files": files}
         except Exception as exc:
             status = _error_status(exc)

@@ -142,7 +142,8 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                                  where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         w = DcpWriter(tmp)
         try:
-            _write_items(plan, ix, w, progress, io=io, commit=False)
+            checked: set[str] = set()
+            _write_items(plan, ix, w, progress, io=io, commit=False, checked=checked)
             w.finish(sync_data=False)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
@@ -155,7 +156,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
             write_manifest(tmp, manifest)
             fault_point("manifest")
-            verification = _verify(src, tmp, plan)
+            verification = _verify(src, tmp, plan, checked=checked)
         finally:
             syncer.join()
         verification["b"] = str(dst)  # what was verified is what appears at dst
@@ -202,7 +203,7 @@ def _write_reports(tmp: Path, report: dict[str, Any]) -> None:
 
 
 def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, io: IOOptions | None = None,
-                 commit: bool = True) -> None:
+                 commit: bool = True, checked: set[str] | None = None) -> None:
     """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
 
     Re-cut tensors are spliced as bytes on a bounded pool (`reshard.io.splice`); the rest
@@ -212,26 +213,27 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *
     (``w.owns``) while reserving every item (`reshard.distributed`).
     """
     io = io or IOOptions()
-    run_jobs(_items(plan, ix, w, progress, io), threads=io.threads, window=io.window,
+    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
+             threads=io.threads, window=io.window,
              on_done=lambda loc, crc: w.filled(loc, crc))
     if commit:
         w.finish()
 
 
-def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions):
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str]):
     """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     locator = splice.Locator(ix.root, ix.entries.values()) if io.splice else None
     try:
-        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator)
+        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked)
     finally:
         if locator is not None:
             locator.close()
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
-                    locator: Any):
+                    locator: Any, checked: set[str]):
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action == "dropped":
@@ -244,7 +246,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             elif t.transform or t.dtype != e.dtype_name:
                 _write_transformed(ix, w, t)
             else:
-                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None)
+                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked)
         else:
             rank = a.rank or 0
             if a.action == "rewritten":
@@ -332,7 +334,7 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
     return problems
 
 
-def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None):
+def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str]):
     """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
 
     Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
@@ -340,6 +342,7 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None):
     large for the plain zip framing.
     """
     dtype = e.dtype
+    all_spliced = True
     for rank, offsets, sizes in t.chunks:
         box = Box(tuple(offsets), tuple(sizes))
         if sources is not None and archive.fits(box.numel * dtype.itemsize):
@@ -347,12 +350,21 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None):
             loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
             if w.owns(rank):
                 job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
-                fd = w.fd(rank)
-                yield (lambda buffers, maps, slab, job=job, fd=fd, at=loc.offset: job.run(fd, at, buffers, maps, slab)), loc
+                fd, path = w.fd(rank), str(w.directory / loc.file)
+
+                def work(buffers, maps, slab, job=job, fd=fd, at=loc.offset, path=path):
+                    crc = job.run(fd, at, buffers, maps, slab)
+                    job.check(path, fd, at, buffers, maps, slab)
+                    return crc
+
+                yield work, loc
         elif w.owns(rank):
+            all_spliced = False
             w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
         else:
             w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
+    if all_spliced:
+        checked.add(e.key)  # every chunk this process wrote was read back and compared with the source
 
 
 def _source_manifest(src: Path) -> dict[str, Any] | None:
@@ -362,7 +374,14 @@ def _source_manifest(src: Path) -> dict[str, Any] | None:
     return m.to_dict() if m is not None else None
 
 
-def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -> dict[str, Any]:
+def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
+            checked: set[str] | None = None) -> dict[str, Any]:
+    """The post-write verification: the output against the source, in global terms.
+
+    ``checked``: keys whose every written chunk was already read back and compared with the
+    source bytes while the copy ran (`reshard.io.splice.SpliceJob.check`); their values are
+    not compared a second time (keys, shapes, dtypes, objects and semantics still are).
+    """
     from reshard.verify import verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
@@ -377,7 +396,8 @@ def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -
     # full recomputation); here its bytes are compared with the source, and the source's own
     # checksums (if it records any) are checked.
     result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
-                                check_integrity="a", **extra)
+                                check_integrity="a", values_checked=checked, **extra)
+    result["checked_while_writing"] = len(checked or ())
     bad = check_transforms(src, out, plan, b_files=b_files)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
     for k in bad:

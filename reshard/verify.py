@@ -195,6 +195,19 @@ class _SkipTicks:
             self.progress.update(n - drop)
 
 
+class _Checked:
+    """A verdict for a key whose values were compared while it was written (see ``values_checked``)."""
+
+    status = "equal"
+    ticked = 0
+
+    def __init__(self, ea: Entry, eb: Entry, b_files: set[str] | None):
+        boxes = [c.box for c in eb.chunks
+                 if b_files is None or (c.location is not None and c.location.file in b_files)]
+        self.elements = sum(b.numel for b in boxes if not b.is_empty())
+        self.nbytes = self.elements * ea.dtype.itemsize
+
+
 def _fast_candidates(ia: Any, ib: Any, rtol: float, atol: float) -> list[str]:
     """Keys the byte-level fast path may decide: tensors of the same shape and dtype on two DCP sides, bitwise."""
     if rtol > 0 or atol > 0 or not isinstance(ia, CheckpointIndex) or not isinstance(ib, CheckpointIndex):
@@ -368,7 +381,8 @@ def rewrites_from_reports(a: Path, b: Path, *, max_hops: int = 16) -> tuple[dict
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
                        progress: Any = None, check_integrity: bool | str = True, fast: bool = True,
-                       workers: int | None = None, b_files: set[str] | None = None) -> dict[str, Any]:
+                       workers: int | None = None, b_files: set[str] | None = None,
+                       values_checked: set[str] | None = None) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
 
     ``check_integrity``: True checks both sides' recorded item checksums, False neither,
@@ -382,6 +396,9 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     the workers' parts add up to the whole); keys, shapes, dtypes, objects and semantics
     are compared in full by every worker (the same findings in each part); progress still
     totals A's items.
+    ``values_checked``: tensor keys whose values the caller already compared byte for byte
+    with A (`reshard convert` checks each item as it writes it); when their shape and dtype
+    match they count as compared without a second read.
     """
     a, b = Path(a), Path(b)
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
@@ -404,12 +421,17 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
         from reshard.io.compare import compare_tensors
 
         cand = _fast_candidates(ia, ib, rtol, atol)
+        pre = set(values_checked or ()) & set(cand)
+        for key in pre:
+            verdicts[key] = _Checked(ia.entries[key], ib.entries[key], b_files)
+        cand = [k for k in cand if k not in pre]
         if cand:
             rb = records["b"]
             res = compare_tensors(ia, ib, cand, progress=progress if b_files is None else None, workers=workers,
                                   hash_b=rb["algorithm"] if rb else None, hash_names=(rb or {}).get("items") or (),
                                   b_files=b_files)
-            verdicts, digests = res.verdicts, res.digests
+            verdicts.update(res.verdicts)
+            digests = res.digests
     # corrupt input is bad input, not a difference: every recorded checksum is checked before
     # any result (B's items the comparison above already read whole are not read again)
     if "a" in sides:

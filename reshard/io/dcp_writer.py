@@ -482,7 +482,7 @@ class DcpWriter:
         if rank not in self._end:
             if self.owns(rank):
                 # O_EXCL: never reuse or clobber a file that is already there.
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 self._fds[rank] = os.open(self.directory / data_file_name(rank), flags, 0o644)
             self._end[rank] = 0
         start = self._end[rank]

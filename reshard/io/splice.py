@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from reshard.errors import ReshardError
 from reshard.geometry import Box
 from reshard.io import archive
 from reshard.io.fastread import item_layout
@@ -203,6 +204,16 @@ def _read_exact(fd: int, view: memoryview, pos: int) -> None:
         done += n
 
 
+class SpliceMismatch(ReshardError):
+    """A spliced item does not read back as its source (an I/O fault or a bug): nothing is committed."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(message, hint="Nothing was committed. Run the conversion again; if it happens again, check "
+                                       "the disks and memory of this machine, or report it as a reshard bug.")
+
+
 @dataclass
 class SpliceJob:
     """Write one target chunk, assembled from ``sources``, at ``at`` of ``fd``."""
@@ -258,6 +269,62 @@ class SpliceJob:
         tail = self.framing.tail(crc)
         _pwrite_all(fd, [tail], pos)
         return self.framing.item_crc(crc, tail)
+
+    def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, maps: _Maps, slab_bytes: int) -> None:
+        """Re-read the written item and compare it with the source; raise `SpliceMismatch` if it differs.
+
+        Independent of how `run` placed the bytes: the item is parsed back as a zip archive
+        (`reshard.io.fastread.item_layout`: members, pickle, dtype and shape must be the
+        target chunk's), then, slab by slab, the target rows and the source rows they come
+        from are read back and compared as NumPy views cut by box arithmetic alone, bitwise.
+        Both sides are still in the page cache, and the check runs on the pool while other
+        items are copied, so it overlaps the copy instead of following it.
+        """
+        lay = item_layout(path, at, self.framing.length)
+        if lay is None or lay.shape != tuple(self.box.sizes) or not lay.contiguous \
+                or lay.storage_file_offset != at + self.framing.storage_offset or lay.dtype.itemsize != self.itemsize:
+            raise SpliceMismatch(f"the item written at {path}:{at} does not read back as the planned chunk")
+        box, isz = self.box, self.itemsize
+        sizes = box.sizes
+        if not sizes:
+            view = buffers.get(isz)
+            _read_exact(fd, view, lay.storage_file_offset)
+            src = self.sources[0]
+            other = buffers.get_aux(isz)
+            _read_exact(maps.fd(src.path), other, src.storage_at)
+            if bytes(view) != bytes(other):
+                raise SpliceMismatch(f"the item written at {path}:{at} differs from the source")
+            return
+        row = _row_bytes(sizes, isz)
+        if not row or not sizes[0]:
+            return
+        meeting = [s for s in self.sources if s.box.intersect(box) is not None]
+        widest = max([row] + [_row_bytes(s.box.sizes, isz) for s in meeting])
+        per_slab = max(1, slab_bytes // widest)
+        for r0 in range(0, sizes[0], per_slab):
+            r1 = min(sizes[0], r0 + per_slab)
+            slab = Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))
+            out = buffers.get(slab.numel * isz)
+            _read_exact(fd, out, lay.storage_file_offset + r0 * row)
+            outv = _as_array(out, slab.sizes, isz)
+            seen = 0
+            for s in meeting:
+                inter = s.box.intersect(slab)
+                if inter is None:
+                    continue
+                rel = inter.relative_to(s.box)
+                srow = _row_bytes(s.box.sizes, isz)
+                span = buffers.get_aux(rel.sizes[0] * srow)
+                _read_exact(maps.fd(s.path), span, s.storage_at + rel.offsets[0] * srow)
+                srcv = _as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
+                a = outv[inter.relative_to(slab).slices()]
+                b = srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]
+                if not np.array_equal(a, b):
+                    raise SpliceMismatch(f"the item written at {path}:{at} differs from the source in rows "
+                                         f"{inter.offsets[0]}..{inter.offsets[0] + inter.sizes[0] - 1}")
+                seen += inter.numel
+            if seen != slab.numel:
+                raise SpliceMismatch(f"the sources cover {seen} of {slab.numel} elements of the item at {path}:{at}")
 
     def _runs(self) -> list[tuple[int, SourceChunk, int, int]] | None:
             """``(target byte offset, source, source byte offset, nbytes)`` per source piece, in target
