@@ -60,6 +60,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {
         "dim0": make_sharded(root / "dim0", world_size=4, n_tensors=3, shape=SHAPE, seed=1),
         "dim1": make_sharded(root / "dim1", world_size=4, n_tensors=2, shape=SHAPE, shard_dim=1, seed=2),
+        # 1 MiB source chunks: the read-back check maps its windows instead of reading them
+        "big": make_sharded(root / "big", world_size=4, n_tensors=1, shape=(2048, 512), seed=3),
     }
 
 
@@ -85,6 +87,7 @@ CASES = [
     ("dim0", "dp=1"),
     ("dim1", "dp=2"),   # source split along dim 1, target along dim 0: strided slabs
     ("dim0", "tp=4"),   # target split along dim 1 (rules): strided slabs
+    ("big", "dp=1"),    # items of 4 MiB and more: mapped read-back windows
 ]
 
 
@@ -153,9 +156,10 @@ def test_a_spliced_item_that_differs_from_the_source_is_caught(sources, tmp_path
         return crc
 
     monkeypatch.setattr(splice.SpliceJob, "run", corrupting)
-    with pytest.raises(splice.SpliceMismatch, match="differs from the source"):
-        _run(sources["dim0"], tmp_path / "out", "dp=2", IOOptions())
-    assert not (tmp_path / "out").exists()
+    for name in ("dim0", "big"):  # buffered and mapped read-back
+        with pytest.raises(splice.SpliceMismatch, match="differs from the source"):
+            _run(sources[name], tmp_path / f"out-{name}", "dp=2", IOOptions())
+        assert not (tmp_path / f"out-{name}").exists()
 
 
 def test_unusual_items_fall_back_to_decoding(sources):

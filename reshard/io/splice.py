@@ -30,6 +30,7 @@ the caller decodes that tensor the ordinary way.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import zlib
@@ -300,12 +301,11 @@ class SpliceJob:
             return
         meeting = [s for s in self.sources if s.box.intersect(box) is not None]
         widest = max([row] + [_row_bytes(s.box.sizes, isz) for s in meeting])
-        per_slab = max(1, slab_bytes // widest)
+        per_slab = max(1, min(slab_bytes, CHECK_WINDOW) // widest)
         for r0 in range(0, sizes[0], per_slab):
             r1 = min(sizes[0], r0 + per_slab)
             slab = Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))
-            out = buffers.get(slab.numel * isz)
-            _read_exact(fd, out, lay.storage_file_offset + r0 * row)
+            out = _window(fd, lay.storage_file_offset + r0 * row, slab.numel * isz, buffers.get)
             outv = _as_array(out, slab.sizes, isz)
             seen = 0
             for s in meeting:
@@ -314,8 +314,8 @@ class SpliceJob:
                     continue
                 rel = inter.relative_to(s.box)
                 srow = _row_bytes(s.box.sizes, isz)
-                span = buffers.get_aux(rel.sizes[0] * srow)
-                _read_exact(maps.fd(s.path), span, s.storage_at + rel.offsets[0] * srow)
+                span = _window(maps.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow,
+                               buffers.get_aux)
                 srcv = _as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
                 a = outv[inter.relative_to(slab).slices()]
                 b = srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]
@@ -424,6 +424,24 @@ def _copy_into(view: memoryview, slab: Box, s: SourceChunk, inter: Box, isz: int
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+CHECK_WINDOW = 32 * MIB  # bytes per side the read-back check maps at a time
+
+
+def _window(fd: int, pos: int, n: int, fallback: Callable[[int], memoryview]) -> Any:
+    """``n`` bytes of ``fd`` at ``pos`` for reading: a read-only mapping of just that window.
+
+    Comparing page cache in place costs about half of copying it into a buffer first. The
+    mapping lives as long as the returned array and its views (at most `CHECK_WINDOW`
+    bytes per side and thread, so memory stays flat); a range the file does not fully
+    cover (mapping it would fault) or a tiny one is read into a buffer instead.
+    """
+    if n >= MIB and os.fstat(fd).st_size >= pos + n:
+        start = pos - pos % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(fd, n + pos - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+        return np.frombuffer(mm, dtype=np.uint8, count=n, offset=pos - start)
+    view = fallback(n)
+    _read_exact(fd, view, pos)
+    return view
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
