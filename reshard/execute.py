@@ -177,13 +177,11 @@ class _Syncer:
         self._t.start()
 
     def _run(self, paths: list[Path]) -> None:
+        from reshard.io.atomic import fsync_file
+
         try:
             for p in paths:
-                fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(p)
         except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
             self.error = exc
 
@@ -352,9 +350,9 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
                 job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
                 fd, path = w.fd(rank), str(w.directory / loc.file)
 
-                def work(buffers, maps, slab, job=job, fd=fd, at=loc.offset, path=path):
-                    crc = job.run(fd, at, buffers, maps, slab)
-                    job.check(path, fd, at, buffers, maps, slab)
+                def work(buffers, files, slab, job=job, fd=fd, at=loc.offset, path=path):
+                    crc = job.run(fd, at, buffers, files, slab)
+                    job.check(path, fd, at, buffers, files, slab)
                     return crc
 
                 yield work, loc

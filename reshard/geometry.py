@@ -60,6 +60,27 @@ class Box:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
 
+def contiguous_run(rel: Box, sizes: Sequence[int]) -> int | None:
+    """The flat element index where ``rel`` (a box in the local coordinates of a C-contiguous
+    array of shape ``sizes``) starts, when its elements are one contiguous run; else None.
+
+    Contiguous exactly when every dim after the last non-full one is full (true by
+    definition) and every dim before it has size 1. The run holds ``rel.numel`` elements.
+    Byte splicing (`reshard.io.splice`) and byte comparison (`reshard.io.compare`) both
+    decide with it whether a box can be moved or compared as one range.
+    """
+    n = len(sizes)
+    k = n - 1
+    while k >= 0 and rel.sizes[k] == sizes[k]:
+        k -= 1
+    if any(rel.sizes[j] != 1 for j in range(k)):
+        return None
+    flat = 0
+    for o, s in zip(rel.offsets, sizes):
+        flat = flat * s + o
+    return flat
+
+
 def whole(shape: Sequence[int]) -> Box:
     return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 

@@ -45,7 +45,7 @@ from typing import Iterator
 
 from reshard.errors import BadInput
 
-__all__ = ["atomic_directory", "fsync_dir", "fsync_tree", "fault_point", "stale_temporaries"]
+__all__ = ["atomic_directory", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "stale_temporaries"]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
@@ -60,8 +60,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
     _fsync(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
 
 
-def _fsync_file(path: str) -> None:
-    _fsync(path, os.O_RDONLY)
+def fsync_file(path: str | os.PathLike) -> None:
+    """fsync one regular file by path (what `fsync_tree` does to each file)."""
+    _fsync(os.fspath(path), os.O_RDONLY)
 
 
 def _fsync(path: str, flags: int) -> None:
@@ -81,7 +82,7 @@ def fsync_tree(root: str | os.PathLike) -> None:
         for name in filenames:
             p = os.path.join(dirpath, name)
             if os.path.isfile(p) and not os.path.islink(p):
-                _fsync_file(p)
+                fsync_file(p)
         fsync_dir(dirpath)
 
 

@@ -69,9 +69,10 @@ from typing import Any
 
 import numpy as np
 
-from reshard.geometry import Box
+from reshard.geometry import Box, contiguous_run
 from reshard.integrity import new_hasher
 from reshard.io.fastread import item_layout
+from reshard.io.fileio import FdCache, read_exact
 
 __all__ = [
     "COUNTERS",
@@ -128,25 +129,6 @@ class KeyVerdict:
 
 
 # ------------------------------------------------------------------------------ geometry
-def contiguous_run(rel: Box, sizes: Sequence[int]) -> int | None:
-    """The flat element index where ``rel`` (a box in the local coordinates of a C-contiguous
-    array of shape ``sizes``) starts, when its elements are one contiguous run; else None.
-
-    Contiguous exactly when every dim after the last non-full one is full (true by
-    definition) and every dim before it has size 1.
-    """
-    n = len(sizes)
-    k = n - 1
-    while k >= 0 and rel.sizes[k] == sizes[k]:
-        k -= 1
-    if any(rel.sizes[j] != 1 for j in range(k)):
-        return None
-    flat = 0
-    for o, s in zip(rel.offsets, sizes):
-        flat = flat * s + o
-    return flat
-
-
 def split_box(box: Box, itemsize: int, limit: int) -> Iterator[Box]:
     """Cut ``box`` into row-major pieces of at most ``limit`` bytes (at least one element each).
 
@@ -333,21 +315,13 @@ def _plan(ia: Any, ib: Any, key: str, slab: int, hash_names: Any, layout: Callab
 
 
 # ------------------------------------------------------------------------------ reading
-class _Files:
-    """Open data files (one fd each) and per-thread buffers."""
+class _Files(FdCache):
+    """Open data files (one fd each, shared) and per-thread buffers."""
 
     def __init__(self, slab: int):
+        super().__init__()
         self.slab = slab
-        self.lock = threading.Lock()
-        self.fds: dict[Path, int] = {}
         self.local = threading.local()
-
-    def fd(self, path: Path) -> int:
-        with self.lock:
-            fd = self.fds.get(path)
-            if fd is None:
-                fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            return fd
 
     def aux(self, n: int) -> np.ndarray:
         """A third per-thread buffer of at least ``n`` bytes (A's rows for strided boxes); its first ``n``."""
@@ -363,28 +337,12 @@ class _Files:
             bufs = self.local.bufs = (np.empty(self.slab, dtype=np.uint8), np.empty(self.slab, dtype=np.uint8))
         return bufs
 
-    def close(self) -> None:
-        with self.lock:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
-
-
-def _pread_exact(fd: int, buf: np.ndarray, pos: int) -> None:
-    view = memoryview(buf)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], pos + done)
-        if n <= 0:
-            raise OSError(f"short read at offset {pos + done}")
-        done += n
-
 
 def _hash_range(fd: int, buf: np.ndarray, pos: int, n: int, h: Any) -> None:
     while n > 0:
         m = min(n, len(buf))
         x = buf[:m]
-        _pread_exact(fd, x, pos)
+        read_exact(fd, x, pos)
         h.update(x)
         pos += m
         n -= m
@@ -414,7 +372,7 @@ def _strided_view(files: _Files, side: _Side, rel: Box, itemsize: int) -> np.nda
         row *= s
     first, count = rel.offsets[0], rel.sizes[0]
     buf = files.aux(count * row)
-    _pread_exact(files.fd(side.path), buf, side.base + first * row)
+    read_exact(files.fd(side.path), buf, side.base + first * row)
     arr = _shaped(buf, (count,) + tuple(sizes[1:]), itemsize)
     return arr[(slice(0, count),) + rel.slices()[1:]]
 
@@ -434,7 +392,7 @@ def _willneed(files: _Files, path: Path, pos: int, n: int) -> None:
 def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     """``n`` bytes of ``path`` at ``pos``, read into the start of ``buf``."""
     x = buf[:n]
-    _pread_exact(files.fd(path), x, pos)
+    read_exact(files.fd(path), x, pos)
     return x
 
 

@@ -63,6 +63,7 @@ from reshard.geometry import Box, coverage_problems
 from reshard.io import archive
 from reshard.io.atomic import fault_point, fsync_dir
 from reshard.io.dcp import METADATA_FILE, ItemLocation
+from reshard.io.fileio import write_exact
 
 try:  # the version string stock DCP stamps into .metadata
     from torch.distributed.checkpoint.filesystem import (
@@ -112,27 +113,6 @@ CHECKSUM_ALGORITHM = "crc32"
 
 def _crc_hex(crc: int) -> str:
     return format(crc & 0xFFFFFFFF, "08x")
-
-
-def _pwrite_all(fd: int, parts: list[Any], at: int) -> int:
-    """Write ``parts`` (bytes-like) contiguously at file offset ``at``; returns the bytes written.
-
-    Positional, so items of one file can be written in any order (and by several threads)
-    once their ranges are reserved.
-    """
-    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p))]
-    total = 0
-    while views:
-        n = os.pwritev(fd, views, at + total)
-        if n <= 0:  # pragma: no cover - pwritev raises on errors
-            raise OSError(f"short write at offset {at + total}")
-        total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return total
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -233,7 +213,7 @@ class DcpWriter:
             scrc = zlib.crc32(data)
             tail = fr.tail(scrc)
             loc = self._reserve(rank, fr.length)
-            _pwrite_all(self._fds[rank], [fr.head, data, tail], loc.offset)
+            write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
             self._filled(loc, fr.item_crc(scrc, tail))
         else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
             loc = self._write_blob(rank, _save_bytes(t))
@@ -498,7 +478,7 @@ class DcpWriter:
         if not self.owns(rank):
             self._foreign.add((loc.file, loc.offset))
             return loc
-        _pwrite_all(self._fds[rank], [blob], loc.offset)
+        write_exact(self._fds[rank], [blob], loc.offset)
         self._filled(loc, zlib.crc32(blob))
         return loc
 

@@ -52,6 +52,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import _weights_only_unpickler
 
+from reshard.io.fileio import ShortRead, read_exact
+
 __all__ = ["ItemLayout", "read_tensor_item", "storage_byte_range", "dim0_byte_range", "copy_byte_range", "item_layout"]
 
 MAX_PICKLE_BYTES = 1 << 20      # a plain tensor's data.pkl is ~300 bytes
@@ -260,12 +262,10 @@ def item_layout(path: str | os.PathLike, offset: int, length: int) -> ItemLayout
 
 
 def _read_exact(fd: int, buf: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], pos + done)
-        if n <= 0:
-            raise _Unusual("short read of the storage")
-        done += n
+    try:
+        read_exact(fd, buf, pos)
+    except ShortRead:
+        raise _Unusual("short read of the storage") from None
 
 
 def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expected_dtype: torch.dtype | None = None,

@@ -43,15 +43,15 @@ from typing import Any
 import numpy as np
 
 from reshard.errors import ReshardError
-from reshard.geometry import Box
+from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fastread import item_layout
+from reshard.io.fileio import FdCache, read_exact, write_exact
 
 __all__ = [
     "SourceChunk",
     "SpliceJob",
     "WorkerBuffers",
-    "contiguous_run",
     "default_window",
     "run_jobs",
     "source_chunks",
@@ -111,45 +111,6 @@ class Locator:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def all_source_chunks(root: Path, entries: Iterable[Any], threads: int = 8) -> dict[str, list[SourceChunk] | None]:
-    """`source_chunks` of many tensor entries, located in parallel.
-
-    Locating an item reads two small pieces of it (zip directory, pickle); on a cold cache
-    each is a disk seek, so they are issued from several threads at once.
-    """
-    entries = [e for e in entries if e.is_tensor]
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate") as pool:
-        found = list(pool.map(lambda e: source_chunks(root, e), entries))
-    return {e.key: f for e, f in zip(entries, found)}
-
-
-def contiguous_run(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
-    """``(first element, count)`` when box ``offsets+sizes`` of a C-order ``shape`` array is one run.
-
-    It is when every dim after the first one the box does not span fully is spanned fully
-    and every dim before it has size 1 in the box.
-    """
-    n = 1
-    for s in sizes:
-        n *= s
-    if n == 0:
-        return (0, 0)
-    d = len(shape)
-    j = 0  # first dim (from the right) not spanned fully
-    for i in range(d - 1, -1, -1):
-        if sizes[i] != shape[i]:
-            j = i
-            break
-    else:
-        return (0, n)
-    if any(sizes[i] != 1 for i in range(j)):
-        return None
-    first = 0
-    for i in range(d):
-        first = first * shape[i] + offsets[i]
-    return first, n
-
-
 class WorkerBuffers(threading.local):
     """Two buffers per worker thread (the target slab, and source rows for strided copies),
     allocated on first use, so idle workers cost nothing."""
@@ -169,40 +130,9 @@ class WorkerBuffers(threading.local):
         return memoryview(self.aux)[:n]
 
 
-class _Maps:
-    """Read-only descriptors of source files, opened once per run and shared by the workers."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
-
-    def fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self._fds[path] = fd
-            return fd
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds = {}
-
-
 def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
     """A byte-exact view ``shape + (itemsize,)`` of uint8 over ``buf`` (any dtype: bits are copied)."""
     return np.ndarray(tuple(shape) + (itemsize,), dtype=np.uint8, buffer=buf, offset=offset)
-
-
-def _read_exact(fd: int, view: memoryview, pos: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], pos + done)
-        if n <= 0:
-            raise OSError(f"source data file ends early (wanted {len(view) - done} more bytes at {pos + done})")
-        done += n
 
 
 class SpliceMismatch(ReshardError):
@@ -224,18 +154,16 @@ class SpliceJob:
     framing: archive.Framing
     sources: list[SourceChunk]
 
-    def run(self, fd: int, at: int, buffers: WorkerBuffers, maps: _Maps, slab_bytes: int) -> int:
+    def run(self, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
         """Returns the CRC-32 of the whole item as written."""
-        from reshard.io.dcp_writer import _pwrite_all
-
         box, isz = self.box, self.itemsize
-        _pwrite_all(fd, [self.framing.head], at)
+        write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
         runs = self._runs()
         if runs is not None:
-            crc = _copy_runs(runs, isz, fd, pos, buffers, maps, slab_bytes)
+            crc = _copy_runs(runs, isz, fd, pos, buffers, files, slab_bytes)
             tail = self.framing.tail(crc)
-            _pwrite_all(fd, [tail], pos + self.framing.storage_nbytes)
+            write_exact(fd, [tail], pos + self.framing.storage_nbytes)
             return self.framing.item_crc(crc, tail)
         crc = 0
         sizes = box.sizes
@@ -261,17 +189,17 @@ class SpliceJob:
                     if inter is None or inter.is_empty():
                         continue
                     filled += inter.numel
-                    _copy_into(view, slab, s, inter, isz, maps, buffers)
+                    _copy_into(view, slab, s, inter, isz, files, buffers)
                 if filled != slab.numel:
                     raise OSError(f"source chunks cover {filled} of {slab.numel} elements of a target slab")
                 crc = zlib.crc32(view, crc)
-                _pwrite_all(fd, [view], pos)
+                write_exact(fd, [view], pos)
                 pos += len(view)
         tail = self.framing.tail(crc)
-        _pwrite_all(fd, [tail], pos)
+        write_exact(fd, [tail], pos)
         return self.framing.item_crc(crc, tail)
 
-    def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, maps: _Maps, slab_bytes: int) -> None:
+    def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> None:
         """Re-read the written item and compare it with the source; raise `SpliceMismatch` if it differs.
 
         Independent of how `run` placed the bytes: the item is parsed back as a zip archive
@@ -289,10 +217,10 @@ class SpliceJob:
         sizes = box.sizes
         if not sizes:
             view = buffers.get(isz)
-            _read_exact(fd, view, lay.storage_file_offset)
+            read_exact(fd, view, lay.storage_file_offset)
             src = self.sources[0]
             other = buffers.get_aux(isz)
-            _read_exact(maps.fd(src.path), other, src.storage_at)
+            read_exact(files.fd(src.path), other, src.storage_at)
             if bytes(view) != bytes(other):
                 raise SpliceMismatch(f"the item written at {path}:{at} differs from the source")
             return
@@ -314,7 +242,7 @@ class SpliceJob:
                     continue
                 rel = inter.relative_to(s.box)
                 srow = _row_bytes(s.box.sizes, isz)
-                span = _window(maps.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow,
+                span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow,
                                buffers.get_aux)
                 srcv = _as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
                 a = outv[inter.relative_to(slab).slices()]
@@ -337,12 +265,12 @@ class SpliceJob:
                 if inter is None or inter.is_empty():
                     continue
                 rel_src, rel_dst = inter.relative_to(s.box), inter.relative_to(box)
-                src_run = contiguous_run(s.box.sizes, rel_src.offsets, rel_src.sizes)
-                dst_run = contiguous_run(box.sizes, rel_dst.offsets, rel_dst.sizes)
+                src_run = contiguous_run(rel_src, s.box.sizes)
+                dst_run = contiguous_run(rel_dst, box.sizes)
                 if src_run is None or dst_run is None:
                     return None
-                runs.append((dst_run[0] * isz, s, src_run[0] * isz, src_run[1] * isz))
-                covered += src_run[1]
+                runs.append((dst_run * isz, s, src_run * isz, inter.numel * isz))
+                covered += inter.numel
             if covered != box.numel:
                 return None
             runs.sort(key=lambda r: r[0])
@@ -350,7 +278,7 @@ class SpliceJob:
 
 
 def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int, pos: int, buffers: WorkerBuffers,
-               maps: _Maps, slab_bytes: int) -> int:
+               files: FdCache, slab_bytes: int) -> int:
     """Copy contiguous runs file to file in the kernel (``copy_file_range``); returns the storage CRC.
 
     A run that is a whole source storage takes its CRC from the source's zip record (no
@@ -358,7 +286,7 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
     """
     crc = 0
     for dst_off, s, src_off, n in runs:
-        sfd = maps.fd(s.path)
+        sfd = files.fd(s.path)
         _kernel_copy(sfd, s.storage_at + src_off, fd, pos + dst_off, n, buffers, slab_bytes)
         if s.crc is not None and src_off == 0 and n == s.box.numel * isz:
             part = s.crc
@@ -368,7 +296,7 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
             while done < n:
                 k = min(slab_bytes, n - done)
                 view = buffers.get(k)
-                _read_exact(sfd, view, s.storage_at + src_off + done)
+                read_exact(sfd, view, s.storage_at + src_off + done)
                 part = zlib.crc32(view, part)
                 done += k
         crc = archive.crc32_combine(crc, part, n)
@@ -390,33 +318,25 @@ def _kernel_copy(sfd: int, src_at: int, dfd: int, dst_at: int, n: int, buffers: 
         if k <= 0:
             k = min(slab_bytes, n - done)
             view = buffers.get(k)
-            _read_exact(sfd, view, src_at + done)
-            _pwrite_view(dfd, view, dst_at + done)
+            read_exact(sfd, view, src_at + done)
+            write_exact(dfd, [view], dst_at + done)
         done += k
 
 
-def _pwrite_view(fd: int, view: memoryview, at: int) -> None:
-    from reshard.io.dcp_writer import _pwrite_all
-
-    _pwrite_all(fd, [view], at)
-
-
-def _copy_into(view: memoryview, slab: Box, s: SourceChunk, inter: Box, isz: int, maps: _Maps,
+def _copy_into(view: memoryview, slab: Box, s: SourceChunk, inter: Box, isz: int, files: FdCache,
                buffers: WorkerBuffers) -> None:
     rel_src = inter.relative_to(s.box)
     rel_dst = inter.relative_to(slab)
-    src_run = contiguous_run(s.box.sizes, rel_src.offsets, rel_src.sizes)
-    dst_run = contiguous_run(slab.sizes, rel_dst.offsets, rel_dst.sizes)
-    if src_run is not None and dst_run is not None:
-        (sf, n), (df, _) = src_run, dst_run
-        _read_exact(maps.fd(s.path), view[df * isz:(df + n) * isz], s.storage_at + sf * isz)
+    sf, df, n = contiguous_run(rel_src, s.box.sizes), contiguous_run(rel_dst, slab.sizes), inter.numel
+    if sf is not None and df is not None:
+        read_exact(files.fd(s.path), view[df * isz:(df + n) * isz], s.storage_at + sf * isz)
         return
     # Strided: read the source rows the box spans (one contiguous run), then copy the box.
     # (Plain reads, not mmap: mapped file pages would count as this process's memory.)
     first, count = rel_src.offsets[0], rel_src.sizes[0]
     row = _row_bytes(s.box.sizes, isz)
     span = buffers.get_aux(count * row)
-    _read_exact(maps.fd(s.path), span, s.storage_at + first * row)
+    read_exact(files.fd(s.path), span, s.storage_at + first * row)
     src = _as_array(span, (count,) + tuple(s.box.sizes[1:]), isz)
     dst = _as_array(view, slab.sizes, isz)
     dst[rel_dst.slices()] = src[(slice(0, count),) + rel_src.slices()[1:]]
@@ -424,7 +344,7 @@ def _copy_into(view: memoryview, slab: Box, s: SourceChunk, inter: Box, isz: int
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-CHECK_WINDOW = 32 * MIB  # bytes per side the read-back check maps at a time
+CHECK_WINDOW = 32 * MIB  # bytes per side the read-back check files at a time
 
 
 def _window(fd: int, pos: int, n: int, fallback: Callable[[int], memoryview]) -> Any:
@@ -440,7 +360,7 @@ def _window(fd: int, pos: int, n: int, fallback: Callable[[int], memoryview]) ->
         mm = mmap.mmap(fd, n + pos - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
         return np.frombuffer(mm, dtype=np.uint8, count=n, offset=pos - start)
     view = fallback(n)
-    _read_exact(fd, view, pos)
+    read_exact(fd, view, pos)
     return view
 
 
@@ -495,7 +415,7 @@ def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, wi
              on_done: Callable[[Any, int], None]) -> None:
     """Run ``(job.run-like callable, token)`` pairs on a bounded pool; ``on_done(token, crc)`` in submission order.
 
-    Each callable is called as ``fn(buffers, maps, slab_bytes)`` and returns a CRC-32.
+    Each callable is called as ``fn(buffers, files, slab_bytes)`` and returns a CRC-32.
     At most ``2 * threads`` jobs are queued ahead, so memory is ``threads`` slab buffers
     of ``window // threads`` bytes each. The first exception stops the run and is raised
     (after the in-flight jobs end); ``on_done`` is called in submission order so the
@@ -503,13 +423,13 @@ def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, wi
     """
     threads = max(1, int(threads))
     slab = max(MIB, int(window) // threads)
-    buffers, maps = WorkerBuffers(), _Maps()
+    buffers, files = WorkerBuffers(), FdCache()
     pending: list[tuple[Any, Any]] = []
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-io") as pool:
             try:
                 for fn, token in jobs:
-                    pending.append((pool.submit(fn, buffers, maps, slab), token))
+                    pending.append((pool.submit(fn, buffers, files, slab), token))
                     while len(pending) > 2 * threads:
                         fut, tok = pending.pop(0)
                         on_done(tok, fut.result())
@@ -521,4 +441,4 @@ def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, wi
                     fut.cancel()
                 raise
     finally:
-        maps.close()
+        files.close()
