@@ -17,7 +17,7 @@ Faults
   and the estimated bytes needed (`reshard.integrity.estimate_output_bytes`); nothing is
   committed and the temporary directory is removed. `reshard.integrity.space_check`
   warns before a run.
-* **Integrity**: the manifest records the sha256 of every item written
+* **Integrity**: the manifest records the CRC-32 of every item written
   (``manifest["integrity"]``); `inspect --deep` and `verify` check it.
 * **Reproducible outputs**: with ``SOURCE_DATE_EPOCH`` set, every time written is that
   time and the reports record ``"seconds": null``, so two runs of the same command give
@@ -77,6 +77,7 @@ class IOOptions:
     threads: int = field(default_factory=splice.default_threads)
     window: int = field(default_factory=splice.default_window)
     splice: bool = True
+    direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
 
 
 def _reproducible() -> bool:
@@ -224,14 +225,14 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     actions = {a.key: a for a in plan.keys}
     locator = splice.Locator(ix.root, ix.entries.values()) if io.splice else None
     try:
-        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked)
+        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
     finally:
         if locator is not None:
             locator.close()
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
-                    locator: Any, checked: set[str]):
+                    locator: Any, checked: set[str], direct: bool = True):
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action == "dropped":
@@ -244,7 +245,8 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             elif t.transform or t.dtype != e.dtype_name:
                 _write_transformed(ix, w, t)
             else:
-                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked)
+                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
+                                        direct)
         else:
             rank = a.rank or 0
             if a.action == "rewritten":
@@ -332,7 +334,8 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
     return problems
 
 
-def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str]):
+def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str],
+                 direct: bool = True):
     """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
 
     Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
@@ -349,10 +352,12 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
             if w.owns(rank):
                 job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
                 fd, path = w.fd(rank), str(w.directory / loc.file)
+                dfd = w.direct_fd(rank) if direct else None
 
-                def work(buffers, files, slab, job=job, fd=fd, at=loc.offset, path=path):
-                    crc = job.run(fd, at, buffers, files, slab)
-                    job.check(path, fd, at, buffers, files, slab)
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, at=loc.offset, path=path):
+                    crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd)
+                    if not job.checked:
+                        job.check(path, fd, at, buffers, files, slab)
                     return crc
 
                 yield work, loc

@@ -382,7 +382,7 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
                        progress: Any = None, check_integrity: bool | str = True, fast: bool = True,
                        workers: int | None = None, b_files: set[str] | None = None,
-                       values_checked: set[str] | None = None) -> dict[str, Any]:
+                       values_checked: set[str] | None = None, direct: bool = True) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
 
     ``check_integrity``: True checks both sides' recorded item checksums, False neither,
@@ -396,9 +396,11 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     the workers' parts add up to the whole); keys, shapes, dtypes, objects and semantics
     are compared in full by every worker (the same findings in each part); progress still
     totals A's items.
-    ``values_checked``: tensor keys whose values the caller already compared byte for byte
-    with A (`reshard convert` checks each item as it writes it); when their shape and dtype
-    match they count as compared without a second read.
+    ``values_checked``: tensor keys whose values the caller already checked against A
+    (`reshard convert` checks each item as it writes it); when their shape and dtype match
+    they count as compared without a second read.
+    ``direct``: the byte comparison reads large pieces with direct I/O, bypassing the page
+    cache (`reshard.io.fileio`); False reads through it.
     """
     a, b = Path(a), Path(b)
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
@@ -429,7 +431,7 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
             rb = records["b"]
             res = compare_tensors(ia, ib, cand, progress=progress if b_files is None else None, workers=workers,
                                   hash_b=rb["algorithm"] if rb else None, hash_names=(rb or {}).get("items") or (),
-                                  b_files=b_files)
+                                  b_files=b_files, direct=direct)
             verdicts.update(res.verdicts)
             digests = res.digests
     # corrupt input is bad input, not a difference: every recorded checksum is checked before

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from reshard.execute import IOOptions, convert
 from reshard.geometry import Box, contiguous_run
 from reshard.index import CheckpointIndex
-from reshard.io import splice
+from reshard.io import dcp_writer, fileio, splice
 from reshard.plan import Options, make_plan
 from reshard.synthetic import make_sharded
 
@@ -92,25 +92,46 @@ CASES = [
 ]
 
 
+def _direct_io_here(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    fd = fileio.open_direct(probe, os.O_RDONLY)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("name,to", CASES)
-def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, name, to):
+def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, name, to, direct):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    # align every storage, not only those of 1 MiB and more, so these tiny tensors take the direct path too
+    monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
     rules = tmp_path / "rules.toml"  # the dim-1 source reads as TP; rules matter whenever tp > 1
     rules.write_text(RULES)
-    calls = {"n": 0}
-    real = splice.SpliceJob.run
+    calls = {"n": 0, "direct": 0}
+    real, real_direct = splice.SpliceJob.run, splice._direct_runs
 
     def counting(self, *a, **k):
         calls["n"] += 1
         return real(self, *a, **k)
 
+    def counting_direct(*a, **k):
+        calls["direct"] += 1
+        return real_direct(*a, **k)
+
     monkeypatch.setattr(splice.SpliceJob, "run", counting)
+    monkeypatch.setattr(splice, "_direct_runs", counting_direct)
     src = sources[name]
     plain = _run(src, tmp_path / "plain", to, IOOptions(splice=False), rules)
     assert calls["n"] == 0
-    fast = _run(src, tmp_path / "fast", to, IOOptions(threads=3, window=3 << 20), rules)
+    fast = _run(src, tmp_path / "fast", to, IOOptions(threads=3, window=3 << 20, direct=direct), rules)
     assert calls["n"] > 0, "the splice path was not taken"
-    tiny = _run(src, tmp_path / "tiny", to, IOOptions(threads=1, window=1), rules)  # one row per slab
+    if direct and name != "dim1" and not to.startswith("tp") and _direct_io_here(tmp_path):
+        assert calls["direct"] > 0, "no item was copied with direct I/O"
+    if not direct:
+        assert calls["direct"] == 0
+    tiny = _run(src, tmp_path / "tiny", to, IOOptions(threads=1, window=1, direct=direct), rules)  # one row per slab
     assert plain["verification"]["equal"] and fast["verification"]["equal"] and tiny["verification"]["equal"]
     # the spliced items were read back and compared with the source as they were written
     assert plain["verification"]["checked_while_writing"] == 0
@@ -145,8 +166,8 @@ def _zero_crc(args):
 
 
 def test_a_spliced_item_that_differs_from_the_source_is_caught(sources, tmp_path, monkeypatch):
-    """The read-back check is independent of the copy: a copy that puts one byte wrong is
-    caught before anything is committed."""
+    """The read-back check (page-cache copies) is independent of the copy: a copy that puts
+    one byte wrong is caught before anything is committed."""
     real = splice.SpliceJob.run
 
     def corrupting(self, fd, at, *a, **k):
@@ -159,8 +180,60 @@ def test_a_spliced_item_that_differs_from_the_source_is_caught(sources, tmp_path
     monkeypatch.setattr(splice.SpliceJob, "run", corrupting)
     for name in ("dim0", "big"):  # buffered and mapped read-back
         with pytest.raises(splice.SpliceMismatch, match="differs from the source"):
-            _run(sources[name], tmp_path / f"out-{name}", "dp=2", IOOptions())
+            _run(sources[name], tmp_path / f"out-{name}", "dp=2", IOOptions(direct=False))
         assert not (tmp_path / f"out-{name}").exists()
+
+
+def _flip_storage_byte(src: Path, copy: Path) -> str:
+    """Copy ``src`` to ``copy`` and flip one byte inside the first chunk's tensor data (not its
+    zip records): the kind of change a disk or a stray writer makes. Returns the key."""
+    import shutil
+
+    shutil.copytree(src, copy)
+    ix = CheckpointIndex.open(copy)
+    e = next(e for e in ix.entries.values() if e.is_tensor)
+    c = splice.source_chunks(ix.root, e)[0]
+    with open(c.path, "r+b") as f:
+        f.seek(c.storage_at + 7)
+        b = f.read(1)
+        f.seek(c.storage_at + 7)
+        f.write(bytes([b[0] ^ 0x01]))
+    return e.key
+
+
+def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch):
+    """Direct copies are checked against the CRC-32 each source item's writer recorded: a
+    source byte that changed on disk stops the conversion (exit 2) with nothing committed."""
+    if not _direct_io_here(tmp_path):
+        pytest.skip("no direct I/O on this file system")
+    monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
+    bad = tmp_path / "changed"
+    _flip_storage_byte(sources["big"], bad)
+    with pytest.raises(splice.SpliceMismatch, match="CRC-32 their source items recorded") as info:
+        _run(bad, tmp_path / "out", "dp=2", IOOptions(direct=True))
+    assert info.value.exit_code == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_direct_output_loads_with_dcp_and_equals_the_source(sources, tmp_path):
+    """The direct path's output (storages 4 KiB-aligned, holes between items) is read by
+    torch's own ``dcp.load``, and every value equals the source's."""
+    import torch.distributed.checkpoint as dcp
+
+    src = sources["big"]  # 1 MiB chunks: aligned by the default policy
+    report = _run(src, tmp_path / "out", "dp=2", IOOptions(direct=True))
+    assert report["verification"]["equal"]
+    ix = CheckpointIndex.open(src)
+    keys = [k for k, e in ix.entries.items() if e.is_tensor]
+
+    def load(path: Path) -> dict[str, torch.Tensor]:
+        sd = {k: torch.empty(tuple(ix.entries[k].shape), dtype=ix.entries[k].dtype) for k in keys}
+        dcp.load(sd, checkpoint_id=str(path))
+        return sd
+
+    a, b = load(src), load(tmp_path / "out")
+    for k in keys:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
 
 
 def test_unusual_items_fall_back_to_decoding(sources):

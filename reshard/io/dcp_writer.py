@@ -63,7 +63,7 @@ from reshard.geometry import Box, coverage_problems
 from reshard.io import archive
 from reshard.io.atomic import fault_point, fsync_dir
 from reshard.io.dcp import METADATA_FILE, ItemLocation
-from reshard.io.fileio import write_exact
+from reshard.io.fileio import ALIGN, open_direct, start_writeback, write_exact
 
 try:  # the version string stock DCP stamps into .metadata
     from torch.distributed.checkpoint.filesystem import (
@@ -150,6 +150,8 @@ class DcpWriter:
         if not self.directory.is_dir():
             raise WriterError("the output directory does not exist", where=str(self.directory))
         self._fds: dict[int, int] = {}          # rank -> open data file
+        self._fd_of: dict[str, int] = {}        # file name -> the same descriptor
+        self._direct: dict[int, int | None] = {}  # rank -> O_DIRECT descriptor of its file (None: unsupported)
         self._end: dict[int, int] = {}          # rank -> bytes reserved in its file so far
         self._pending: set[tuple[str, int]] = set()  # reserved items not yet filled
         self._foreign: set[tuple[str, int]] = set()  # items another process writes
@@ -204,21 +206,22 @@ class DcpWriter:
                               where=str(self.directory))
         t = _compact(t)
         if not self.owns(rank):
-            loc = self._reserve(rank, self.chunk_length(t.dtype, tuple(t.shape)) if archive.fits(
-                t.numel() * t.element_size()) else len(_save_bytes(t)))
+            if archive.fits(t.numel() * t.element_size()):
+                loc = self._reserve(rank, *_storage_at(archive.framing(t.dtype, tuple(t.shape))))
+            else:
+                loc = self._reserve(rank, len(_save_bytes(t)))
             self._foreign.add((loc.file, loc.offset))
         elif archive.fits(t.numel() * t.element_size()):
             fr = archive.framing(t.dtype, tuple(t.shape))
             data = tensor_bytes(t)
             scrc = zlib.crc32(data)
             tail = fr.tail(scrc)
-            loc = self._reserve(rank, fr.length)
+            loc = self._reserve(rank, *_storage_at(fr))
             write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
             self._filled(loc, fr.item_crc(scrc, tail))
         else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
             loc = self._write_blob(rank, _save_bytes(t))
-        decl.chunks.append((offsets, sizes, loc))
-        decl.offsets_seen.add(offsets)
+        self._add_chunk(key, offsets, sizes, loc)
         return loc
 
     def write_chunk_bytes(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], blob: bytes) -> ItemLocation:
@@ -231,9 +234,7 @@ class DcpWriter:
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
         self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
         loc = self._write_blob(rank, blob)
-        decl = self._tensors[key]
-        decl.chunks.append((offsets, sizes, loc))
-        decl.offsets_seen.add(offsets)
+        self._add_chunk(key, offsets, sizes, loc)
         return loc
 
     # ------------------------------------------------------------------ objects
@@ -265,11 +266,13 @@ class DcpWriter:
         byte-identical to a sequential one.
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
-        loc = self._reserve(rank, length)
+        dtype = self._tensors[key].dtype
+        if archive.fits(_numel(sizes) * _itemsize(dtype)) and length == self.chunk_length(dtype, sizes):
+            loc = self._reserve(rank, *_storage_at(archive.framing(dtype, sizes)))
+        else:
+            loc = self._reserve(rank, length)
         (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
-        decl = self._tensors[key]
-        decl.chunks.append((offsets, sizes, loc))
-        decl.offsets_seen.add(offsets)
+        self._add_chunk(key, offsets, sizes, loc)
         return loc
 
     def reserve_object(self, rank: int, key: str, length: int, path: tuple | None = None) -> ItemLocation:
@@ -307,6 +310,15 @@ class DcpWriter:
     def fd(self, rank: int) -> int:
         """The open file descriptor of rank ``rank``'s data file (after a reservation in it)."""
         return self._fds[rank]
+
+    def direct_fd(self, rank: int) -> int | None:
+        """A second, ``O_DIRECT`` descriptor of rank ``rank``'s data file for `ALIGN`-aligned
+        writes that bypass the page cache (`reshard.io.splice`), or None where the file
+        system has no direct I/O."""
+        if rank not in self._direct:
+            self._check_open()
+            self._direct[rank] = open_direct(self.directory / data_file_name(rank), os.O_WRONLY)
+        return self._direct[rank]
 
     def filled(self, loc: ItemLocation, crc: int) -> None:
         """Record that a reserved item's bytes are written, with their CRC-32 (a write event)."""
@@ -384,7 +396,8 @@ class DcpWriter:
         """Close the data files without committing (idempotent). `finish` calls it."""
         self._closed = True
         fds, self._fds = self._fds, {}
-        for fd in fds.values():
+        direct, self._direct = self._direct, {}
+        for fd in list(fds.values()) + [d for d in direct.values() if d is not None]:
             try:
                 os.close(fd)
             except OSError:  # pragma: no cover
@@ -455,7 +468,9 @@ class DcpWriter:
             raise WriterError(f"{what}: blob is not a torch.save archive (transformed or corrupt bytes?)",
                               where=str(self.directory))
 
-    def _reserve(self, rank: int, length: int) -> ItemLocation:
+    def _reserve(self, rank: int, length: int, storage_offset: int | None = None) -> ItemLocation:
+        """The next ``length`` bytes of rank ``rank``'s file; with ``storage_offset`` (a large
+        tensor item's head length), first skip to where its storage starts `ALIGN`-aligned."""
         self._check_open()
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
@@ -464,13 +479,17 @@ class DcpWriter:
                 # O_EXCL: never reuse or clobber a file that is already there.
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 self._fds[rank] = os.open(self.directory / data_file_name(rank), flags, 0o644)
+                self._fd_of[data_file_name(rank)] = self._fds[rank]
             self._end[rank] = 0
         start = self._end[rank]
+        if storage_offset is not None:
+            start += -(start + storage_offset) % ALIGN  # a hole of under 4 KiB that no item owns
         self._end[rank] = start + int(length)
         return ItemLocation(data_file_name(rank), start, int(length))
 
     def _filled(self, loc: ItemLocation, crc: int) -> None:
         self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
         fault_point(f"item {loc.file}:{loc.offset}")
 
     def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
@@ -482,9 +501,34 @@ class DcpWriter:
         self._filled(loc, zlib.crc32(blob))
         return loc
 
+    def _add_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], loc: ItemLocation) -> None:
+        decl = self._tensors[key]
+        decl.chunks.append((offsets, sizes, loc))
+        decl.offsets_seen.add(offsets)
+
     def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
         self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
         self._order.append(key)
+
+
+ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
+
+
+def _storage_at(fr: archive.Framing) -> tuple[int, int | None]:
+    """``_reserve`` arguments for a hand-framed item: its length, and its head length when
+    its storage is large enough to be written with direct I/O (`reshard.io.splice`)."""
+    return fr.length, (fr.storage_offset if fr.storage_nbytes >= ALIGN_FROM else None)
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for x in sizes:
+        n *= int(x)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _save_bytes(obj: Any) -> bytes:

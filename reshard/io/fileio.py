@@ -2,14 +2,28 @@
 
 Reads and writes take an explicit offset (``preadv``/``pwritev``), so several threads can
 use one descriptor at once; `FdCache` keeps one read-only descriptor per file for a run.
+
+Direct I/O (``O_DIRECT``) moves file bytes between the disk and this process's buffers
+without the page cache. A conversion reads and writes every byte once, so caching them
+only costs: the kernel copies each page once more, allocates and later reclaims page
+cache for gigabytes that are never read again, and (on virtual machines) pays a
+hypervisor fault per freshly touched page. Direct transfers need the file offset, the
+length and the buffer address aligned to `ALIGN`; `aligned_buffer` gives such memory
+and `open_direct` says (by returning None) when a file system does not support it.
 """
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import threading
 from typing import Any
 
-__all__ = ["FdCache", "ShortRead", "read_exact", "write_exact"]
+__all__ = ["ALIGN", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_direct", "read_exact",
+           "start_writeback", "write_exact"]
+
+ALIGN = 4096  # direct I/O alignment used for offsets, lengths and buffers (a page; enough for 4Kn disks)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class ShortRead(OSError):
@@ -48,12 +62,95 @@ def write_exact(fd: int, parts: list[Any], at: int) -> int:
     return total
 
 
+def _sync_file_range() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux (or no such symbol): writeback is left to the kernel
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range() if os.name == "posix" else None
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages in the range; do not wait for it
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk, now.
+
+    A conversion fsyncs every byte it writes before the commit. Left alone, the kernel
+    starts writeback only once dirty pages pass its background threshold (10 % of memory),
+    so a large conversion ends with gigabytes still to flush while nothing else runs; a
+    hint per finished item spreads the disk writes over the copy instead. It is only a
+    hint: it never waits, its errors are ignored (the fsync before the commit is what
+    reports them), and where ``sync_file_range`` does not exist it does nothing.
+    """
+    if _SYNC_FILE_RANGE is not None and length > 0:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def aligned_buffer(n: int) -> memoryview:
+    """``n`` bytes (rounded up to `ALIGN`) of zeroed, page-aligned memory, usable for direct I/O."""
+    size = max(ALIGN, -(-int(n) // ALIGN) * ALIGN)
+    return memoryview(mmap.mmap(-1, size))
+
+
+def open_direct(path: Any, flags: int) -> int | None:
+    """``os.open(path, flags | O_DIRECT)``, or None where the platform or file system has no direct I/O."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(path, flags | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):  # e.g. tmpfs, some FUSE
+            return None
+        raise
+
+
+def read_direct(fd: int, view: memoryview, pos: int, stage: memoryview) -> None:
+    """Fill ``view`` from ``fd`` (opened with `open_direct`) at any offset ``pos``, or raise `ShortRead`.
+
+    The aligned blocks enclosing the range are read into ``stage`` (an `aligned_buffer`
+    of at least ``len(view) + 2 * ALIGN`` bytes) and the range copied out of them; a
+    request that is already aligned on both sides is read straight into ``view``.
+    """
+    n = len(view)
+    if pos % ALIGN == 0 and n % ALIGN == 0 and _address(view) % ALIGN == 0:
+        read_exact(fd, view, pos)
+        return
+    start = pos - pos % ALIGN
+    stop = -(-(pos + n) // ALIGN) * ALIGN
+    if len(stage) < stop - start:
+        raise ValueError(f"stage buffer of {len(stage)} bytes for a direct read of {stop - start}")
+    got = 0
+    want = pos + n - start  # bytes needed from ``start``; the file may end before ``stop``
+    while got < want:
+        k = os.preadv(fd, [stage[got:stop - start]], start + got)
+        if k <= 0:
+            raise ShortRead(f"the file ends {want - got} bytes early (reading at offset {start + got})")
+        got += k
+    view[:] = stage[pos - start:pos - start + n]
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    if view.readonly:
+        return 1  # never aligned: read through the stage buffer
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 class FdCache:
     """Read-only descriptors of files, opened once per run and shared by threads."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.fds: dict[Any, int] = {}
+        self.direct_fds: dict[Any, int | None] = {}
 
     def fd(self, path: Any) -> int:
         with self.lock:
@@ -62,8 +159,16 @@ class FdCache:
                 fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             return fd
 
+    def direct(self, path: Any) -> int | None:
+        """A read-only ``O_DIRECT`` descriptor of ``path``, or None when its file system has none."""
+        with self.lock:
+            if path not in self.direct_fds:
+                self.direct_fds[path] = open_direct(path, os.O_RDONLY)
+            return self.direct_fds[path]
+
     def close(self) -> None:
         with self.lock:
-            for fd in self.fds.values():
+            for fd in list(self.fds.values()) + [d for d in self.direct_fds.values() if d is not None]:
                 os.close(fd)
             self.fds.clear()
+            self.direct_fds.clear()

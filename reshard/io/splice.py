@@ -12,9 +12,17 @@ does that copy from the source's data files straight into the target's data file
   ``os.preadv`` straight into the slab buffer, or a strided box (a TP split of dim 1),
   whose source rows are read as one run into a second buffer and the box copied out of
   them with NumPy. (No mmap: mapped file pages would count as the process's memory.)
-  When the whole target chunk is such runs, they go file to file in the kernel
-  (``os.copy_file_range``) and the CRC-32 comes from the source's own zip record where a
-  run is a whole source storage, so the bytes never enter this process.
+  When the whole target chunk is such runs and its storage starts 4 KiB-aligned in the
+  output file (the writer aligns storages of 1 MiB and more), the runs are copied with
+  **direct I/O** (``O_DIRECT``, `reshard.io.fileio`): read from the source's disk blocks
+  into an aligned slab buffer and written from it, with no page cache on either side, so
+  the copy costs the disk time and almost no CPU. The slab's CRC-32 is taken on the way
+  and must equal the CRC-32s the source items' writer recorded (their zip records),
+  combined in the target's order: that is the check of those items, and it also catches
+  a source that changed on disk after it was written. With ``--buffered`` (or where a file
+  system has no direct I/O) the runs go file to file in the kernel
+  (``os.copy_file_range``) through the page cache instead, with the CRC-32 composed from
+  the records, and every such item is read back and compared with the source (`check`).
 * The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
   the item's head (`reshard.io.archive`) comes first and its tail, which needs the CRC,
   last. Memory per worker: one slab buffer.
@@ -46,7 +54,7 @@ from reshard.errors import ReshardError
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import FdCache, read_exact, write_exact
+from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_direct, read_exact, write_exact
 
 __all__ = [
     "SourceChunk",
@@ -116,18 +124,22 @@ class WorkerBuffers(threading.local):
     allocated on first use, so idle workers cost nothing."""
 
     def __init__(self) -> None:
-        self.buf: bytearray | None = None
-        self.aux: bytearray | None = None
+        self.buf: memoryview | None = None
+        self.aux: memoryview | None = None
 
     def get(self, n: int) -> memoryview:
+        """``n`` bytes of the slab buffer (page-aligned: direct I/O reads and writes it)."""
         if self.buf is None or len(self.buf) < n:
-            self.buf = bytearray(n)
-        return memoryview(self.buf)[:n]
+            self.buf = None
+            self.buf = aligned_buffer(n)
+        return self.buf[:n]
 
     def get_aux(self, n: int) -> memoryview:
+        """``n`` bytes of the second buffer (page-aligned: the stage of unaligned direct reads)."""
         if self.aux is None or len(self.aux) < n:
-            self.aux = bytearray(n)
-        return memoryview(self.aux)[:n]
+            self.aux = None
+            self.aux = aligned_buffer(n)
+        return self.aux[:n]
 
 
 def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
@@ -153,13 +165,33 @@ class SpliceJob:
     itemsize: int
     framing: archive.Framing
     sources: list[SourceChunk]
+    checked: bool = False  # set by `run`: the item was checked while written (no read-back needed)
 
-    def run(self, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
-        """Returns the CRC-32 of the whole item as written."""
+    def run(self, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int,
+            direct_fd: int | None = None) -> int:
+        """Returns the CRC-32 of the whole item as written.
+
+        With ``direct_fd`` (an ``O_DIRECT`` descriptor of the same file) and an aligned
+        storage, contiguous runs go through `_direct_runs`, which also checks them; then
+        ``self.checked`` is True and `check` need not read the item back.
+        """
         box, isz = self.box, self.itemsize
+        self.checked = False
         write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
         runs = self._runs()
+        if runs is not None and direct_fd is not None and pos % ALIGN == 0:
+            crc = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files, slab_bytes)
+            expected = self.recorded_crc()
+            if expected is not None and expected != crc:
+                raise SpliceMismatch(
+                    f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
+                    f"recorded: a source file changed after it was written, or was read wrong "
+                    f"({', '.join(sorted({s.path for s in self.sources}))})")
+            self.checked = expected is not None
+            tail = self.framing.tail(crc)
+            write_exact(fd, [tail], pos + self.framing.storage_nbytes)
+            return self.framing.item_crc(crc, tail)
         if runs is not None:
             crc = _copy_runs(runs, isz, fd, pos, buffers, files, slab_bytes)
             tail = self.framing.tail(crc)
@@ -254,6 +286,26 @@ class SpliceJob:
             if seen != slab.numel:
                 raise SpliceMismatch(f"the sources cover {seen} of {slab.numel} elements of the item at {path}:{at}")
 
+    def recorded_crc(self) -> int | None:
+        """The CRC-32 the target storage must have, from the source items' own zip records:
+        the records of the source chunks it is made of, combined in row-major order of their
+        global boxes (box arithmetic only, not `_runs`); None unless every piece is a whole
+        source storage with a recorded CRC (a source cut in two has no record for a part)."""
+        pieces = []
+        for s in self.sources:
+            inter = s.box.intersect(self.box) if self.box.sizes else s.box
+            if inter is None or inter.is_empty():
+                continue
+            if s.crc is None or tuple(inter.offsets) != tuple(s.box.offsets) or tuple(inter.sizes) != tuple(s.box.sizes):
+                return None
+            pieces.append(s)
+        if sum(s.box.numel for s in pieces) != self.box.numel:
+            return None
+        crc = 0
+        for s in sorted(pieces, key=lambda s: tuple(s.box.offsets)):
+            crc = archive.crc32_combine(crc, s.crc, s.box.numel * self.itemsize)
+        return crc
+
     def _runs(self) -> list[tuple[int, SourceChunk, int, int]] | None:
             """``(target byte offset, source, source byte offset, nbytes)`` per source piece, in target
             order, when every piece is one contiguous run on both sides (dim-0 re-cuts); else None."""
@@ -301,6 +353,56 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
                 done += k
         crc = archive.crc32_combine(crc, part, n)
     return crc
+
+
+def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd: int, direct_fd: int,
+                 pos: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
+    """Copy contiguous runs through this process with direct I/O on both sides; returns the
+    storage's CRC-32.
+
+    Slabs of the target storage (``pos`` is `ALIGN`-aligned) are filled by direct reads of
+    the sources, checksummed, and written with one direct write each; the storage's last
+    partial block, if any, is written through the page cache (the item's tail follows it
+    there). No page of the copy passes through the page cache, and the bytes are in this
+    process once, where their CRC-32 is taken (`SpliceJob.run` checks it).
+    """
+    slab = max(ALIGN, slab_bytes - slab_bytes % ALIGN)
+    crc = 0
+    for o in range(0, nbytes, slab):
+        k = min(slab, nbytes - o)
+        view = buffers.get(k)
+        for d, s, so, n in runs:
+            lo, hi = max(o, d), min(o + k, d + n)
+            if lo >= hi:
+                continue
+            src_pos = s.storage_at + so + (lo - d)
+            dfd = files.direct(s.path)
+            if dfd is None:
+                read_exact(files.fd(s.path), view[lo - o:hi - o], src_pos)
+            else:
+                read_direct(dfd, view[lo - o:hi - o], src_pos, buffers.get_aux(hi - lo + 2 * ALIGN))
+        crc = zlib.crc32(view, crc)
+        whole = k - k % ALIGN
+        if whole:
+            _write_direct(direct_fd, fd, view[:whole], pos + o)
+        if whole < k:
+            write_exact(fd, [view[whole:]], pos + o + whole)
+    return crc
+
+
+def _write_direct(direct_fd: int, fd: int, view: memoryview, at: int) -> None:
+    """Write aligned ``view`` at aligned ``at`` bypassing the page cache (through it, if refused)."""
+    done = 0
+    try:
+        while done < len(view):
+            n = os.pwritev(direct_fd, [view[done:]], at + done)
+            if n <= 0:  # pragma: no cover - pwritev raises on errors
+                raise OSError(errno.EIO, f"short direct write at offset {at + done}")
+            done += n
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # a file system that takes O_DIRECT opens but not these writes
+            raise
+        write_exact(fd, [view[done:]], at + done)
 
 
 def _kernel_copy(sfd: int, src_at: int, dfd: int, dst_at: int, n: int, buffers: WorkerBuffers, slab_bytes: int) -> None:
@@ -408,7 +510,7 @@ def default_window() -> int:
 
 
 def default_threads() -> int:
-    return max(2, min(4, os.cpu_count() or 2))
+    return max(4, min(8, os.cpu_count() or 4))  # direct I/O threads mostly wait on the disk: keep it busy
 
 
 def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, window: int,
