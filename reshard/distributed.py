@@ -129,7 +129,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
                         raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of "
                                          "them silently", where=str(src),
                                          hint="Inspect the source: tied weights and their optimizer state must be equal.")
-            checked: set[str] = set()
+            checked = ex.WriteChecks()
             ex._write_items(plan, ix, w, progress if lead else None, io=io, commit=False, checked=checked)
             w.sync_files()
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums()}
@@ -209,6 +209,9 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         out[name] = merged
     out["equal"] = not diffs
     out["exit_code"] = 0 if not diffs else 1
+    if all("write_checks" in p for p in parts):  # items are counted by the worker that wrote them
+        out["write_checks"] = {k: sum(p["write_checks"][k] for p in parts)
+                               for k in ("items_against_source_crc", "items_read_back")}
     comp = dict(parts[0].get("compared", {}))
     for field_ in ("elements", "bytes"):
         if field_ in comp:

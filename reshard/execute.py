@@ -143,7 +143,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                                  where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
         w = DcpWriter(tmp)
         try:
-            checked: set[str] = set()
+            checked = WriteChecks()
             _write_items(plan, ix, w, progress, io=io, commit=False, checked=checked)
             w.finish(sync_data=False)
         finally:
@@ -165,6 +165,29 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         _write_reports(tmp, report)
         _refuse_if_different(verification, dst, "the converted checkpoint")
     return report
+
+
+class WriteChecks(set):
+    """The keys whose every chunk written by this process was checked as it was written (a
+    set, as `verify_checkpoints` takes it), and how many items each kind of check covered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self._lock = threading.Lock()
+        self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
+        self.read_back = 0           # read back and compared bitwise with the source rows
+
+    def count(self, by_source_crc: bool) -> None:
+        with self._lock:  # called from the pool's threads
+            if by_source_crc:
+                self.against_source_crc += 1
+            else:
+                self.read_back += 1
+
+    def summary(self) -> dict[str, int]:
+        return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back}
 
 
 class _Syncer:
@@ -358,6 +381,8 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
                     crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd)
                     if not job.checked:
                         job.check(path, fd, at, buffers, files, slab)
+                    if isinstance(checked, WriteChecks):
+                        checked.count(by_source_crc=job.checked)
                     return crc
 
                 yield work, loc
@@ -367,7 +392,7 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
         else:
             w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
     if all_spliced:
-        checked.add(e.key)  # every chunk this process wrote was read back and compared with the source
+        checked.add(e.key)  # every chunk this process wrote was checked against the source as it was written
 
 
 def _source_manifest(src: Path) -> dict[str, Any] | None:
@@ -381,9 +406,10 @@ def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
             checked: set[str] | None = None) -> dict[str, Any]:
     """The post-write verification: the output against the source, in global terms.
 
-    ``checked``: keys whose every written chunk was already read back and compared with the
-    source bytes while the copy ran (`reshard.io.splice.SpliceJob.check`); their values are
-    not compared a second time (keys, shapes, dtypes, objects and semantics still are).
+    ``checked``: keys whose every written chunk was already checked against the source while
+    the copy ran (`reshard.io.splice`: CRC-32 against the source items' records, or read
+    back and compared bitwise); their values are not compared a second time (keys, shapes,
+    dtypes, objects and semantics still are).
     """
     from reshard.verify import verify_checkpoints
 
@@ -401,6 +427,8 @@ def _verify(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
     result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
                                 check_integrity="a", values_checked=checked, **extra)
     result["checked_while_writing"] = len(checked or ())
+    if isinstance(checked, WriteChecks):
+        result["write_checks"] = checked.summary()
     bad = check_transforms(src, out, plan, b_files=b_files)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
     for k in bad:
@@ -439,6 +467,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"- verification against the source: **{'equal' if r['verification']['equal'] else 'DIFFERENT'}**"
         f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
         f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
+        *_write_check_lines(r["verification"]),
         f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
         + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
@@ -462,6 +491,14 @@ def render_markdown(r: dict[str, Any]) -> str:
         lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']} |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _write_check_lines(verification: dict[str, Any]) -> list[str]:
+    wc = verification.get("write_checks")
+    if not wc:
+        return []
+    return [f"- items checked as they were written: {wc['items_against_source_crc']} by CRC-32 against the "
+            f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise"]
 
 
 def _spec(t: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput, Incomplete
+from reshard.io.fileio import FdCache
 
 ALGORITHM = "sha256"  # the default of `record` (kept for callers that name no algorithm)
 ALGORITHMS = ("sha256", "crc32")
@@ -182,14 +183,13 @@ def _read_into(fd: int, view: memoryview, pos: int) -> int:
     return done
 
 
-class _Reader:
-    """Per-thread reusable buffer and open files for `check_items`."""
+class _Reader(FdCache):
+    """Per-thread reusable buffer and open files for `check_items` (a missing file is `Incomplete`)."""
 
     def __init__(self, root: Path, slab: int):
+        super().__init__()
         self.root, self.slab = root, slab
         self.local = threading.local()
-        self.lock = threading.Lock()
-        self.fds: dict[str, int] = {}
 
     def buffer(self) -> memoryview:
         buf = getattr(self.local, "buf", None)
@@ -197,25 +197,15 @@ class _Reader:
             buf = self.local.buf = memoryview(bytearray(self.slab))
         return buf
 
-    def fd(self, file: str, key: str) -> int:
-        with self.lock:
-            fd = self.fds.get(file)
-            if fd is None:
-                try:
-                    fd = os.open(self.root / file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    raise Incomplete(f"data file '{file}' is missing (needed for '{key}')", where=str(self.root),
-                                     hint="The checkpoint is incomplete; restore the file or use another checkpoint.") from None
-                except OSError as exc:
-                    raise BadInput(f"cannot read '{key}': {exc}", where=str(self.root / file)) from None
-                self.fds[file] = fd
-            return fd
-
-    def close(self) -> None:
-        with self.lock:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
+    def item_fd(self, file: str, key: str) -> int:
+        """The descriptor of data file ``file``; a missing or unreadable file names ``key``."""
+        try:
+            return self.fd(self.root / file)
+        except FileNotFoundError:
+            raise Incomplete(f"data file '{file}' is missing (needed for '{key}')", where=str(self.root),
+                             hint="The checkpoint is incomplete; restore the file or use another checkpoint.") from None
+        except OSError as exc:
+            raise BadInput(f"cannot read '{key}': {exc}", where=str(self.root / file)) from None
 
     def short(self, key: str, loc: Any, got_end: int) -> Incomplete:
         return Incomplete(f"'{key}' needs bytes [{loc.offset}, {loc.offset + loc.length}) but the file ends at {got_end}",
@@ -224,7 +214,7 @@ class _Reader:
     def hash_batch(self, batch: list[tuple[str, Any, str]], algorithm: str) -> list[str]:
         """Checksums of the items of one batch (see `_batches`)."""
         key0, loc0, _ = batch[0]
-        fd = self.fd(loc0.file, key0)
+        fd = self.item_fd(loc0.file, key0)
         buf = self.buffer()
         start = int(loc0.offset)
         span = max(int(loc.offset) + int(loc.length) for _, loc, _ in batch) - start

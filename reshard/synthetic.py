@@ -508,3 +508,31 @@ def write_malicious_metadata(ckpt: str | os.PathLike, marker_path: str | os.Path
     with open(p, "wb") as f:
         pickle.dump(payload, f)
     return p
+
+
+def minimal_manifest(ckpt: pathlib.Path, *, world_size: int, tool: str, experiment_id: str = "synthetic",
+                     integrity: dict | None = None) -> None:
+    """Write a minimal valid ``manifest.json`` beside a synthetic checkpoint: a plain
+    ``dp_shard=world_size`` run at step 0 with no optimizer, scheduler, data or RNG state,
+    and optionally an ``integrity`` record. Benchmarks and tests use it so the checkpoint
+    reads as one with a declared topology (what `reshard convert` records lineage against)."""
+    from reshard import manifest as mf
+
+    topo = mf.Topology.make(dp_shard=world_size)
+    m = mf.Manifest(
+        experiment_id=experiment_id, step=0, tokens_seen=0, samples_seen=0,
+        key_convention="torch-get-state-dict", topology=topo,
+        batch=mf.Batch(micro_batch=1, grad_accum=1, seq_len=1, global_batch=world_size),
+        accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
+        precision=mf.Precision(param_dtype="float32", reduce_dtype="float32", loss_scaler=None),
+        model=mf.ModelInfo(family="synthetic", config={}, tied=[]),
+        optimizer=mf.OptimizerInfo(name="none", config={}),
+        scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
+        data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=1, order="none"),
+        rng=mf.RngInfo(policy="none", keyed_by_rank=False, seed=0),
+        continuity="continuation",
+        lineage=[mf.LineageEvent(event="created", from_=None, to=topo, at_step=0, tool=tool, time=mf.now_iso())],
+        writer=mf.Writer.current(tool),
+    )
+    m.integrity = integrity
+    mf.write_manifest(ckpt, m)

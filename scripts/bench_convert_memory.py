@@ -190,27 +190,10 @@ def tensor_shape(tensor_mib: float) -> tuple[int, int]:
 
 def add_manifest(ckpt: Path, *, world_size: int) -> None:
     """A minimal valid manifest (plain dp_shard=world_size run, no optimizer state)."""
-    from reshard import manifest as mf
+    from reshard.synthetic import minimal_manifest
 
-    topo = mf.Topology.make(dp_shard=world_size)
-    now = mf.now_iso()
-    m = mf.Manifest(
-        experiment_id="bench-convert-memory", step=0, tokens_seen=0, samples_seen=0,
-        key_convention="torch-get-state-dict", topology=topo,
-        batch=mf.Batch(micro_batch=1, grad_accum=1, seq_len=1, global_batch=world_size),
-        accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
-        precision=mf.Precision(param_dtype="float32", reduce_dtype="float32", loss_scaler=None),
-        model=mf.ModelInfo(family="synthetic", config={}, tied=[]),
-        optimizer=mf.OptimizerInfo(name="none", config={}),
-        scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
-        data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=1, order="none"),
-        rng=mf.RngInfo(policy="none", keyed_by_rank=False, seed=0),
-        continuity="continuation",
-        lineage=[mf.LineageEvent(event="created", from_=None, to=topo, at_step=0,
-                                 tool="scripts/bench_convert_memory.py", time=now)],
-        writer=mf.Writer.current("scripts/bench_convert_memory.py"),
-    )
-    mf.write_manifest(ckpt, m)
+    minimal_manifest(ckpt, world_size=world_size, tool="scripts/bench_convert_memory.py",
+                     experiment_id="bench-convert-memory")
 
 
 def checkpoint_facts(ckpt: Path) -> dict:

@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from reshard import integrity
-from reshard import manifest as mf
 from reshard.errors import BadInput, ReshardError
 from reshard.geometry import Box
 from reshard.index import CheckpointIndex
 from reshard.io import compare
 from reshard.io import dcp as rdcp
 from reshard.io.dcp_writer import DcpWriter
-from reshard.synthetic import make_sharded, synthetic_value
+from reshard.synthetic import make_sharded, minimal_manifest, synthetic_value
 from reshard.verify import verify_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -64,24 +63,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], grids: dict[str, list[l
 
 
 def _manifest(path: Path, world: int, integ: dict | None) -> None:
-    topo = mf.Topology.make(dp_shard=world)
-    m = mf.Manifest(
-        experiment_id="verify-fast", step=0, tokens_seen=0, samples_seen=0,
-        key_convention="torch-get-state-dict", topology=topo,
-        batch=mf.Batch(micro_batch=1, grad_accum=1, seq_len=1, global_batch=world),
-        accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
-        precision=mf.Precision(param_dtype="float32", reduce_dtype="float32", loss_scaler=None),
-        model=mf.ModelInfo(family="synthetic", config={}, tied=[]),
-        optimizer=mf.OptimizerInfo(name="none", config={}),
-        scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
-        data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=1, order="none"),
-        rng=mf.RngInfo(policy="none", keyed_by_rank=False, seed=0),
-        continuity="continuation",
-        lineage=[mf.LineageEvent(event="created", from_=None, to=topo, at_step=0, tool="tests", time=mf.now_iso())],
-        writer=mf.Writer.current("tests/test_verify_fast.py"),
-    )
-    m.integrity = integ
-    mf.write_manifest(path, m)
+    minimal_manifest(path, world_size=world, tool="tests/test_verify_fast.py", experiment_id="verify-fast",
+                     integrity=integ)
 
 
 def _checksums(path: Path, algorithm: str) -> dict[str, str]:

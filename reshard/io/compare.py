@@ -57,6 +57,7 @@ got, so a caller that falls back can skip that many.
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import threading
@@ -410,10 +411,14 @@ def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> n
     """
     x = buf[:n]
     dfd = files.direct(path) if files.direct_io and n >= DIRECT_FROM else None
-    if dfd is None:
-        read_exact(files.fd(path), x, pos)
-    else:
-        read_direct(dfd, memoryview(x), pos, files.stage(n + 2 * ALIGN))
+    if dfd is not None:
+        try:
+            read_direct(dfd, memoryview(x), pos, files.stage(n + 2 * ALIGN))
+            return x
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take
+                raise
+    read_exact(files.fd(path), x, pos)
     return x
 
 

@@ -12,15 +12,16 @@ does that copy from the source's data files straight into the target's data file
   ``os.preadv`` straight into the slab buffer, or a strided box (a TP split of dim 1),
   whose source rows are read as one run into a second buffer and the box copied out of
   them with NumPy. (No mmap: mapped file pages would count as the process's memory.)
-  When the whole target chunk is such runs and its storage starts 4 KiB-aligned in the
-  output file (the writer aligns storages of 1 MiB and more), the runs are copied with
+  When the whole target chunk is such runs, each a whole source storage whose CRC-32 its
+  writer recorded, and its storage starts 4 KiB-aligned in the output file (the writer
+  aligns storages of 1 MiB and more), the runs are copied with
   **direct I/O** (``O_DIRECT``, `reshard.io.fileio`): read from the source's disk blocks
   into an aligned slab buffer and written from it, with no page cache on either side, so
   the copy costs the disk time and almost no CPU. The slab's CRC-32 is taken on the way
   and must equal the CRC-32s the source items' writer recorded (their zip records),
   combined in the target's order: that is the check of those items, and it also catches
-  a source that changed on disk after it was written. With ``--buffered`` (or where a file
-  system has no direct I/O) the runs go file to file in the kernel
+  a source that changed on disk after it was written. Otherwise (``--buffered``, a file
+  system without direct I/O, a source chunk cut in two) the runs go file to file in the kernel
   (``os.copy_file_range``) through the page cache instead, with the CRC-32 composed from
   the records, and every such item is read back and compared with the source (`check`).
 * The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
@@ -171,8 +172,9 @@ class SpliceJob:
             direct_fd: int | None = None) -> int:
         """Returns the CRC-32 of the whole item as written.
 
-        With ``direct_fd`` (an ``O_DIRECT`` descriptor of the same file) and an aligned
-        storage, contiguous runs go through `_direct_runs`, which also checks them; then
+        With ``direct_fd`` (an ``O_DIRECT`` descriptor of the same file), an aligned storage
+        and contiguous runs that are whole source storages with recorded CRC-32s, the copy
+        goes through `_direct_runs` and is checked against those records; then
         ``self.checked`` is True and `check` need not read the item back.
         """
         box, isz = self.box, self.itemsize
@@ -180,15 +182,17 @@ class SpliceJob:
         write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
         runs = self._runs()
-        if runs is not None and direct_fd is not None and pos % ALIGN == 0:
+        # Direct only where the records can check the copy: a part of a source storage has
+        # no record, and reading a direct copy back would go to the disk twice more.
+        expected = self.recorded_crc() if runs is not None and direct_fd is not None and pos % ALIGN == 0 else None
+        if expected is not None:
             crc = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files, slab_bytes)
-            expected = self.recorded_crc()
-            if expected is not None and expected != crc:
+            if crc != expected:
                 raise SpliceMismatch(
                     f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
                     f"recorded: a source file changed after it was written, or was read wrong "
                     f"({', '.join(sorted({s.path for s in self.sources}))})")
-            self.checked = expected is not None
+            self.checked = True
             tail = self.framing.tail(crc)
             write_exact(fd, [tail], pos + self.framing.storage_nbytes)
             return self.framing.item_crc(crc, tail)
@@ -376,11 +380,7 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
             if lo >= hi:
                 continue
             src_pos = s.storage_at + so + (lo - d)
-            dfd = files.direct(s.path)
-            if dfd is None:
-                read_exact(files.fd(s.path), view[lo - o:hi - o], src_pos)
-            else:
-                read_direct(dfd, view[lo - o:hi - o], src_pos, buffers.get_aux(hi - lo + 2 * ALIGN))
+            _read_piece(files, s.path, view[lo - o:hi - o], src_pos, buffers)
         crc = zlib.crc32(view, crc)
         whole = k - k % ALIGN
         if whole:
@@ -388,6 +388,19 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
         if whole < k:
             write_exact(fd, [view[whole:]], pos + o + whole)
     return crc
+
+
+def _read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers) -> None:
+    """Source bytes into ``view``: a direct read where the file system has one, else through the cache."""
+    dfd = files.direct(path)
+    if dfd is not None:
+        try:
+            read_direct(dfd, view, pos, buffers.get_aux(len(view) + 2 * ALIGN))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take
+                raise
+    read_exact(files.fd(path), view, pos)
 
 
 def _write_direct(direct_fd: int, fd: int, view: memoryview, at: int) -> None:

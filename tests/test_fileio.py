@@ -1,0 +1,72 @@
+"""`reshard.io.fileio`: direct (``O_DIRECT``) reads at any offset return exactly the file's bytes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.io import fileio
+
+SIZE = 3 * fileio.ALIGN * 7 + 123  # not a multiple of the alignment: reads may run into the end
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> tuple[Path, bytes]:
+    path = tmp_path_factory.mktemp("fileio") / "data.bin"
+    data = os.urandom(SIZE)
+    path.write_bytes(data)
+    return path, data
+
+
+def _direct_fd(path: Path) -> int:
+    fd = fileio.open_direct(path, os.O_RDONLY)
+    if fd is None:
+        pytest.skip("no direct I/O on this file system")
+    return fd
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_direct_reads_equal_the_file_bytes(data_file, data):
+    path, content = data_file
+    pos = data.draw(st.integers(0, SIZE - 1))
+    n = data.draw(st.integers(1, SIZE - pos))
+    aligned_dst = data.draw(st.booleans())
+    fd = _direct_fd(path)
+    try:
+        stage = fileio.aligned_buffer(n + 2 * fileio.ALIGN)
+        view = fileio.aligned_buffer(n)[:n] if aligned_dst else memoryview(bytearray(n))
+        fileio.read_direct(fd, view, pos, stage)
+        assert bytes(view) == content[pos:pos + n]
+    finally:
+        os.close(fd)
+
+
+def test_a_direct_read_past_the_end_is_a_short_read(data_file):
+    path, _ = data_file
+    fd = _direct_fd(path)
+    try:
+        with pytest.raises(fileio.ShortRead):
+            fileio.read_direct(fd, memoryview(bytearray(100)), SIZE - 50, fileio.aligned_buffer(100 + 2 * fileio.ALIGN))
+    finally:
+        os.close(fd)
+
+
+def test_aligned_buffers_are_page_aligned():
+    for n in (1, fileio.ALIGN, 5 * fileio.ALIGN + 1):
+        buf = fileio.aligned_buffer(n)
+        assert len(buf) >= n and len(buf) % fileio.ALIGN == 0
+        assert fileio._address(buf) % fileio.ALIGN == 0
+
+
+def test_start_writeback_is_only_a_hint(tmp_path):
+    """It never fails: not on a real file, not on a closed descriptor (the fsync reports errors)."""
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 10000)
+    fd = os.open(p, os.O_RDWR)
+    fileio.start_writeback(fd, 0, 10000)
+    os.close(fd)
+    fileio.start_writeback(fd, 0, 10000)
