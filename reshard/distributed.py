@@ -211,7 +211,7 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out["exit_code"] = 0 if not diffs else 1
     if all("write_checks" in p for p in parts):  # items are counted by the worker that wrote them
         out["write_checks"] = {k: sum(p["write_checks"][k] for p in parts)
-                               for k in ("items_against_source_crc", "items_read_back")}
+                               for k in ("items_against_source_crc", "items_read_back", "items_compared_after_writing")}
     comp = dict(parts[0].get("compared", {}))
     for field_ in ("elements", "bytes"):
         if field_ in comp:

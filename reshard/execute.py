@@ -169,15 +169,19 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
 
 class WriteChecks(set):
     """The keys whose every chunk written by this process was checked as it was written (a
-    set, as `verify_checkpoints` takes it), and how many items each kind of check covered."""
+    set, as `verify_checkpoints` takes it), how many items each kind of check covered, and
+    the `splice.SourceLedger` of the direct copies that take parts of source storages."""
 
     def __init__(self) -> None:
         super().__init__()
         import threading
 
         self._lock = threading.Lock()
+        self.ledger = splice.SourceLedger()
         self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
         self.read_back = 0           # read back and compared bitwise with the source rows
+        self.after_writing = 0       # not checked while written: compared with the source afterwards
+        self._deferred: list[tuple[str, list]] = []
 
     def count(self, by_source_crc: bool) -> None:
         with self._lock:  # called from the pool's threads
@@ -186,8 +190,26 @@ class WriteChecks(set):
             else:
                 self.read_back += 1
 
+    def defer(self, key: str, sources: list) -> None:
+        """An item whose source parts went to the ledger: decided by `finalize`."""
+        with self._lock:
+            self._deferred.append((key, sources))
+
+    def finalize(self) -> None:
+        """After every item is written: an item whose every source storage the ledger
+        checked counts as checked against the records; otherwise (some part of a source was
+        copied by another worker) its key leaves the set, so it is compared after writing."""
+        for key, sources in self._deferred:
+            if all(self.ledger.verified(s) for s in sources):
+                self.against_source_crc += 1
+            else:
+                self.after_writing += 1
+                self.discard(key)
+        self._deferred.clear()
+
     def summary(self) -> dict[str, int]:
-        return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back}
+        return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back,
+                "items_compared_after_writing": self.after_writing}
 
 
 class _Syncer:
@@ -238,6 +260,8 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
              threads=io.threads, window=io.window,
              on_done=lambda loc, crc: w.filled(loc, crc))
+    if isinstance(checked, WriteChecks):
+        checked.finalize()
     if commit:
         w.finish()
 
@@ -367,6 +391,7 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
     """
     dtype = e.dtype
     all_spliced = True
+    ledger = checked.ledger if isinstance(checked, WriteChecks) else None
     for rank, offsets, sizes in t.chunks:
         box = Box(tuple(offsets), tuple(sizes))
         if sources is not None and archive.fits(box.numel * dtype.itemsize):
@@ -377,8 +402,11 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
                 fd, path = w.fd(rank), str(w.directory / loc.file)
                 dfd = w.direct_fd(rank) if direct else None
 
-                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, at=loc.offset, path=path):
-                    crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd)
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, at=loc.offset, path=path, key=e.key):
+                    crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd, ledger=ledger)
+                    if job.ledgered:
+                        checked.defer(key, job.ledger_sources)
+                        return crc
                     if not job.checked:
                         job.check(path, fd, at, buffers, files, slab)
                     if isinstance(checked, WriteChecks):
@@ -498,7 +526,8 @@ def _write_check_lines(verification: dict[str, Any]) -> list[str]:
     if not wc:
         return []
     return [f"- items checked as they were written: {wc['items_against_source_crc']} by CRC-32 against the "
-            f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise"]
+            f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise; "
+            f"{wc.get('items_compared_after_writing', 0)} compared with the source after writing"]
 
 
 def _spec(t: dict[str, Any]) -> str:

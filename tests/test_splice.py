@@ -134,8 +134,8 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
     merges = name != "dim1" and to in ("dp=2", "dp=1")  # every target chunk is whole source storages
     if direct and merges and _direct_io_here(tmp_path):
         assert calls["direct"] > 0, "no item was copied with direct I/O"
-    if to == "dp=3":  # sources cut in two: no record to check a direct copy by, so none is made
-        assert calls["direct"] == 0
+    if direct and to == "dp=3" and _direct_io_here(tmp_path):  # sources cut in two: checked by the ledger
+        assert calls["direct"] > 0, "no item was copied with direct I/O"
     if not direct:
         assert calls["direct"] == 0
     tiny = _run(src, tmp_path / "tiny", to, IOOptions(threads=1, window=1, direct=direct), rules)  # one row per slab
@@ -146,8 +146,9 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
     wc = fast["verification"]["write_checks"]
     if not direct:  # every buffered item is read back; direct ones are checked against the records where they can be
         assert wc["items_against_source_crc"] == 0 and wc["items_read_back"] > 0
-    else:
+    else:  # every direct copy was checked against the records (at once, or by the ledger)
         assert wc["items_against_source_crc"] == fast_direct
+        assert wc["items_compared_after_writing"] == 0
     ref = _files(tmp_path / "plain")
     assert _files(tmp_path / "fast") == ref
     assert _files(tmp_path / "tiny") == ref
@@ -213,18 +214,45 @@ def _flip_storage_byte(src: Path, copy: Path) -> str:
     return e.key
 
 
-def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,to,message", [
+    ("big", "dp=2", "CRC-32 their source items recorded"),  # shards merged: each item checked at once
+    ("dim0", "dp=3", "CRC-32 its writer recorded"),         # shards cut in two: checked by the ledger
+], ids=["merged", "cut-in-two"])
+def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch, name, to,
+                                                                         message):
     """Direct copies are checked against the CRC-32 each source item's writer recorded: a
-    source byte that changed on disk stops the conversion (exit 2) with nothing committed."""
+    source byte that changed on disk stops the conversion (exit 2) with nothing committed,
+    whether a target item is whole source storages or parts of them (`splice.SourceLedger`
+    combines the parts' CRC-32s per source storage)."""
     if not _direct_io_here(tmp_path):
         pytest.skip("no direct I/O on this file system")
     monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
     bad = tmp_path / "changed"
-    _flip_storage_byte(sources["big"], bad)
-    with pytest.raises(splice.SpliceMismatch, match="CRC-32 their source items recorded") as info:
-        _run(bad, tmp_path / "out", "dp=2", IOOptions(direct=True))
+    _flip_storage_byte(sources[name], bad)
+    with pytest.raises(splice.SpliceMismatch, match=message) as info:
+        _run(bad, tmp_path / "out", to, IOOptions(direct=True))
     assert info.value.exit_code == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_ledger_refuses_parts_that_overlap_or_leave_a_gap():
+    import zlib
+
+    data = bytes(range(200))
+    src = splice.SourceChunk("f", 0, Box((0,), (200,)), zlib.crc32(data))
+    ok = splice.SourceLedger()
+    ok.add(src, 200, 120, 80, zlib.crc32(data[120:]))
+    assert not ok.verified(src)
+    ok.add(src, 200, 0, 120, zlib.crc32(data[:120]))
+    assert ok.verified(src)
+    twice = splice.SourceLedger()
+    twice.add(src, 200, 0, 120, zlib.crc32(data[:120]))
+    with pytest.raises(splice.SpliceMismatch, match="twice"):
+        twice.add(src, 200, 100, 100, zlib.crc32(data[100:]))
+    wrong = splice.SourceLedger()
+    wrong.add(src, 200, 0, 100, zlib.crc32(data[:100]))
+    with pytest.raises(splice.SpliceMismatch, match="CRC-32 its writer recorded"):
+        wrong.add(src, 200, 100, 100, zlib.crc32(data[100:][::-1]))
 
 
 def test_direct_output_loads_with_dcp_and_equals_the_source(sources, tmp_path):
@@ -298,3 +326,21 @@ def test_without_direct_io_the_same_files_are_written(sources, tmp_path, monkeyp
     out = _run(sources["dim0"], tmp_path / "out", "dp=2", IOOptions(direct=True))
     assert ref["verification"]["equal"] and out["verification"]["equal"]
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
+def test_items_whose_sources_the_ledger_could_not_complete_are_compared_after_writing():
+    """A distributed worker that copied only part of a source storage cannot check it: its
+    key leaves the checked set, so the post-write verification compares it."""
+    import zlib
+
+    from reshard.execute import WriteChecks
+
+    data = bytes(range(100))
+    src = splice.SourceChunk("f", 0, Box((0,), (100,)), zlib.crc32(data))
+    wc = WriteChecks()
+    wc.update({"whole", "half"})
+    wc.ledger.add(src, 100, 0, 50, zlib.crc32(data[:50]))  # the other half is another worker's
+    wc.defer("half", [src])
+    wc.finalize()
+    assert "half" not in wc and "whole" in wc
+    assert wc.summary() == {"items_against_source_crc": 0, "items_read_back": 0, "items_compared_after_writing": 1}

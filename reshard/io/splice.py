@@ -12,16 +12,17 @@ does that copy from the source's data files straight into the target's data file
   ``os.preadv`` straight into the slab buffer, or a strided box (a TP split of dim 1),
   whose source rows are read as one run into a second buffer and the box copied out of
   them with NumPy. (No mmap: mapped file pages would count as the process's memory.)
-  When the whole target chunk is such runs, each a whole source storage whose CRC-32 its
+  When the whole target chunk is such runs, from source storages whose CRC-32 their
   writer recorded, and its storage starts 4 KiB-aligned in the output file (the writer
   aligns storages of 1 MiB and more), the runs are copied with
   **direct I/O** (``O_DIRECT``, `reshard.io.fileio`): read from the source's disk blocks
   into an aligned slab buffer and written from it, with no page cache on either side, so
   the copy costs the disk time and almost no CPU. The slab's CRC-32 is taken on the way
   and must equal the CRC-32s the source items' writer recorded (their zip records),
-  combined in the target's order: that is the check of those items, and it also catches
-  a source that changed on disk after it was written. Otherwise (``--buffered``, a file
-  system without direct I/O, a source chunk cut in two) the runs go file to file in the kernel
+  combined in the target's order (`SpliceJob.recorded_crc`; parts of a source storage cut
+  in two are combined per source by `SourceLedger` once all are in): that is the check of
+  those items, and it also catches a source that changed on disk after it was written.
+  Otherwise (``--buffered``, a file system without direct I/O) the runs go file to file in the kernel
   (``os.copy_file_range``) through the page cache instead, with the CRC-32 composed from
   the records, and every such item is read back and compared with the source (`check`).
 * The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
@@ -45,7 +46,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_direct, read_
 
 __all__ = [
     "SourceChunk",
+    "SourceLedger",
     "SpliceJob",
     "WorkerBuffers",
     "default_window",
@@ -166,33 +168,46 @@ class SpliceJob:
     itemsize: int
     framing: archive.Framing
     sources: list[SourceChunk]
-    checked: bool = False  # set by `run`: the item was checked while written (no read-back needed)
+    checked: bool = False   # set by `run`: checked against the source records while written
+    ledgered: bool = False  # set by `run`: its source parts went to the ledger (checked when complete)
+    ledger_sources: list[SourceChunk] = field(default_factory=list)  # ... from these source chunks
 
     def run(self, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int,
-            direct_fd: int | None = None) -> int:
+            direct_fd: int | None = None, ledger: SourceLedger | None = None) -> int:
         """Returns the CRC-32 of the whole item as written.
 
         With ``direct_fd`` (an ``O_DIRECT`` descriptor of the same file), an aligned storage
-        and contiguous runs that are whole source storages with recorded CRC-32s, the copy
-        goes through `_direct_runs` and is checked against those records; then
-        ``self.checked`` is True and `check` need not read the item back.
+        and contiguous runs from sources with recorded CRC-32s, the copy goes through
+        `_direct_runs`. If every run is a whole source storage it is checked against those
+        records at once (``self.checked``); if some are parts, each part's CRC-32 goes to
+        ``ledger``, which checks a source once all its parts are in (``self.ledgered``).
+        Either way `check` need not read the item back; without a direct copy it must.
         """
         box, isz = self.box, self.itemsize
-        self.checked = False
+        self.checked = self.ledgered = False
         write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
         runs = self._runs()
-        # Direct only where the records can check the copy: a part of a source storage has
-        # no record, and reading a direct copy back would go to the disk twice more.
-        expected = self.recorded_crc() if runs is not None and direct_fd is not None and pos % ALIGN == 0 else None
-        if expected is not None:
-            crc = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files, slab_bytes)
-            if crc != expected:
-                raise SpliceMismatch(
-                    f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
-                    f"recorded: a source file changed after it was written, or was read wrong "
-                    f"({', '.join(sorted({s.path for s in self.sources}))})")
-            self.checked = True
+        # Direct only where the records can check the copy (a direct copy is not in the page
+        # cache, so reading it back would go to the disk twice more).
+        direct = (runs is not None and direct_fd is not None and pos % ALIGN == 0
+                  and all(s.crc is not None for _d, s, _so, _n in runs))
+        expected = self.recorded_crc() if direct else None
+        if expected is not None or (direct and ledger is not None):
+            crc, parts = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files,
+                                      slab_bytes)
+            if expected is not None:
+                if crc != expected:
+                    raise SpliceMismatch(
+                        f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
+                        f"recorded: a source file changed after it was written, or was read wrong "
+                        f"({', '.join(sorted({s.path for s in self.sources}))})")
+                self.checked = True
+            else:
+                for (_d, s, so, n), c in zip(runs, parts):
+                    ledger.add(s, s.box.numel * isz, so, n, c)
+                self.ledgered = True
+                self.ledger_sources = [s for _d, s, _so, _n in runs]
             tail = self.framing.tail(crc)
             write_exact(fd, [tail], pos + self.framing.storage_nbytes)
             return self.framing.item_crc(crc, tail)
@@ -360,9 +375,9 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
 
 
 def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd: int, direct_fd: int,
-                 pos: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
+                 pos: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> tuple[int, list[int]]:
     """Copy contiguous runs through this process with direct I/O on both sides; returns the
-    storage's CRC-32.
+    storage's CRC-32 and the CRC-32 of each run's bytes.
 
     Slabs of the target storage (``pos`` is `ALIGN`-aligned) are filled by direct reads of
     the sources, checksummed, and written with one direct write each; the storage's last
@@ -372,22 +387,72 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
     """
     slab = max(ALIGN, slab_bytes - slab_bytes % ALIGN)
     crc = 0
+    parts = [0] * len(runs)
     for o in range(0, nbytes, slab):
         k = min(slab, nbytes - o)
         view = buffers.get(k)
-        for d, s, so, n in runs:
+        segments = []
+        for i, (d, s, so, n) in enumerate(runs):
             lo, hi = max(o, d), min(o + k, d + n)
             if lo >= hi:
                 continue
-            src_pos = s.storage_at + so + (lo - d)
-            _read_piece(files, s.path, view[lo - o:hi - o], src_pos, buffers)
-        crc = zlib.crc32(view, crc)
+            _read_piece(files, s.path, view[lo - o:hi - o], s.storage_at + so + (lo - d), buffers)
+            segments.append((i, lo, hi))
+        for i, lo, hi in segments:  # runs are in target order, so these tile the slab in order
+            c = zlib.crc32(view[lo - o:hi - o])
+            parts[i] = archive.crc32_combine(parts[i], c, hi - lo)
+            crc = archive.crc32_combine(crc, c, hi - lo)
         whole = k - k % ALIGN
         if whole:
             _write_direct(direct_fd, fd, view[:whole], pos + o)
         if whole < k:
             write_exact(fd, [view[whole:]], pos + o + whole)
-    return crc
+    return crc, parts
+
+
+class SourceLedger:
+    """Checks direct copies that take parts of source storages (a shard cut in two, as in
+    dp 2 -> 4), for which no single target item can be checked against a record.
+
+    Every direct copy reports the CRC-32 of each source part it copied. When the parts of
+    one source storage add up to the whole of it, without gaps or overlaps, their CRC-32s
+    combined in offset order must equal the CRC-32 that storage's writer recorded;
+    otherwise `SpliceMismatch`. After the copy, `verified` says whether a source storage
+    was checked this way (not, e.g., when another worker of a distributed run copied the
+    rest of it; the caller then compares those keys after writing).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._verified: set[tuple[str, int]] = set()
+
+    def add(self, s: SourceChunk, total: int, offset: int, nbytes: int, crc: int) -> None:
+        key = (s.path, s.storage_at)
+        with self._lock:
+            parts = self._parts.setdefault(key, [])
+            parts.append((offset, nbytes, crc))
+            if sum(n for _, n, _ in parts) < total:
+                return
+            del self._parts[key]
+        parts.sort()
+        combined, end = 0, 0
+        for off, n, c in parts:
+            if off != end:
+                raise SpliceMismatch(f"parts of the source storage at {s.path}:{s.storage_at} were copied "
+                                     f"{'twice' if off < end else 'with a gap'} at byte {min(off, end)}")
+            combined = archive.crc32_combine(combined, c, n)
+            end += n
+        if end != total or s.crc is None or combined != s.crc:
+            raise SpliceMismatch(f"the bytes copied from the source storage at {s.path}:{s.storage_at} do not "
+                                 f"have the CRC-32 its writer recorded: the file changed after it was written, "
+                                 f"or was read wrong")
+        with self._lock:
+            self._verified.add(key)
+
+    def verified(self, s: SourceChunk) -> bool:
+        with self._lock:
+            return (s.path, s.storage_at) in self._verified
 
 
 def _read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers) -> None:
