@@ -35,9 +35,10 @@ def test_direct_reads_equal_the_file_bytes(data_file, data):
     pos = data.draw(st.integers(0, SIZE - 1))
     n = data.draw(st.integers(1, SIZE - pos))
     aligned_dst = data.draw(st.booleans())
+    stage_blocks = data.draw(st.integers(2, 12))  # small stages: the read goes round by round
     fd = _direct_fd(path)
     try:
-        stage = fileio.aligned_buffer(n + 2 * fileio.ALIGN)
+        stage = fileio.aligned_buffer(stage_blocks * fileio.ALIGN)
         view = fileio.aligned_buffer(n)[:n] if aligned_dst else memoryview(bytearray(n))
         fileio.read_direct(fd, view, pos, stage)
         assert bytes(view) == content[pos:pos + n]

@@ -73,7 +73,7 @@ import numpy as np
 from reshard.geometry import Box, contiguous_run
 from reshard.integrity import new_hasher
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_direct, read_exact
+from reshard.io.fileio import ALIGN, STAGE_BYTES, FdCache, aligned_buffer, read_direct, read_exact
 
 __all__ = [
     "COUNTERS",
@@ -413,7 +413,7 @@ def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> n
     dfd = files.direct(path) if files.direct_io and n >= DIRECT_FROM else None
     if dfd is not None:
         try:
-            read_direct(dfd, memoryview(x), pos, files.stage(n + 2 * ALIGN))
+            read_direct(dfd, memoryview(x), pos, files.stage(min(STAGE_BYTES, n + 2 * ALIGN)))
             return x
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take

@@ -19,7 +19,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ALIGN", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_direct", "read_exact",
+__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_direct", "read_exact",
            "start_writeback", "write_exact"]
 
 ALIGN = 4096  # direct I/O alignment used for offsets, lengths and buffers (a page; enough for 4Kn disks)
@@ -111,21 +111,36 @@ def open_direct(path: Any, flags: int) -> int | None:
         raise
 
 
+STAGE_BYTES = 8 << 20  # a stage buffer of this size serves direct reads of any length
+
+
 def read_direct(fd: int, view: memoryview, pos: int, stage: memoryview) -> None:
     """Fill ``view`` from ``fd`` (opened with `open_direct`) at any offset ``pos``, or raise `ShortRead`.
 
-    The aligned blocks enclosing the range are read into ``stage`` (an `aligned_buffer`
-    of at least ``len(view) + 2 * ALIGN`` bytes) and the range copied out of them; a
-    request that is already aligned on both sides is read straight into ``view``.
+    A request aligned on both sides is read straight into ``view``. Otherwise the aligned
+    blocks enclosing it are read into ``stage`` (an `aligned_buffer` of at least two
+    `ALIGN` blocks; `STAGE_BYTES` is plenty) and the range copied out, a stage-full at a
+    time, so the stage bounds the memory whatever the length of the read.
     """
     n = len(view)
     if pos % ALIGN == 0 and n % ALIGN == 0 and _address(view) % ALIGN == 0:
         read_exact(fd, view, pos)
         return
+    # bytes of ``view`` per round: m bytes at any offset span at most ceil(m / ALIGN) + 1 blocks
+    cap = (len(stage) // ALIGN - 1) * ALIGN
+    if cap <= 0:
+        raise ValueError(f"stage buffer of {len(stage)} bytes is too small for direct reads")
+    done = 0
+    while done < n:
+        m = min(cap, n - done)
+        _read_direct_once(fd, view[done:done + m], pos + done, stage)
+        done += m
+
+
+def _read_direct_once(fd: int, view: memoryview, pos: int, stage: memoryview) -> None:
+    n = len(view)
     start = pos - pos % ALIGN
     stop = -(-(pos + n) // ALIGN) * ALIGN
-    if len(stage) < stop - start:
-        raise ValueError(f"stage buffer of {len(stage)} bytes for a direct read of {stop - start}")
     got = 0
     want = pos + n - start  # bytes needed from ``start``; the file may end before ``stop``
     while got < want:

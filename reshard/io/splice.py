@@ -56,7 +56,7 @@ from reshard.errors import ReshardError
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_direct, read_exact, write_exact
+from reshard.io.fileio import ALIGN, STAGE_BYTES, FdCache, aligned_buffer, read_direct, read_exact, write_exact
 
 __all__ = [
     "SourceChunk",
@@ -460,7 +460,7 @@ def _read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: 
     dfd = files.direct(path)
     if dfd is not None:
         try:
-            read_direct(dfd, view, pos, buffers.get_aux(len(view) + 2 * ALIGN))
+            read_direct(dfd, view, pos, buffers.get_aux(min(STAGE_BYTES, len(view) + 2 * ALIGN)))
             return
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take
