@@ -374,7 +374,8 @@ def _numel(sizes: Iterable[int]) -> int:
 def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     """Bytes a conversion of ``plan`` writes: an estimate, usually within a few percent.
 
-    Tensor chunks: elements x element size + the ``torch.save`` overhead per item. Carried
+    Tensor chunks: elements x element size + the ``torch.save`` overhead per item (+ one
+    block of alignment padding for storages the writer aligns). Carried
     objects: their stored size in the source. Rewritten and added objects: their pickled
     size + overhead. ``.metadata``: the source's (it scales with the number of items).
     ``manifest.json`` (~100 bytes per item checksum) and the reports (~400 bytes per key)
@@ -389,10 +390,14 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     ix = index if index is not None else CheckpointIndex.open(plan.source["path"], trust_pickle=plan.options.trust_pickle)
     over = _save_overhead()
     total = items = 0
+    from reshard.io import dcp_writer
+
     for t in plan.tensors:
         size = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
         for _rank, _offsets, sizes in t.chunks:
-            total += _numel(sizes) * size + over
+            nbytes = _numel(sizes) * size
+            # a storage this large starts block-aligned: up to one block of padding before it
+            total += nbytes + over + (dcp_writer.ALIGN if nbytes >= dcp_writer.ALIGN_FROM else 0)
             items += 1
     tensor_keys = {t.key for t in plan.tensors}
     for a in plan.keys:
