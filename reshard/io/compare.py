@@ -31,11 +31,14 @@ With ``hash_b`` (B's manifest records item checksums), a chunk of B whose item c
 wanted is one task that reads its whole item in order (header, pieces, trailer) and hashes
 it while comparing, so B's bytes are read once for both jobs (`CompareResult.digests`);
 otherwise each piece is a task. Tasks run in a small thread pool (``workers``, default
-2-4) with a bounded window in flight, so memory stays at about ``workers x 2 x slab_bytes``
-plus the page cache, whatever the checkpoint's size. The layouts of large keys' items are
-parsed on a second small pool a bounded number of items ahead, after asking the kernel to
-read those items (``posix_fadvise WILLNEED``, at most ``PREFETCH_BYTES`` ahead), so a cold
-cache is read in large requests while earlier keys are compared. Small keys (at most
+4-8) with a bounded window in flight, so memory stays at about ``workers x (2 x slab_bytes
++ STAGE_BYTES)``, whatever the checkpoint's size. Pieces of ``DIRECT_FROM`` bytes or more
+are read with direct I/O (``direct=True``, `reshard.io.fileio`): a verify reads each byte
+once, and on a cold checkpoint the page cache would only add CPU. The layouts of large
+keys' items are parsed on a second small pool a bounded number of items ahead, after
+asking the kernel to read their heads and zip directories (``posix_fadvise WILLNEED``; the
+whole items, at most ``PREFETCH_BYTES`` ahead, when reading through the page cache), so the
+small reads do not wait for the disk one by one. Small keys (at most
 ``SMALL_KEY_BYTES``; their cost is Python, not bytes) are compared whole, one after the
 other, by the calling thread, between hand-offs to the pool. Each key gets a `KeyVerdict`:
 
