@@ -57,7 +57,7 @@ from reshard.geometry import Box
 from reshard.index import CheckpointIndex
 from reshard.integrity import estimate_output_bytes, is_space_error, out_of_space
 from reshard.integrity import record as integrity_record
-from reshard.io import archive, splice
+from reshard.io import archive, bands, splice
 from reshard.io import dcp as dcp_io
 from reshard.io.atomic import atomic_directory, fault_point
 from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
@@ -259,7 +259,7 @@ def _write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *
     io = io or IOOptions()
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
              threads=io.threads, window=io.window,
-             on_done=lambda loc, crc: w.filled(loc, crc))
+             on_done=lambda tok, crc: tok.done(w) if isinstance(tok, _FinishItems) else w.filled(tok, crc))
     if isinstance(checked, WriteChecks):
         checked.finalize()
     if commit:
@@ -390,6 +390,11 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
     large for the plain zip framing.
     """
     dtype = e.dtype
+    targets = [(rank, Box(tuple(offsets), tuple(sizes))) for rank, offsets, sizes in t.chunks]
+    if (direct and sources is not None and all(archive.fits(b.numel * dtype.itemsize) for _, b in targets)
+            and bands.applies(sources, [b for r, b in targets if w.owns(r)], dtype.itemsize)):
+        yield from _band_tensor(w, e, targets, sources, checked)
+        return
     all_spliced = True
     ledger = checked.ledger if isinstance(checked, WriteChecks) else None
     for rank, offsets, sizes in t.chunks:
@@ -421,6 +426,48 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
             w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
     if all_spliced:
         checked.add(e.key)  # every chunk this process wrote was checked against the source as it was written
+
+
+def _band_tensor(w: DcpWriter, e, targets: list[tuple[int, Box]], sources: list, checked: set[str]):
+    """A tensor whose target chunks take column blocks of source rows (`reshard.io.bands`):
+    one job per source chunk; each target item is finished by the last job that feeds it."""
+    dtype = e.dtype
+    items = []
+    for rank, box in targets:  # the same reservations, in the same order, as `_copy_tensor`'s
+        fr = archive.framing(dtype, box.sizes)
+        loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+        if w.owns(rank):
+            item = bands.BandItem(box, dtype.itemsize, fr, w.fd(rank), w.direct_fd(rank), loc.offset)
+            item.write_head()
+            items.append((loc, item))
+    jobs = []
+    for s in sources:
+        feeds = [it for _loc, it in items if (x := s.box.intersect(it.box)) is not None and not x.is_empty()]
+        if feeds:
+            jobs.append(bands.BandJob(s, feeds, dtype.itemsize))
+    last = {id(it): j for j, job in enumerate(jobs) for it in job.targets}
+    for j, job in enumerate(jobs):
+        def work(buffers, files, slab, job=job):
+            job.run(buffers, files, slab)
+            return 0
+
+        yield work, _FinishItems([(loc, it) for loc, it in items if last.get(id(it)) == j], checked)
+    checked.add(e.key)  # every source byte copied was checked against its writer's CRC-32 (a mismatch raises)
+
+
+@dataclass
+class _FinishItems:
+    """The token of a band job: the target items it completes (their tails, written once every
+    job feeding them is done, in submission order, so fault events stay deterministic)."""
+
+    items: list
+    checked: set[str]
+
+    def done(self, w: DcpWriter) -> None:
+        for loc, item in self.items:
+            w.filled(loc, item.finish())
+            if isinstance(self.checked, WriteChecks):
+                self.checked.count(by_source_crc=True)
 
 
 def _source_manifest(src: Path) -> dict[str, Any] | None:

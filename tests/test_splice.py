@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from reshard.execute import IOOptions, convert
 from reshard.geometry import Box, contiguous_run
 from reshard.index import CheckpointIndex
-from reshard.io import dcp_writer, fileio, splice
+from reshard.io import bands, dcp_writer, fileio, splice
 from reshard.plan import Options, make_plan
 from reshard.synthetic import make_sharded
 
@@ -112,8 +112,8 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
     monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
     rules = tmp_path / "rules.toml"  # the dim-1 source reads as TP; rules matter whenever tp > 1
     rules.write_text(RULES)
-    calls = {"n": 0, "direct": 0}
-    real, real_direct = splice.SpliceJob.run, splice._direct_runs
+    calls = {"n": 0, "direct": 0, "band": 0}
+    real, real_direct, real_band = splice.SpliceJob.run, splice._direct_runs, bands.BandJob.run
 
     def counting(self, *a, **k):
         calls["n"] += 1
@@ -123,14 +123,21 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
         calls["direct"] += 1
         return real_direct(*a, **k)
 
+    def counting_band(self, *a, **k):
+        calls["band"] += 1
+        return real_band(self, *a, **k)
+
     monkeypatch.setattr(splice.SpliceJob, "run", counting)
     monkeypatch.setattr(splice, "_direct_runs", counting_direct)
+    monkeypatch.setattr(bands.BandJob, "run", counting_band)
     src = sources[name]
     plain = _run(src, tmp_path / "plain", to, IOOptions(splice=False), rules)
-    assert calls["n"] == 0
+    assert calls["n"] == calls["band"] == 0
     fast = _run(src, tmp_path / "fast", to, IOOptions(threads=3, window=3 << 20, direct=direct), rules)
-    assert calls["n"] > 0, "the splice path was not taken"
-    fast_direct = calls["direct"]
+    assert calls["n"] + calls["band"] > 0, "the splice path was not taken"
+    # a TP split of dim 1 from row shards goes source by source (`reshard.io.bands`) when direct
+    assert (calls["band"] > 0) == (direct and to.startswith("tp") and name == "dim0")
+    fast_direct = calls["direct"] + calls["band"]
     merges = name != "dim1" and to in ("dp=2", "dp=1")  # every target chunk is whole source storages
     if direct and merges and _direct_io_here(tmp_path):
         assert calls["direct"] > 0, "no item was copied with direct I/O"
@@ -146,6 +153,8 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
     wc = fast["verification"]["write_checks"]
     if not direct:  # every buffered item is read back; direct ones are checked against the records where they can be
         assert wc["items_against_source_crc"] == 0 and wc["items_read_back"] > 0
+    elif calls["band"]:  # every target item of a band-copied tensor is checked against the sources' records
+        assert wc["items_against_source_crc"] > 0 and wc["items_read_back"] == 0
     else:  # every direct copy was checked against the records (at once, or by the ledger)
         assert wc["items_against_source_crc"] == fast_direct
         assert wc["items_compared_after_writing"] == 0
@@ -217,7 +226,8 @@ def _flip_storage_byte(src: Path, copy: Path) -> str:
 @pytest.mark.parametrize("name,to,message", [
     ("big", "dp=2", "CRC-32 their source items recorded"),  # shards merged: each item checked at once
     ("dim0", "dp=3", "CRC-32 its writer recorded"),         # shards cut in two: checked by the ledger
-], ids=["merged", "cut-in-two"])
+    ("dim0", "tp=4", "CRC-32 its writer recorded"),         # columns of rows: each source read once (bands)
+], ids=["merged", "cut-in-two", "columns"])
 def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch, name, to,
                                                                          message):
     """Direct copies are checked against the CRC-32 each source item's writer recorded: a
@@ -229,8 +239,10 @@ def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources,
     monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
     bad = tmp_path / "changed"
     _flip_storage_byte(sources[name], bad)
+    rules = tmp_path / "rules.toml"
+    rules.write_text(RULES)
     with pytest.raises(splice.SpliceMismatch, match=message) as info:
-        _run(bad, tmp_path / "out", to, IOOptions(direct=True))
+        _run(bad, tmp_path / "out", to, IOOptions(direct=True), rules)
     assert info.value.exit_code == 2
     assert not (tmp_path / "out").exists()
 

@@ -123,8 +123,9 @@ class Locator:
 
 
 class WorkerBuffers(threading.local):
-    """Two buffers per worker thread (the target slab, and source rows for strided copies),
-    allocated on first use, so idle workers cost nothing."""
+    """Buffers per worker thread (the target slab; source rows for strided copies or the
+    stage of direct reads; pieces of band jobs), allocated on first use, so idle workers
+    cost nothing."""
 
     def __init__(self) -> None:
         self.buf: memoryview | None = None
@@ -143,6 +144,14 @@ class WorkerBuffers(threading.local):
             self.aux = None
             self.aux = aligned_buffer(n)
         return self.aux[:n]
+
+    def get_out(self, n: int) -> memoryview:
+        """``n`` bytes of a third buffer (page-aligned), for pieces `reshard.io.bands` writes."""
+        out = getattr(self, "out", None)
+        if out is None or len(out) < n:
+            self.out = None
+            self.out = out = aligned_buffer(n)
+        return out[:n]
 
 
 def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
