@@ -45,6 +45,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import threading
 import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,8 +175,6 @@ class WriteChecks(set):
 
     def __init__(self) -> None:
         super().__init__()
-        import threading
-
         self._lock = threading.Lock()
         self.ledger = splice.SourceLedger()
         self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
@@ -216,8 +215,6 @@ class _Syncer:
     """fsync files in a background thread; `join` waits and re-raises its error."""
 
     def __init__(self, paths: list[Path]):
-        import threading
-
         self.error: BaseException | None = None
         self._t = threading.Thread(target=self._run, args=(paths,), name="reshard-fsync", daemon=True)
         self._t.start()

@@ -334,7 +334,7 @@ def test_without_direct_io_the_same_files_are_written(sources, tmp_path, monkeyp
         def refuse(*a, **k):
             raise OSError(_errno.EINVAL, "Invalid argument")
 
-        monkeypatch.setattr(splice, "read_direct", refuse)
+        monkeypatch.setattr(fileio, "read_direct", refuse)
     out = _run(sources["dim0"], tmp_path / "out", "dp=2", IOOptions(direct=True))
     assert ref["verification"]["equal"] and out["verification"]["equal"]
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
-from reshard.io.fileio import ALIGN, FdCache, write_exact
-from reshard.io.splice import SourceChunk, SpliceMismatch, WorkerBuffers, _as_array, _read_piece, _write_direct
+from reshard.io.fileio import ALIGN, FdCache, write_exact, write_placed
+from reshard.io.splice import SourceChunk, SpliceMismatch, WorkerBuffers, _as_array, _read_piece
 
 __all__ = ["BandItem", "BandJob", "applies"]
 
@@ -131,24 +131,9 @@ class BandJob:
                 dst[...] = src[inter.relative_to(band_box).slices()]
                 del dst
                 t.add(start, n, zlib.crc32(piece))
-                _write_placed(t, out, lead, pos, n)
+                write_placed(t.fd, t.direct_fd, out, lead, pos, n)
             del src
         if crc != s.crc:
             raise SpliceMismatch(f"the bytes read from the source storage at {s.path}:{s.storage_at} do not have "
                                  f"the CRC-32 its writer recorded: the file changed after it was written, or was "
                                  f"read wrong")
-
-
-def _write_placed(t: BandItem, out: memoryview, lead: int, pos: int, n: int) -> None:
-    """Write ``out[lead:lead + n]`` at file offset ``pos``: its whole aligned blocks directly,
-    the partial blocks at either edge through the page cache."""
-    first = pos + (-pos % ALIGN)        # first block boundary at or after pos
-    last = (pos + n) - (pos + n) % ALIGN  # last block boundary at or before the end
-    if t.direct_fd is None or first >= last:
-        write_exact(t.fd, [out[lead:lead + n]], pos)
-        return
-    if first > pos:
-        write_exact(t.fd, [out[lead:lead + first - pos]], pos)
-    _write_direct(t.direct_fd, t.fd, out[lead + first - pos:lead + last - pos], first)
-    if pos + n > last:
-        write_exact(t.fd, [out[lead + last - pos:lead + n]], last)

@@ -60,7 +60,6 @@ got, so a caller that falls back can skip that many.
 """
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import threading
@@ -76,7 +75,7 @@ import numpy as np
 from reshard.geometry import Box, contiguous_run
 from reshard.integrity import new_hasher
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import ALIGN, STAGE_BYTES, FdCache, aligned_buffer, read_direct, read_exact
+from reshard.io.fileio import FdCache, aligned_buffer, read_at, read_exact
 
 __all__ = [
     "COUNTERS",
@@ -413,15 +412,7 @@ def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> n
     and on a cold checkpoint that costs the disk time and almost no CPU.
     """
     x = buf[:n]
-    dfd = files.direct(path) if files.direct_io and n >= DIRECT_FROM else None
-    if dfd is not None:
-        try:
-            read_direct(dfd, memoryview(x), pos, files.stage(min(STAGE_BYTES, n + 2 * ALIGN)))
-            return x
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take
-                raise
-    read_exact(files.fd(path), x, pos)
+    read_at(files, path, memoryview(x), pos, files.stage, direct=files.direct_io and n >= DIRECT_FROM)
     return x
 
 

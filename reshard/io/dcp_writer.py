@@ -43,6 +43,7 @@ import os
 import pickle
 import zlib
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -267,8 +268,9 @@ class DcpWriter:
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
         dtype = self._tensors[key].dtype
-        if archive.fits(_numel(sizes) * _itemsize(dtype)) and length == self.chunk_length(dtype, sizes):
-            loc = self._reserve(rank, *_storage_at(archive.framing(dtype, sizes)))
+        fr = archive.framing(dtype, sizes) if archive.fits(prod(sizes) * dtype.itemsize) else None
+        if fr is not None and fr.length == length:  # a hand-framed item: its storage may be aligned
+            loc = self._reserve(rank, *_storage_at(fr))
         else:
             loc = self._reserve(rank, length)
         (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
@@ -518,17 +520,6 @@ def _storage_at(fr: archive.Framing) -> tuple[int, int | None]:
     """``_reserve`` arguments for a hand-framed item: its length, and its head length when
     its storage is large enough to be written with direct I/O (`reshard.io.splice`)."""
     return fr.length, (fr.storage_offset if fr.storage_nbytes >= ALIGN_FROM else None)
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for x in sizes:
-        n *= int(x)
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _save_bytes(obj: Any) -> bytes:

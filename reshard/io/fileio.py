@@ -19,8 +19,8 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_direct", "read_exact",
-           "start_writeback", "write_exact"]
+__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_at", "read_direct",
+           "read_exact", "start_writeback", "write_exact", "write_placed"]
 
 ALIGN = 4096  # direct I/O alignment used for offsets, lengths and buffers (a page; enough for 4Kn disks)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -149,6 +149,52 @@ def _read_direct_once(fd: int, view: memoryview, pos: int, stage: memoryview) ->
             raise ShortRead(f"the file ends {want - got} bytes early (reading at offset {start + got})")
         got += k
     view[:] = stage[pos - start:pos - start + n]
+
+
+def read_at(files: "FdCache", path: Any, view: memoryview, pos: int, stage: Any, direct: bool = True) -> None:
+    """Fill ``view`` from ``path`` at ``pos``: with a direct read where the file system has
+    them (through ``stage(n)``, a caller's reusable `aligned_buffer`), else, or when the
+    device refuses the alignment (EINVAL), through the page cache."""
+    dfd = files.direct(path) if direct else None
+    if dfd is not None:
+        try:
+            read_direct(dfd, view, pos, stage(min(STAGE_BYTES, len(view) + 2 * ALIGN)))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    read_exact(files.fd(path), view, pos)
+
+
+def write_placed(fd: int, direct_fd: int | None, out: memoryview, lead: int, pos: int, n: int) -> None:
+    """Write ``out[lead:lead + n]`` at file offset ``pos`` of a file open as ``fd`` and (or
+    None) as ``direct_fd``: its whole `ALIGN` blocks with direct I/O, the partial blocks at
+    either edge through the page cache (a neighbour may write the rest of such a block).
+
+    ``out`` is an `aligned_buffer` laid out like the file (``lead == pos % ALIGN``), so the
+    whole blocks are aligned in memory too. A file system that opens ``O_DIRECT`` but refuses
+    the write (EINVAL) gets it through the page cache.
+    """
+    first = pos + (-pos % ALIGN)          # first block boundary at or after pos
+    last = (pos + n) - (pos + n) % ALIGN  # last block boundary at or before the end
+    if direct_fd is None or first >= last:
+        write_exact(fd, [out[lead:lead + n]], pos)
+        return
+    if first > pos:
+        write_exact(fd, [out[lead:lead + first - pos]], pos)
+    view, at, done = out[lead + first - pos:lead + last - pos], first, 0
+    try:
+        while done < len(view):
+            k = os.pwritev(direct_fd, [view[done:]], at + done)
+            if k <= 0:  # pragma: no cover - pwritev raises on errors
+                raise OSError(errno.EIO, f"short direct write at offset {at + done}")
+            done += k
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        write_exact(fd, [view[done:]], at + done)
+    if pos + n > last:
+        write_exact(fd, [out[lead + last - pos:lead + n]], last)
 
 
 def _address(view: memoryview) -> int:

@@ -56,7 +56,7 @@ from reshard.errors import ReshardError
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import ALIGN, STAGE_BYTES, FdCache, aligned_buffer, read_direct, read_exact, write_exact
+from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_at, read_exact, write_exact, write_placed
 
 __all__ = [
     "SourceChunk",
@@ -128,30 +128,26 @@ class WorkerBuffers(threading.local):
     cost nothing."""
 
     def __init__(self) -> None:
-        self.buf: memoryview | None = None
-        self.aux: memoryview | None = None
+        self._bufs: dict[str, memoryview] = {}
+
+    def _take(self, name: str, n: int) -> memoryview:
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < n:
+            self._bufs.pop(name, None)  # the old buffer goes before the new one is made
+            buf = self._bufs[name] = aligned_buffer(n)
+        return buf[:n]
 
     def get(self, n: int) -> memoryview:
         """``n`` bytes of the slab buffer (page-aligned: direct I/O reads and writes it)."""
-        if self.buf is None or len(self.buf) < n:
-            self.buf = None
-            self.buf = aligned_buffer(n)
-        return self.buf[:n]
+        return self._take("slab", n)
 
     def get_aux(self, n: int) -> memoryview:
-        """``n`` bytes of the second buffer (page-aligned: the stage of unaligned direct reads)."""
-        if self.aux is None or len(self.aux) < n:
-            self.aux = None
-            self.aux = aligned_buffer(n)
-        return self.aux[:n]
+        """``n`` bytes of the second buffer: source rows of strided copies, or the stage of direct reads."""
+        return self._take("aux", n)
 
     def get_out(self, n: int) -> memoryview:
-        """``n`` bytes of a third buffer (page-aligned), for pieces `reshard.io.bands` writes."""
-        out = getattr(self, "out", None)
-        if out is None or len(out) < n:
-            self.out = None
-            self.out = out = aligned_buffer(n)
-        return out[:n]
+        """``n`` bytes of a third buffer, for the pieces `reshard.io.bands` writes."""
+        return self._take("out", n)
 
 
 def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
@@ -411,11 +407,7 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
             c = zlib.crc32(view[lo - o:hi - o])
             parts[i] = archive.crc32_combine(parts[i], c, hi - lo)
             crc = archive.crc32_combine(crc, c, hi - lo)
-        whole = k - k % ALIGN
-        if whole:
-            _write_direct(direct_fd, fd, view[:whole], pos + o)
-        if whole < k:
-            write_exact(fd, [view[whole:]], pos + o + whole)
+        write_placed(fd, direct_fd, view, 0, pos + o, k)
     return crc, parts
 
 
@@ -466,30 +458,7 @@ class SourceLedger:
 
 def _read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers) -> None:
     """Source bytes into ``view``: a direct read where the file system has one, else through the cache."""
-    dfd = files.direct(path)
-    if dfd is not None:
-        try:
-            read_direct(dfd, view, pos, buffers.get_aux(min(STAGE_BYTES, len(view) + 2 * ALIGN)))
-            return
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: an alignment this device does not take
-                raise
-    read_exact(files.fd(path), view, pos)
-
-
-def _write_direct(direct_fd: int, fd: int, view: memoryview, at: int) -> None:
-    """Write aligned ``view`` at aligned ``at`` bypassing the page cache (through it, if refused)."""
-    done = 0
-    try:
-        while done < len(view):
-            n = os.pwritev(direct_fd, [view[done:]], at + done)
-            if n <= 0:  # pragma: no cover - pwritev raises on errors
-                raise OSError(errno.EIO, f"short direct write at offset {at + done}")
-            done += n
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # a file system that takes O_DIRECT opens but not these writes
-            raise
-        write_exact(fd, [view[done:]], at + done)
+    read_at(files, path, view, pos, buffers.get_aux)
 
 
 def _kernel_copy(sfd: int, src_at: int, dfd: int, dst_at: int, n: int, buffers: WorkerBuffers, slab_bytes: int) -> None:
