@@ -100,7 +100,7 @@ def test_reports_say_how_the_work_was_shared(runs):
 
 
 def test_workers_flag_runs_torchrun_itself(runs):
-    (ps, single), (pw, workers) = runs["dp=2"]["single"], runs["dp=2"]["workers"]
+    (_, single), (pw, workers) = runs["dp=2"]["single"], runs["dp=2"]["workers"]
     assert pw.returncode == 0, pw.stderr[-2000:]
     assert _payload(workers) == _payload(single)
     assert json.loads(pw.stdout)["workers"] == 2

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fileio import ALIGN, FdCache, write_exact, write_placed
-from reshard.io.splice import SourceChunk, SpliceMismatch, WorkerBuffers, _as_array, _read_piece
+from reshard.io.splice import SourceChunk, SpliceMismatch, WorkerBuffers, _as_array, _read_piece, _row_bytes, finish_item
 
 __all__ = ["BandItem", "BandJob", "applies"]
 
@@ -89,9 +89,7 @@ class BandItem:
         if end != self.framing.storage_nbytes:
             raise SpliceMismatch(f"the pieces of the item at offset {self.at} cover {end} of "
                                  f"{self.framing.storage_nbytes} storage bytes")
-        tail = self.framing.tail(crc)
-        write_exact(self.fd, [tail], self.storage_at + self.framing.storage_nbytes)
-        return self.framing.item_crc(crc, tail)
+        return finish_item(self.framing, self.fd, self.storage_at, crc)
 
 
 @dataclass
@@ -104,9 +102,7 @@ class BandJob:
 
     def run(self, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> None:
         s, isz = self.source, self.itemsize
-        row = isz
-        for x in s.box.sizes[1:]:
-            row *= x
+        row = _row_bytes(s.box.sizes, isz)
         rows = s.box.sizes[0]
         per_band = max(1, slab_bytes // max(1, row))
         crc = 0

@@ -75,7 +75,7 @@ import numpy as np
 from reshard.geometry import Box, contiguous_run
 from reshard.integrity import new_hasher
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import FdCache, aligned_buffer, read_at, read_exact
+from reshard.io.fileio import FdCache, ThreadBuffers, read_at, read_exact
 
 __all__ = [
     "COUNTERS",
@@ -325,30 +325,20 @@ class _Files(FdCache):
         super().__init__()
         self.slab = slab
         self.direct_io = direct
-        self.local = threading.local()
+        self.bufs = ThreadBuffers()
 
     def stage(self, n: int) -> memoryview:
-        """A per-thread aligned buffer of at least ``n`` bytes for unaligned direct reads."""
-        buf = getattr(self.local, "stage", None)
-        if buf is None or len(buf) < n:
-            self.local.stage = None
-            buf = self.local.stage = aligned_buffer(n)
-        return buf
+        """``n`` bytes of the calling thread's stage for unaligned direct reads."""
+        return self.bufs.take("stage", n)
 
     def aux(self, n: int) -> np.ndarray:
-        """A third per-thread buffer of at least ``n`` bytes (A's rows for strided boxes); its first ``n``."""
-        buf = getattr(self.local, "aux", None)
-        if buf is None or buf.size < n:
-            buf = self.local.aux = np.empty(max(n, 1), dtype=np.uint8)
-        return buf[:n]
+        """``n`` bytes of the calling thread's third buffer (A's rows for strided boxes)."""
+        return np.frombuffer(self.bufs.take("aux", max(n, 1)), dtype=np.uint8)[:n]
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """Two reusable slab buffers of the calling thread (B's bytes, A's bytes)."""
-        bufs = getattr(self.local, "bufs", None)
-        if bufs is None:  # page-aligned, so aligned direct reads land in them without a copy
-            bufs = self.local.bufs = tuple(np.frombuffer(aligned_buffer(self.slab), dtype=np.uint8, count=self.slab)
-                                           for _ in range(2))
-        return bufs
+        """The calling thread's two slab buffers (B's bytes, A's bytes), page-aligned, so
+        aligned direct reads land in them without a copy."""
+        return tuple(np.frombuffer(self.bufs.take(name, self.slab), dtype=np.uint8) for name in ("b", "a"))
 
 
 def _hash_range(fd: int, buf: np.ndarray, pos: int, n: int, h: Any) -> None:

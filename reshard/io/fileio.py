@@ -19,7 +19,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "aligned_buffer", "open_direct", "read_at", "read_direct",
+__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "open_direct", "read_at", "read_direct",
            "read_exact", "start_writeback", "write_exact", "write_placed"]
 
 ALIGN = 4096  # direct I/O alignment used for offsets, lengths and buffers (a page; enough for 4Kn disks)
@@ -97,6 +97,22 @@ def aligned_buffer(n: int) -> memoryview:
     """``n`` bytes (rounded up to `ALIGN`) of zeroed, page-aligned memory, usable for direct I/O."""
     size = max(ALIGN, -(-int(n) // ALIGN) * ALIGN)
     return memoryview(mmap.mmap(-1, size))
+
+
+class ThreadBuffers(threading.local):
+    """Named, page-aligned buffers per thread that grow on demand and are reused: a pool's
+    workers each keep their own, allocated on first use (an idle worker costs nothing)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, memoryview] = {}
+
+    def take(self, name: str, n: int) -> memoryview:
+        """``n`` bytes of this thread's buffer ``name``."""
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < n:
+            self._bufs.pop(name, None)  # the old buffer goes before the new one is made
+            buf = self._bufs[name] = aligned_buffer(n)
+        return buf[:n]
 
 
 def open_direct(path: Any, flags: int) -> int | None:

@@ -56,7 +56,7 @@ from reshard.errors import ReshardError
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
 from reshard.io.fastread import item_layout
-from reshard.io.fileio import ALIGN, FdCache, aligned_buffer, read_at, read_exact, write_exact, write_placed
+from reshard.io.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
 
 __all__ = [
     "SourceChunk",
@@ -122,32 +122,22 @@ class Locator:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class WorkerBuffers(threading.local):
+class WorkerBuffers(ThreadBuffers):
     """Buffers per worker thread (the target slab; source rows for strided copies or the
     stage of direct reads; pieces of band jobs), allocated on first use, so idle workers
     cost nothing."""
 
-    def __init__(self) -> None:
-        self._bufs: dict[str, memoryview] = {}
-
-    def _take(self, name: str, n: int) -> memoryview:
-        buf = self._bufs.get(name)
-        if buf is None or len(buf) < n:
-            self._bufs.pop(name, None)  # the old buffer goes before the new one is made
-            buf = self._bufs[name] = aligned_buffer(n)
-        return buf[:n]
-
     def get(self, n: int) -> memoryview:
         """``n`` bytes of the slab buffer (page-aligned: direct I/O reads and writes it)."""
-        return self._take("slab", n)
+        return self.take("slab", n)
 
     def get_aux(self, n: int) -> memoryview:
         """``n`` bytes of the second buffer: source rows of strided copies, or the stage of direct reads."""
-        return self._take("aux", n)
+        return self.take("aux", n)
 
     def get_out(self, n: int) -> memoryview:
         """``n`` bytes of a third buffer, for the pieces `reshard.io.bands` writes."""
-        return self._take("out", n)
+        return self.take("out", n)
 
 
 def _as_array(buf: Any, shape: Sequence[int], itemsize: int, offset: int = 0) -> np.ndarray:
@@ -188,7 +178,6 @@ class SpliceJob:
         ``ledger``, which checks a source once all its parts are in (``self.ledgered``).
         Either way `check` need not read the item back; without a direct copy it must.
         """
-        box, isz = self.box, self.itemsize
         self.checked = self.ledgered = False
         write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
@@ -199,35 +188,38 @@ class SpliceJob:
                   and all(s.crc is not None for _d, s, _so, _n in runs))
         expected = self.recorded_crc() if direct else None
         if expected is not None or (direct and ledger is not None):
-            crc, parts = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files,
-                                      slab_bytes)
-            if expected is not None:
-                if crc != expected:
-                    raise SpliceMismatch(
-                        f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
-                        f"recorded: a source file changed after it was written, or was read wrong "
-                        f"({', '.join(sorted({s.path for s in self.sources}))})")
-                self.checked = True
-            else:
-                for (_d, s, so, n), c in zip(runs, parts):
-                    ledger.add(s, s.box.numel * isz, so, n, c)
-                self.ledgered = True
-                self.ledger_sources = [s for _d, s, _so, _n in runs]
-            tail = self.framing.tail(crc)
-            write_exact(fd, [tail], pos + self.framing.storage_nbytes)
-            return self.framing.item_crc(crc, tail)
-        if runs is not None:
-            crc = _copy_runs(runs, isz, fd, pos, buffers, files, slab_bytes)
-            tail = self.framing.tail(crc)
-            write_exact(fd, [tail], pos + self.framing.storage_nbytes)
-            return self.framing.item_crc(crc, tail)
+            crc = self._copy_direct(runs, expected, ledger, fd, direct_fd, at, pos, buffers, files, slab_bytes)
+        elif runs is not None:
+            crc = _copy_runs(runs, self.itemsize, fd, pos, buffers, files, slab_bytes)
+        else:
+            crc = self._copy_slabs(fd, pos, buffers, files, slab_bytes)
+        return finish_item(self.framing, fd, pos, crc)
+
+    def _copy_direct(self, runs: list, expected: int | None, ledger: SourceLedger | None, fd: int, direct_fd: int,
+                     at: int, pos: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
+        """`_direct_runs`, checked against ``expected`` (the records combined) or handed to ``ledger``."""
+        crc, parts = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files, slab_bytes)
+        if expected is not None:
+            if crc != expected:
+                raise SpliceMismatch(
+                    f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
+                    f"recorded: a source file changed after it was written, or was read wrong "
+                    f"({', '.join(sorted({s.path for s in self.sources}))})")
+            self.checked = True
+        else:
+            for (_d, s, so, n), c in zip(runs, parts):
+                ledger.add(s, s.box.numel * self.itemsize, so, n, c)
+            self.ledgered = True
+            self.ledger_sources = [s for _d, s, _so, _n in runs]
+        return crc
+
+    def _copy_slabs(self, fd: int, pos: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> int:
+        """Strided boxes: the storage assembled in slabs of whole rows; returns its CRC-32."""
+        box, isz = self.box, self.itemsize
         crc = 0
         sizes = box.sizes
         rows = sizes[0] if sizes else 1
-        row_elems = 1
-        for s in sizes[1:]:
-            row_elems *= s
-        row_bytes = row_elems * isz
+        row_bytes = _row_bytes(sizes, isz)
         if rows and row_bytes:
             meeting = [s for s in self.sources if not sizes or s.box.intersect(box) is not None]
             widest = max([row_bytes] + [_row_bytes(s.box.sizes, isz) for s in meeting])
@@ -251,9 +243,7 @@ class SpliceJob:
                 crc = zlib.crc32(view, crc)
                 write_exact(fd, [view], pos)
                 pos += len(view)
-        tail = self.framing.tail(crc)
-        write_exact(fd, [tail], pos)
-        return self.framing.item_crc(crc, tail)
+        return crc
 
     def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> None:
         """Re-read the written item and compare it with the source; raise `SpliceMismatch` if it differs.
@@ -377,6 +367,14 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
                 done += k
         crc = archive.crc32_combine(crc, part, n)
     return crc
+
+
+def finish_item(framing: archive.Framing, fd: int, storage_at: int, storage_crc: int) -> int:
+    """Write an item's tail after its storage (it needs the storage's CRC-32); returns the
+    CRC-32 of the whole item."""
+    tail = framing.tail(storage_crc)
+    write_exact(fd, [tail], storage_at + framing.storage_nbytes)
+    return framing.item_crc(storage_crc, tail)
 
 
 def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd: int, direct_fd: int,
