@@ -1,0 +1,183 @@
+"""One way to open what a checkpoint names: inside its root, regular files only, bounded reads.
+
+A checkpoint comes from a hub, a tarball or another team's file system, so the names inside
+it are hostile until checked. A `.distcp` that is a symlink to another (private)
+checkpoint's file, a `.metadata` that is a symlink to ``/dev/zero``, a FIFO named
+``manifest.json``: none of these is a checkpoint file, and reading one either leaks bytes
+that were never part of the input or never returns. Every reader of a source (DCP data
+files, `.metadata`, sidecars, manifests, reports, safetensors shards, index files) opens
+through this module, and so do the locks made beside a destination:
+
+- the checkpoint *root* is resolved once (a root that is itself a symlink, such as
+  ``latest -> step_80000``, is fine: that is how people name checkpoints);
+- a file is opened by its real path, which must lie inside the real root (a symlink inside
+  the checkpoint pointing inside it is followed; one pointing outside is refused), with
+  ``O_NOFOLLOW`` on the last component and ``O_NONBLOCK`` so a FIFO cannot hang the open;
+- the opened descriptor must be a regular file (``fstat``), else it is refused by name;
+- a whole-file read stops at the smaller of its ``fstat`` size and the caller's limit.
+
+Refusals are `UnsafeFile` (exit 2), naming the file and what it is.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import BadInput
+
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "UnsafeFile", "check_name", "describe", "loads_json", "open_read", "read_bounded",
+           "read_json", "regular_size", "resolve_root"]
+
+MAX_JSON_BYTES = 256 << 20   # manifests, reports and index files: real ones are well under 100 MiB
+MAX_JSON_DEPTH = 64          # real ones nest under 10 levels
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+class UnsafeFile(BadInput):
+    """A name inside a checkpoint is not a regular file inside it (symlink out, device, FIFO, socket)."""
+
+
+def describe(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def resolve_root(path: str | os.PathLike) -> Path:
+    """The real path of a checkpoint root (symlinks in it or to it resolved once)."""
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def check_name(name: str, *, where: str) -> None:
+    """A stored file name that cannot name a file inside the checkpoint is bad input."""
+    if "\x00" in name:
+        raise BadInput(f"a stored file name contains a NUL byte ({name!r})", where=where,
+                       hint="The checkpoint's metadata is corrupt or forged.")
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise UnsafeFile(f"the stored file name '{name}' points outside the checkpoint", where=where,
+                         hint="Refusing to read files outside the checkpoint directory.")
+
+
+def _inside(path: Path, root: Path | None) -> tuple[Path, Path]:
+    """(real path of ``path``, real root); refuses a path whose real location leaves the root."""
+    p = Path(os.fspath(path))
+    if "\x00" in str(p):
+        raise BadInput(f"a file name contains a NUL byte ({str(p)!r})", where=str(p.parent),
+                       hint="The checkpoint's metadata is corrupt or forged.")
+    real_root = resolve_root(root if root is not None else p.parent)
+    real = Path(os.path.realpath(p))
+    if real != real_root and real_root not in real.parents:
+        kind = "a symbolic link" if p.is_symlink() else "a path"
+        raise UnsafeFile(f"{kind} to '{real}', outside the checkpoint ({real_root})", where=str(p),
+                         hint="A checkpoint's files must lie inside its directory; copy the real files in "
+                              "(cp -L) if you trust where the link points.")
+    return real, real_root
+
+
+def open_read(path: str | os.PathLike, *, root: str | os.PathLike | None = None, flags: int = 0) -> int:
+    """A read-only descriptor of the regular file ``path`` inside ``root`` (default: its directory).
+
+    ``flags`` adds open flags (``O_DIRECT``). Raises FileNotFoundError when the file does not
+    exist (callers say what that means for them), `UnsafeFile` when it is not a regular
+    file inside the root.
+    """
+    p = Path(os.fspath(path))
+    real, _ = _inside(p, Path(os.fspath(root)) if root is not None else None)
+    try:
+        fd = os.open(real, os.O_RDONLY | _CLOEXEC | _NOFOLLOW | _NONBLOCK | flags)
+    except OSError as exc:
+        if exc.errno == getattr(os, "ELOOP", 40):
+            raise UnsafeFile("a symbolic link changed while it was opened", where=str(p)) from None
+        if exc.errno in (6, 19):  # ENXIO / ENODEV: a socket or a device with no driver
+            raise UnsafeFile("not a regular file (a socket or a device)", where=str(p)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{describe(st.st_mode)}, not a regular file", where=str(p),
+                             hint="Refusing to read it: a checkpoint holds regular files only.")
+        if _NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def regular_size(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> int:
+    """The size of a regular file inside ``root`` (``fstat`` of the opened file, not ``stat`` of the name)."""
+    fd = open_read(path, root=root)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_bounded(path: str | os.PathLike, *, limit: int, root: str | os.PathLike | None = None,
+                 what: str = "file") -> bytes:
+    """The whole of a regular file, refused (not truncated) when it is larger than ``limit`` bytes."""
+    fd = open_read(path, root=root)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise BadInput(f"the {what} is {size:,} bytes, more than the {limit:,} reshard reads for it",
+                           where=str(path), hint="Real ones are far smaller; this file is corrupt or forged.")
+        chunks, got = [], 0
+        while got <= size:
+            b = os.pread(fd, min(size + 1 - got, 16 << 20), got)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        data = b"".join(chunks)
+        if len(data) > size:  # grew while read: never read past what fstat promised
+            raise BadInput(f"the {what} changed size while it was read", where=str(path))
+        return data
+    finally:
+        os.close(fd)
+
+
+def _depth_ok(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            if d > limit:
+                return False
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return True
+
+
+def read_json(path: str | os.PathLike, *, root: str | os.PathLike | None = None, what: str = "JSON file",
+              limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A JSON document from a file inside a checkpoint, capped in size and nesting depth."""
+    data = read_bounded(path, limit=limit, root=root, what=what)
+    return loads_json(data, where=str(path), what=what, max_depth=max_depth)
+
+
+def loads_json(data: bytes | str, *, where: str, what: str = "JSON file", max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON text capped in nesting depth; malformed or too deep is bad input naming ``where``."""
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        obj = None
+        ok = False
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInput(f"the {what} is not valid JSON ({exc})", where=where) from None
+    else:
+        ok = _depth_ok(obj, max_depth)
+    if not ok:
+        raise BadInput(f"the {what} nests deeper than {max_depth} levels", where=where,
+                       hint="Real ones nest a few levels; this file is corrupt or forged.")
+    return obj
