@@ -409,3 +409,195 @@ def test_overlap_check_is_not_quadratic_when_sharded_along_dim_1(monkeypatch):
     chunks = [Box((0, i), (10, 1)) for i in range(n)]
     assert coverage_problems((10, n), chunks) == []
     assert calls <= 4 * n, f"{calls} box comparisons for {n} chunks"
+
+
+# ----------------------------------------------------------------------------- O(n log n) coverage
+# coverage_problems was a pairwise sweep, quadratic on a staircase (issue 13: 8,000 chunks took
+# minutes). The quadratic version is kept here as the reference the fast one must agree with,
+# problem for problem (kinds and details), on small layouts of every kind.
+
+from reshard import geometry  # noqa: E402
+from reshard.geometry import CoverageProblem  # noqa: E402
+
+
+def reference_coverage_problems(shape, chunks) -> list[CoverageProblem]:
+    """The pairwise sweep coverage_problems used before issue 13 (quadratic, exact)."""
+    shape = tuple(int(s) for s in shape)
+    total = prod(shape) if shape else 1
+    problems: list[CoverageProblem] = []
+    boxes = []
+    for c in chunks:
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            problems.append(CoverageProblem("rank_mismatch", f"chunk {c.offsets}+{c.sizes} has rank {len(c.sizes)}, tensor rank {len(shape)}"))
+            continue
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
+            problems.append(CoverageProblem("out_of_bounds", f"chunk at {list(c.offsets)} size {list(c.sizes)} lies outside {list(shape)}"))
+            continue
+        if c.numel == 0:
+            continue
+        boxes.append(c)
+    if problems:
+        return problems
+    if not shape:
+        if len(boxes) > 1:
+            problems.append(CoverageProblem("overlap", f"{len(boxes)} chunks for a scalar"))
+        elif not boxes:
+            problems.append(CoverageProblem("gap", "scalar tensor has no chunk"))
+        return problems
+    sweep = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in boxes}))
+    boxes.sort(key=lambda b: (b.offsets[sweep], b.offsets))
+    active: list[Box] = []
+    for b in boxes:
+        active = [a for a in active if a.ends[sweep] > b.offsets[sweep]]
+        for a in active:
+            if a.intersect(b) is not None:
+                problems.append(CoverageProblem(
+                    "overlap",
+                    f"chunks at {list(a.offsets)} size {list(a.sizes)} and at {list(b.offsets)} size {list(b.sizes)} overlap",
+                ))
+                return problems
+        active.append(b)
+    covered = sum(b.numel for b in boxes)
+    if covered != total:
+        problems.append(CoverageProblem("gap", f"chunks cover {covered} of {total} elements of {list(shape)}"))
+    return problems
+
+
+@st.composite
+def loose_box(draw, shape):
+    """A box that may stick out, have a negative or zero size, or (rarely) the wrong rank."""
+    rank = len(shape) if draw(st.integers(0, 19)) else draw(st.integers(0, 5))
+    dims = list(shape) + [3] * max(0, rank - len(shape))
+    offs = tuple(draw(st.integers(-1, n + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, n)) for n in dims[:rank])
+    sizes = tuple(draw(st.integers(-1, n + 1)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(0, n - o if n > o else 0))
+                  for n, o in zip(dims[:rank], offs))
+    return Box(offs, sizes)
+
+
+@st.composite
+def random_layouts(draw):
+    """Any boxes at all, 0-D to 4-D: overlaps, gaps, out-of-bounds and zero-size chunks."""
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=4)))
+    return shape, draw(st.lists(loose_box(shape), max_size=8))
+
+
+@st.composite
+def damaged_tilings(draw):
+    """A real tiling with pieces removed, duplicated, grown, shrunk or added at random."""
+    shape, chunks = draw(any_tiling)
+    chunks = list(chunks)
+    for _ in range(draw(st.integers(1, 3))):
+        how = draw(st.sampled_from(["drop", "dup", "add", "resize"]))
+        if how == "drop" and chunks:
+            chunks.pop(draw(st.integers(0, len(chunks) - 1)))
+        elif how == "dup" and chunks:
+            chunks.insert(draw(st.integers(0, len(chunks))), draw(st.sampled_from(chunks)))
+        elif how == "add":
+            chunks.insert(draw(st.integers(0, len(chunks))), draw(box_in(shape)))
+        elif chunks:
+            i = draw(st.integers(0, len(chunks) - 1))
+            c, d = chunks[i], draw(st.integers(0, len(shape) - 1))
+            size = draw(st.integers(0, shape[d] - c.offsets[d]))
+            chunks[i] = Box(c.offsets, c.sizes[:d] + (size,) + c.sizes[d + 1:])
+    return shape, chunks
+
+
+def _brute_kinds(shape, boxes) -> list[str] | None:
+    """Kinds by counting every element (None when a chunk is out of bounds or of another rank)."""
+    if any(len(b.offsets) != len(shape) or len(b.sizes) != len(shape)
+           or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(b.offsets, b.sizes, shape)) for b in boxes):
+        return None
+    c = counts(shape, boxes) if shape else np.array(sum(1 for _ in boxes))
+    return ["overlap"] if (c > 1).any() else ["gap"] if (c == 0).any() else []
+
+
+@prop
+@given(st.one_of(random_layouts(), damaged_tilings(), any_tiling))
+def test_fast_coverage_equals_the_pairwise_reference(layout):
+    shape, boxes = layout
+    got = coverage_problems(shape, boxes)
+    assert got == reference_coverage_problems(shape, boxes)
+    brute = _brute_kinds(shape, boxes)
+    if brute is not None:
+        assert kinds(got) == brute
+
+
+def staircase(n: int, transpose: bool = False) -> tuple[tuple[int, int], list[Box]]:
+    """``2n`` chunks tiling an ``(n + 1, n)`` tensor: column ``i`` cut after row ``i``.
+
+    The ``n`` upper chunks all start at row 0 and stay active along the whole dim-0 sweep, so
+    comparing each new chunk with every active one is quadratic (issue 13)."""
+    boxes = []
+    for i in range(n):
+        boxes += [Box((0, i), (i + 1, 1)), Box((i + 1, i), (n - i, 1))]
+    if transpose:
+        return (n, n + 1), [Box(b.offsets[::-1], b.sizes[::-1]) for b in boxes]
+    return (n + 1, n), boxes
+
+
+@pytest.fixture
+def count_intersections(monkeypatch):
+    calls = [0]
+    real = Box.intersect
+
+    def counting(self, other):
+        calls[0] += 1
+        return real(self, other)
+
+    monkeypatch.setattr(Box, "intersect", counting)
+    return calls
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows", "columns"])
+def test_a_staircase_of_20000_chunks_is_checked(transpose, count_intersections):
+    """The attack: a staircase of 20,000 chunks. A tiling is accepted, and a gap and an
+    overlap planted in it are found, each with at most a linear number of box comparisons
+    (the quadratic sweep made ~10^8)."""
+    shape, boxes = staircase(10_000, transpose)
+    assert len(boxes) == 20_000
+    assert coverage_problems(shape, boxes) == []
+    assert count_intersections[0] == 0
+
+    gap = boxes[:7_000] + boxes[7_001:]
+    assert coverage_problems(shape, gap) == [CoverageProblem(
+        "gap", f"chunks cover {prod(shape) - boxes[7_000].numel} of {prod(shape)} elements of {list(shape)}")]
+
+    extra = Box((0, 9_999), (2, 1)) if not transpose else Box((9_999, 0), (1, 2))
+    probs = coverage_problems(shape, boxes[:12_345] + [extra] + boxes[12_345:])
+    assert kinds(probs) == ["overlap"] and str(list(extra.offsets)) in probs[0].detail
+    assert count_intersections[0] <= 2 * len(boxes) + 2
+
+
+def test_staircase_with_an_overlap_reports_what_the_pairwise_sweep_reported():
+    shape, boxes = staircase(300)
+    bad = boxes[:100] + [Box((5, 40), (3, 30))] + boxes[100:]
+    assert coverage_problems(shape, bad) == reference_coverage_problems(shape, bad)
+
+
+def test_grid_of_three_sharded_dims_is_accepted_without_comparisons(count_intersections):
+    """EP x FSDP x TP on a 3-D expert weight: every dim varies; the corner identity accepts it."""
+    shape = (8, 64, 48)
+    chunks = _grid([ceil_pieces(8, 8), ceil_pieces(64, 16), ceil_pieces(48, 12)])
+    assert len(chunks) == 8 * 16 * 12
+    assert coverage_problems(shape, chunks) == []
+    assert count_intersections[0] == 0
+    assert kinds(coverage_problems(shape, chunks[:-1])) == ["gap"]
+
+
+@pytest.mark.parametrize("damage", ["gap", "overlap", "gap_and_overlap"])
+def test_three_varying_dims_past_the_pairwise_budget_still_fail(damage, monkeypatch):
+    """A failing layout with three varying dims whose pairwise search would run long: past
+    the budget the verdict is still exact (not a tiling) and names a problem that exists."""
+    monkeypatch.setattr(geometry, "PAIRWISE_BUDGET", 50)
+    shape = (6, 6, 6)
+    chunks = _grid([[(i, 1) for i in range(6)]] * 3)
+    if damage == "gap":
+        chunks = chunks[:100] + chunks[101:]
+    elif damage == "overlap":
+        chunks = chunks + [chunks[150]]
+    else:
+        chunks = chunks[:100] + chunks[102:] + [Box((0, 0, 0), (1, 1, 2))]
+    got = kinds(coverage_problems(shape, chunks))
+    brute = counts(shape, chunks)
+    assert len(got) == 1
+    assert (got == ["overlap"] and (brute > 1).any()) or (got == ["gap"] and (brute == 0).any())
