@@ -17,7 +17,8 @@ import torch
 
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.geometry import Box, coverage_problems, whole
-from reshard.io import dcp
+from reshard.io import dcp, safefs
+from reshard.io.fastread import check_item_crcs
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -153,6 +154,7 @@ class CheckpointIndex(EntryQueries):
             self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
                                          file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
         self._check_files()
+        self._check_item_lengths()
         self._check_coverage()
 
     def _check_files(self) -> None:
@@ -171,7 +173,7 @@ class CheckpointIndex(EntryQueries):
         for name in sorted(need):
             p = self.root / name
             try:
-                size = p.stat().st_size
+                size = safefs.regular_size(p, root=self.root)  # a symlink out, a device or a FIFO is refused here
             except FileNotFoundError:
                 keys = sorted({k for _, k in keys_by_file[name]})
                 self.findings.append(Finding("error", "missing_file", f"data file '{name}' is missing; {len(keys)} keys lose bytes",
@@ -184,6 +186,37 @@ class CheckpointIndex(EntryQueries):
                     "error", "truncated_file",
                     f"data file '{name}' has {size} bytes but the metadata needs {need[name]}; {len(keys)} keys lose bytes",
                     file=name, keys=tuple(keys)))
+
+    def _check_item_lengths(self) -> None:
+        """A tensor item shorter than the elements its chunk declares cannot hold them.
+
+        Checked from metadata alone, so a forged `.metadata` declaring a 128 GiB tensor in
+        8 KiB items is refused here instead of when a later command allocates the tensor.
+        Transformed (compressed) items are bounded when they are decoded instead.
+        """
+        short: list[str] = []
+        first: tuple[str, int, int, str] | None = None
+        for e in self.entries.values():
+            if not e.is_tensor:
+                continue
+            itemsize = e.dtype.itemsize if e.dtype is not None else 1
+            for c in e.chunks:
+                loc = c.location
+                if loc is None or loc.transforms:
+                    continue
+                need = c.box.numel * itemsize
+                if loc.length < need:
+                    short.append(e.key)
+                    if first is None:
+                        first = (e.key, need, loc.length, loc.file)
+        if first is not None:
+            key, need, have, file = first
+            keys = tuple(dict.fromkeys(short))
+            self.findings.append(Finding(
+                "error", "item_too_short",
+                f"tensor '{key}' declares a chunk of {need:,} bytes stored in an item of {have:,} bytes in '{file}'"
+                + (f" ({len(keys)} keys in all)" if len(keys) > 1 else ""),
+                file=dcp.METADATA_FILE, keys=keys[:50]))
 
     def _check_coverage(self) -> None:
         for e in self.entries.values():
@@ -289,12 +322,14 @@ class CheckpointIndex(EntryQueries):
                             continue
                     where = str(self.root / loc.file)
                     data = dcp._untransform(raw, loc.transforms, key=e.key, where=where)
+                    check_item_crcs(data, key=e.key, where=where)  # against the writer's CRC-32s (CorruptItem)
                     obj = dcp._torch_load(data, key=e.key, where=where, trust_pickle=self.trust_pickle)
                     if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
                         raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
                                        f"metadata says {e.dtype_name} {list(sizes)}")
                 except ReshardError as exc:
-                    code = "unsafe_item" if exc.__class__.__name__ == "UnsafeInput" else "unreadable_item"
+                    code = {"UnsafeInput": "unsafe_item", "CorruptItem": "crc_mismatch"}.get(type(exc).__name__,
+                                                                                               "unreadable_item")
                     msg = f"{exc.message}. {exc.hint}" if exc.hint else exc.message
                     found.append(Finding("error", code, msg, file=loc.file, keys=(e.key,)))
                 if progress is not None:

@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from reshard.io import safefs
 from reshard.errors import BadInput
 
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # a real manifest is a few KiB; its lineage grows by ~1 KiB per transition
 FORMAT = "reshard-manifest"
 FORMAT_VERSION = 1
 
@@ -512,19 +514,15 @@ def manifest_path(ckpt_dir: str | os.PathLike) -> Path:
 def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest | None:
     """Read ``<ckpt_dir>/manifest.json``; None when absent, BadInput when unreadable/invalid."""
     path = manifest_path(ckpt_dir)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = safefs.read_json(path, root=ckpt_dir, what="manifest", limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise BadInput("manifest.json is a symbolic link to a file that does not exist", where=str(path)) from None
+    except OSError as exc:
         raise BadInput(f"cannot read manifest: {exc}", where=str(path),
-                       hint="Check the file's permissions and encoding (UTF-8 JSON).") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"manifest is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
-                       where=str(path),
-                       hint="The file may be truncated; regenerate it or remove it.") from exc
+                       hint="Check the file's permissions.") from exc
     return Manifest.from_dict(data, source=str(path))
 
 

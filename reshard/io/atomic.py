@@ -38,6 +38,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -168,7 +169,19 @@ def _acquire_lock(lock_path: Path, dst: Path) -> int:
     and a third run could lock a fresh file): retry in that case.
     """
     for _ in range(100):
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never follow a planted symlink (it would create or lock a file where it points)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise BadInput(f"the lock file '{lock_path.name}' beside the destination is not a regular file "
+                               f"({'a symbolic link' if lock_path.is_symlink() else 'a special file'})",
+                               where=str(lock_path), hint="Remove it (no reshard run makes one) and run again.") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadInput(f"the lock file '{lock_path.name}' beside the destination is not a regular file",
+                           where=str(lock_path), hint="Remove it (no reshard run makes one) and run again.")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

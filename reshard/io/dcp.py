@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from reshard.errors import BadInput, Incomplete, UnsafeInput
+from reshard.io import safefs
+from reshard.io.fastread import check_item_crcs
 from reshard.io.safe_pickle import Record, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
@@ -62,24 +64,28 @@ class RawMetadata:
 
 
 def read_raw_metadata(ckpt: Path) -> RawMetadata:
-    """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed."""
+    """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed.
+
+    `.metadata` is opened through `reshard.io.safefs`: a symlink out of the checkpoint, a
+    device or a FIFO is refused by name, and the read stops at `MAX_METADATA_BYTES`.
+    """
     path = ckpt / METADATA_FILE
     where = str(path)
     if not ckpt.exists():
         raise BadInput("no such checkpoint directory", where=str(ckpt))
     if not ckpt.is_dir():
         raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(ckpt))
-    if not path.exists():
+    if not os.path.lexists(path):
         extra = " A '.metadata.tmp' exists: rank 0 died while committing." if (ckpt / ".metadata.tmp").exists() else ""
         raise Incomplete(
             "not committed: the checkpoint has no .metadata, so a writer died before the commit" + extra,
             where=str(ckpt),
             hint="Resume from the previous checkpoint; this one cannot be trusted to be complete.",
         )
-    size = path.stat().st_size
-    if size > MAX_METADATA_BYTES:
-        raise BadInput(f".metadata is {size} bytes, larger than any real DCP metadata", where=where)
-    data = path.read_bytes()
+    try:
+        data = safefs.read_bounded(path, limit=MAX_METADATA_BYTES, root=ckpt, what=".metadata")
+    except FileNotFoundError:  # a dangling symlink
+        raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
     md = load_metadata_pickle(data, where)
     return _decode(md, where)
 
@@ -144,8 +150,9 @@ def _decode(md: Any, where: str) -> RawMetadata:
         rel = info.get("relative_path")
         if not isinstance(rel, str):
             raise _bad(where, f"storage of '{fqn}' has no file name")
-        if os.path.isabs(rel) or ".." in Path(rel).parts or "/" in rel or "\\" in rel:
-            raise BadInput(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
+        safefs.check_name(rel, where=where)
+        if "/" in rel or "\\" in rel:
+            raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
                            hint="Refusing to read files outside the checkpoint directory.")
         o, n = info.get("offset"), info.get("length")
         if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
@@ -170,9 +177,11 @@ def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
     """The raw (still transformed) bytes of one item, checked for length."""
     path = ckpt / loc.file
     try:
-        with open(path, "rb") as f:
-            f.seek(loc.offset)
-            data = f.read(loc.length)
+        fd = safefs.open_read(path, root=ckpt)
+        try:
+            data = _pread_all(fd, loc.offset, loc.length)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise Incomplete(f"data file '{loc.file}' is missing (needed for '{key}')", where=str(ckpt),
                          hint="The checkpoint is incomplete; restore the file or use another checkpoint.") from None
@@ -185,6 +194,18 @@ def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
             hint="The data file is truncated; the checkpoint is incomplete.",
         )
     return data
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    """Up to ``length`` bytes at ``offset``, fewer only where the file ends."""
+    parts, got = [], 0
+    while got < length:
+        b = os.pread(fd, min(length - got, 64 << 20), offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
 
 def _untransform(data: bytes, transforms: Sequence[str], *, key: str, where: str) -> bytes:
@@ -244,4 +265,5 @@ def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = F
     where = str(ckpt / loc.file)
     data = read_item_bytes(ckpt, loc, key=key)
     data = _untransform(data, loc.transforms, key=key, where=where)
+    check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
     return _torch_load(data, key=key, where=where, trust_pickle=trust_pickle)

@@ -19,6 +19,8 @@ import os
 import threading
 from typing import Any
 
+from reshard.io import safefs
+
 __all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "open_direct", "read_at", "read_direct",
            "read_exact", "start_writeback", "write_exact", "write_placed"]
 
@@ -221,8 +223,24 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+def _open_direct_read(path: Any) -> int | None:
+    """`open_direct` for reading, through `reshard.io.safefs` (a regular file inside its directory)."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return safefs.open_read(path, flags=_O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):  # e.g. tmpfs, some FUSE
+            return None
+        raise
+
+
 class FdCache:
-    """Read-only descriptors of files, opened once per run and shared by threads."""
+    """Read-only descriptors of files, opened once per run and shared by threads.
+
+    Files are opened through `reshard.io.safefs`: each must be a regular file inside the
+    directory it is named in (a checkpoint's files are flat), never a symlink out of it.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -233,14 +251,14 @@ class FdCache:
         with self.lock:
             fd = self.fds.get(path)
             if fd is None:
-                fd = self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = self.fds[path] = safefs.open_read(path)
             return fd
 
     def direct(self, path: Any) -> int | None:
         """A read-only ``O_DIRECT`` descriptor of ``path``, or None when its file system has none."""
         with self.lock:
             if path not in self.direct_fds:
-                self.direct_fds[path] = open_direct(path, os.O_RDONLY)
+                self.direct_fds[path] = _open_direct_read(path)
             return self.direct_fds[path]
 
     def close(self) -> None:

@@ -79,12 +79,14 @@ from __future__ import annotations
 import io
 import json
 import re
+import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from reshard.io import safefs
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.geometry import Box, coverage_problems, whole
 from reshard.index import CheckpointIndex, Chunk, Entry, EntryQueries, Finding
@@ -391,19 +393,20 @@ def _save_objects(path: Path, objs: dict[str, Any]) -> int:
 
 
 # ====================================================================================== reading
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header of ``path`` and the byte offset where its data starts."""
+def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header of ``path`` (a regular file inside ``root``, default its
+    directory) and the byte offset where its data starts."""
     where = str(path)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(safefs.open_read(path, root=root), "rb") as f:
             head = f.read(8)
             if len(head) != 8:
                 raise BadInput("not a safetensors file (shorter than 8 bytes)", where=where)
             (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
+            size = os.fstat(f.fileno()).st_size
             if n > size - 8 or n > 100 << 20:
                 raise BadInput(f"not a safetensors file (header length {n}, file {size} bytes)", where=where)
-            header = json.loads(f.read(n))
+            header = safefs.loads_json(f.read(n), where=where, what="safetensors header")
     except FileNotFoundError:
         raise Incomplete("data file is missing", where=where) from None
     except (OSError, ValueError) as exc:
@@ -436,10 +439,10 @@ class LocalIndex(EntryQueries):
         if not self.root.is_dir():
             raise BadInput("no such checkpoint directory", where=str(self.root))
         try:
-            ix = json.loads(p.read_text())
+            ix = safefs.read_json(p, root=self.root, what="local index")
         except FileNotFoundError:
             raise Incomplete("no local-index.json: not a committed local-format checkpoint", where=str(p)) from None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise self._bad(f"unreadable index ({exc})") from None
         if not isinstance(ix, dict) or ix.get("format") != FORMAT:
             raise self._bad(f"not a {FORMAT} index (format {ix.get('format') if isinstance(ix, dict) else None!r})")
@@ -469,7 +472,7 @@ class LocalIndex(EntryQueries):
             if meta.get("reshard") != "local" or meta.get("rank") != str(r) or meta.get("world_size") != str(world):
                 raise self._bad(f"safetensors metadata {meta!r} is not rank {r} of {world}", name)
             headers[r] = (header, data_start)
-            self.file_sizes[name] = (self.root / name).stat().st_size
+            self.file_sizes[name] = safefs.regular_size(self.root / name, root=self.root)
 
         named: dict[int, set[str]] = {r: set() for r in range(world)}
         for key, t in ix["tensors"].items():
@@ -547,7 +550,12 @@ class LocalIndex(EntryQueries):
         for fname, keys in sorted(needed.items()):
             path = self.root / fname
             try:
-                objs = torch.load(path, weights_only=True)
+                with os.fdopen(safefs.open_read(path, root=self.root), "rb") as fh:
+                    objs = torch.load(fh, weights_only=True)
+            except (FileNotFoundError, BadInput):
+                if not os.path.lexists(path):
+                    raise Incomplete(f"objects file is missing; {len(keys)} keys lose their values", where=str(path)) from None
+                raise
             except FileNotFoundError:
                 raise Incomplete(f"objects file is missing; {len(keys)} keys lose their values", where=str(path)) from None
             except Exception as exc:  # noqa: BLE001
@@ -558,7 +566,7 @@ class LocalIndex(EntryQueries):
             if lost:
                 raise self._bad(f"objects file lacks keys the index names: {lost[:5]}", fname)
             self._objects[fname] = objs
-            self.file_sizes[fname] = path.stat().st_size
+            self.file_sizes[fname] = safefs.regular_size(path, root=self.root)
 
     # ------------------------------------------------------------------ queries (CheckpointIndex interface)
     def data_files(self) -> list[str]:
@@ -577,6 +585,7 @@ class LocalIndex(EntryQueries):
         if h is None:
             from safetensors import safe_open
 
+            safefs.regular_size(self.root / name, root=self.root)  # refuses a symlink out or a special file first
             try:
                 h = safe_open(str(self.root / name), framework="pt")
             except Exception as exc:  # noqa: BLE001
