@@ -297,7 +297,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
                 w.write_object(rank, key, plan.new_values[key], path=e.path or None)
             else:
                 raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
-                raw = dcp_io._untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
+                raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
                 dcp_io._torch_load(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
         if progress is not None:

@@ -7,6 +7,7 @@ judged here, once, as a list of findings that name files and keys.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -270,7 +271,8 @@ class CheckpointIndex(EntryQueries):
                 continue
             if c.location is None:
                 raise Incomplete(f"a chunk of '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
-            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False)
+            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False,
+                              limit=dcp.tensor_item_limit(c.box.numel, e.dtype.itemsize))
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.box.sizes:
                 raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
                                f"metadata says {list(c.box.sizes)}", where=str(self.root / c.location.file),
@@ -321,7 +323,8 @@ class CheckpointIndex(EntryQueries):
                                 progress.update(1)
                             continue
                     where = str(self.root / loc.file)
-                    data = dcp._untransform(raw, loc.transforms, key=e.key, where=where)
+                    data = dcp.untransform(raw, loc.transforms, key=e.key, where=where,
+                                           limit=dcp.tensor_item_limit(math.prod(sizes), e.dtype.itemsize) if sizes is not None else None)
                     check_item_crcs(data, key=e.key, where=where)  # against the writer's CRC-32s (CorruptItem)
                     obj = dcp._torch_load(data, key=e.key, where=where, trust_pickle=self.trust_pickle)
                     if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):

@@ -192,3 +192,40 @@ def test_planted_lock_symlink_is_refused_not_followed(reference_ckpt, tmp_path, 
     assert code == 2
     _one_paragraph(err, ".out.reshard-lock")
     assert not victim.exists() and not dst.exists()
+
+
+# ---------------------------------------------------------------- finding 6: a compression bomb in a tensor item
+
+def test_zstd_tensor_item_that_inflates_past_its_chunk_is_refused(tmp_path, capsys):
+    zstandard = pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(256)}, storage_writer=FileSystemWriter(str(ck), _extensions=[ZStandard()]),
+                 no_dist=True)
+    with open(ck / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own file, written just now by dcp.save
+    (index, info), = [(k, v) for k, v in md.storage_data.items() if k.fqn == "w"]
+    data_file = ck / info.relative_path
+    comp = zstandard.ZstdCompressor(level=1).compressobj()
+    bomb = bytearray()
+    zeros = bytes(16 << 20)
+    for _ in range(16):  # 256 MiB of zeros, about 8 KiB compressed
+        bomb += comp.compress(zeros)
+    bomb += comp.flush()
+    with open(data_file, "ab") as f:
+        start = f.tell()
+        f.write(bomb)
+    info.offset, info.length = start, len(bomb)
+    with open(ck / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    dst = tmp_path / "out"
+    code, out, _ = run_cli(["inspect", "--deep", ck], capsys)
+    assert code == 2 and "inflates to more than" in out, out
+    code, _, err = run_cli(["export", ck, dst, "--format", "safetensors"], capsys)
+    assert code == 2
+    _one_paragraph(err, "'w'", "inflates to more than")
+    assert not dst.exists()

@@ -208,35 +208,56 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(parts)
 
 
-def _untransform(data: bytes, transforms: Sequence[str], *, key: str, where: str) -> bytes:
-    # DCP applies transforms in order on save; undo them in reverse on load.
+MAX_INFLATE_RATIO = 1024        # a compressed item may inflate this much (zeros compress ~1000x) ...
+MAX_INFLATE_SLACK = 64 << 20    # ... plus this, when its caller does not know how large it must be
+
+
+def untransform(data: bytes, transforms: Sequence[str], *, key: str, where: str, limit: int | None = None) -> bytes:
+    """Undo an item's stream transforms (DCP applies them in order on save; undone in reverse).
+
+    The result is capped: at ``limit`` bytes when the caller knows the item's size (a tensor
+    chunk: its elements, dtype and archive overhead), else at `MAX_INFLATE_RATIO` times the
+    stored bytes plus `MAX_INFLATE_SLACK`, so a small compressed item cannot inflate without bound.
+    """
+    cap = limit if limit is not None else MAX_INFLATE_RATIO * len(data) + MAX_INFLATE_SLACK
     for desc in reversed(list(transforms)):
         name, _, version = desc.partition("/")
         if name == "stream.zstd" and version.split(".")[0] == "1":
-            data = _zstd_decompress(data, key=key, where=where)
+            data = _zstd_decompress(data, key=key, where=where, limit=cap)
         else:
             raise BadInput(f"item '{key}' uses transform '{desc}', which reshard does not know", where=where,
                            hint="Convert the checkpoint with the tool that wrote it, or file an issue with the descriptor.")
     return data
 
 
-def _zstd_decompress(data: bytes, *, key: str, where: str) -> bytes:
+def _zstd_decompress(data: bytes, *, key: str, where: str, limit: int) -> bytes:
     try:
         import zstandard  # type: ignore[import-not-found]
-
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
-            return r.read()
     except ImportError:
-        pass
+        zstandard = None
     try:
-        import pyzstd  # type: ignore[import-not-found]
+        if zstandard is not None:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+                out = r.read(limit + 1)
+        else:
+            import pyzstd  # type: ignore[import-not-found]
 
-        return pyzstd.decompress(data)
+            d = pyzstd.ZstdDecompressor()
+            out = d.decompress(data, max_length=limit + 1)
     except ImportError:
         raise BadInput(f"item '{key}' is zstd-compressed and no zstd module is installed", where=where,
                        hint="pip install 'reshard[zstd]' (the zstandard package) and run again.") from None
     except Exception as exc:  # pragma: no cover - corrupt stream
         raise BadInput(f"item '{key}' has a corrupt zstd stream: {exc}", where=where) from None
+    if len(out) > limit:
+        raise BadInput(f"item '{key}' inflates to more than {limit:,} bytes from {len(data):,}", where=where,
+                       hint="Its chunk cannot need that many; the item is corrupt or forged (a compression bomb).")
+    return out
+
+
+def tensor_item_limit(numel: int, itemsize: int) -> int:
+    """The most bytes a decoded ``torch.save`` item of one chunk can need: its storage plus the archive around it."""
+    return numel * itemsize + (1 << 20)
 
 
 def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any:
@@ -260,10 +281,10 @@ def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any
                        where=where, hint="The data file is corrupt.") from None
 
 
-def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False) -> Any:
+def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None) -> Any:
     """Read one item (a tensor chunk or an object) from its byte range."""
     where = str(ckpt / loc.file)
     data = read_item_bytes(ckpt, loc, key=key)
-    data = _untransform(data, loc.transforms, key=key, where=where)
+    data = untransform(data, loc.transforms, key=key, where=where, limit=limit)
     check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
     return _torch_load(data, key=key, where=where, trust_pickle=trust_pickle)
