@@ -14,6 +14,18 @@ Sources
 
 Anything else is refused (`BadInput`).
 
+Every name accounted for
+------------------------
+An index is the list of what the source holds, and the import takes nothing else and drops
+nothing of it: every ``weight_map`` entry is loaded from a file inside the source (a name with
+``/`` is a file in a subdirectory; ``..``, an absolute name, or a symlink leading out is
+refused naming the entry), every tensor of every file the index names must be listed for
+that file, and every listed name must be found in the file it is listed in. Any difference
+is an error (exit 2) naming the index, the name and the shard, with the way out (fix or
+regenerate the index). Every file is opened through `reshard.io.safefs` under the source
+directory (the index JSON with `read_json`, capped in size and depth), so a FIFO, a device or
+a link out is refused before torch or the safetensors reader opens anything.
+
 Names
 -----
 A file written by `reshard export` carries its ``export_map`` (exported name -> source
@@ -65,7 +77,7 @@ from typing import Any, Callable
 
 import torch
 
-from reshard.errors import BadInput, Infeasible
+from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.geometry import Box, whole
 
 REPORT = "import-report.json"
@@ -94,63 +106,125 @@ def _safetensors_source(src: Path, rename) -> tuple[list[_Src], dict[str, Any], 
     return out, ex.source_essentials(), ex.tied, []
 
 
-def _torch_files(src: Path) -> tuple[list[Path], dict[str, Any]]:
+@dataclass
+class _TorchFiles:
+    """The torch.save files of a source and, for an indexed directory, what the index lists in each."""
+
+    root: Path                        # real directory every file must lie in
+    files: list[str]                  # relative to root
+    index: dict[str, Any]             # the index JSON ({} without one)
+    index_path: Path | None = None
+    weight_map: dict[str, str] | None = None   # name -> file (normalised), None without an index
+
+
+def _torch_files(src: Path) -> _TorchFiles:
+    from reshard.io.safefs import resolve_root
+    from reshard.io.safetensors_format import read_index
+
     if src.is_file():
         if src.suffix not in TORCH_SUFFIXES:
             raise BadInput("not a safetensors or torch.save file", where=str(src),
                            hint="reshard import reads .safetensors files and torch.save files (.pt, .pth, .bin).")
-        return [src], {}
+        real = resolve_root(src)  # a file named on the command line may itself be a link: the user's choice
+        return _TorchFiles(real.parent, [real.name], {})
+    root = resolve_root(src)
     for name in TORCH_INDEXES:
-        ip = src / name
-        if ip.is_file():
-            try:
-                ix = json.loads(ip.read_text())
-                wm = ix["weight_map"]
-                files = sorted({src / f for f in wm.values() if "/" not in f})
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise BadInput(f"unreadable index ({exc})", where=str(ip)) from None
-            return files, ix
+        if os.path.lexists(src / name):  # present, whatever it is: refused by name if not a regular file inside
+            ix, wm = read_index(root / name, root=root, what="torch weight map index")
+            return _TorchFiles(root, sorted(set(wm.values())), ix, root / name, wm)
     for name in TORCH_SINGLES:
-        if (src / name).is_file():
-            return [src / name], {}
+        if os.path.lexists(src / name):
+            return _TorchFiles(root, [name], {})
     raise BadInput("no safetensors or torch weights found", where=str(src),
                    hint="Expected a .safetensors file, a directory with model.safetensors(.index.json), "
                         "or a torch.save file (model.pt, pytorch_model.bin, ...).")
 
 
-def _torch_source(src: Path, rename) -> tuple[list[_Src], dict[str, Any], list[list[str]], list[dict]]:
-    from reshard.conventions import get_convention
-    from reshard.io.safetensors_format import default_key
+def _torch_load(path: Path, root: Path) -> Any:
+    """``torch.load(weights_only=True, mmap=True)`` of a file opened through `reshard.io.safefs`.
 
-    files, index = _torch_files(src)
-    meta = ((index.get("metadata") or {}).get("reshard") or {}) if isinstance(index, dict) else {}
-    export_map = (meta.get("export_map") or {}) if rename is None else {}
-    conv = get_convention(meta.get("source_convention") or "reshard") if export_map else None
-    tied = [list(g) for g in meta.get("tied") or []]
-    out: list[_Src] = []
-    skipped: list[dict] = []
-    stored: dict[str, torch.Tensor] = {}
-    for f in files:
+    The descriptor is opened first (regular file inside ``root``: a symlink out, a FIFO or a
+    device is refused before torch opens anything). torch's ``mmap=True`` takes a path, not a
+    file object, so torch is given ``/proc/self/fd/N``, which names the very file already
+    opened and checked (a rename or a new symlink at ``path`` in between changes nothing).
+    Without ``/proc``, or for the legacy (non-zip) format that cannot be mapped, torch reads the
+    file object ``os.fdopen(fd)`` instead.
+    """
+    from reshard.io.safefs import open_read
+
+    try:
+        fd = open_read(path, root=root)
+    except FileNotFoundError:
+        raise Incomplete("weights file is missing", where=str(path)) from None
+    with os.fdopen(fd, "rb") as fh:
+        proc = f"/proc/self/fd/{fd}"
         try:
             try:
-                d = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                if not os.path.exists(proc):
+                    raise RuntimeError("mmap needs a path")
+                return torch.load(proc, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError as exc:
                 if "mmap" not in str(exc):
                     raise
-                d = torch.load(f, map_location="cpu", weights_only=True)  # legacy (non-zip) torch.save format
-        except FileNotFoundError:
-            raise BadInput("weights file is missing", where=str(f)) from None
+                fh.seek(0)
+                return torch.load(fh, map_location="cpu", weights_only=True)  # legacy (non-zip) torch.save format
         except Exception as exc:  # noqa: BLE001 - anything torch.load refuses: not ours to execute
             raise BadInput(f"refused: not loadable with torch.load(weights_only=True) ({str(exc).splitlines()[0][:200]})",
-                           where=str(f), hint="Only plain tensor state dicts (or safetensors) are imported; "
-                                              "reshard never runs code from a pickle.") from None
+                           where=str(path), hint="Only plain tensor state dicts (or safetensors) are imported; "
+                                                 "reshard never runs code from a pickle.") from None
+
+
+def _torch_source(src: Path, rename) -> tuple[list[_Src], dict[str, Any], list[list[str]], list[dict]]:
+    from reshard.conventions import get_convention
+    from reshard.io.safetensors_format import INDEX_HINT, check_index_found, check_shard_listed, default_key
+
+    tf = _torch_files(src)
+    meta = (tf.index.get("metadata") or {}).get("reshard") or {}
+    if not isinstance(meta, dict):
+        meta = {}
+    export_map = meta.get("export_map") if rename is None and isinstance(meta.get("export_map"), dict) else {}
+    export_map = {k: v for k, v in export_map.items() if isinstance(v, str)}
+    conv = get_convention(meta.get("source_convention") or "reshard") if export_map else None
+    tied = [list(g) for g in (meta.get("tied") if isinstance(meta.get("tied"), list) else [])
+            if isinstance(g, list) and all(isinstance(n, str) for n in g)]
+    out: list[_Src] = []
+    skipped: list[dict] = []
+    stored: dict[str, torch.Tensor] = {}
+    for fname in tf.files:
+        f = tf.root / fname
+        try:
+            d = _torch_load(f, tf.root)
+        except Incomplete:
+            if tf.weight_map is None:
+                raise
+            names = sorted(n for n, x in tf.weight_map.items() if x == fname)
+            raise Incomplete(f"shard '{fname}' named by the index is missing; {len(names)} tensors lose their bytes "
+                             f"(first: {names[:3]})", where=str(tf.index_path),
+                             hint="Copy the missing shard in, or " + INDEX_HINT[0].lower() + INDEX_HINT[1:]) from None
         if not isinstance(d, dict):
             raise BadInput(f"holds a {type(d).__name__}, not a dict of tensors", where=str(f))
+        held: set[str] = set()     # the tensors the file holds
+        others: dict[str, str] = {}   # its other values -> their type (reported, not imported)
         for name, v in d.items():
+            name = str(name)
+            if name in held or name in others:
+                raise BadInput(f"holds two values named '{name}'", where=str(f),
+                               hint="Save the state dict with string keys, one per tensor.")
             if not isinstance(v, torch.Tensor):
-                skipped.append({"name": str(name), "file": f.name, "reason": f"{type(v).__name__}, not a tensor: not imported"})
+                others[name] = type(v).__name__
+                skipped.append({"name": name, "file": fname, "reason": f"{type(v).__name__}, not a tensor: not imported"})
                 continue
-            stored[str(name)] = v
+            held.add(name)
+            stored[name] = v
+        if tf.weight_map is not None:  # every tensor the file holds listed by the index for it, and no listed non-tensor
+            check_shard_listed(str(tf.index_path), fname, held, tf.weight_map)
+            not_tensors = sorted(n for n in others if tf.weight_map.get(n) == fname)
+            if not_tensors:
+                raise BadInput(f"the index lists '{not_tensors[0]}' in shard '{fname}' as a weight, but it holds a "
+                               f"{others[not_tensors[0]]} there, not a tensor", where=str(tf.index_path),
+                               hint=INDEX_HINT)
+    if tf.weight_map is not None:  # every name the index lists found, in the file it is listed in
+        check_index_found(str(tf.index_path), tf.weight_map, stored)
 
     def key_for(name: str) -> str:
         if conv is not None and name in export_map:

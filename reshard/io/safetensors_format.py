@@ -5,8 +5,9 @@ checkpoint) as a read-only index with the `CheckpointIndex` interface, so that
 What is recognised (:func:`is_export`):
 
 * a single ``*.safetensors`` file;
-* a directory with ``model.safetensors.index.json`` (``weight_map``: name -> shard file,
-  every shard named in it must exist);
+* a directory with ``model.safetensors.index.json`` (``weight_map``: name -> shard file;
+  a shard name with ``/`` is a file in a subdirectory; every shard named must exist inside
+  the directory);
 * a directory with ``model.safetensors``, or with ``*.safetensors`` files and no index
   (all files are read); a directory holding DCP's ``.metadata`` or reshard's
   ``local-index.json`` is never taken for an export.
@@ -29,14 +30,23 @@ Keys (``keys=``):
   inverse of ``rename`` rules when given.
 * ``"stored"``: the names as stored.
 
-Opening validates the headers (8-byte length, JSON, dtype known, byte ranges consistent
-with shape x dtype and inside the file, no overlaps) and the index (every name mapped
-exactly once, each to a file that holds it); a problem raises `BadInput` (missing file:
-`Incomplete`) naming the file.
+Every file is opened through `reshard.io.safefs` under the source directory: a shard or an
+index that is a symlink out of it, a FIFO or a device is refused by name before a byte is
+read, and the index JSON is capped in size and depth. Opening validates the headers (8-byte
+length, JSON, dtype known, byte ranges consistent with shape x dtype and inside the file, no
+overlaps) and accounts for every name against the index (:func:`check_shard_listed`,
+:func:`check_index_found`): each
+shard holds exactly the tensors the index lists for it, so a listed name no shard holds and a
+stored tensor the index does not list are both errors naming the index, the name and the
+shard, never a weight silently dropped or added. A problem raises `BadInput` (missing file:
+`Incomplete`) naming the file. `reshard import` reads torch indexes
+(``pytorch_model.bin.index.json``) with the same three functions.
 """
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +55,16 @@ import torch
 from reshard.errors import BadInput, Incomplete
 from reshard.geometry import Box, whole
 from reshard.index import Chunk, Entry, EntryQueries, Finding
+from reshard.io import safefs
 from reshard.io.dcp import ItemLocation
 
 FORMAT = "safetensors-export"
 FORMAT_VERSION = 1
 ST_INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit for the JSON header
+INDEX_HINT = ("Fix or regenerate the index so that it lists every tensor of every shard, each in the shard "
+              "that holds it, and names only shard files inside the source directory.")
 
 
 def _st_dtypes() -> dict[str, torch.dtype]:
@@ -68,19 +82,121 @@ def is_export(path: str | Path) -> bool:
         return False
     if (p / ".metadata").exists() or (p / "local-index.json").exists():
         return False
-    if (p / ST_INDEX).is_file() or (p / SINGLE).is_file():
-        return True
+    if os.path.lexists(p / ST_INDEX) or os.path.lexists(p / SINGLE):
+        return True  # present, whatever it is: reading it refuses a FIFO or a link out by name, never skips it
     return any(c.suffix == ".safetensors" for c in p.iterdir())
 
 
 def _json_field(meta: dict[str, str], name: str, default: Any, where: str) -> Any:
+    """A JSON-valued ``__metadata__`` field, of the same JSON type as ``default`` (depth capped)."""
     v = meta.get(name)
     if v is None:
         return default
     try:
-        return json.loads(v)
-    except ValueError:
-        raise BadInput(f"safetensors metadata field '{name}' is not JSON", where=where) from None
+        out = safefs.loads_json(v, where=where, what=f"safetensors metadata field '{name}'")
+    except BadInput:
+        raise BadInput(f"safetensors metadata field '{name}' is not JSON (or nests too deep)", where=where) from None
+    if not isinstance(out, type(default)):
+        raise BadInput(f"safetensors metadata field '{name}' is a {type(out).__name__}, not a {type(default).__name__}",
+                       where=where)
+    return out
+
+
+def index_shard_name(name: str, file: Any, *, index: str) -> str:
+    """The shard file an index entry names, as a path relative to the source directory.
+
+    A name with ``/`` is a file in a subdirectory of the source and is fine; one that is
+    empty, absolute, or climbs out with ``..`` is refused naming the entry (exit 2). Where a
+    name that stays lexically inside really points (a symlink out) is checked when the file
+    is opened (`reshard.io.safefs.open_read` under the source root).
+    """
+    if not isinstance(file, str) or not file:
+        raise BadInput(f"index entry '{name}' names no shard file ({file!r})", where=index, hint=INDEX_HINT)
+    if "\x00" in file:
+        raise BadInput(f"index entry '{name}' names a shard file with a NUL byte ({file!r})", where=index,
+                       hint=INDEX_HINT)
+    if os.path.isabs(file) or ".." in Path(file).parts:
+        raise safefs.UnsafeFile(f"index entry '{name}' names the shard '{file}', outside the source directory",
+                                where=index, hint="Refusing to read files outside the source. " + INDEX_HINT)
+    return os.path.normpath(file)
+
+
+def read_index(path: str | Path, *, root: str | Path, what: str = "weight map index") -> tuple[dict[str, Any], dict[str, str]]:
+    """An index file (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, ...) and its ``weight_map``.
+
+    Read through `reshard.io.safefs.read_json` (a regular file inside ``root``, capped in size
+    and depth). Returns the index and its weight map with every shard name checked and
+    normalised by :func:`index_shard_name`.
+    """
+    where = str(path)
+    try:
+        ix = safefs.read_json(path, root=root, what=what)
+    except FileNotFoundError:
+        raise BadInput(f"the {what} is a dangling link", where=where, hint=INDEX_HINT) from None
+    except OSError as exc:
+        raise BadInput(f"unreadable {what} ({exc.strerror or exc})", where=where) from None
+    wm = ix.get("weight_map") if isinstance(ix, dict) else None
+    if not isinstance(wm, dict):
+        raise BadInput(f"the {what} has no 'weight_map' object (tensor name -> shard file)", where=where, hint=INDEX_HINT)
+    if "metadata" in ix and ix["metadata"] is not None and not isinstance(ix["metadata"], dict):
+        raise BadInput(f"the {what}'s 'metadata' is not an object", where=where, hint=INDEX_HINT)
+    return ix, {name: index_shard_name(name, f, index=where) for name, f in wm.items()}
+
+
+def check_shard_listed(index: str, shard: str, held: set[str] | list[str], weight_map: dict[str, str]) -> None:
+    """Every tensor ``shard`` holds is listed by the index for that shard, or an error names the first that is not.
+
+    Called as each shard is read; :func:`check_index_found` then checks the other way, once
+    every shard has been read. A tensor the index does not list (or lists in another shard)
+    would otherwise be imported although the index says it is not there, or in another file.
+    """
+    extra = sorted(n for n in held if weight_map.get(n) != shard)
+    if extra:
+        n = extra[0]
+        other = weight_map.get(n)
+        listed = f"the index lists it in '{other}'" if other is not None else "the index does not list it"
+        more = f" (and {len(extra) - 1} more the index does not list there)" if len(extra) > 1 else ""
+        raise BadInput(f"shard '{shard}' holds tensor '{n}', but {listed}{more}", where=index, hint=INDEX_HINT)
+
+
+def check_index_found(index: str, weight_map: dict[str, str], found: set[str] | dict[str, Any]) -> None:
+    """Every name the index lists was found (in the shard it is listed in), or an error names the first that was not.
+
+    ``found``: the names read from the shards, each already checked by
+    :func:`check_shard_listed` to be in the shard the index lists it in. A listed name no shard
+    holds would otherwise be dropped from the import without a word.
+    """
+    lost = sorted(n for n in weight_map if n not in found)
+    if lost:
+        n = lost[0]
+        more = f" (and {len(lost) - 1} more listed names no shard holds: {lost[1:4]})" if len(lost) > 1 else ""
+        raise BadInput(f"the index lists tensor '{n}' in shard '{weight_map[n]}', which does not hold it{more}",
+                       where=index, hint=INDEX_HINT)
+
+
+def read_header(fd: int, *, size: int, where: str) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header of the open file ``fd`` (``size`` bytes) and where its data starts.
+
+    Read with ``pread`` from a descriptor `reshard.io.safefs.open_read` returned, so what is
+    read is the regular file that was checked, never more than the length the file can hold.
+    """
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        raise BadInput("not a safetensors file (shorter than 8 bytes)", where=where)
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        raise BadInput(f"not a safetensors file (header length {n}, file {size} bytes)", where=where)
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, n - got, 8 + got)
+        if not b:
+            raise Incomplete(f"the safetensors header needs {n} bytes but the file ends earlier", where=where)
+        parts.append(b)
+        got += len(b)
+    header = safefs.loads_json(b"".join(parts), where=where, what="safetensors header")
+    if not isinstance(header, dict):
+        raise BadInput("safetensors header is not a JSON object", where=where)
+    return header, 8 + n
 
 
 def default_key(name: str) -> str:
@@ -99,7 +215,9 @@ class ExportIndex(EntryQueries):
             raise ValueError(f"keys must be source, reshard or stored, got {keys!r}")
         p = Path(path)
         self.path = p
-        self.root = p if p.is_dir() else p.parent
+        # the root every shard must lie in: the directory, or the real directory of a file named
+        # on the command line (a file or root that is itself a symlink is the user's choice)
+        self.root = safefs.resolve_root(p) if p.is_dir() else safefs.resolve_root(p).parent
         self.trust_pickle = trust_pickle
         self.version = f"{FORMAT}/{FORMAT_VERSION}"
         self.entries: dict[str, Entry] = {}
@@ -121,53 +239,72 @@ class ExportIndex(EntryQueries):
         return BadInput(message, where=where, hint="The safetensors export is corrupt or incomplete.")
 
     def _files(self) -> tuple[list[str], dict[str, str] | None]:
+        """The shard files to read (relative to the root) and the index's weight map, if any.
+
+        An index, once present (whatever it is), is the only list: a FIFO or a link out named
+        ``model.safetensors.index.json`` is refused, never skipped in favour of a directory scan.
+        """
         p = self.path
         if p.is_file():
-            return [p.name], None
+            return [safefs.resolve_root(p).name], None
         if not p.is_dir():
             raise BadInput("no such file or directory", where=str(p))
         ip = p / ST_INDEX
-        if ip.is_file():
-            try:
-                ix = json.loads(ip.read_text())
-            except (OSError, ValueError) as exc:
-                raise self._bad(f"unreadable index ({exc})", ST_INDEX) from None
-            wm = ix.get("weight_map") if isinstance(ix, dict) else None
-            if not isinstance(wm, dict) or not all(isinstance(v, str) and "/" not in v for v in wm.values()):
-                raise self._bad("'weight_map' must map names to file names in the directory", ST_INDEX)
+        if os.path.lexists(ip):
+            ix, wm = read_index(self.root / ST_INDEX, root=self.root, what="safetensors index")
             self.index = ix
             return sorted(set(wm.values())), wm
-        if (p / SINGLE).is_file():
+        if os.path.lexists(p / SINGLE):
             return [SINGLE], None
         files = sorted(c.name for c in p.iterdir() if c.suffix == ".safetensors")
         if not files:
             raise BadInput("no .safetensors files", where=str(p))
         return files, None
 
-    def _load(self) -> None:
-        from reshard.io.local_format import _read_header
+    def _open_shard(self, fname: str) -> int:
+        """A descriptor of shard ``fname``: a regular file inside the root (`reshard.io.safefs`)."""
+        fpath = self.root / fname
+        try:
+            return safefs.open_read(fpath, root=self.root)
+        except FileNotFoundError:
+            if self.index is not None:
+                names = sorted(n for n, f in self._weight_map.items() if f == fname)
+                raise Incomplete(f"shard '{fname}' named by the index is missing; {len(names)} tensors lose their "
+                                 f"bytes (first: {names[:3]})", where=str(self.root / ST_INDEX),
+                                 hint="Copy the missing shard in, or " + INDEX_HINT[0].lower() + INDEX_HINT[1:]) from None
+            raise Incomplete("shard file is missing", where=str(fpath)) from None
+        except OSError as exc:
+            raise BadInput(f"cannot open shard '{fname}' ({exc.strerror or exc})", where=str(fpath)) from None
 
+    def _load(self) -> None:
+        self._weight_map: dict[str, str] = {}
         files, weight_map = self._files()
+        self._weight_map = weight_map or {}
+        index_path = str(self.root / ST_INDEX)
         dtypes = _st_dtypes()
         located: dict[str, tuple[str, tuple[int, ...], torch.dtype, int, int]] = {}
         export_map: dict[str, str] = {}
         tied: list[list[str]] = []
         for fname in files:
             fpath = self.root / fname
-            if not fpath.is_file():
-                names = sorted(n for n, f in (weight_map or {}).items() if f == fname)
-                raise Incomplete(f"shard file is missing; {len(names)} tensors lose their bytes", where=str(fpath))
-            header, data_start = _read_header(fpath)
-            size = fpath.stat().st_size
+            fd = self._open_shard(fname)
+            try:
+                size = os.fstat(fd).st_size
+                header, data_start = read_header(fd, size=size, where=str(fpath))
+            except OSError as exc:
+                raise BadInput(f"cannot read shard '{fname}' ({exc.strerror or exc})", where=str(fpath)) from None
+            finally:
+                os.close(fd)
             self.file_sizes[fname] = size
             meta = header.pop("__metadata__", None) or {}
             if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
                 raise self._bad("__metadata__ must map strings to strings", fname)
             if not self.metadata:
                 self.metadata = dict(meta)
-            export_map.update(_json_field(meta, "export_map", {}, str(fpath)))
+            export_map.update({k: v for k, v in _json_field(meta, "export_map", {}, str(fpath)).items()
+                               if isinstance(v, str)})
             for g in _json_field(meta, "tied", [], str(fpath)):
-                if g not in tied:
+                if isinstance(g, list) and all(isinstance(n, str) for n in g) and g not in tied:
                     tied.append(g)
             ranges = []
             for name, h in header.items():
@@ -193,21 +330,19 @@ class ExportIndex(EntryQueries):
                                      where=str(fpath))
                 if name in located:
                     raise self._bad(f"tensor '{name}' is stored in both {located[name][0]} and {fname}", fname)
-                if weight_map is not None and weight_map.get(name) != fname:
-                    raise self._bad(f"tensor '{name}' is in {fname} but the index maps it to {weight_map.get(name)!r}", fname)
                 located[name] = (fname, tuple(shape), dt, data_start + begin, end - begin)
                 ranges.append((begin, end, name))
             ranges.sort()
             for (b0, e0, n0), (b1, e1, n1) in zip(ranges, ranges[1:]):
                 if b1 < e0:
                     raise self._bad(f"tensors '{n0}' and '{n1}' overlap", fname)
-        if weight_map is not None:
-            lost = sorted(n for n in weight_map if n not in located)
-            if lost:
-                raise self._bad(f"the index names {len(lost)} tensors no shard holds: {lost[:5]}", ST_INDEX)
+            if weight_map is not None:  # every tensor of the shard listed by the index for it
+                check_shard_listed(index_path, fname, [n for _, _, n in ranges], weight_map)
+        if weight_map is not None:  # and every name the index lists found (in the shard it is listed in)
+            check_index_found(index_path, weight_map, located)
             rmeta = ((self.index or {}).get("metadata") or {}).get("reshard") or {}
-            if isinstance(rmeta.get("export_map"), dict):
-                export_map = {**rmeta["export_map"], **export_map}
+            if isinstance(rmeta, dict) and isinstance(rmeta.get("export_map"), dict):
+                export_map = {**{k: v for k, v in rmeta["export_map"].items() if isinstance(v, str)}, **export_map}
         self.tied = [list(g) for g in tied if isinstance(g, list)]
 
         keys = {name: self._key(name, export_map) for name in located}
@@ -308,11 +443,18 @@ class ExportIndex(EntryQueries):
             start, n, out_shape = loc.offset, esize, ()
         buf = bytearray(n)
         path = self.root / fname
+        fd = self._open_shard(fname)
         try:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(memoryview(buf)) if f.seek(start) == start else 0
+            view, got = memoryview(buf), 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], start + got)
+                if k <= 0:
+                    break
+                got += k
         except OSError as exc:
-            raise BadInput(f"cannot read '{stored}' ({exc})", where=str(path)) from None
+            raise BadInput(f"cannot read '{stored}' ({exc.strerror or exc})", where=str(path)) from None
+        finally:
+            os.close(fd)
         if got != n:
             raise Incomplete(f"'{stored}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path))
         if n == 0:
@@ -355,27 +497,3 @@ def open_export(path: str | Path, *, keys: str = "source", rename: Any = None, t
     """Open and validate a safetensors export (see the module docstring for ``keys``)."""
     return ExportIndex(path, keys=keys, rename=rename, trust_pickle=trust_pickle)
 
-
-def export_rewrites(a: str | Path, b: str | Path) -> dict[str, str]:
-    """For `reshard verify DCP EXPORT`: what an export leaves out on purpose, as ``expected_rewrites``.
-
-    Every source key `reshard export` did not write (``export-report.json`` beside the
-    export: trainer state, optimizer state with ``--only model``, objects) with the reason,
-    plus the semantics ``step`` and ``tokens_seen`` (an export has no trainer counters).
-    Empty when neither side is an export.
-    """
-    out: dict[str, str] = {}
-    for side in (Path(a), Path(b)):
-        if not is_export(side):
-            continue
-        rp = (side if side.is_dir() else side.parent) / "export-report.json"
-        try:
-            rep = json.loads(rp.read_text())
-            for k in rep.get("keys", []):
-                if k.get("action") == "dropped":
-                    out[k["key"]] = f"not exported: {k.get('reason', '')}"
-        except (OSError, ValueError, TypeError, KeyError):
-            pass
-        out.setdefault("step", "an export carries no trainer counters")
-        out.setdefault("tokens_seen", "an export carries no trainer counters")
-    return out
