@@ -15,10 +15,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import run_cli
 
@@ -209,3 +212,63 @@ def test_shard_named_by_the_index_but_missing_is_refused_naming_its_tensors(fmt,
     out, dst = _out(tmp_path)
     code, _, err = run_cli(["import", src, dst], capsys)
     _refused(code, err, out, INDEX[fmt], _shard(fmt, 2), "missing", "layers.0.bias")
+
+
+# ------------------------------------------------------------------------------------ property: nothing silently lost
+_NAMES = ["a.weight", "b.weight", "c.bias", "d.weight", "e.scale"]
+
+
+@st.composite
+def _indexed_sources(draw):
+    """A sharded source (shards possibly in subdirectories) and one damage to its index, or none."""
+    fmt = draw(st.sampled_from(FORMATS))
+    shards = draw(st.lists(st.sampled_from(["", "sub/", "deep/er/"]), min_size=1, max_size=3))
+    files = [f"{sub}part-{i}{SUFFIX[fmt]}" for i, sub in enumerate(shards)]
+    layout = {n: draw(st.sampled_from(files)) for n in _NAMES}
+    damage = draw(st.sampled_from(["none", "ghost", "unlisted", "moved", "outside"]))
+    victim = draw(st.sampled_from(_NAMES))
+    return fmt, files, layout, damage, victim
+
+
+@given(_indexed_sources())
+@settings(max_examples=16, deadline=None, derandomize=True, database=None)
+def test_property_an_import_takes_exactly_what_the_index_lists_or_refuses(case):
+    from reshard.errors import BadInput
+    from reshard.importer import import_checkpoint
+
+    fmt, files, layout, damage, victim = case
+    g = torch.Generator().manual_seed(len(files))
+    tensors = {n: torch.randn(2 + i, 3, generator=g) for i, n in enumerate(_NAMES)}
+    with tempfile.TemporaryDirectory() as td:
+        src, out = Path(td) / "src", Path(td) / "out"
+        out.mkdir()
+        for f in files:
+            held = {n: tensors[n] for n in _NAMES if layout[n] == f}
+            if damage == "unlisted" and f == layout[victim]:
+                held["stowaway"] = torch.ones(2)
+            if held:
+                _save(src / f, fmt, held)
+        wm = {n: f for n, f in layout.items()}
+        if damage == "ghost":
+            wm["ghost." + victim] = layout[victim]
+        elif damage == "moved":
+            others = [f for f in files if f != layout[victim] and (src / f).exists()]
+            if not others:
+                damage = "ghost"
+                wm["ghost." + victim] = layout[victim]
+            else:
+                wm[victim] = others[0]
+        elif damage == "outside":
+            wm[victim] = "../" + Path(layout[victim]).name
+        src.mkdir(parents=True, exist_ok=True)
+        (src / INDEX[fmt]).write_text(json.dumps({"weight_map": wm}))
+        dst = out / "imported"
+        if damage == "none":
+            rep = import_checkpoint(src, dst, to="dp=2")
+            assert sorted(k["name"] for k in rep["keys"]) == sorted(_NAMES)
+            _imported_equals(dst, tensors)
+        else:
+            with pytest.raises(BadInput) as exc:
+                import_checkpoint(src, dst, to="dp=2")
+            assert INDEX[fmt] in exc.value.render()
+            assert list(out.iterdir()) == []
