@@ -320,6 +320,17 @@ def _plan(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | Non
     return p
 
 
+def key_actions(ix, cls, mdict: dict[str, Any], *, only: str) -> list[dict[str, Any]]:
+    """What `export` does with every source key (``exported``, ``tied_copy`` or ``dropped``, with
+    the reason), exactly as ``export-report.json`` lists them, computed from the source itself.
+
+    Public for `reshard verify DCP EXPORT`, which re-derives what an export of the source
+    leaves out instead of believing the report the export carries. Names and dtypes do not
+    change what is left out, so no rename rules or cast are taken.
+    """
+    return _plan(ix, cls, mdict, only=only, dtype=None, rules=None).keys
+
+
 def _assign_shards(items: list[_Item], max_shard_size: int, ext: str) -> list[list[_Item]]:
     shards: list[list[_Item]] = []
     size = 0

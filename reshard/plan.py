@@ -149,6 +149,17 @@ class Plan:
                 "new": sorted(self.new_values)}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    def source_fingerprint(self) -> str:
+        """Hash of what the plan read from its source, without where the source lies.
+
+        Recorded in the lineage entry of a conversion (`reshard.transition`) so that
+        `reshard verify A B` can tell, by recomputing the plan from A, whether B claims to
+        come from this A (moved or not); the claim only selects which plan to recompute, it
+        excuses nothing by itself (`reshard.verify`).
+        """
+        body = {k: v for k, v in self.source.items() if k != "path"}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
 
 def _summary(keys: list[KeyAction]) -> dict[str, int]:
     out: dict[str, int] = {}

@@ -51,6 +51,8 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "rng_seed": plan.rng.seed if plan.rng else None, "verdict": plan.verdict["kind"],
         "previous_experiment_id": old_id, "plan_fingerprint": plan.fingerprint(),
         "trust_pickle": plan.options.trust_pickle,
+        # what `reshard verify` needs to recompute this plan from the source (reshard.verify)
+        "options": plan.options.to_dict(), "source_fingerprint": plan.source_fingerprint(),
     }
     lineage = list(src.get("lineage") or [])
     lineage.append({"event": "transition", "from": _topo(plan.source["topology"]).to_dict(), "to": _topo(target).to_dict(),

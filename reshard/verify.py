@@ -3,7 +3,7 @@
 Two checkpoints are compared as what they *mean*, independent of how either is chunked or
 which rank file holds which bytes: a 4-rank FSDP2 save and its conversion to 3 ranks are
 equal when every global tensor has the same shape, dtype and values, every object is
-structurally equal, and the trainer semantics (step, tokens seen, data cursor) agree.
+the same value bit for bit, and the trainer semantics (step, tokens seen, data cursor) agree.
 
 Rules
 -----
@@ -27,16 +27,46 @@ Rules
   is > 0, in which case both sides are cast to float64 (complex128) and compared with
   ``torch.isclose(rtol, atol, equal_nan=True)``; a dtype difference is then tolerated (and
   listed under ``notes``), otherwise it is a ``dtype`` difference.
-* **Objects.** Loaded safely (``trust_pickle`` as for inspect) and compared structurally:
-  dicts, lists and tuples recursively, types exactly, floats exactly (NaN equals NaN),
-  tensors bit for bit.
+* **Objects.** Loaded safely (``trust_pickle`` as for inspect) and compared bit for bit, by
+  the rule tensors are (`object_difference`): types exactly (``1`` is not ``1.0``), floats
+  by their bits (``-0.0 != 0.0``; NaNs equal only with the same payload), tensors by shape,
+  dtype and bits, dicts, lists, tuples and sets by structure, recursively.
 * **Semantics** (from each side's inspection): ``step``, ``tokens_seen`` and, when both
   have a manifest, ``data.cursor``. The experiment id is not compared (a warm-start
   conversion may give a new one).
-* **Expected rewrites.** ``expected_rewrites = {key: reason}`` names keys the caller changed
-  on purpose. A difference on such a key (or on a key below it: ``"scheduler"`` covers
-  ``"scheduler.last_epoch"``), including one present on one side only, is listed under
-  ``rewritten`` instead of ``differences``. The semantics names above may be used as keys.
+
+Excused differences
+-------------------
+A difference is excused (listed under ``rewritten`` instead of ``differences``) only when
+something other than the checkpoint under test says so:
+
+* ``expected_rewrites = {key: reason}``: keys the *caller* changed on purpose (`reshard
+  convert` passes the keys of the plan it has in hand; the rehearsal and the demo theirs).
+  A difference on such a key (or on a key below it: ``"scheduler"`` covers
+  ``"scheduler.last_epoch"``), including one present on one side only, is excused. The
+  semantics names above may be used as keys.
+* ``recompute=True`` (what `reshard verify` does): the verifier re-derives the changes
+  itself, and nothing either checkpoint says about itself is evidence; a report inside a
+  checkpoint (``reshard-report.json``, ``export-report.json``) is never read.
+
+  - **A conversion** (`conversion_evidence`): the output's ``manifest.json`` lineage ends
+    with a transition recording its plan options and its source's fingerprint; the plan
+    is recomputed from the other side with those options (``trust_pickle`` is this run's,
+    never the lineage's) and must have that source fingerprint. Then a dropped key may be
+    absent, a rewritten or added key must hold exactly (`identical`) the value the plan's
+    state translators write (``plan.new_values``: reseeded RNG, remapped schedule,
+    translated data state), a transformed, cast or tied-copy tensor must pass
+    `reshard.execute.check_transforms` against the source, and a moved ``data.cursor``
+    must be the plan's. A forged lineage can only name a plan; if B's values are not that
+    plan's, they stay differences. ``strict=True`` (``--strict``) excuses no conversion
+    change at all. Only one conversion is re-derived (B made from A, or A from B), not a
+    chain.
+  - **An export** (`export_evidence`, one side a safetensors export): the keys `reshard
+    export` leaves out (trainer state, objects, optimizer state under ``--only model``,
+    tied copies written once) are recomputed from the other side with
+    `reshard.export.key_actions` and the ``only`` the export's header records; they may
+    be absent. ``step`` and ``tokens_seen`` may be unknown on the export side. A value that
+    differs is a difference, ``strict`` or not.
 
 Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle) raises the
 :class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
@@ -71,7 +101,8 @@ Result (the ``--json`` shape)::
                                          # shape/dtype/semantics -> "a", "b";
                                          # per_rank -> "side", "role", "ranks", "expected"
       "rewritten": [{"key": str, "reason": str, "kind": str, "detail": str}],
-      "notes": [str],                    # tolerated dtype changes and the like
+      "notes": [str],                    # tolerated dtype changes, lineages that could not be used, ...
+      "evidence": str | None,            # where the excused changes were re-derived from (recompute)
       "tolerance": {"rtol": float, "atol": float},
       "exit_code": 0 | 1                 # 0 equal, 1 different
     }
@@ -82,16 +113,21 @@ of A (a tensor chunk or an object), so ``CheckpointIndex.open(a).item_count()`` 
 from __future__ import annotations
 
 import math
+import os
 import reprlib
+import stat
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard.errors import BadInput, Incomplete
+from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.index import CheckpointIndex, Entry
 from reshard.inspection import Inspection, inspect_checkpoint
 from reshard.integrity import check_algorithm
+from reshard.plan import Options, Plan
 
 PER_RANK_ROLES = ("rng", "data")
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -289,28 +325,76 @@ def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: Che
 
 
 # ---------------------------------------------------------------------------------- objects
-def _same_float(x: float, y: float) -> bool:
-    return x == y or (math.isnan(x) and math.isnan(y))
+MAX_OBJECT_DEPTH = 200  # nesting beyond this is bad input (a self-referencing pickle must not recurse forever)
+
+
+def _float_bits(v: float | complex) -> bytes:
+    """The IEEE bits of a float (both parts of a complex): -0.0 and 0.0 differ, NaN payloads count."""
+    if isinstance(v, complex):
+        return struct.pack("<dd", v.real, v.imag)
+    return struct.pack("<d", v)
+
+
+def _key_token(k: Any) -> Any:
+    """A hashable stand-in for a dict key or set element that is equal only for identical values.
+
+    Python's own equality would let ``{1: x}`` match ``{1.0: x}`` and ``{0.0: x}`` match
+    ``{-0.0: x}``; the token carries the exact type and, for floats, the bits.
+    """
+    if isinstance(k, (float, complex)):
+        return (type(k), _float_bits(k))
+    if isinstance(k, (tuple, frozenset)):
+        inner = tuple(_key_token(e) for e in k)
+        return (type(k), inner if isinstance(k, tuple) else frozenset(inner))
+    return (type(k), k)
 
 
 def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.shape != y.shape or x.dtype != y.dtype:
+    """Same layout, shape, dtype and bits (the rule `verify` applies to tensor entries)."""
+    if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
         return False
-    return bool(torch.equal(x, y)) or bool(torch.equal(_bits(x), _bits(y)))
+    if x.layout != torch.strided:
+        x, y = x.to_dense(), y.to_dense()
+    x, y = x.resolve_conj().resolve_neg(), y.resolve_conj().resolve_neg()
+    return bool(torch.equal(_bits(x), _bits(y)))
 
 
-def object_difference(x: Any, y: Any, path: str = "") -> str | None:
-    """The first structural difference between ``x`` and ``y`` as a short line, or None."""
+def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | None:
+    """The first difference between two objects, bit for bit, as a short line; None when identical.
+
+    Objects are compared by the rule tensors are (`verify` is bitwise unless told otherwise),
+    applied to everything an object item can hold:
+
+    * **types exactly**: ``1`` and ``1.0`` differ, ``True`` and ``1`` differ, a list is not a tuple;
+    * **floats by their bits** (complex numbers: both parts): ``-0.0 != 0.0``, and two NaNs are
+      equal only when their payloads are (``nan == nan`` bit for bit is the same value);
+    * **tensors** by layout, shape, dtype and bits (NaN-safe, ``-0.0 != 0.0``); numpy arrays and
+      scalars by dtype, shape and bytes (object arrays element by element);
+    * **dicts** by their keys (each key by the same rule, so ``{0.0: v}`` is not ``{-0.0: v}``;
+      insertion order is not compared) and then values recursively; **lists and tuples** by
+      length and element; **sets** by their elements' exact forms;
+    * ``str``, ``bytes``, ``int``, ``bool``, ``None`` by ``==`` once the types match;
+    * anything else (the safe loader's inert stand-ins): ``==`` when it answers a bool, else
+      the ``repr``.
+
+    Nesting deeper than ``MAX_OBJECT_DEPTH`` is `BadInput` (exit 2) rather than a recursion error.
+    """
+    import numpy as np
+
     where = path or "value"
+    if _depth > MAX_OBJECT_DEPTH:
+        raise BadInput(f"an object is nested more than {MAX_OBJECT_DEPTH} levels deep at {where}",
+                       hint="No trainer state nests this deep; the object item is malformed or self-referencing.")
     if type(x) is not type(y):
         return f"{where}: {type(x).__name__} {short_repr(x)} in A, {type(y).__name__} {short_repr(y)} in B"
     if isinstance(x, dict):
-        if set(x) != set(y):
-            only_a = [k for k in x if k not in y]
-            only_b = [k for k in y if k not in x]
+        tx, ty = {_key_token(k): k for k in x}, {_key_token(k): k for k in y}
+        if set(tx) != set(ty):
+            only_a = [k for t, k in tx.items() if t not in ty]
+            only_b = [k for t, k in ty.items() if t not in tx]
             return f"{where}: keys only in A {short_repr(only_a)}, only in B {short_repr(only_b)}"
-        for k in x:
-            d = object_difference(x[k], y[k], f"{path}[{k!r}]")
+        for t, k in tx.items():
+            d = object_difference(x[k], y[ty[t]], f"{path}[{k!r}]", _depth + 1)
             if d:
                 return d
         return None
@@ -318,22 +402,38 @@ def object_difference(x: Any, y: Any, path: str = "") -> str | None:
         if len(x) != len(y):
             return f"{where}: length {len(x)} in A, {len(y)} in B"
         for i, (u, v) in enumerate(zip(x, y)):
-            d = object_difference(u, v, f"{path}[{i}]")
+            d = object_difference(u, v, f"{path}[{i}]", _depth + 1)
             if d:
                 return d
         return None
+    if isinstance(x, (set, frozenset)):
+        same = {_key_token(e) for e in x} == {_key_token(e) for e in y}
+        return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
     if isinstance(x, torch.Tensor):
-        if x.shape != y.shape or x.dtype != y.dtype:
+        if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
             return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
-        return None if _tensor_same(x, y) else f"{where}: tensor values differ"
-    if isinstance(x, float):
-        return None if _same_float(x, y) else f"{where}: {x!r} in A, {y!r} in B"
+        return None if _tensor_same(x, y) else f"{where}: tensor values differ (bitwise)"
+    if isinstance(x, (float, complex)):
+        return None if _float_bits(x) == _float_bits(y) else f"{where}: {x!r} in A, {y!r} in B"
+    if isinstance(x, np.ndarray):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"{where}: array {x.dtype}{list(x.shape)} in A, {y.dtype}{list(y.shape)} in B"
+        if x.dtype.hasobject:
+            return object_difference(x.tolist(), y.tolist(), path, _depth + 1)
+        return None if x.tobytes() == y.tobytes() else f"{where}: array values differ (bitwise)"
+    if isinstance(x, np.generic):
+        return None if (x.dtype, x.tobytes()) == (y.dtype, y.tobytes()) else f"{where}: {x!r} in A, {y!r} in B"
     try:
         res = x == y
-        same = res if isinstance(res, bool) else bool(res.all() if hasattr(res, "all") else res)
+        same = res if isinstance(res, bool) else repr(x) == repr(y)
     except Exception:  # noqa: BLE001 - objects whose == misbehaves: compare their repr
         same = repr(x) == repr(y)
     return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+
+
+def identical(x: Any, y: Any) -> bool:
+    """True when ``x`` and ``y`` are the same value bit for bit (see `object_difference`)."""
+    return object_difference(x, y) is None
 
 
 # ---------------------------------------------------------------------------------- main
@@ -346,44 +446,237 @@ def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
     return out
 
 
-def rewrites_from_reports(a: Path, b: Path, *, max_hops: int = 16) -> tuple[dict[str, str], str | None]:
-    """Keys the conversion reports between A and B say were rewritten, dropped or added on purpose.
+# ---------------------------------------------------------------------------------- evidence
+@dataclass
+class Evidence:
+    """Differences the verifier re-derived itself, each with what the output must hold there.
 
-    `reshard convert` writes `reshard-report.json` into its output naming every key it
-    changed deliberately (reseeded RNG, translated data state, remapped schedule). When one
-    side was produced from the other by a chain of conversions (A -> X -> ... -> B), the
-    reports along the chain are followed back to the other side; they are only trusted
-    when the chain really ends there.
+    Nothing in it is read from a report: it is built from a plan recomputed from the source
+    (`conversion_evidence`; `plan_evidence` for a plan in hand) or from the selection
+    `reshard export` makes, computed on the source (`export_evidence`). ``source`` is the
+    side (``"a"`` or ``"b"``) the conversion or export started from; the other side is its
+    output. A difference is excused only when `excuse` finds it here *and* the output's
+    value is the one re-derived.
     """
-    import json
 
-    for src, out in ((a, b), (b, a)):
-        keys: dict[str, str] = {}
-        first: str | None = None
-        cur = Path(out)
-        for _ in range(max_hops):
-            rp = cur / "reshard-report.json"
-            try:
-                rep = json.loads(rp.read_text())
-                prev = Path(rep["source"])
-                for k in rep["plan"]["keys"]:
-                    if k["action"] in ("rewritten", "dropped", "added"):
-                        keys.setdefault(k["key"], f"{k['action']} by the conversion {prev.name} -> {cur.name} ({k['reason']})")
-            except (OSError, ValueError, KeyError, TypeError):
-                break
-            first = first or str(rp)
-            if prev.resolve() == Path(src).resolve():
-                return keys, first
-            cur = prev
-    return {}, None
+    source: str
+    what: str                                                            # one line: where it came from
+    dropped: dict[str, str] = field(default_factory=dict)                # key -> reason: absent from the output
+    values: dict[str, tuple[str, Any]] = field(default_factory=dict)     # key -> (reason, the value written)
+    proven: dict[str, str] = field(default_factory=dict)                 # key -> reason: checked by check_transforms
+    semantics: dict[str, tuple[str, Any]] = field(default_factory=dict)  # name -> (reason, the output's value)
+
+    @property
+    def output(self) -> str:
+        return "b" if self.source == "a" else "a"
+
+    def excuse(self, d: dict[str, Any], read: Any) -> str | None:
+        """Why difference ``d`` is exactly what the conversion or export of the source produces, or None.
+
+        ``read(side, key)`` reads the stored value of ``key`` on ``side`` (an object or a whole tensor).
+        """
+        key, kind = d["key"], d["kind"]
+        absent_from_output = "missing" if self.output == "b" else "unexpected"
+        only_in_output = "unexpected" if self.output == "b" else "missing"
+        if kind == "semantics":
+            if key in self.semantics and identical(d[self.output], self.semantics[key][1]):
+                return self.semantics[key][0]
+            return None
+        if kind == absent_from_output:
+            return self.dropped.get(key)
+        if kind not in (only_in_output, "value", "object", "shape", "dtype"):
+            return None  # per-rank completeness is never a conversion's doing
+        if key in self.values:
+            reason, want = self.values[key]
+            return f"{reason} (value re-derived)" if identical(read(self.output, key), want) else None
+        if key in self.proven and kind != "object":
+            return self.proven[key]
+        return None
+
+
+def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, src_index: Any,
+                  out_index: Any) -> Evidence:
+    """The differences ``plan`` produces between ``src`` and its output ``out``.
+
+    Dropped keys may be absent; rewritten and added keys must hold exactly the values the
+    plan's state translators wrote (``plan.new_values``: RNG reseeds, schedule remaps,
+    translated data state); tensors the plan transforms, casts or copies from a tied key are
+    excused only when `reshard.execute.check_transforms` proves them from the source (and
+    their shape and dtype are the planned ones); a cursor the plan moved must be the one it
+    computed.
+    """
+    from reshard.execute import check_transforms
+
+    ev = Evidence(source, what)
+    for a in plan.keys:
+        if a.action == "dropped":
+            ev.dropped[a.key] = f"dropped: {a.reason}"
+        elif a.action in ("rewritten", "added") and a.key in plan.new_values:
+            ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
+    candidates: dict[str, str] = {}
+    for t in plan.tensors:
+        se = src_index.entries.get(t.copy_from or t.key)
+        if t.transform:
+            why = "TP-dependent layout rewritten (checked in canonical form against the source)"
+        elif t.copy_from:
+            why = f"tied copy of '{t.copy_from}' (checked equal to it in the source)"
+        elif se is not None and se.is_tensor and se.dtype_name != t.dtype:
+            why = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
+        else:
+            continue
+        oe = out_index.entries.get(t.key)
+        if oe is not None and oe.is_tensor and tuple(oe.shape) == tuple(t.shape) and oe.dtype_name == t.dtype:
+            candidates[t.key] = why
+    if candidates:
+        bad = set(check_transforms(src, out, plan))
+        ev.proven = {k: why for k, why in candidates.items() if k not in bad}
+    if plan.data is not None and plan.data.cursor_after is not None:
+        ev.semantics["data.cursor"] = (f"data cursor moved by the plan ({plan.data.policy})", int(plan.data.cursor_after))
+    return ev
+
+
+def _recorded_options(d: Any) -> Options | str:
+    """The plan options a lineage entry records, type-checked field by field, or why they cannot be used."""
+    import dataclasses
+    import typing
+
+    if not isinstance(d, dict):
+        return "records no plan options (written by an older reshard), so its plan cannot be recomputed"
+    hints = typing.get_type_hints(Options)
+    unknown = sorted(str(k) for k in d if k not in hints)
+    if unknown:
+        return f"records plan options this reshard does not know ({unknown[:3]})"
+    for name, v in d.items():
+        allowed = tuple(typing.get_origin(t) or t for t in (typing.get_args(hints[name]) or (hints[name],)))
+        if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+            return f"records plan option {name}={short_repr(v)}, which is not a {hints[name]}"
+    missing = [f.name for f in dataclasses.fields(Options)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d]
+    if missing:
+        return f"records no plan option {missing[0]}"
+    return Options(**d)
+
+
+def _rules_file_problem(rules: str) -> str | None:
+    """A rules file a lineage names is read only if it is a small regular file (no FIFO, device, ...)."""
+    try:
+        st = os.stat(rules)
+    except OSError as exc:
+        return f"names the rules file {rules}, which cannot be opened here ({exc.strerror or exc})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"names the rules file {rules}, which is not a regular file"
+    if st.st_size > MAX_RULES_BYTES:
+        return f"names the rules file {rules}, larger than {MAX_RULES_BYTES} bytes"
+    return None
+
+
+MAX_RULES_BYTES = 1 << 20
+_RECOMPUTE_ERRORS = (ReshardError, ValueError, TypeError, KeyError, AttributeError, IndexError)
+
+
+def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *,
+                        trust_pickle: bool = False) -> tuple[Evidence | None, list[str]]:
+    """Re-derive the changes a conversion between A and B made, from the source side itself.
+
+    One side (the output) must carry a manifest whose last lineage entry is a transition
+    recording its plan options and its source's fingerprint (`reshard.transition`). The
+    plan is recomputed from the other side with those options (and this run's
+    ``trust_pickle``: a lineage never decides what gets unpickled); it must be feasible and
+    have the recorded source fingerprint, i.e. the other side is that conversion's source.
+    The returned `Evidence` then excuses exactly what that plan produces (`plan_evidence`).
+    Reports inside either checkpoint are never read. Returns (evidence or None, notes saying
+    why a lineage found could not be used).
+    """
+    from reshard.plan import make_plan
+
+    notes: list[str] = []
+    for source, (src, out, si, so) in (("a", (a, b, sa, sb)), ("b", (b, a, sb, sa))):
+        lineage = list(so.manifest.lineage) if so.manifest is not None else []
+        if not lineage or lineage[-1].event != "transition":
+            continue
+        entry = lineage[-1]
+        where = f"{Path(out) / 'manifest.json'} (lineage entry {len(lineage)})"
+        options = _recorded_options(entry.policies.get("options"))
+        fingerprint = entry.policies.get("source_fingerprint")
+        if isinstance(options, str):
+            notes.append(f"{where} {options}: its changes count as differences")
+            continue
+        if not isinstance(fingerprint, str):
+            notes.append(f"{where} records no source fingerprint: its changes count as differences")
+            continue
+        if options.rules and (why := _rules_file_problem(options.rules)):
+            notes.append(f"{where} {why}: its changes count as differences")
+            continue
+        options.trust_pickle = trust_pickle
+        try:
+            plan = make_plan(src, options, inspection=si if options.from_spec is None else None)
+        except _RECOMPUTE_ERRORS as exc:
+            why = exc.message if isinstance(exc, ReshardError) else f"{type(exc).__name__}: {exc}"
+            notes.append(f"{where}: its plan cannot be recomputed from {src} ({why}): its changes count as differences")
+            continue
+        if plan.source_fingerprint() != fingerprint:
+            notes.append(f"{where} names a source with fingerprint {fingerprint}, not {src} "
+                         f"({plan.source_fingerprint()}): its changes count as differences")
+            continue
+        if not plan.feasible:
+            notes.append(f"{where}: its options give an infeasible plan from {src}: its changes count as differences")
+            continue
+        what = (f"the plan recomputed from {src} with the options {where} records "
+                f"(fingerprint {plan.fingerprint()})")
+        return plan_evidence(plan, source=source, what=what, src=Path(src), out=Path(out), src_index=si.index,
+                             out_index=so.index), notes
+    return None, notes
+
+
+def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[Evidence | None, list[str]]:
+    """What an export of one side leaves out, re-derived from that side (never from ``export-report.json``).
+
+    When exactly one side is a safetensors export, the keys its export of the other side
+    drops (trainer state, objects, optimizer state under ``--only model``, tied copies
+    written once) are recomputed from the other side with `reshard.export.key_actions` and
+    the ``only`` the export records in its header; they may be absent from the export. The
+    semantics ``step`` and ``tokens_seen`` may be unknown on the export side (the format has
+    no trainer counters). Nothing else is excused: a value that differs is a difference.
+    """
+    from reshard.export import key_actions
+    from reshard.io.safetensors_format import ExportIndex
+
+    kinds = (isinstance(sa.index, ExportIndex), isinstance(sb.index, ExportIndex))
+    if kinds not in ((False, True), (True, False)):
+        return None, []
+    source, src, si, so = ("a", a, sa, sb) if kinds[1] else ("b", b, sb, sa)
+    counters = "an export carries no trainer counters"
+    ev = Evidence(source, f"what an export of {src} leaves out, recomputed from {src}",
+                  semantics={"step": (counters, None), "tokens_seen": (counters, None)})
+    meta = so.index.metadata
+    only = meta.get("only")
+    if meta.get("reshard_export") is None:
+        return ev, [f"{so.index.path} was not written by `reshard export`: every key it lacks counts as a difference"]
+    if only not in ("model", "model+optim"):
+        return ev, [f"{so.index.path} records --only {short_repr(only)}, which `reshard export` never writes: "
+                    "every key it lacks counts as a difference"]
+    mdict = si.manifest.to_dict() if si.manifest is not None else {}
+    for rec in key_actions(si.index, si.classification, mdict, only=only):
+        if rec.get("action") in ("dropped", "tied_copy"):
+            ev.dropped[rec["key"]] = f"not exported (--only {only}): {rec.get('reason', '')}"
+    ev.what += f" (--only {only})"
+    return ev, []
 
 
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
                        progress: Any = None, check_integrity: bool | str = True, fast: bool = True,
                        workers: int | None = None, b_files: set[str] | None = None,
-                       values_checked: set[str] | None = None, direct: bool = True) -> dict[str, Any]:
+                       values_checked: set[str] | None = None, direct: bool = True,
+                       recompute: bool = False, strict: bool = False) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
+
+    ``expected_rewrites``: keys the *caller* changed on purpose (`reshard convert` passes its
+    own plan's); never read from either checkpoint.
+    ``recompute``: excuse the differences a conversion or export between the two sides made,
+    re-derived from the source side (`conversion_evidence`, `export_evidence`): what `reshard
+    verify` does. ``strict`` (with ``recompute``): excuse no conversion change at all (an
+    export's left-out keys still are: an export cannot hold them).
 
     ``check_integrity``: True checks both sides' recorded item checksums, False neither,
     ``"a"`` only A's (what `reshard convert` uses on its own fresh output, whose checksums
@@ -519,11 +812,25 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
         if d:
             found.append({"key": key, "kind": "object", "detail": d})
 
-    # ---------------------------------------------------------------- expected rewrites
+    # ---------------------------------------------------------------- excused differences
+    evidence: Evidence | None = None
+    if recompute and found:
+        evidence, why_not = export_evidence(a, b, sa, sb)
+        if evidence is None and not strict:
+            evidence, why_not = conversion_evidence(a, b, sa, sb, trust_pickle=trust_pickle)
+        notes.extend(why_not)
+    indexes = {"a": ia, "b": ib}
+
+    def read(side: str, key: str) -> Any:
+        ix = indexes[side]
+        return ix.read_tensor(key) if ix.entries[key].is_tensor else ix.read_object(key)
+
     differences: list[dict[str, Any]] = []
     rewritten: list[dict[str, Any]] = []
     for d in found:
         reason = _rewrite_reason(d["key"], rewrites)
+        if reason is None and evidence is not None:
+            reason = evidence.excuse(d, read)
         if reason is None:
             differences.append(d)
         else:
@@ -538,6 +845,7 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
         "differences": differences,
         "rewritten": rewritten,
         "notes": notes,
+        "evidence": evidence.what if evidence is not None else None,
         "tolerance": {"rtol": float(rtol), "atol": float(atol)},
         "exit_code": 0 if equal else 1,
     }
@@ -584,6 +892,8 @@ def render_verify(r: dict[str, Any], *, limit: int = 50) -> str:
         out.append(f"rewritten   {len(r['rewritten'])} expected rewrite(s)")
         for w in r["rewritten"][:limit]:
             out.append(f"  {w['key']}: {w['reason']} ({w['detail']})")
+        if r.get("evidence"):
+            out.append(f"expected rewrites taken from {r['evidence']}, each re-derived (--strict excuses none)")
     for note in r.get("notes", [])[:limit]:
         out.append(f"note        {note}")
     return "\n".join(out)
