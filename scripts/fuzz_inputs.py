@@ -432,6 +432,246 @@ def run_case(src: Path, items: list[Item], mutation: Mutation, work: Path, runne
     return res
 
 
+# ----------------------------------------------------------------------------- hostile structures
+# Inputs an attacker builds rather than flips (issue 13): files that are not what their names
+# say (FIFOs, /dev/zero, symlinks out of or inside the checkpoint), chunk layouts that cost a
+# naive checker quadratic time, item lengths that contradict their chunks, nesting that
+# exhausts a recursive parser, and `.metadata` that amplifies in memory. Each builder plants
+# one structure into a checkpoint directory and says what a safe reader must do with it.
+# tests/test_fuzz.py draws them with hypothesis; scripts/bench_hostile.py grows them.
+
+INPUT_FILES = (".metadata", "__0_0.distcp", "manifest.json", "reshard-report.json")
+SPECIAL_KINDS = ("fifo", "dev_zero", "symlink_out", "symlink_out_relative", "symlink_in", "symlink_in_chain")
+NOT_READ = ("reshard-report.json",)  # a report is never evidence: no command reads a source's report
+STAIR_KEY = "model.stair.weight"
+
+
+@dataclass(frozen=True)
+class Structure:
+    """One planted structure: what it is, the file a refusal must name, the exit code a safe
+    ``inspect`` gives (0 benign, 2 refused), and the key a refusal must name (if any)."""
+
+    what: str
+    file: str
+    expect: int
+    key: str | None = None
+    fifo: Path | None = None  # a FIFO planted in the checkpoint (a runner may need to unblock it)
+
+
+def plant_special(ck: Path, name: str, kind: str, *, outside: Path) -> Structure:
+    """Replace input file ``name`` of checkpoint ``ck`` by a special file of ``kind``.
+
+    ``outside`` is a directory outside ``ck`` (another, private checkpoint): a symlink out
+    points at a real copy of the same file there, so only the symlink check can refuse it.
+    A missing ``reshard-report.json`` is created first (a converted checkpoint has one).
+    """
+    p = ck / name
+    if not p.exists() and name == "reshard-report.json":
+        p.write_text(json.dumps({"format_version": 1, "source": str(ck), "keys": {}}) + "\n")
+    read = name not in NOT_READ
+    fifo = None
+    if kind == "fifo":
+        p.unlink()
+        os.mkfifo(p)
+        fifo = p
+    elif kind == "dev_zero":
+        p.unlink()
+        os.symlink("/dev/zero", p)
+    elif kind in ("symlink_out", "symlink_out_relative"):
+        outside.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(p), str(outside / name))
+        os.symlink(outside / name if kind == "symlink_out" else os.path.relpath(outside / name, ck), p)
+    elif kind in ("symlink_in", "symlink_in_chain"):
+        store = ck / "store"
+        store.mkdir(exist_ok=True)
+        shutil.move(str(p), str(store / name))
+        if kind == "symlink_in":
+            os.symlink(os.path.join("store", name), p)
+        else:
+            os.symlink(name, store / ("link-" + name))          # store/link-X -> store/X
+            os.symlink(os.path.join("store", "link-" + name), p)
+        return Structure(f"{name} is a symlink inside the checkpoint ({kind})", name, 0)
+    else:
+        raise ValueError(kind)
+    return Structure(f"{name} is {kind}", name, 2 if read else 0, fifo=fifo)
+
+
+def rewrite_metadata(ck: Path, change: Callable[[Any], None]) -> None:
+    """Load ``ck/.metadata`` with torch's own reader, let ``change`` edit the Metadata, write it back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ck)).read_metadata()
+    change(md)
+    tmp = ck / ".metadata.new"
+    tmp.write_bytes(pickle.dumps(md))
+    os.replace(tmp, ck / ".metadata")
+
+
+def staircase_chunks(n: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """``2n`` chunks tiling an ``(n + 1, n)`` tensor: column ``i`` cut after row ``i``.
+
+    Every upper chunk starts at row 0 and spans a different number of rows, so a sweep along
+    dim 0 keeps ``n`` chunks active at once: a pairwise check is quadratic."""
+    out = []
+    for i in range(n):
+        out += [((0, i), (i + 1, 1)), ((i + 1, i), (n - i, 1))]
+    return out
+
+
+def _damage_chunks(md: Any, key: str, damage: str) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    tm = md.state_dict_metadata[key]
+    chunks = tm.chunks
+    k = len(chunks) // 2 + 1  # an upper... or lower chunk near the middle
+    c = chunks[k]
+    if damage == "gap":
+        del chunks[k]
+        md.storage_data.pop(MetadataIndex(key, c.offsets), None)
+        return
+    if damage == "overlap":  # a chunk one row longer runs into the chunk below it
+        new = ChunkStorageMetadata(offsets=c.offsets, sizes=type(c.sizes)((c.sizes[0] + 1, c.sizes[1])))
+        if c.offsets[0] + new.sizes[0] > tm.size[0]:
+            new = ChunkStorageMetadata(offsets=type(c.offsets)((c.offsets[0] - 1, c.offsets[1])), sizes=new.sizes)
+    elif damage == "out_of_bounds":
+        new = ChunkStorageMetadata(offsets=type(c.offsets)((c.offsets[0], tm.size[1])), sizes=c.sizes)
+    else:
+        raise ValueError(damage)
+    chunks[k] = new
+    info = md.storage_data.pop(MetadataIndex(key, c.offsets))
+    md.storage_data[MetadataIndex(key, new.offsets)] = info
+
+
+def write_staircase(out: Path, n: int, *, damage: str | None = None, ranks: int = 1) -> Structure:
+    """A real checkpoint (`reshard.io.dcp_writer.DcpWriter`, DCP's on-disk format) of one uint8
+    tensor in a staircase of ``2n`` chunks over ``ranks`` files; ``damage`` (``gap``,
+    ``overlap``, ``out_of_bounds``) then edits its `.metadata` with torch's own classes."""
+    import torch
+
+    from reshard.io.dcp_writer import DcpWriter
+
+    out.mkdir(parents=True, exist_ok=True)
+    w = DcpWriter(out)
+    w.declare_tensor(STAIR_KEY, (n + 1, n), torch.uint8)
+    for j, (o, s) in enumerate(staircase_chunks(n)):
+        w.write_chunk(j % ranks, STAIR_KEY, o, torch.full(s, j % 251, dtype=torch.uint8))
+    w.finish(sync_data=False)
+    if damage is None:
+        return Structure(f"a staircase of {2 * n} chunks", ".metadata", 0)
+    rewrite_metadata(out, lambda md: _damage_chunks(md, STAIR_KEY, damage))
+    return Structure(f"a staircase of {2 * n} chunks with {damage}", ".metadata", 2, key=STAIR_KEY)
+
+
+def forge_staircase(out: Path, n: int, *, damage: str | None = None) -> Structure:
+    """A forged `.metadata` (torch's classes, pickled as DCP does) declaring a uint8 staircase
+    of ``2n`` chunks whose items all alias one ``n + 1``-byte range of a tiny data file:
+    declares ~n^2 bytes in n bytes on disk, for measuring the coverage check at 20,000 chunks
+    without writing the data. Not a valid checkpoint for ``--deep``."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "__0_0.distcp").write_bytes(bytes(n + 1))
+    chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in staircase_chunks(n)]
+    storage = {MetadataIndex(STAIR_KEY, c.offsets): _StorageInfo("__0_0.distcp", 0, n + 1) for c in chunks}
+    md = Metadata(state_dict_metadata={STAIR_KEY: TensorStorageMetadata(TensorProperties(dtype=torch.uint8),
+                                                                         torch.Size((n + 1, n)), chunks)},
+                  storage_data=storage, planner_data={STAIR_KEY: ("model", "stair.weight")})
+    if damage is not None:
+        _damage_chunks(md, STAIR_KEY, damage)
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    return Structure(f"a forged staircase of {2 * n} chunks" + (f" with {damage}" if damage else ""), ".metadata",
+                     0 if damage is None else 2, key=STAIR_KEY if damage else None)
+
+
+def forge_item_lengths(ck: Path, factor: int, *, key: str | None = None) -> Structure:
+    """Declare tensor ``key`` (default: the one with the most elements) ``factor`` times longer
+    along dim 0, chunks scaled with it (still an exact tiling), items left as they are: each
+    item is then shorter than the elements its chunk declares (the 128 GiB in 8 KiB items)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    chosen: list[str] = []
+
+    def change(md: Any) -> None:
+        tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and len(v.size)}
+        k = key or max(tensors, key=lambda q: (tensors[q].size.numel(), q))
+        chosen.append(k)
+        tm = tensors[k]
+        scale = lambda t: torch.Size((t[0] * factor,) + tuple(t[1:]))  # noqa: E731
+        tm.size = scale(tm.size)
+        new = []
+        for c in tm.chunks:
+            info = md.storage_data.pop(MetadataIndex(k, c.offsets))
+            nc = ChunkStorageMetadata(offsets=scale(c.offsets), sizes=scale(c.sizes))
+            md.storage_data[MetadataIndex(k, nc.offsets)] = info
+            new.append(nc)
+        tm.chunks = new
+
+    rewrite_metadata(ck, change)
+    return Structure(f"'{chosen[0]}' declared {factor}x longer than its items", ".metadata", 2, key=chosen[0])
+
+
+def nested_json(depth: int, *, form: str = "list", inside: dict | None = None) -> bytes:
+    """JSON nested ``depth`` levels (``list``: ``[[[...]]]``, ``dict``: ``{"a": {"a": ...}}``),
+    alone or as the value of one field of the document ``inside``."""
+    opener, closer = ("[", "]") if form == "list" else ('{"a": ', "}")
+    core = opener * depth + "0" + closer * depth
+    if inside is None:
+        return core.encode()
+    doc = json.dumps(dict(inside, notes="@@"))
+    return doc.replace('"@@"', core).encode()
+
+
+def plant_nested_manifest(ck: Path, depth: int, *, form: str = "list", wrap: bool = False) -> Structure:
+    """``manifest.json`` made of (or, with ``wrap``, holding one field of) ``depth``-deep nesting."""
+    p = ck / "manifest.json"
+    inside = json.loads(p.read_text()) if wrap and p.exists() else None
+    p.write_bytes(nested_json(depth, form=form, inside=inside))
+    return Structure(f"manifest.json nested {depth} deep ({form}{', inside the manifest' if wrap else ''})",
+                     "manifest.json", 2)
+
+
+def amplifying_metadata(out: Path, target_bytes: int) -> Structure:
+    """A `.metadata` of about ``target_bytes``, built only from the globals DCP's pickles use
+    (the allow-list), whose tensors all share one memoised chunk list: ``K`` tensors and ``M``
+    chunks cost ``K + M`` records in the file but ``K * M`` chunks to a reader that decodes
+    each tensor's list. Every chunk points at a missing storage entry, so a reader that does
+    not amplify still refuses it (exit 2)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    out.mkdir(parents=True, exist_ok=True)
+    # ~60 bytes per chunk record, ~45 per tensor entry: K = M fills the target
+    m = max(1, target_bytes // 105)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size((i, 0)), sizes=torch.Size((1, 4))) for i in range(m)]
+    props = TensorProperties(dtype=torch.float32)
+    size = torch.Size((m, 4))
+    sdm = {f"t{i}": TensorStorageMetadata(props, size, chunks) for i in range(m)}
+    data = pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data={}, planner_data={}), protocol=2)
+    (out / ".metadata").write_bytes(data)
+    return Structure(f"an amplifying .metadata of {len(data):,} bytes ({m} tensors x {m} shared chunks)", ".metadata", 2)
+
+
+def check_structure(s: Structure, code: int, out: str, err: str) -> list[str]:
+    """Property violations of ``inspect`` on a planted structure (empty = safe)."""
+    bad = check_result("inspect", code, out, err, need_two=s.what if s.expect == 2 else None, dst_parent=None)
+    if s.expect == 0 and code != 0:
+        bad.append(f"inspect: exit {code} on a benign structure ({s.what}); stderr: {err.strip()[:300]!r}")
+    if s.expect == 2:
+        text = out + err
+        if s.file not in text:
+            bad.append(f"inspect: the output does not name {s.file}: {text.strip()[:300]!r}")
+        if s.key and s.key not in text:
+            bad.append(f"inspect: the output does not name the key {s.key}: {text.strip()[:300]!r}")
+        if "error: unexpected" in err:
+            bad.append(f"inspect: the last-resort handler answered: {err.strip()[:300]!r}")
+    return bad
+
+
 def make_source(out: Path) -> Path:
     from reshard.reference import TrainConfig, run_reference
 
