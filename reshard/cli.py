@@ -34,7 +34,7 @@ def inspect(
     json_out: bool = typer.Option(False, "--json", help="Print the stable JSON shape (see README)."),
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items to unpickle arbitrary classes (only for sources you trust)."),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
@@ -83,7 +83,7 @@ _SCHED = typer.Option(None, "--schedule", help="steps|tokens: how the LR schedul
 _DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop for per-rank data-loader state.")
 _RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
 _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the manifest's).")
-_TRUST = typer.Option(False, "--trust-pickle", help="Allow object items to unpickle arbitrary classes (only for sources you trust).")
+_TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
 _RULES = typer.Option(None, "--rules", help="Partition rules file (formats/models/*.toml format) for TP/PP changes.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
@@ -397,6 +397,16 @@ def _main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: unexpected {type(exc).__name__}: {exc}. Re-run with --debug for a traceback "
                    "and report it.", err=True)
         sys.exit(2)
+    finally:
+        _warn_trusted()
+
+
+def _warn_trusted() -> None:
+    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.io.dcp collects them)."""
+    dcp = sys.modules.get("reshard.io.dcp")
+    line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
+    if line:
+        typer.echo(line, err=True)
 
 
 if __name__ == "__main__":

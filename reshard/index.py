@@ -272,7 +272,7 @@ class CheckpointIndex(EntryQueries):
             if c.location is None:
                 raise Incomplete(f"a chunk of '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
             t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False,
-                              limit=dcp.tensor_item_limit(c.box.numel, e.dtype.itemsize))
+                              limit=dcp.tensor_item_limit(c.box.numel, e.dtype.itemsize), tensor=True)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.box.sizes:
                 raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
                                f"metadata says {list(c.box.sizes)}", where=str(self.root / c.location.file),
@@ -326,7 +326,7 @@ class CheckpointIndex(EntryQueries):
                     data = dcp.untransform(raw, loc.transforms, key=e.key, where=where,
                                            limit=dcp.tensor_item_limit(math.prod(sizes), e.dtype.itemsize) if sizes is not None else None)
                     check_item_crcs(data, key=e.key, where=where)  # against the writer's CRC-32s (CorruptItem)
-                    obj = dcp._torch_load(data, key=e.key, where=where, trust_pickle=self.trust_pickle)
+                    obj = dcp._torch_load(data, key=e.key, where=where, trust_pickle=self.trust_pickle, tensor=sizes is not None)
                     if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
                         raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
                                        f"metadata says {e.dtype_name} {list(sizes)}")

@@ -14,7 +14,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from dataclasses import dataclass
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +26,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard.io import safefs
 from reshard.io.fastread import check_item_crcs
-from reshard.io.safe_pickle import Record, load_metadata_pickle
+from reshard.io.safe_pickle import Record, check_cost, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 2 << 30
@@ -260,31 +263,180 @@ def tensor_item_limit(numel: int, itemsize: int) -> int:
     return numel * itemsize + (1 << 20)
 
 
-def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool) -> Any:
+OBJECT_INFLATION = 64
+"""An object item's loaded value may hold at most this many times its stored bytes (plus
+`OBJECT_SLACK`), counted expanded: every container slot 8 bytes, every string its length,
+every tensor its elements times their size, once per place it appears. Real object items
+(counters, hyperparameters, sampler states) hold less than their stored bytes."""
+OBJECT_SLACK = 1 << 20
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
+
+
+@dataclass
+class TrustedUnpickles:
+    """The object items this process unpickled with arbitrary classes allowed (``--trust-pickle``).
+
+    Collected as they are loaded so the command can say, once, on one line, which items it
+    let run code (`warning`); the CLI takes the line when the command ends.
+    """
+
+    items: dict[tuple[str, str], None] = field(default_factory=dict)  # (key, file), in load order
+
+    def record(self, key: str, where: str) -> None:
+        self.items[(key, where)] = None
+
+    def warning(self) -> str | None:
+        """The one warning line for what was recorded since the last call (and forget it), or None."""
+        items, self.items = list(self.items), {}
+        if not items:
+            return None
+        keys = list(dict.fromkeys(k for k, _ in items))
+        files = list(dict.fromkeys(w for _, w in items))
+        return (f"warning: --trust-pickle: unpickled {len(keys)} object item{'s' if len(keys) != 1 else ''} with "
+                f"arbitrary classes allowed (any code in them ran): {', '.join(repr(k) for k in keys)} "
+                f"(from {', '.join(files)})")
+
+
+TRUSTED_UNPICKLES = TrustedUnpickles()
+
+
+def item_pickle(data: bytes, *, key: str, where: str) -> bytes:
+    """The ``data.pkl`` of the torch.save archive ``data``, once the archive is known not to inflate.
+
+    ``torch.load`` inflates deflate-compressed members (a 1 MB item can hold gigabytes of
+    zeros), but ``torch.save`` stores every member uncompressed. So an item is refused
+    (`BadInput`, key and file named) unless it is a zip archive whose members all lie under
+    one folder, are STORED (central directory and local header agree), unencrypted, fit
+    inside the item without overlapping, and include exactly one ``data.pkl``: its members
+    then hold at most the item's own length, whatever they claim.
+    """
+    def refuse(what: str) -> BadInput:
+        return BadInput(f"item '{key}' {what}", where=where,
+                        hint="torch.save writes plain uncompressed zip archives; this item is corrupt or forged "
+                             "(a compression bomb, or not written by torch.distributed.checkpoint).")
+
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=not trust_pickle)
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise refuse(f"is not a torch.save zip archive ({str(exc)[:120]})") from None
+    if not infos:
+        raise refuse("is an empty zip archive")
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    names: set[str] = set()
+    spans: list[tuple[int, int]] = []
+    pkl: tuple[int, int] | None = None
+    for zi in infos:
+        name = zi.filename
+        if not name.startswith(prefix) or name in names:
+            raise refuse(f"has members outside one folder or twice ('{name[:80]}')")
+        names.add(name)
+        if zi.compress_type != zipfile.ZIP_STORED or zi.flag_bits & 0x1 or zi.file_size != zi.compress_size:
+            raise refuse(f"has a compressed or encrypted member '{name[:80]}' (declared {zi.file_size:,} bytes "
+                         f"from {zi.compress_size:,})")
+        head = data[zi.header_offset:zi.header_offset + _LOCAL_HEADER.size]
+        if len(head) != _LOCAL_HEADER.size:
+            raise refuse(f"has a member '{name[:80]}' whose header lies outside it")
+        magic, _v, flags, method, *_rest, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        if magic != b"PK\x03\x04" or method != zipfile.ZIP_STORED or flags & 0x1:
+            raise refuse(f"has a member '{name[:80]}' whose local header says it is compressed or is not a header")
+        start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if start + zi.file_size > len(data):
+            raise refuse(f"has a member '{name[:80]}' of {zi.file_size:,} bytes running past its end")
+        spans.append((start, start + zi.file_size))
+        if name == prefix + "data.pkl":
+            pkl = (start, start + zi.file_size)
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise refuse("has members that overlap (one byte range read as several members)")
+    if pkl is None:
+        raise refuse("has no data.pkl (not a torch.save archive)")
+    return data[pkl[0]:pkl[1]]
+
+
+def _loaded_size(obj: Any, limit: int) -> int:
+    """Bytes ``obj`` holds counted expanded (see `OBJECT_INFLATION`), stopping once past ``limit``."""
+    total, todo = 0, [obj]
+    while todo and total <= limit:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, (str, bytes, bytearray)):
+            total += len(x)
+        elif isinstance(x, dict):
+            total += 16 * len(x)
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            total += 8 * len(x)
+            todo.extend(x)
+        else:
+            total += 8
+    return total
+
+
+def _is_unsafe_global(msg: str) -> bool:
+    low = msg.lower()
+    return "unsupported global" in low or "global " in low and "not an allowed global" in low
+
+
+def _torch_load(data: bytes, *, key: str, where: str, trust_pickle: bool, tensor: bool = False) -> Any:
+    """``torch.load`` of one item's bytes, bounded, with ``weights_only=True`` unless trusted.
+
+    Before loading: the archive may not inflate (`item_pickle`) and its ``data.pkl`` may build
+    no more than `reshard.io.safe_pickle.pickle_budget` of its length (the same cost scan as
+    `.metadata`). After: the value may hold no more than `OBJECT_INFLATION` times the item's
+    bytes (an expanded view, or one tensor referenced a million times). ``trust_pickle``
+    applies to object items only: an item that ``weights_only=True`` refuses for a global is
+    then loaded with arbitrary classes allowed and recorded in `TRUSTED_UNPICKLES` (the
+    command's warning). A tensor item (``tensor=True``) never needs more than the safe set,
+    so it is refused whatever ``trust_pickle`` says.
+    """
+    check_cost(item_pickle(data, key=key, where=where), where=where, what=f"the pickle of item '{key}'")
+    try:
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            msg = str(exc)
+            if not _is_unsafe_global(msg) and not (trust_pickle and not tensor):
+                raise
+            if not trust_pickle or tensor:
+                first = msg.strip().splitlines()
+                detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else "")
+                raise UnsafeInput(
+                    f"item '{key}' is a pickle that references code outside the safe set ({detail[:200]})",
+                    where=where,
+                    hint="reshard refuses to run it. A tensor item never needs more than the safe set, so "
+                         "--trust-pickle does not apply to it: the checkpoint is corrupt or forged." if tensor else
+                         "reshard refuses to run it. If you wrote this checkpoint yourself, pass --trust-pickle.",
+                ) from None
+            TRUSTED_UNPICKLES.record(key, where)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except UnsafeInput:
+        raise
     except pickle.UnpicklingError as exc:
         msg = str(exc)
-        if "unsupported global" in msg.lower() or "global " in msg.lower() and "not an allowed global" in msg.lower():
-            first = msg.strip().splitlines()
-            detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else "")
-            raise UnsafeInput(
-                f"item '{key}' is a pickle that references code outside the safe set ({detail[:200]})",
-                where=where,
-                hint="reshard refuses to run it. If you wrote this checkpoint yourself, pass --trust-pickle.",
-            ) from None
         detail = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if msg.strip() else ""
         raise BadInput(f"item '{key}' is not a readable torch.save blob ({detail[:200]})", where=where,
                        hint="The data file is corrupt.") from None
     except Exception as exc:
         raise BadInput(f"item '{key}' is not a readable torch.save blob ({type(exc).__name__}: {str(exc)[:200]})",
                        where=where, hint="The data file is corrupt.") from None
+    limit = OBJECT_INFLATION * len(data) + OBJECT_SLACK
+    size = _loaded_size(obj, limit)
+    if size > limit:
+        raise BadInput(f"item '{key}' of {len(data):,} bytes loads as a value of more than {limit:,} bytes "
+                       f"({OBJECT_INFLATION}x its size plus {OBJECT_SLACK:,})", where=where,
+                       hint="Real items hold about their own size; this one is corrupt or forged (an amplifying pickle).")
+    return obj
 
 
-def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None) -> Any:
-    """Read one item (a tensor chunk or an object) from its byte range."""
+def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
+              tensor: bool = False) -> Any:
+    """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`_torch_load`)."""
     where = str(ckpt / loc.file)
     data = read_item_bytes(ckpt, loc, key=key)
     data = untransform(data, loc.transforms, key=key, where=where, limit=limit)
     check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
-    return _torch_load(data, key=key, where=where, trust_pickle=trust_pickle)
+    return _torch_load(data, key=key, where=where, trust_pickle=trust_pickle, tensor=tensor)
