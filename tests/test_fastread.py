@@ -14,6 +14,7 @@ import torch
 
 from reshard.io import dcp as dcp_io
 from reshard.io.fastread import copy_byte_range, dim0_byte_range, item_layout, read_tensor_item, storage_byte_range
+from reshard.io.crcledger import CorruptItem
 
 
 def _blob(path: Path, offset: int, length: int) -> bytes:
@@ -246,8 +247,9 @@ def test_crc_check_catches_a_flipped_byte(tmp_path):
     i = lay.storage_file_offset - off + 5
     blob[i] ^= 0xFF
     p, off, n = _put(tmp_path, bytes(blob))
-    assert read_tensor_item(p, off, n, check_crc=True) is None
-    fast = read_tensor_item(p, off, n)  # without the check: the stored bytes as they are
+    with pytest.raises(CorruptItem, match="item 'x' in .* fails its CRC-32"):  # checked by default
+        read_tensor_item(p, off, n, key="x")
+    fast = read_tensor_item(p, off, n, check_crc=False)  # asked not to check: the stored bytes as they are
     assert fast is not None and not torch.equal(fast, t)
 
 

@@ -24,6 +24,7 @@ from reshard.execute import IOOptions, convert
 from reshard.geometry import Box, contiguous_run
 from reshard.index import CheckpointIndex
 from reshard.io import bands, dcp_writer, fileio, splice
+from reshard.io.crcledger import CorruptItem
 from reshard.plan import Options, make_plan
 from reshard.synthetic import make_sharded
 
@@ -223,48 +224,52 @@ def _flip_storage_byte(src: Path, copy: Path) -> str:
     return e.key
 
 
-@pytest.mark.parametrize("name,to,message", [
-    ("big", "dp=2", "CRC-32 their source items recorded"),  # shards merged: each item checked at once
-    ("dim0", "dp=3", "CRC-32 its writer recorded"),         # shards cut in two: checked by the ledger
-    ("dim0", "tp=4", "CRC-32 its writer recorded"),         # columns of rows: each source read once (bands)
+@pytest.mark.parametrize("name,to", [
+    ("big", "dp=2"),   # shards merged: each source storage checked at once
+    ("dim0", "dp=3"),  # shards cut in two: checked by the ledger
+    ("dim0", "tp=4"),  # columns of rows: each source read once (bands)
 ], ids=["merged", "cut-in-two", "columns"])
-def test_direct_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch, name, to,
-                                                                         message):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_copy_catches_a_source_that_changed_after_it_was_written(sources, tmp_path, monkeypatch, name, to, direct):
     """Direct copies are checked against the CRC-32 each source item's writer recorded: a
     source byte that changed on disk stops the conversion (exit 2) with nothing committed,
     whether a target item is whole source storages or parts of them (`splice.SourceLedger`
-    combines the parts' CRC-32s per source storage)."""
-    if not _direct_io_here(tmp_path):
+    combines the parts' CRC-32s per source storage). Buffered copies are read back, and the
+    source rows they read go to the same ledger: a corrupt source is bad input, named by
+    file and key, on either path."""
+    if direct and not _direct_io_here(tmp_path):
         pytest.skip("no direct I/O on this file system")
     monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
     bad = tmp_path / "changed"
-    _flip_storage_byte(sources[name], bad)
+    key = _flip_storage_byte(sources[name], bad)
     rules = tmp_path / "rules.toml"
     rules.write_text(RULES)
-    with pytest.raises(splice.SpliceMismatch, match=message) as info:
-        _run(bad, tmp_path / "out", to, IOOptions(direct=True), rules)
+    with pytest.raises(CorruptItem, match=f"item '{key}' in __.*distcp fails its CRC-32") as info:
+        _run(bad, tmp_path / "out", to, IOOptions(direct=direct), rules)
     assert info.value.exit_code == 2
     assert not (tmp_path / "out").exists()
 
 
-def test_ledger_refuses_parts_that_overlap_or_leave_a_gap():
+def test_ledger_checks_a_source_once_its_parts_tile_it():
     import zlib
 
     data = bytes(range(200))
-    src = splice.SourceChunk("f", 0, Box((0,), (200,)), zlib.crc32(data))
+    src = splice.SourceChunk("f", 0, Box((0,), (200,)), zlib.crc32(data), "k")
     ok = splice.SourceLedger()
-    ok.add(src, 200, 120, 80, zlib.crc32(data[120:]))
+    ok.add(src.record(1), 120, 80, zlib.crc32(data[120:]))
     assert not ok.verified(src)
-    ok.add(src, 200, 0, 120, zlib.crc32(data[:120]))
+    ok.add(src.record(1), 0, 120, zlib.crc32(data[:120]))
     assert ok.verified(src)
-    twice = splice.SourceLedger()
-    twice.add(src, 200, 0, 120, zlib.crc32(data[:120]))
-    with pytest.raises(splice.SpliceMismatch, match="twice"):
-        twice.add(src, 200, 100, 100, zlib.crc32(data[100:]))
+    twice = splice.SourceLedger()  # overlapping parts (rows read twice) are fine once a chain of them tiles it
+    twice.add(src.record(1), 0, 120, zlib.crc32(data[:120]))
+    twice.add(src.record(1), 100, 100, zlib.crc32(data[100:]))
+    assert not twice.verified(src)
+    twice.add(src.record(1), 120, 80, zlib.crc32(data[120:]))
+    assert twice.verified(src)
     wrong = splice.SourceLedger()
-    wrong.add(src, 200, 0, 100, zlib.crc32(data[:100]))
-    with pytest.raises(splice.SpliceMismatch, match="CRC-32 its writer recorded"):
-        wrong.add(src, 200, 100, 100, zlib.crc32(data[100:][::-1]))
+    wrong.add(src.record(1), 0, 100, zlib.crc32(data[:100]))
+    with pytest.raises(CorruptItem, match="item 'k' in f fails its CRC-32"):
+        wrong.add(src.record(1), 100, 100, zlib.crc32(data[100:][::-1]))
 
 
 def test_direct_output_loads_with_dcp_and_equals_the_source(sources, tmp_path):
@@ -351,7 +356,7 @@ def test_items_whose_sources_the_ledger_could_not_complete_are_compared_after_wr
     src = splice.SourceChunk("f", 0, Box((0,), (100,)), zlib.crc32(data))
     wc = WriteChecks()
     wc.update({"whole", "half"})
-    wc.ledger.add(src, 100, 0, 50, zlib.crc32(data[:50]))  # the other half is another worker's
+    wc.ledger.add(src.record(1), 0, 50, zlib.crc32(data[:50]))  # the other half is another worker's
     wc.defer("half", [src])
     wc.finalize()
     assert "half" not in wc and "whole" in wc

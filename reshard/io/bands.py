@@ -8,8 +8,9 @@ but not with direct I/O. Here the unit of work is the source chunk instead:
 
 * A `BandJob` reads one source chunk's storage once, in bands of whole rows, with direct
   I/O (`reshard.io.fileio`), and takes the CRC-32 of every band; at the end the source's
-  CRC-32 must equal the one its writer recorded (else `SpliceMismatch`), which checks
-  every byte this job copies out of it.
+  CRC-32 must equal the one its writer recorded (else `reshard.io.crcledger.CorruptItem`,
+  naming the file and the key: the source is corrupt), which checks every byte this job
+  copies out of it.
 * For every target chunk the band meets, the intersection is copied out of the band
   (NumPy, box arithmetic) into a buffer laid out like the file, and written at its place
   in the target item: whole 4 KiB blocks with direct I/O, the partial blocks at its edges
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
+from reshard.io.crcledger import CorruptItem
 from reshard.io.fileio import ALIGN, FdCache, write_exact, write_placed
 from reshard.io.splice import SourceChunk, SpliceMismatch, WorkerBuffers, _as_array, _read_piece, _row_bytes, finish_item
 
@@ -130,6 +132,4 @@ class BandJob:
                 write_placed(t.fd, t.direct_fd, out, lead, pos, n)
             del src
         if crc != s.crc:
-            raise SpliceMismatch(f"the bytes read from the source storage at {s.path}:{s.storage_at} do not have "
-                                 f"the CRC-32 its writer recorded: the file changed after it was written, or was "
-                                 f"read wrong")
+            raise CorruptItem(s.key, s.path, s.crc or 0, crc)

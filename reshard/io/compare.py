@@ -54,6 +54,20 @@ other, by the calling thread, between hand-offs to the pool. Each key gets a `Ke
 all compared equal (empty chunks at once); `KeyVerdict.ticked` says how many a key already
 got, so a caller that falls back can skip that many.
 
+**Every byte read is checked against its writer's record.** Each piece of B and each run
+of A read for a comparison is checksummed where it lies in the buffer (``zlib.crc32``,
+about memory speed, no second read) and fed to a `reshard.io.crcledger.CrcLedger` under
+its item's storage record (the CRC-32 in the item's zip central directory); once the
+pieces of a storage tile it, their combined CRC-32 must equal the record. A storage whose
+bytes contradict it is `CorruptItem` (bad input, exit 2, naming the file and the key),
+raised by `compare_tensors` whatever the verdicts: a corrupt item is not a difference.
+After the comparison, a storage read only in part (its view is smaller than its storage,
+or rows of it were read by no piece) is completed by one read of what is missing, when its
+key compared equal here; one of a key that differed or fell back is left to the decoding
+path, which checks it (`reshard.io.dcp.load_item`); one another worker of a distributed
+run reads the rest of (``b_files``) is reported as not checked. `CompareResult.crc` counts
+each kind, and storages without a record (written without CRCs) as ``unrecorded``.
+
 `COUNTERS` counts keys and parts per path (``keys_equal``, ``keys_different``,
 ``keys_fallback``, ``parts_contiguous`` (buffer against buffer), ``parts_strided``
 (shaped views), ``bytes``), for tests and benchmarks.
@@ -63,6 +77,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +89,7 @@ import numpy as np
 
 from reshard.geometry import Box, contiguous_run
 from reshard.integrity import new_hasher
+from reshard.io.crcledger import CorruptItem, CrcLedger, StorageRecord
 from reshard.io.fastread import item_layout
 from reshard.io.fileio import FdCache, ThreadBuffers, read_at, read_exact
 
@@ -168,10 +184,17 @@ class _Side:
     box: Box
     item_offset: int
     item_length: int
+    rec: StorageRecord | None = None  # the item's storage and its recorded CRC-32
+    elem: int = 0                     # offset of element [0, ..., 0] within the storage
 
     @property
     def path(self) -> Path:
         return self.root / self.file
+
+    def feed(self, ledger: CrcLedger, elem_byte: int, data: Any) -> None:
+        """The CRC-32 of ``data``, the chunk's element bytes from ``elem_byte``, to ``ledger``."""
+        if self.rec is not None:
+            ledger.add(self.rec, self.elem + elem_byte, len(data), zlib.crc32(data))
 
 
 @dataclass(frozen=True)
@@ -226,7 +249,7 @@ def _layout_job(ix: Any, chunk: Any) -> Any:
     return item_layout(Path(ix.root) / loc.file, int(loc.offset), int(loc.length))
 
 
-def _side(ix: Any, chunk: Any, dtype: Any, lay: Any) -> _Side:
+def _side(ix: Any, chunk: Any, dtype: Any, lay: Any, key: str | None = None) -> _Side:
     loc = chunk.location
     root = Path(ix.root)
     if lay is None:
@@ -240,7 +263,8 @@ def _side(ix: Any, chunk: Any, dtype: Any, lay: Any) -> _Side:
     base = lay.storage_file_offset + start
     if base < loc.offset or base + lay.nbytes > loc.offset + loc.length:
         raise _NotFast(f"item {loc.file}:{loc.offset}: elements outside the item's byte range")
-    return _Side(root, loc.file, base, chunk.box, int(loc.offset), int(loc.length))
+    rec = StorageRecord(str(root / loc.file), key, lay.storage_file_offset, lay.storage_nbytes, lay.storage_crc)
+    return _Side(root, loc.file, base, chunk.box, int(loc.offset), int(loc.length), rec, start)
 
 
 def _check_key(ea: Any, eb: Any) -> int:
@@ -271,12 +295,12 @@ def _plan(ia: Any, ib: Any, key: str, slab: int, hash_names: Any, layout: Callab
     for j, cb in enumerate(eb.chunks):
         if cb.box.is_empty() or (b_files is not None and (cb.location is None or cb.location.file not in b_files)):
             continue
-        sb = _side(ib, cb, eb.dtype, layout("b", j))
+        sb = _side(ib, cb, eb.dtype, layout("b", j), key)
         hits = []
         for i, ca in a_boxes:
             if ca.box.intersect(cb.box) is not None:
                 if i not in a_sides:
-                    a_sides[i] = _side(ia, ca, ea.dtype, layout("a", i))
+                    a_sides[i] = _side(ia, ca, ea.dtype, layout("a", i), key)
                 hits.append((i, ca))
         pieces = []
         for piece in split_box(cb.box, itemsize, slab):
@@ -326,6 +350,7 @@ class _Files(FdCache):
         self.slab = slab
         self.direct_io = direct
         self.bufs = ThreadBuffers()
+        self.ledger = CrcLedger()   # every storage byte read, against its writer's record
 
     def stage(self, n: int) -> memoryview:
         """``n`` bytes of the calling thread's stage for unaligned direct reads."""
@@ -376,6 +401,7 @@ def _strided_view(files: _Files, side: _Side, rel: Box, itemsize: int) -> np.nda
     first, count = rel.offsets[0], rel.sizes[0]
     buf = files.aux(count * row)
     read_exact(files.fd(side.path), buf, side.base + first * row)
+    side.feed(files.ledger, first * row, buf)
     arr = _shaped(buf, (count,) + tuple(sizes[1:]), itemsize)
     return arr[(slice(0, count),) + rel.slices()[1:]]
 
@@ -424,6 +450,7 @@ def _run_task(files: _Files, state: _KeyState, task: _Task, algorithm: str | Non
             return True, None, fast, slow
         nb = piece.box.numel * itemsize
         xb = _bytes_at(files, b.path, bbuf, b.base + piece.run_b * itemsize, nb)
+        b.feed(files.ledger, piece.run_b * itemsize, xb)
         if h is not None:
             h.update(xb)
         vb = None
@@ -431,6 +458,7 @@ def _run_task(files: _Files, state: _KeyState, task: _Task, algorithm: str | Non
             if part.run_a is not None:
                 na = part.box.numel * itemsize
                 xa = _bytes_at(files, part.a.path, abuf, part.a.base + part.run_a * itemsize, na)
+                part.a.feed(files.ledger, part.run_a * itemsize, xa)
                 if part.run_p is not None:
                     same = _equal_bytes(xa, xb[part.run_p * itemsize:part.run_p * itemsize + na])
                     fast += 1
@@ -493,6 +521,8 @@ def _run_small_keys(files: _Files, ia: Any, ib: Any, keys: list[str], slab: int,
             v = state.verdict
         except _NotFast as exc:
             v = KeyVerdict(key, "fallback", str(exc))
+        except CorruptItem:
+            raise  # bad input, not a difference
         except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
             v = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
         out.append((v, digests, fast, slow, v.nbytes if v.status == "equal" else 0))
@@ -510,6 +540,11 @@ class CompareResult:
 
     verdicts: dict[str, KeyVerdict]
     digests: dict[str, str]      # "file:offset" of B -> checksum (``hash_b``'s algorithm)
+    # item storages by how their writer's CRC-32 was checked: "checked" (by the pieces read),
+    # "checked_by_extra_read" (the rest read once), "unrecorded" (no record), "left_to_decoding"
+    # (their key differed or fell back: the decoding path checks them), "not_checked" (read in
+    # part: another worker of a distributed run read the rest)
+    crc: dict[str, int] = field(default_factory=dict)
 
 
 def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = None, workers: int | None = None,
@@ -560,6 +595,8 @@ def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = No
         if state is None:  # a batch of small keys (task: their names)
             try:
                 results = fut.result()
+            except CorruptItem:
+                raise
             except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the slow path decides
                 for key in task:
                     out[key] = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -576,6 +613,8 @@ def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = No
             return
         try:
             same, dig, fast, slow = fut.result()
+        except CorruptItem:
+            raise  # bad input, not a difference
         except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
             fail(state, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
             return
@@ -696,8 +735,52 @@ def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = No
             finally:
                 for _, _, fut in window:
                     fut.cancel()
+        crc = _settle_crcs(files, out, b_files)
     finally:
         files.close()
     for v in out.values():
         _count(**{f"keys_{v.status}": 1})
-    return CompareResult(out, digests)
+    return CompareResult(out, digests, crc)
+
+
+def _settle_crcs(files: _Files, verdicts: dict[str, KeyVerdict], b_files: Any) -> dict[str, int]:
+    """After the comparison: the storages the pieces did not tile (see the module docstring),
+    each completed by one read of what is missing, left to the decoding path, or counted as
+    not checked; returns `CompareResult.crc`."""
+    ledger = files.ledger
+    extra = left = unchecked = 0
+    for rec in ledger.pending():
+        v = verdicts.get(rec.key) if rec.key is not None else None
+        if v is None or v.status != "equal":
+            left += 1  # the slow path decodes this key, and `dcp.load_item` checks every item it reads
+        elif b_files is not None:
+            unchecked += 1  # another worker reads the rest of it
+        else:
+            _read_rest(files, rec)
+            extra += 1
+    summary = ledger.summary()
+    return {"checked": summary["checked"] - extra, "checked_by_extra_read": extra,
+            "unrecorded": summary["unrecorded"], "left_to_decoding": left, "not_checked": unchecked}
+
+
+def _read_rest(files: _Files, rec: StorageRecord) -> None:
+    """Read the bytes of ``rec`` no piece covered, once, into the ledger (which checks it);
+    the whole storage when the pieces overlap without chaining up."""
+    fd = files.fd(Path(rec.path))
+    buf, _ = files.buffers()
+    for off, n in files.ledger.missing(rec):
+        files.ledger.add(rec, off, n, _crc_range(fd, buf, rec.at + off, n))
+    if not files.ledger.verified(rec):
+        files.ledger.add(rec, 0, rec.nbytes, _crc_range(fd, buf, rec.at, rec.nbytes))
+
+
+def _crc_range(fd: int, buf: np.ndarray, pos: int, n: int) -> int:
+    crc = 0
+    while n > 0:
+        m = min(n, len(buf))
+        x = buf[:m]
+        read_exact(fd, x, pos)
+        crc = zlib.crc32(x, crc)
+        pos += m
+        n -= m
+    return crc

@@ -25,6 +25,10 @@ does that copy from the source's data files straight into the target's data file
   Otherwise (``--buffered``, a file system without direct I/O) the runs go file to file in the kernel
   (``os.copy_file_range``) through the page cache instead, with the CRC-32 composed from
   the records, and every such item is read back and compared with the source (`check`).
+  The read-back reads the source rows, so their CRC-32s go to the same ledger: a source
+  storage whose bytes contradict its writer's record stops the conversion there too
+  (`reshard.io.crcledger.CorruptItem`, exit 2, naming the file and the key), whichever
+  path copied it.
 * The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
   the item's head (`reshard.io.archive`) comes first and its tail, which needs the CRC,
   last. Memory per worker: one slab buffer.
@@ -42,7 +46,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +58,7 @@ import numpy as np
 from reshard.errors import ReshardError
 from reshard.geometry import Box, contiguous_run
 from reshard.io import archive
+from reshard.io.crcledger import CorruptItem, CrcLedger, StorageRecord
 from reshard.io.fastread import item_layout
 from reshard.io.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
 
@@ -79,6 +83,16 @@ class SourceChunk:
     storage_at: int     # file offset of the chunk's first element byte (row-major, C-contiguous)
     box: Box
     crc: int | None = None  # CRC-32 of exactly the chunk's element bytes, from its zip record (None: unknown)
+    key: str | None = None  # the tensor's key (named when the source is corrupt)
+
+    @property
+    def ident(self) -> tuple[str, int]:
+        """The storage's identity in a `CrcLedger`."""
+        return (self.path, self.storage_at)
+
+    def record(self, itemsize: int) -> StorageRecord:
+        """The storage as a `CrcLedger` checks it (only meaningful when ``crc`` is known)."""
+        return StorageRecord(self.path, self.key, self.storage_at, self.box.numel * itemsize, self.crc)
 
 
 def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
@@ -98,7 +112,7 @@ def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
         whole_storage = start == 0 and lay.nbytes == lay.storage_nbytes
         # a CRC of 0 is what torch writes when asked not to compute CRCs: treat it as unknown
         crc = lay.storage_crc if whole_storage and lay.storage_crc else None
-        out.append(SourceChunk(path, lay.storage_file_offset + start, c.box, crc))
+        out.append(SourceChunk(path, lay.storage_file_offset + start, c.box, crc, entry.key))
     return out
 
 
@@ -166,6 +180,7 @@ class SpliceJob:
     checked: bool = False   # set by `run`: checked against the source records while written
     ledgered: bool = False  # set by `run`: its source parts went to the ledger (checked when complete)
     ledger_sources: list[SourceChunk] = field(default_factory=list)  # ... from these source chunks
+    ledger: CrcLedger | None = None  # set by `run`: where `check` also sends the source rows it reads
 
     def run(self, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int,
             direct_fd: int | None = None, ledger: SourceLedger | None = None) -> int:
@@ -179,6 +194,8 @@ class SpliceJob:
         Either way `check` need not read the item back; without a direct copy it must.
         """
         self.checked = self.ledgered = False
+        if ledger is not None:
+            self.ledger = ledger
         write_exact(fd, [self.framing.head], at)
         pos = at + len(self.framing.head)
         runs = self._runs()
@@ -200,6 +217,9 @@ class SpliceJob:
         """`_direct_runs`, checked against ``expected`` (the records combined) or handed to ``ledger``."""
         crc, parts = _direct_runs(runs, self.framing.storage_nbytes, fd, direct_fd, pos, buffers, files, slab_bytes)
         if expected is not None:
+            for (_d, s, _so, _n), c in zip(runs, parts):  # each run is a whole source storage: name the bad one
+                if c != s.crc:
+                    raise CorruptItem(s.key, s.path, s.crc or 0, c)
             if crc != expected:
                 raise SpliceMismatch(
                     f"the bytes copied into the item at offset {at} do not have the CRC-32 their source items "
@@ -208,7 +228,7 @@ class SpliceJob:
             self.checked = True
         else:
             for (_d, s, so, n), c in zip(runs, parts):
-                ledger.add(s, s.box.numel * self.itemsize, so, n, c)
+                ledger.add(s.record(self.itemsize), so, n, c)
             self.ledgered = True
             self.ledger_sources = [s for _d, s, _so, _n in runs]
         return crc
@@ -245,8 +265,14 @@ class SpliceJob:
                 pos += len(view)
         return crc
 
-    def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int) -> None:
+    def check(self, path: str, fd: int, at: int, buffers: WorkerBuffers, files: FdCache, slab_bytes: int,
+              ledger: CrcLedger | None = None) -> None:
         """Re-read the written item and compare it with the source; raise `SpliceMismatch` if it differs.
+
+        The source rows read for the comparison are checksummed on the way and go to
+        ``ledger`` (default: the one `run` was given, else one of this job's own), which
+        checks each source storage against its writer's record once its rows tile it
+        (`CorruptItem`): equal to the source is not enough when the source itself is corrupt.
 
         Independent of how `run` placed the bytes: the item is parsed back as a zip archive
         (`reshard.io.fastread.item_layout`: members, pickle, dtype and shape must be the
@@ -261,12 +287,15 @@ class SpliceJob:
             raise SpliceMismatch(f"the item written at {path}:{at} does not read back as the planned chunk")
         box, isz = self.box, self.itemsize
         sizes = box.sizes
+        ledger = ledger or self.ledger or CrcLedger()
         if not sizes:
             view = buffers.get(isz)
             read_exact(fd, view, lay.storage_file_offset)
             src = self.sources[0]
             other = buffers.get_aux(isz)
             read_exact(files.fd(src.path), other, src.storage_at)
+            if src.crc is not None:
+                ledger.add(src.record(isz), 0, isz, zlib.crc32(other))
             if bytes(view) != bytes(other):
                 raise SpliceMismatch(f"the item written at {path}:{at} differs from the source")
             return
@@ -290,6 +319,8 @@ class SpliceJob:
                 srow = _row_bytes(s.box.sizes, isz)
                 span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow,
                                buffers.get_aux)
+                if s.crc is not None:  # the source rows, checked against their writer's record
+                    ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
                 srcv = _as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
                 a = outv[inter.relative_to(slab).slices()]
                 b = srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]
@@ -409,49 +440,13 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
     return crc, parts
 
 
-class SourceLedger:
-    """Checks direct copies that take parts of source storages (a shard cut in two, as in
-    dp 2 -> 4), for which no single target item can be checked against a record.
-
-    Every direct copy reports the CRC-32 of each source part it copied. When the parts of
-    one source storage add up to the whole of it, without gaps or overlaps, their CRC-32s
-    combined in offset order must equal the CRC-32 that storage's writer recorded;
-    otherwise `SpliceMismatch`. After the copy, `verified` says whether a source storage
-    was checked this way (not, e.g., when another worker of a distributed run copied the
-    rest of it; the caller then compares those keys after writing).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
-        self._verified: set[tuple[str, int]] = set()
-
-    def add(self, s: SourceChunk, total: int, offset: int, nbytes: int, crc: int) -> None:
-        key = (s.path, s.storage_at)
-        with self._lock:
-            parts = self._parts.setdefault(key, [])
-            parts.append((offset, nbytes, crc))
-            if sum(n for _, n, _ in parts) < total:
-                return
-            del self._parts[key]
-        parts.sort()
-        combined, end = 0, 0
-        for off, n, c in parts:
-            if off != end:
-                raise SpliceMismatch(f"parts of the source storage at {s.path}:{s.storage_at} were copied "
-                                     f"{'twice' if off < end else 'with a gap'} at byte {min(off, end)}")
-            combined = archive.crc32_combine(combined, c, n)
-            end += n
-        if end != total or s.crc is None or combined != s.crc:
-            raise SpliceMismatch(f"the bytes copied from the source storage at {s.path}:{s.storage_at} do not "
-                                 f"have the CRC-32 its writer recorded: the file changed after it was written, "
-                                 f"or was read wrong")
-        with self._lock:
-            self._verified.add(key)
-
-    def verified(self, s: SourceChunk) -> bool:
-        with self._lock:
-            return (s.path, s.storage_at) in self._verified
+SourceLedger = CrcLedger
+"""Checks copies that take parts of source storages (a shard cut in two, as in dp 2 -> 4),
+for which no single target item can be checked against a record: every copy (direct, or
+read back) reports each source part's CRC-32 (`SourceChunk.record`), and the ledger checks
+a source storage once its parts tile it (`reshard.io.crcledger.CrcLedger`). After the copy,
+``verified(source)`` says whether it was checked (not, e.g., when another worker of a
+distributed run copied the rest of it; the caller then compares those keys after writing)."""
 
 
 def _read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers) -> None:
