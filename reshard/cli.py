@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 
-from reshard.errors import ReshardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Move distributed-training checkpoints between parallel layouts without changing what the run means.")
@@ -145,8 +144,6 @@ def convert(
     Under torchrun (or with --workers M) the target files are divided among the processes;
     worker 0 commits once every worker has written and verified its part.
     """
-    import json as _json
-
     from reshard.execute import convert as run_convert
     from reshard.plan import check_plan_matches, make_plan, options_from_plan
     from reshard.report import render_convert, to_json
@@ -154,10 +151,14 @@ def convert(
 
     given = None
     if plan_file is not None:
-        try:
-            given = _json.loads(plan_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"cannot read the plan ({exc})", where=str(plan_file)) from None
+        from reshard.io.safefs import read_json
+
+        try:  # a plan file comes from elsewhere too: a regular file, capped in size and depth
+            given = read_json(plan_file, root=plan_file.parent, what="plan file")
+        except FileNotFoundError:
+            raise BadInput("no such plan file", where=str(plan_file)) from None
+        except OSError as exc:
+            raise BadInput(f"cannot read the plan ({exc.strerror or exc})", where=str(plan_file)) from None
         opts = options_from_plan(given)
         if to is not None and to != opts.to:
             raise BadInput(f"--to {to} disagrees with the plan's target {opts.to}", where=str(plan_file))
@@ -175,7 +176,8 @@ def convert(
     if workers is not None and workers != 1 and not distributed:
         if output_format != "dcp":
             raise BadInput("--workers writes DCP output only", hint="Drop --workers for --output-format local.")
-        raise typer.Exit(launch_workers(workers, _without_workers(_state.get("argv") or sys.argv[1:])))
+        raise typer.Exit(launch_workers(workers, _without_workers(_state.get("argv") or sys.argv[1:]),
+                                        debug=_state["debug"]))
     io = IOOptions(direct=not buffered,
                    **{k: v for k, v in (("threads", threads), ("window", _size(window, "--window"))) if v is not None})
     p = make_plan(src, opts)
@@ -383,20 +385,18 @@ def _main(argv: list[str] | None = None) -> None:
     _state["argv"] = list(argv) if argv is not None else sys.argv[1:]
     try:
         app(args=argv, prog_name="reshard")
-    except ReshardError as exc:
-        if _state["debug"]:
-            traceback.print_exc()
-        typer.echo(f"error: {exc.render()}", err=True)
-        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: one paragraph, exit 2
+    except Exception as exc:  # noqa: BLE001 - one paragraph and its exit code (errors.render_error), whatever it is
+        from reshard.errors import render_error
+
         if _state["debug"]:
             traceback.print_exc()
-        typer.echo(f"error: unexpected {type(exc).__name__}: {exc}. Re-run with --debug for a traceback "
-                   "and report it.", err=True)
-        sys.exit(2)
+        code, paragraph = render_error(exc)
+        if _say_error(exc, code, paragraph):
+            typer.echo(f"error: {paragraph}", err=True)
+        sys.exit(code)
     finally:
         _warn_trusted()
 
@@ -407,6 +407,13 @@ def _warn_trusted() -> None:
     line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
     if line:
         typer.echo(line, err=True)
+
+
+def _say_error(exc: BaseException, code: int, paragraph: str) -> bool:
+    """Whether this process prints its error: a worker of a distributed run may leave it to its launcher."""
+    from reshard.distributed import in_torchrun, report_worker_error
+
+    return not in_torchrun() or report_worker_error(exc, code, paragraph)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,83 @@ its figure.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import typer
+
+from reshard.errors import BadInput
+
+MARKER = ".reshard-demo.json"  # in --out: what the demo created there, so a rerun deletes that and nothing else
+
+
+def _refuse(out: Path, what: str) -> BadInput:
+    return BadInput(what, where=str(out),
+                    hint="Choose a new or empty --out: the demo deletes only what an earlier demo wrote there.")
+
+
+def _walk(out: Path, names: list[str]) -> list[str]:
+    """Every file and directory under the demo's own names, relative to ``out`` (symlinks not followed)."""
+    found = []
+    for name in names:
+        top = out / name
+        if not os.path.lexists(top):
+            continue
+        found.append(name)
+        if top.is_dir() and not top.is_symlink():
+            for dirpath, dirnames, filenames in os.walk(top):
+                for n in dirnames + filenames:
+                    found.append(os.path.relpath(os.path.join(dirpath, n), out))
+    return sorted(found)
+
+
+def _ours(entry: str, names: list[str]) -> bool:
+    """A name the demo made, or what an interrupted conversion into one of them leaves beside it."""
+    return entry in names or any(entry.startswith(f".{n}.reshard-") for n in names)
+
+
+def claim_output(out: Path, names: list[str]) -> None:
+    """Make ``out`` the demo's directory for a run creating ``names``; refuse anything else.
+
+    A new or empty directory is taken. A non-empty one is taken only when an earlier demo's
+    marker (`MARKER`) accounts for every entry in it: then what that demo created, and only
+    that, is deleted. When the earlier run finished, its marker lists every file it wrote,
+    so a file the user put even inside the demo's own subdirectories is refused too (an
+    interrupted run recorded its top-level names only). Anything unaccounted for is
+    `BadInput` (exit 2) naming it, and nothing is deleted.
+    """
+    from reshard.io.safefs import read_json
+
+    if os.path.lexists(out) and not out.is_dir():
+        raise _refuse(out, "--out exists and is not a directory")
+    if out.is_dir():
+        entries = sorted(os.listdir(out))
+        if entries:
+            if MARKER not in entries:
+                raise _refuse(out, "--out is not empty and was not written by the demo (it holds "
+                                   + ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "") + ")")
+            mark = read_json(out / MARKER, root=out, what="demo marker")
+            before = [str(n) for n in (mark.get("created") or [])] if isinstance(mark, dict) else []
+            files = mark.get("files") if isinstance(mark, dict) else None
+            foreign = [e for e in entries if e != MARKER and not _ours(e, before)]
+            if isinstance(files, list):
+                foreign += sorted(set(_walk(out, before)) - {str(f) for f in files})
+            if foreign:
+                raise _refuse(out, "--out holds files the demo did not write ("
+                                   + ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "") + ")")
+            for e in entries:
+                if e != MARKER:
+                    p = out / e
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_marker(out, {"created": names})
+
+
+def _write_marker(out: Path, record: dict) -> None:
+    tmp = out / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out / MARKER)
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -21,6 +94,18 @@ def _losses(log: Path) -> dict[int, float]:
 
 
 def run_demo(out: Path, *, steps: int = 6) -> int:
+    """The demo into ``out``, which must be new, empty or an earlier demo's (`claim_output`)."""
+    out = Path(out)
+    k = max(1, steps // 2)
+    names = ["run4", "run4.jsonl", "run2.jsonl", f"step_{k}-dp2", "rehearsal"]
+    claim_output(out, names)
+    try:
+        return _run(out, steps, k)
+    finally:  # what the demo wrote, file by file: a rerun deletes exactly that
+        _write_marker(out, {"created": names, "files": _walk(out, names)})
+
+
+def _run(out: Path, steps: int, k: int) -> int:
     from reshard.execute import convert
     from reshard.inspection import inspect_checkpoint
     from reshard.plan import Options, make_plan
@@ -28,11 +113,6 @@ def run_demo(out: Path, *, steps: int = 6) -> int:
     from reshard.report import render_convert, render_inspect, render_plan
     from reshard.verify import render_verify, verify_checkpoints
 
-    out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    k = max(1, steps // 2)
     say = lambda msg: typer.echo(f"\n=== {msg}", err=True)  # noqa: E731
 
     say(f"[1/6] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")

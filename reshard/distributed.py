@@ -29,20 +29,41 @@ closes) and torchrun stops the group; what is left is the hidden temporary direc
 which the next run into ``dst`` removes. The output is byte-identical to a single-process
 conversion: the same reservations give the same offsets, and the same bytes are written
 at them (``tests/test_distributed.py``).
+
+Errors: one contract however the command runs
+---------------------------------------------
+The worker where an error arises raises it unchanged, so the CLI renders it exactly as a
+single process would (`reshard.errors.render_error`: same exit code, same paragraph); the
+other workers raise `WorkerFailed`, which carries that worker's code and paragraph. Under
+``--workers`` (`launch_workers`) torchrun runs inside the command itself: each worker writes
+its error (exit code, paragraph, whether it was relayed) to a file in a private temporary
+directory named by ``RESHARD_WORKER_ERRORS`` and prints nothing; the command then raises
+the first worker's own error (earliest, then lowest rank), or says which worker was killed
+by which signal, and exits with its code. torchrun's traceback and its log lines are
+shown with ``--debug`` only. Started by ``torchrun`` directly, each worker prints its own
+error once (relayed copies stay silent) and also writes it to torchrun's error file
+(``TORCHELASTIC_ERROR_FILE``), so torchrun's summary names the cause; torchrun itself then
+exits 1 with its own summary, which reshard cannot change.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
+import logging
 import os
+import signal
 import sys
+import tempfile
 import time as _time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from reshard.errors import BadInput, Infeasible, ReshardError
+from reshard.errors import BadInput, Infeasible, ReshardError, render_error
 
-__all__ = ["in_torchrun", "convert_distributed", "launch_workers"]
+__all__ = ["ERRORS_ENV", "WorkerFailed", "in_torchrun", "convert_distributed", "launch_workers", "report_worker_error"]
+
+ERRORS_ENV = "RESHARD_WORKER_ERRORS"  # private directory where the workers of `launch_workers` leave their errors
 
 
 def in_torchrun() -> bool:
@@ -63,42 +84,88 @@ def _init() -> tuple[Any, int, int]:
     return dist, dist.get_rank(), dist.get_world_size()
 
 
-def _gather(dist: Any, obj: Any, world: int) -> list[Any]:
+class WorkerFailed(ReshardError):
+    """Another worker's error (or the loss of a worker), raised where the error did not arise.
+
+    It renders as exactly the paragraph the failing worker printed and leaves with its exit
+    code, so a distributed run reads like a single process. ``worker`` is the index of the
+    worker whose error this is (None when a worker vanished without saying why).
+    """
+
+    def __init__(self, paragraph: str, *, exit_code: int, worker: int | None = None):
+        self.paragraph, self.exit_code, self.worker = paragraph, exit_code, worker
+        super().__init__(paragraph)
+
+    def render(self) -> str:
+        return self.paragraph
+
+
+def _collective(stage: str, world: int, fn: Any, *args: Any) -> None:
+    """One collective; a peer that died (its connection closed) becomes one paragraph, not a gloo trace."""
+    try:
+        fn(*args)
+    except RuntimeError as exc:  # gloo's DistBackendError and friends
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise WorkerFailed(BadInput(
+            f"one of the {world} workers stopped while {stage} (its connection closed: {detail})",
+            hint="Nothing was committed; the next run into the destination removes what this one left beside it.",
+        ).render(), exit_code=2) from None
+
+
+def _gather(dist: Any, obj: Any, world: int, stage: str) -> list[Any]:
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
+    _collective(stage, world, dist.all_gather_object, out, obj)
     return out
 
 
 def _error_status(exc: BaseException) -> dict[str, Any]:
-    if isinstance(exc, ReshardError):
-        return {"ok": False, "error": str(exc), "exit_code": exc.exit_code}
-    return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "exit_code": 2}
+    code, paragraph = render_error(exc)
+    return {"ok": False, "error": paragraph, "exit_code": code}
 
 
-def _raise_first(statuses: list[dict[str, Any]], stage: str) -> None:
-    bad = [(i, s) for i, s in enumerate(statuses) if not s.get("ok")]
-    if not bad:
-        return
-    worker, s = bad[0]
-    cls = Infeasible if s.get("exit_code") == 1 else BadInput
-    raise cls(f"worker {worker} of {len(statuses)} failed while {stage}: {s['error']}",
-              hint="Nothing was committed; fix the cause and run the conversion again.")
+def _raise_first(statuses: list[dict[str, Any]], own: BaseException | None = None) -> None:
+    """This worker's own error unchanged; else the first failing worker's, as `WorkerFailed`."""
+    if own is not None:
+        raise own
+    for worker, s in enumerate(statuses):
+        if not s.get("ok"):
+            raise WorkerFailed(s["error"], exit_code=int(s.get("exit_code", 2)), worker=worker)
 
 
 def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
                         io: Any = None) -> dict[str, Any] | None:
     """This worker's part of a distributed conversion; the report on worker 0, None elsewhere."""
     from reshard import execute as ex
+    from reshard.integrity import estimate_output_bytes, is_space_error, out_of_space
+
+    dist, rank, world = _init()
+    src, dst, ix = ex._prepare(plan, src, dst)
+    needed = estimate_output_bytes(plan, ix)
+
+    def own(exc: BaseException) -> BaseException:
+        """This worker's error as a single process reports it (a full disk names the destination and bytes)."""
+        return out_of_space(dst, needed, exc) if is_space_error(exc) else exc
+
+    try:
+        return _convert_steps(plan, src, dst, ix, dist, rank, world, own, overwrite=overwrite, progress=progress,
+                              io=io or ex.IOOptions())
+    except OSError as exc:  # e.g. the commit itself (fsync, rename) on a full disk
+        if is_space_error(exc):
+            raise out_of_space(dst, needed, exc) from None
+        raise
+
+
+def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: int, world: int, own: Any, *,
+                   overwrite: bool, progress: Any, io: Any) -> dict[str, Any] | None:
+    """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
+    from reshard import execute as ex
     from reshard.io.atomic import atomic_directory, fault_point
     from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.manifest import write_manifest
     from reshard.transition import output_manifest
 
-    dist, rank, world = _init()
     started = _time.time()
     stamp = ex._now()
-    src, dst, ix = ex._prepare(plan, src, dst)
-    io = io or ex.IOOptions()
     lead = rank == 0
     with contextlib.ExitStack() as stack:
         # 1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)
@@ -108,11 +175,10 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
             try:
                 msg = [{"ok": True, "tmp": str(stack.enter_context(atomic_directory(dst, overwrite=overwrite)))}]
             except Exception as exc:
-                failure, msg = exc, [_error_status(exc)]
-        dist.broadcast_object_list(msg, src=0)
-        if failure is not None:
-            raise failure
-        _raise_first(msg, "preparing the destination")
+                failure = own(exc)
+                msg = [_error_status(failure)]
+        _collective("preparing the destination", world, dist.broadcast_object_list, msg, 0)
+        _raise_first(msg, failure)
         tmp = Path(msg[0]["tmp"])
 
         def owns(file_rank: int) -> bool:
@@ -135,9 +201,10 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums()}
         except Exception as exc:  # reported to every worker, then raised everywhere
             w.close()
-            status = _error_status(exc)
-        statuses = _gather(dist, status, world)
-        _raise_first(statuses, "writing its files")
+            failure = own(exc)
+            status = _error_status(failure)
+        statuses = _gather(dist, status, world, "writing its files")
+        _raise_first(statuses, failure)
 
         # 3. worker 0 writes .metadata inside the hidden directory
         status = {"ok": True}
@@ -153,10 +220,11 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
                 write_manifest(tmp, manifest)  # verification reads the step and cursor from it
                 fault_point("manifest")
             except Exception as exc:
-                status = _error_status(exc)
+                failure = own(exc)
+                status = _error_status(failure)
         else:
             w.close()
-        _raise_first(_gather(dist, status, world), "writing .metadata and the manifest")
+        _raise_first(_gather(dist, status, world, "writing .metadata and the manifest"), failure)
 
         # 4. each worker verifies its own files
         files = sorted({loc.file for loc in w.locations().values() if owns(_file_rank(loc.file))})
@@ -164,9 +232,10 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
             part = ex._verify(src, tmp, plan, b_files=set(files), checked=checked)
             status = {"ok": True, "verification": part, "files": files}
         except Exception as exc:
-            status = _error_status(exc)
-        statuses = _gather(dist, status, world)
-        _raise_first(statuses, "verifying its files")
+            failure = own(exc)
+            status = _error_status(failure)
+        statuses = _gather(dist, status, world, "verifying its files")
+        _raise_first(statuses, failure)
         if not lead:
             return None
 
@@ -220,17 +289,149 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def launch_workers(workers: int, argv: list[str]) -> int:
+def report_worker_error(exc: BaseException, code: int, paragraph: str) -> bool:
+    """A worker's error, left where its launcher reads it; returns whether the worker should print it too.
+
+    Under `launch_workers` (``RESHARD_WORKER_ERRORS`` set) the error goes to
+    ``worker-<rank>.json`` in that private directory and the worker prints nothing: the
+    command prints the first worker's error once. Under a plain ``torchrun`` the worker
+    where the error arose prints it (a relayed `WorkerFailed` stays silent: its origin
+    printed it; a lost peer cannot, so its survivors do) and writes it to torchrun's error
+    file so torchrun's summary names it.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    relayed = isinstance(exc, WorkerFailed)
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        record = {"rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "exit_code": code,
+                  "paragraph": paragraph, "relayed": relayed, "time": _time.time()}
+        if _write_json(Path(folder) / f"worker-{rank}.json", record):
+            return False
+    # a lost peer printed nothing (it is gone): the survivors say what they saw
+    speaks = not (isinstance(exc, WorkerFailed) and exc.worker is not None)
+    torch_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if torch_file and speaks:  # the format of torch.distributed.elastic's ErrorHandler.record_exception
+        _write_json(Path(torch_file), {"message": {"message": paragraph, "extraInfo": {
+            "py_callstack": f"error: {paragraph}", "timestamp": str(int(_time.time()))}}})
+    return speaks
+
+
+def _write_json(path: Path, obj: Any) -> bool:
+    """Best effort (an error report must not raise a second error): write, then rename into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+
+
+def launch_workers(workers: int, argv: list[str], *, debug: bool = False) -> int:
     """``reshard convert ... --workers M``: run the same command under torchrun with M processes here.
 
-    Returns torchrun's exit code (worker 0's report is printed by worker 0).
+    torchrun's launcher runs inside this process, so its result is ours to map: 0 when every
+    worker succeeded; otherwise the first worker's own error is raised here (`WorkerFailed`,
+    the same exit code and paragraph as a single process), or a paragraph naming the worker
+    a signal killed. A worker that left with a code and no error (none does today) gives
+    that code. torchrun's traceback and log lines appear with ``debug`` only.
     """
-    import subprocess
-
     if workers < 1:
         raise BadInput(f"--workers must be >= 1, got {workers}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-           "-m", "reshard", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    args = ["--standalone", f"--nproc-per-node={workers}", "-m", "reshard", *argv]
+    with tempfile.TemporaryDirectory(prefix="reshard-workers-") as folder:
+        failures = _run_torchrun(args, {ERRORS_ENV: folder}, debug=debug)
+        if not failures:
+            return 0
+        reports = _worker_reports(Path(folder))
+    raise_run_error(reports, failures, workers)
+    return min(failures.items())[1]
+
+
+def raise_run_error(reports: list[dict[str, Any]], failures: dict[int, int], workers: int) -> None:
+    """The run's error from what the workers reported and how they ended (``failures``: rank -> exit code).
+
+    A worker's own error wins (earliest, then lowest rank): it is the cause, the others only
+    relay it. Next a worker killed by a signal (its peers' relayed "connection closed" is a
+    consequence; SIGTERM, which torchrun sends to the survivors, comes last). Then a relayed error. Returns when nothing was reported (the caller exits
+    with the worker's code).
+    """
+    ranked = sorted(reports, key=lambda r: (r["time"], r["rank"]))
+    for r in ranked:
+        if not r["relayed"]:
+            raise WorkerFailed(r["paragraph"], exit_code=r["exit_code"], worker=r["rank"])
+    killed = [(rank, code) for rank, code in failures.items() if code < 0]
+    # torchrun stops the survivors with SIGTERM: the worker killed by anything else is the cause
+    for rank, code in sorted(killed, key=lambda rc: (rc[1] == -signal.SIGTERM, rc[0])):
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            raise WorkerFailed(BadInput(
+                f"worker {rank} of {workers} was killed by {name} before it finished",
+                hint="Nothing was committed; run the same command again (it removes what the stopped run left "
+                     "beside the destination). If the system killed it for memory, give --window a smaller size.",
+            ).render(), exit_code=2, worker=rank)
+    if ranked:
+        r = ranked[0]
+        raise WorkerFailed(r["paragraph"], exit_code=r["exit_code"], worker=r["rank"])
+
+
+def _worker_reports(folder: Path) -> list[dict[str, Any]]:
+    from reshard.io.safefs import read_json
+
+    out = []
+    for p in sorted(folder.glob("worker-*.json")):
+        try:
+            r = read_json(p, root=folder, what="worker error report", limit=1 << 20)
+            out.append({"rank": int(r["rank"]), "exit_code": int(r["exit_code"]), "paragraph": str(r["paragraph"]),
+                        "relayed": bool(r["relayed"]), "time": float(r["time"])})
+        except (ReshardError, OSError, KeyError, TypeError, ValueError):
+            continue  # a report cut short by a dying worker: its exit code still counts
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_torchrun(debug: bool) -> Iterator[None]:
+    """Without --debug, torchrun's log lines (its own account of a worker's exit) go nowhere."""
+    if debug:
+        yield
+        return
+    saved = []
+    for name in ("torch.distributed.run", "torch.distributed.launcher", "torch.distributed.elastic"):
+        lg = logging.getLogger(name)
+        handler = logging.NullHandler()
+        saved.append((lg, lg.propagate, handler))
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate, handler in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+
+
+def _run_torchrun(args: list[str], env: dict[str, str], *, debug: bool) -> dict[int, int]:
+    """torchrun's launcher in this process; {global rank: exit code} of the workers that failed ({} if none)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    saved = dict(os.environ)
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with _quiet_torchrun(debug):
+            torchrun.run(torchrun.parse_args(args))
+    except ChildFailedError as exc:
+        if debug:
+            print(exc.format_msg(), file=sys.stderr)
+        return {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
+    except SignalException:  # Ctrl-C or SIGTERM: torchrun has stopped the workers
+        raise KeyboardInterrupt from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {}

@@ -5,6 +5,9 @@ infeasible, 2 bad input (usage, incomplete, corrupt or unsafe checkpoint).
 """
 from __future__ import annotations
 
+import errno
+import os
+
 
 class ReshardError(Exception):
     """Base class: one clear paragraph saying what is wrong, where, and the way out."""
@@ -46,3 +49,54 @@ class Infeasible(ReshardError):
     """The check ran and found a difference, or a plan cannot be carried out (exit 1)."""
 
     exit_code = 1
+
+
+_SPACE_ERRNOS = frozenset(e for e in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", None)) if e is not None)
+
+
+def _name(filename: object) -> str:
+    return os.fsdecode(filename) if isinstance(filename, (str, bytes, os.PathLike)) else str(filename)
+
+
+def from_os_error(exc: OSError) -> BadInput:
+    """An OSError no caller mapped, as one paragraph naming the file (exit 2).
+
+    The last resort before "unexpected": a full disk (ENOSPC, EFBIG, EDQUOT), a permission
+    (EACCES, EPERM) or a read-only file system (EROFS) met anywhere in a command is a fact
+    about the user's files, not a bug in reshard, so it reads like every other error.
+    """
+    code = exc.errno
+    name = errno.errorcode.get(code, "") if code is not None else ""
+    reason = (exc.strerror or str(exc)) + (f", {name}" if name else "")
+    where = None
+    if exc.filename is not None:
+        where = _name(exc.filename) + (f" -> {_name(exc.filename2)}" if exc.filename2 is not None else "")
+    if code in _SPACE_ERRNOS:
+        what, hint = (f"out of space ({reason})",
+                      "Free space (or raise the limit) on that file system, or choose another destination, then run "
+                      "the same command again.")
+    elif code in (errno.EACCES, errno.EPERM):
+        what, hint = (f"access refused ({reason})",
+                      "Check the permissions of the file and of its directory, or choose another path.")
+    elif code == errno.EROFS:
+        what, hint = (f"cannot write here ({reason})", "Write the output to a writable file system.")
+    else:
+        what, hint = (f"the file system refused the operation ({reason})",
+                      "Check the file and its file system, then run the same command again.")
+    if where is None:
+        what = f"a file operation failed, {what}"
+    return BadInput(what, where=where, hint=hint)
+
+
+def render_error(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one paragraph a command prints for ``exc``, whoever raised it.
+
+    One function for the CLI and for the workers of a distributed conversion, so an error
+    reads the same (code and text) however the command ran. An OSError no caller mapped is
+    `from_os_error`; anything else is a bug, said so.
+    """
+    if isinstance(exc, ReshardError):
+        return exc.exit_code, exc.render()
+    if isinstance(exc, OSError):
+        return 2, from_os_error(exc).render()
+    return 2, (f"unexpected {type(exc).__name__}: {exc}. Re-run with --debug for a traceback and report it.")

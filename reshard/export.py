@@ -58,9 +58,10 @@ import re
 import struct
 import time as _time
 import tomllib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -478,7 +479,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     ess = _essentials(src, mdict, cls.convention.name, dtype=out_dtype, only=only, rules=rules, tied=plan.tied, fmt=fmt)
     total = sum(it.nbytes for it in plan.items)
 
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    needed = _estimate_bytes(shards, fmt, lambda s: _header_metadata(ess, s, plan.copies))
+    with _space_errors(dst, needed), atomic_directory(dst, overwrite=overwrite) as tmp:
         for shard in shards:
             if not shard:
                 continue
@@ -526,6 +528,33 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
     return report
+
+
+def _estimate_bytes(shards: list[list[_Item]], fmt: str, metadata: Any) -> int:
+    """What the shards will hold: tensor bytes, plus each safetensors header (computed exactly, no tensor read)."""
+    total = sum(it.nbytes for shard in shards for it in shard)
+    if fmt == "safetensors":
+        total += sum(len(_st_header(shard, metadata(shard))) for shard in shards if shard)
+    return total
+
+
+@contextmanager
+def _space_errors(dst: Path, needed: int) -> Iterator[None]:
+    """A full destination reads like convert's (`reshard.integrity.out_of_space`): destination, bytes, exit 2.
+
+    Outside `atomic_directory`, so it sees the commit's own writes too and the temporary
+    directory is already gone when the error is raised. ``torch.save`` reports a failed
+    write as a RuntimeError whose cause is the OSError; that counts too.
+    """
+    from reshard.integrity import is_space_error, out_of_space
+
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        cause = exc if isinstance(exc, OSError) else (exc.__cause__ or exc.__context__)
+        if isinstance(cause, OSError) and is_space_error(cause):
+            raise out_of_space(dst, needed, cause, what="the export") from None
+        raise
 
 
 def _verify_export(ix, out: Path, plan: _Plan, fmt: str) -> dict[str, Any]:

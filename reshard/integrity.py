@@ -458,8 +458,8 @@ def is_space_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS
 
 
-def out_of_space(dst: str | os.PathLike, needed: int, exc: OSError) -> BadInput:
-    """The one-paragraph error for a conversion that ran out of space (exit 2)."""
+def out_of_space(dst: str | os.PathLike, needed: int, exc: OSError, *, what: str = "the converted checkpoint") -> BadInput:
+    """The one-paragraph error for a conversion (or an export: ``what``) that ran out of space (exit 2)."""
     from reshard.report import human_bytes
 
     dst = Path(os.path.abspath(os.fspath(dst)))
@@ -471,10 +471,10 @@ def out_of_space(dst: str | os.PathLike, needed: int, exc: OSError) -> BadInput:
     except OSError:
         free = ""
     return BadInput(
-        f"out of space writing the converted checkpoint: {why} ({os.strerror(exc.errno or 0)}). "
+        f"out of space writing {what}: {why} ({os.strerror(exc.errno or 0)}). "
         f"The output needs about {human_bytes(needed)} ({needed} bytes){free}.",
         where=str(dst),
         hint="Nothing was committed and the temporary directory was removed. Free space (or raise the limit) "
-             "on the destination's file system, or choose another destination, then run the same command again; "
-             "`reshard plan` estimates the space in advance.",
+             "on the destination's file system, or choose another destination, then run the same command again"
+             + ("; `reshard plan` estimates the space in advance." if what == "the converted checkpoint" else "."),
     )
