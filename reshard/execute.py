@@ -58,7 +58,7 @@ from reshard.geometry import Box
 from reshard.index import CheckpointIndex
 from reshard.integrity import estimate_output_bytes, is_space_error, out_of_space
 from reshard.integrity import record as integrity_record
-from reshard.io import archive, bands, splice
+from reshard.io import archive, bands, fastread, splice
 from reshard.io import dcp as dcp_io
 from reshard.io.atomic import atomic_directory, fault_point
 from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
@@ -298,6 +298,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             else:
                 raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
                 raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
+                fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
                 dcp_io._torch_load(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
         if progress is not None:

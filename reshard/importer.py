@@ -157,6 +157,9 @@ def _torch_load(path: Path, root: Path) -> Any:
     except FileNotFoundError:
         raise Incomplete("weights file is missing", where=str(path)) from None
     with os.fdopen(fd, "rb") as fh:
+        from reshard.io.fastread import check_file_crcs
+
+        check_file_crcs(fd, where=str(path))  # every member against its writer's CRC-32 (CorruptItem, exit 2)
         proc = f"/proc/self/fd/{fd}"
         try:
             try:

@@ -249,3 +249,45 @@ def test_compare_counts_how_each_storage_was_checked(reference_ckpt, copy_of):
     items = sum(2 * sum(1 for c in ia.entries[k].chunks if not c.box.is_empty()) for k in keys)
     assert res.crc["checked"] + res.crc["checked_by_extra_read"] + res.crc["unrecorded"] == items
     assert res.crc["not_checked"] == 0 and res.crc["left_to_decoding"] == 0
+
+
+def test_convert_refuses_a_corrupt_object_item(reference_ckpt, copy_of, tmp_path, capsys):
+    """Object items are copied verbatim: their bytes are checked before they are written."""
+    from reshard.io import dcp as rdcp
+
+    bad = copy_of(reference_ckpt)
+    ix = CheckpointIndex.open(bad)
+    e = next(e for k, e in sorted(ix.entries.items()) if not e.is_tensor and k.startswith("rng."))
+    raw = rdcp.read_item_bytes(bad, e.location, key=e.key)
+    pkl = next(m for m in fastread.item_members(raw) if m.name == "data.pkl")
+    pos = e.location.offset + pkl.start + pkl.size // 2
+    with open(bad / e.location.file, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+    code, out, err = run_cli(["convert", bad, tmp_path / "out", "--to", "dp=2"], capsys)
+    _refused(code, out, err, e.key, e.location.file)
+    assert "member data.pkl" in out + err
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_refuses_a_corrupt_torch_save_file(reference_ckpt, tmp_path, capsys):
+    """`import` of a torch.save file checks every member against the zip's CRC-32 records,
+    in one pass before torch maps the file."""
+    exp = tmp_path / "exp"
+    code, out, err = run_cli(["export", reference_ckpt, exp, "--format", "torch"], capsys)
+    assert code == 0, out + err
+    code, out, err = run_cli(["import", exp, tmp_path / "clean", "--to", "dp=2"], capsys)
+    assert code == 0, out + err
+    pt = max(exp.glob("*.pt"), key=lambda p: p.stat().st_size)
+    data = bytearray(pt.read_bytes())
+    storage = max((m for m in fastread.item_members(data) if m.name.startswith("data/")), key=lambda m: m.size)
+    data[storage.start + storage.size // 2] ^= 0x01
+    pt.write_bytes(bytes(data))
+    dst = tmp_path / "imported"
+    code, out, err = run_cli(["import", exp, dst, "--to", "dp=2"], capsys)
+    text = out + err
+    assert code == 2 and "Traceback" not in text, text
+    assert pt.name in text and f"member {storage.name}" in text and "fails its CRC-32" in text, text
+    assert not dst.exists()

@@ -59,11 +59,13 @@ from typing import Any, BinaryIO
 import torch
 from torch import _weights_only_unpickler
 
+from reshard.errors import BadInput
 from reshard.io import safefs
 from reshard.io.crcledger import CorruptItem
 from reshard.io.fileio import ShortRead, read_exact
 
-__all__ = ["CrcStatus", "ItemLayout", "Member", "MemberCrcs", "check_item_crcs", "item_members", "read_tensor_item",
+__all__ = ["CrcStatus", "ItemLayout", "Member", "MemberCrcs", "check_file_crcs", "check_item_crcs", "item_members",
+           "item_members_at", "read_tensor_item",
            "storage_byte_range", "dim0_byte_range", "copy_byte_range", "item_layout"]
 
 MAX_PICKLE_BYTES = 1 << 20      # a plain tensor's data.pkl is ~300 bytes
@@ -422,7 +424,7 @@ def item_members_at(path: str | os.PathLike, offset: int, length: int, *, root: 
         os.close(fd)
 
 
-def _tally(members: list[Member], crc_of: Any, *, key: str | None, where: Any) -> CrcStatus:
+def _tally(members: list[Member], crc_of: Any, *, key: str | None, where: Any, label: Any = None) -> CrcStatus:
     checked = unrecorded = unchecked = 0
     for m in members:
         if not m.size:
@@ -435,7 +437,7 @@ def _tally(members: list[Member], crc_of: Any, *, key: str | None, where: Any) -
             continue
         got = crc_of(m)
         if got != m.crc:
-            raise CorruptItem(key, where, m.crc, got, member=_member_label(m.name))
+            raise CorruptItem(key, where, m.crc, got, member=(label or _member_label)(m.name))
         checked += 1
     return CrcStatus(checked, unrecorded, unchecked)
 
@@ -468,8 +470,9 @@ class MemberCrcs:
     and returns the `CrcStatus`. Each byte is checksummed once, as it passes.
     """
 
-    def __init__(self, members: list[Member], *, key: str | None, where: Any):
+    def __init__(self, members: list[Member], *, key: str | None, where: Any, label: Any = None):
         self.members, self.key, self.where = sorted(members, key=lambda m: m.start), key, where
+        self.label = label
         self._crc = [0] * len(self.members)
         self._next = 0
 
@@ -489,7 +492,37 @@ class MemberCrcs:
         last = max((m.start + m.size for m in self.members), default=0)
         if self._next < last:
             raise ValueError(f"item bytes fed up to {self._next}, the members end at {last}")
-        return _tally(self.members, lambda m: got[id(m)], key=self.key, where=self.where)
+        return _tally(self.members, lambda m: got[id(m)], key=self.key, where=self.where, label=self.label)
+
+
+FILE_SLAB = 8 << 20  # bytes per read of `check_file_crcs`
+
+
+def check_file_crcs(fd: int, *, where: Any) -> CrcStatus:
+    """Check every member of the ``torch.save`` zip archive open as ``fd`` (a whole file, such
+    as an imported ``pytorch_model.bin``) against its recorded CRC-32, in one sequential pass
+    of `FILE_SLAB` reads (the bytes then sit in the page cache for the loader that maps the
+    file). `CorruptItem` names the file and the member; a legacy (non-zip) file has no
+    records (``archive=False``)."""
+    size = os.fstat(fd).st_size
+    win = _Window(fd, 0, size)
+    members = _members(win, size, win.pread)
+    if members is None:
+        return CrcStatus(archive=False)
+    stream = MemberCrcs(members, key=None, where=where, label=str)
+    end = max((m.start + m.size for m in members), default=0)
+    buf = bytearray(min(FILE_SLAB, max(end, 1)))
+    pos = 0
+    while pos < end:
+        view = memoryview(buf)[:min(len(buf), end - pos)]
+        try:
+            read_exact(fd, view, pos)
+        except ShortRead:
+            raise BadInput(f"the file ends before byte {end} while its CRC-32s are checked (truncated while read?)",
+                           where=str(where)) from None
+        stream.update(pos, view)
+        pos += len(view)
+    return stream.finish()
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
