@@ -212,7 +212,15 @@ class _Reader(FdCache):
                           where=str(self.root / loc.file), hint="The data file is truncated; the checkpoint is incomplete.")
 
     def hash_batch(self, batch: list[tuple[str, Any, str]], algorithm: str) -> list[str]:
-        """Checksums of the items of one batch (see `_batches`)."""
+        """Checksums of the items of one batch (see `_batches`).
+
+        An item whose checksum matches the manifest is also checked against the CRC-32s its
+        zip records (`reshard.io.fastread.check_item_crcs`, on the bytes already in the
+        buffer): bytes that were corrupt before the manifest was written are `CorruptItem`.
+        A checksum that does not match is left to the caller, which names it.
+        """
+        from reshard.io.fastread import MemberCrcs, check_item_crcs, item_members_at
+
         key0, loc0, _ = batch[0]
         fd = self.item_fd(loc0.file, key0)
         buf = self.buffer()
@@ -222,24 +230,35 @@ class _Reader(FdCache):
             if span <= len(buf):
                 got = _read_into(fd, buf[:span], start)
                 out = []
-                for key, loc, _ in batch:
+                for key, loc, want in batch:
                     a = int(loc.offset) - start
                     if a + int(loc.length) > got:
                         raise self.short(key, loc, start + got)
-                    out.append(digest(buf[a:a + int(loc.length)], algorithm))
+                    item = buf[a:a + int(loc.length)]
+                    d = digest(item, algorithm)
+                    if d == want and not loc.transforms:
+                        check_item_crcs(item, key=key, where=str(self.root / loc.file))
+                    out.append(d)
                 return out
-            (key, loc, _), = batch  # a single item larger than the buffer: hash it in slabs
+            (key, loc, want), = batch  # a single item larger than the buffer: hash it in slabs
             h = new_hasher(algorithm)
             pos, left = int(loc.offset), int(loc.length)
+            members = None if loc.transforms else item_members_at(self.root / loc.file, pos, left, root=self.root)
+            crcs = MemberCrcs(members, key=key, where=str(self.root / loc.file)) if members is not None else None
             while left:
                 n = min(left, len(buf))
                 got = _read_into(fd, buf[:n], pos)
                 if got != n:
                     raise self.short(key, loc, pos + got)
                 h.update(buf[:n])
+                if crcs is not None:
+                    crcs.update(pos - int(loc.offset), buf[:n])
                 pos += n
                 left -= n
-            return [h.hexdigest()]
+            d = h.hexdigest()
+            if crcs is not None and d == want:
+                crcs.finish()
+            return [d]
         except OSError as exc:
             raise BadInput(f"cannot read '{key0}': {exc}", where=str(self.root / loc0.file)) from None
 

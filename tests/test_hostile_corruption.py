@@ -291,3 +291,27 @@ def test_import_refuses_a_corrupt_torch_save_file(reference_ckpt, tmp_path, caps
     assert code == 2 and "Traceback" not in text, text
     assert pt.name in text and f"member {storage.name}" in text and "fails its CRC-32" in text, text
     assert not dst.exists()
+
+
+@pytest.mark.parametrize("slab", [16 << 20, 4096], ids=["batched", "streamed"])
+def test_manifest_checksums_do_not_excuse_a_contradicted_zip_record(reference_ckpt, tmp_path, capsys, slab):
+    """An item corrupt before its manifest checksum was taken (the manifest agrees with the bad
+    bytes) still contradicts its own zip CRC-32s: the integrity check's reads catch it too,
+    whether the item fits one read or streams past in slabs."""
+    from reshard import integrity
+    from reshard.io import dcp as rdcp
+
+    out = tmp_path / "out"
+    code, o, e = run_cli(["convert", reference_ckpt, out, "--to", "dp=2"], capsys)
+    assert code == 0, o + e
+    manifest = json.loads((out / "manifest.json").read_text())
+    ix = CheckpointIndex.open(out)
+    assert integrity.check_items(ix, manifest["integrity"], slab_bytes=slab) == []
+    key, file = flip_payload_byte(out)
+    _, c = _target(out)
+    loc = c.location
+    alg = manifest["integrity"]["algorithm"]
+    manifest["integrity"]["items"][integrity.item_name(loc.file, loc.offset)] = integrity.digest(
+        rdcp.read_item_bytes(out, loc, key=key), alg)
+    with pytest.raises(CorruptItem, match=f"item '{key}' in {file} fails its CRC-32"):
+        integrity.check_items(CheckpointIndex.open(out), manifest["integrity"], slab_bytes=slab)
