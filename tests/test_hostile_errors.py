@@ -311,3 +311,20 @@ def test_a_plan_file_that_is_missing_or_not_json_exits_2_naming_it(reference_ckp
     code, _, err = run_cli(["convert", reference_ckpt, dst, "--plan", tmp_path / "bad.json"], capsys)
     assert code == 2 and _paragraph(err).startswith(f"error: {tmp_path / 'bad.json'}: the plan file is not valid JSON")
     assert not dst.exists()
+
+
+def test_the_run_error_is_the_cause_not_its_echoes():
+    """How `launch_workers` picks the run's error from what the workers left and how they ended."""
+    from reshard.distributed import WorkerFailed, raise_run_error
+
+    own = {"rank": 1, "exit_code": 2, "paragraph": "src: incomplete", "relayed": False, "time": 2.0}
+    echo = {"rank": 0, "exit_code": 2, "paragraph": "src: incomplete", "relayed": True, "time": 1.0}
+    lost = {"rank": 0, "exit_code": 2, "paragraph": "one of the 2 workers stopped", "relayed": True, "time": 1.0}
+    with pytest.raises(WorkerFailed) as e:  # a worker's own error, even when its echo came first
+        raise_run_error([echo, own], {0: 2, 1: 2}, 2)
+    assert (e.value.worker, e.value.exit_code, e.value.render()) == (1, 2, "src: incomplete")
+    with pytest.raises(WorkerFailed, match="worker 1 of 2 was killed by SIGKILL"):  # not torchrun's SIGTERM
+        raise_run_error([lost], {0: -signal.SIGTERM, 1: -signal.SIGKILL}, 2)
+    with pytest.raises(WorkerFailed, match="one of the 2 workers stopped"):
+        raise_run_error([lost], {0: 2}, 2)
+    raise_run_error([], {0: 1}, 2)  # nothing reported: the caller exits with the worker's own code
