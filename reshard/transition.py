@@ -53,6 +53,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "trust_pickle": plan.options.trust_pickle,
         # what `reshard verify` needs to recompute this plan from the source (reshard.verify)
         "options": plan.options.to_dict(), "source_fingerprint": plan.source_fingerprint(),
+        "source_path": plan.source["path"],  # where to look for it (a chain A -> X -> B); never evidence
     }
     lineage = list(src.get("lineage") or [])
     lineage.append({"event": "transition", "from": _topo(plan.source["topology"]).to_dict(), "to": _topo(target).to_dict(),

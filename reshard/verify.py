@@ -495,7 +495,7 @@ class Evidence:
 
 
 def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, src_index: Any,
-                  out_index: Any) -> Evidence:
+                  out_index: Any, transforms: bool = True) -> Evidence:
     """The differences ``plan`` produces between ``src`` and its output ``out``.
 
     Dropped keys may be absent; rewritten and added keys must hold exactly the values the
@@ -503,7 +503,7 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, s
     translated data state); tensors the plan transforms, casts or copies from a tied key are
     excused only when `reshard.execute.check_transforms` proves them from the source (and
     their shape and dtype are the planned ones); a cursor the plan moved must be the one it
-    computed.
+    computed. ``transforms=False`` skips the tensors (a chain's hops: their layouts compose).
     """
     from reshard.execute import check_transforms
 
@@ -514,7 +514,7 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, s
         elif a.action in ("rewritten", "added") and a.key in plan.new_values:
             ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
     candidates: dict[str, str] = {}
-    for t in plan.tensors:
+    for t in plan.tensors if transforms else ():
         se = src_index.entries.get(t.copy_from or t.key)
         if t.transform:
             why = "TP-dependent layout rewritten (checked in canonical form against the source)"
@@ -574,9 +574,106 @@ MAX_RULES_BYTES = 1 << 20
 _RECOMPUTE_ERRORS = (ReshardError, ValueError, TypeError, KeyError, AttributeError, IndexError)
 
 
+@dataclass
+class _Hop:
+    """One conversion of a chain: ``plan`` recomputed from ``src``, whose output is ``out``."""
+
+    plan: Plan
+    src: Path
+    src_insp: Inspection
+    out: Path
+    out_insp: Inspection
+    where: str  # the lineage entry that recorded it
+
+
+MAX_HOPS = 8
+
+
+def _recompute_hop(src: Path, si: Inspection, entry: Any, where: str, trust_pickle: bool) -> tuple[Plan | None, str]:
+    """The plan a lineage ``entry`` records, recomputed from ``src``, if ``src`` is its source; else (None, why not)."""
+    from reshard.plan import make_plan
+
+    options = _recorded_options(entry.policies.get("options"))
+    fingerprint = entry.policies.get("source_fingerprint")
+    if isinstance(options, str):
+        return None, f"{where} {options}"
+    if not isinstance(fingerprint, str):
+        return None, f"{where} records no source fingerprint"
+    if options.rules and (why := _rules_file_problem(options.rules)):
+        return None, f"{where} {why}"
+    options.trust_pickle = trust_pickle  # a lineage never decides what gets unpickled
+    try:
+        plan = make_plan(src, options, inspection=si if options.from_spec is None else None)
+    except _RECOMPUTE_ERRORS as exc:
+        why = exc.message if isinstance(exc, ReshardError) else f"{type(exc).__name__}: {exc}"
+        return None, f"{where}: its plan cannot be recomputed from {src} ({why})"
+    if plan.source_fingerprint() != fingerprint:
+        return None, (f"{where} names a source with fingerprint {fingerprint}, not {src} "
+                      f"({plan.source_fingerprint()})")
+    if not plan.feasible:
+        return None, f"{where}: its options give an infeasible plan from {src}"
+    return plan, ""
+
+
+def _chain(src: Path, out: Path, si: Inspection, so: Inspection, trust_pickle: bool) -> tuple[list[_Hop], str | None]:
+    """The conversions from ``src`` to ``out``, oldest first, each recomputed; ([], why not) otherwise.
+
+    Walks back from ``out``: the last lineage entry of each checkpoint must be a transition
+    whose plan, recomputed from ``src`` (or else from the checkpoint the entry's
+    ``source_path`` names, only a place to look), has the recorded source fingerprint.
+    """
+    hops: list[_Hop] = []
+    cur, ci = Path(out), so
+    visited = {Path(out).resolve()}
+    while len(hops) < MAX_HOPS:
+        lineage = list(ci.manifest.lineage) if ci.manifest is not None else []
+        if not lineage or lineage[-1].event != "transition":
+            return [], None if not hops else f"{cur} (between {src} and {out}) was not made by a conversion"
+        entry = lineage[-1]
+        where = f"{cur / 'manifest.json'} (lineage entry {len(lineage)})"
+        plan, why = _recompute_hop(Path(src), si, entry, where, trust_pickle)
+        if plan is not None:
+            hops.append(_Hop(plan, Path(src), si, cur, ci, where))
+            return hops[::-1], None
+        named = entry.policies.get("source_path")
+        if not isinstance(named, str) or not named or Path(named).resolve() in visited:
+            return [], why
+        prev = Path(named)
+        try:
+            pi = _open(prev, trust_pickle)
+        except ReshardError as exc:
+            return [], f"{why}; the source it names, {prev}, cannot be opened ({exc.message})"
+        plan, why2 = _recompute_hop(prev, pi, entry, where, trust_pickle)
+        if plan is None:
+            return [], f"{why}; {why2}"
+        hops.append(_Hop(plan, prev, pi, cur, ci, where))
+        visited.add(prev.resolve())
+        cur, ci = prev, pi
+    return [], f"{out} is more than {MAX_HOPS} conversions away from {src}"
+
+
+def _compose(hops: list[_Hop], source: str, what: str) -> Evidence:
+    """One `Evidence` for a chain, oldest hop first: for each key the last conversion that dropped or wrote it decides."""
+    ev = Evidence(source, what)
+    for h in hops:
+        e = plan_evidence(h.plan, source="a", what="", src=h.src, out=h.out, src_index=h.src_insp.index,
+                          out_index=h.out_insp.index, transforms=len(hops) == 1)
+        for k, why in e.dropped.items():
+            ev.values.pop(k, None)
+            ev.proven.pop(k, None)
+            ev.dropped[k] = why
+        for k, v in e.values.items():
+            ev.dropped.pop(k, None)
+            ev.proven.pop(k, None)
+            ev.values[k] = v
+        ev.proven.update(e.proven)
+        ev.semantics.update(e.semantics)
+    return ev
+
+
 def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *,
                         trust_pickle: bool = False) -> tuple[Evidence | None, list[str]]:
-    """Re-derive the changes a conversion between A and B made, from the source side itself.
+    """Re-derive the changes the conversions between A and B made, from the source side itself.
 
     One side (the output) must carry a manifest whose last lineage entry is a transition
     recording its plan options and its source's fingerprint (`reshard.transition`). The
@@ -584,47 +681,44 @@ def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *,
     ``trust_pickle``: a lineage never decides what gets unpickled); it must be feasible and
     have the recorded source fingerprint, i.e. the other side is that conversion's source.
     The returned `Evidence` then excuses exactly what that plan produces (`plan_evidence`).
-    Reports inside either checkpoint are never read. Returns (evidence or None, notes saying
-    why a lineage found could not be used).
-    """
-    from reshard.plan import make_plan
 
+    A chain (A -> X -> ... -> B) is followed back through the checkpoints the lineage
+    entries' ``source_path`` name, each only a place to look: every hop's plan is recomputed
+    from the checkpoint found there and must have its recorded fingerprint, and every
+    intermediate checkpoint is itself verified against its source with that hop's evidence
+    (a full comparison: each intermediate is read once more), because later hops' rewrites
+    are computed from its values. Then the last hop that dropped or wrote a key decides
+    what B must hold there. Transformed or cast tensors are excused for a single
+    conversion only. Reports inside any checkpoint are never read. Returns (evidence or
+    None, notes saying why a lineage found could not be used).
+    """
     notes: list[str] = []
     for source, (src, out, si, so) in (("a", (a, b, sa, sb)), ("b", (b, a, sb, sa))):
-        lineage = list(so.manifest.lineage) if so.manifest is not None else []
-        if not lineage or lineage[-1].event != "transition":
+        hops, why = _chain(src, out, si, so, trust_pickle)
+        if not hops:
+            if why:
+                notes.append(f"{why}: its changes count as differences")
             continue
-        entry = lineage[-1]
-        where = f"{Path(out) / 'manifest.json'} (lineage entry {len(lineage)})"
-        options = _recorded_options(entry.policies.get("options"))
-        fingerprint = entry.policies.get("source_fingerprint")
-        if isinstance(options, str):
-            notes.append(f"{where} {options}: its changes count as differences")
+        for h in hops[:-1]:  # the intermediates later plans read; the last output is what this verify checks
+            ev = plan_evidence(h.plan, source="a", what=h.where, src=h.src, out=h.out, src_index=h.src_insp.index,
+                               out_index=h.out_insp.index)
+            try:
+                r = verify_checkpoints(h.src, h.out, trust_pickle=trust_pickle, evidence=ev)
+            except ReshardError as exc:
+                r = {"equal": False, "differences": [{"key": str(h.out), "detail": exc.message}]}
+            if not r["equal"]:
+                d = r["differences"][0]
+                notes.append(f"{h.out} is not what the plan its lineage records makes of {h.src} "
+                             f"({d['key']}: {d['detail']}): the changes of the chain count as differences")
+                hops = []
+                break
+        if not hops:
             continue
-        if not isinstance(fingerprint, str):
-            notes.append(f"{where} records no source fingerprint: its changes count as differences")
-            continue
-        if options.rules and (why := _rules_file_problem(options.rules)):
-            notes.append(f"{where} {why}: its changes count as differences")
-            continue
-        options.trust_pickle = trust_pickle
-        try:
-            plan = make_plan(src, options, inspection=si if options.from_spec is None else None)
-        except _RECOMPUTE_ERRORS as exc:
-            why = exc.message if isinstance(exc, ReshardError) else f"{type(exc).__name__}: {exc}"
-            notes.append(f"{where}: its plan cannot be recomputed from {src} ({why}): its changes count as differences")
-            continue
-        if plan.source_fingerprint() != fingerprint:
-            notes.append(f"{where} names a source with fingerprint {fingerprint}, not {src} "
-                         f"({plan.source_fingerprint()}): its changes count as differences")
-            continue
-        if not plan.feasible:
-            notes.append(f"{where}: its options give an infeasible plan from {src}: its changes count as differences")
-            continue
-        what = (f"the plan recomputed from {src} with the options {where} records "
-                f"(fingerprint {plan.fingerprint()})")
-        return plan_evidence(plan, source=source, what=what, src=Path(src), out=Path(out), src_index=si.index,
-                             out_index=so.index), notes
+        last = hops[-1]
+        via = "" if len(hops) == 1 else f", through {len(hops) - 1} intermediate checkpoint(s), each verified"
+        what = (f"the plan recomputed from {src} with the options {last.where} records "
+                f"(fingerprint {last.plan.fingerprint()}){via}")
+        return _compose(hops, source, what), notes
     return None, notes
 
 
@@ -668,7 +762,8 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
                        progress: Any = None, check_integrity: bool | str = True, fast: bool = True,
                        workers: int | None = None, b_files: set[str] | None = None,
                        values_checked: set[str] | None = None, direct: bool = True,
-                       recompute: bool = False, strict: bool = False) -> dict[str, Any]:
+                       recompute: bool = False, strict: bool = False,
+                       evidence: Evidence | None = None) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
 
     ``expected_rewrites``: keys the *caller* changed on purpose (`reshard convert` passes its
@@ -677,6 +772,8 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     re-derived from the source side (`conversion_evidence`, `export_evidence`): what `reshard
     verify` does. ``strict`` (with ``recompute``): excuse no conversion change at all (an
     export's left-out keys still are: an export cannot hold them).
+    ``evidence``: differences the caller re-derived itself (`plan_evidence`), excused only
+    where the output holds exactly what it says.
 
     ``check_integrity``: True checks both sides' recorded item checksums, False neither,
     ``"a"`` only A's (what `reshard convert` uses on its own fresh output, whose checksums
@@ -813,8 +910,7 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
             found.append({"key": key, "kind": "object", "detail": d})
 
     # ---------------------------------------------------------------- excused differences
-    evidence: Evidence | None = None
-    if recompute and found:
+    if recompute and found and evidence is None:
         evidence, why_not = export_evidence(a, b, sa, sb)
         if evidence is None and not strict:
             evidence, why_not = conversion_evidence(a, b, sa, sb, trust_pickle=trust_pickle)

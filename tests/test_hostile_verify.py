@@ -349,3 +349,32 @@ def test_self_referencing_object_is_bad_input():
     other.append(other)
     with pytest.raises(BadInput):
         object_difference(one, other)
+
+
+# ------------------------------------------------------------------------------ chains
+@pytest.fixture(scope="module")
+def chained(root, converted) -> Path:
+    """reference (dp=4) -> dp=2 -> dp=4: two genuine conversions."""
+    dst = root / "dp2to4"
+    code, out, err = cli(["convert", converted, dst, "--to", "dp=4"])
+    assert code == 0, out + err
+    return dst
+
+
+def test_genuine_chain_verifies_through_its_intermediate(reference_ckpt, converted, chained, capsys):
+    code, r, _ = verify_json(reference_ckpt, chained, capsys)
+    assert code == 0, (r["differences"][:3], r["notes"])
+    assert "through 1 intermediate checkpoint(s), each verified" in r["evidence"]
+    assert any(w["key"].startswith("rng.rank_2.") for w in r["rewritten"])  # rewritten by the second hop
+
+
+def test_chain_through_a_tampered_intermediate_excuses_nothing(reference_ckpt, converted, chained, tmp_path, capsys):
+    """The lineage's path names an intermediate whose values are not what its own plan makes of A."""
+    fake = tmp_path / "dp2"
+    rewrite(converted, fake, tensor=(MOMENT, set_first(123.0)))
+    b = tmp_path / "dp2to4"
+    shutil.copytree(chained, b)
+    edit_manifest(b, lambda m: m["lineage"][-1]["policies"].update(source_path=str(fake)))
+    code, r, _ = verify_json(reference_ckpt, b, capsys)
+    assert code == 1 and r["evidence"] is None
+    assert any(f"{fake} is not what the plan its lineage records makes of" in n and MOMENT in n for n in r["notes"])
