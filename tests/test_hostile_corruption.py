@@ -249,6 +249,23 @@ def test_compare_counts_how_each_storage_was_checked(reference_ckpt, copy_of):
     items = sum(2 * sum(1 for c in ia.entries[k].chunks if not c.box.is_empty()) for k in keys)
     assert res.crc["checked"] + res.crc["checked_by_extra_read"] + res.crc["unrecorded"] == items
     assert res.crc["not_checked"] == 0 and res.crc["left_to_decoding"] == 0
+    # a distributed worker's part: B's chunks in one file meet halves of A's (dp 2) shards
+    import tempfile
+
+    from conftest import cli
+
+    with tempfile.TemporaryDirectory() as d:
+        code, out, err = cli(["convert", reference_ckpt, Path(d) / "dp2", "--to", "dp=2"])
+        assert code == 0, out + err
+        ia2 = CheckpointIndex.open(Path(d) / "dp2")
+        model = [k for k in keys if k.startswith("model.") and k in ia2.entries]
+        part = compare_tensors(ia2, ib, model, direct=False, b_files={"__0_0.distcp"})
+        assert all(v.status == "equal" for v in part.verdicts.values())
+        assert part.crc["not_checked"] > 0 and part.crc["checked"] > 0
+        from reshard.verify import verify_checkpoints
+
+        r = verify_checkpoints(Path(d) / "dp2", ib.root, b_files={"__0_0.distcp"}, check_integrity=False)
+        assert any("read here only in part" in n for n in r["notes"]), r["notes"]
 
 
 def test_convert_refuses_a_corrupt_object_item(reference_ckpt, copy_of, tmp_path, capsys):
