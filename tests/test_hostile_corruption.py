@@ -262,10 +262,6 @@ def test_compare_counts_how_each_storage_was_checked(reference_ckpt, copy_of):
         part = compare_tensors(ia2, ib, model, direct=False, b_files={"__0_0.distcp"})
         assert all(v.status == "equal" for v in part.verdicts.values())
         assert part.crc["not_checked"] > 0 and part.crc["checked"] > 0
-        from reshard.verify import verify_checkpoints
-
-        r = verify_checkpoints(Path(d) / "dp2", ib.root, b_files={"__0_0.distcp"}, check_integrity=False)
-        assert any("read here only in part" in n for n in r["notes"]), r["notes"]
 
 
 def test_convert_refuses_a_corrupt_object_item(reference_ckpt, copy_of, tmp_path, capsys):

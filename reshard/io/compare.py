@@ -350,7 +350,7 @@ class _Files(FdCache):
         self.slab = slab
         self.direct_io = direct
         self.bufs = ThreadBuffers()
-        self.ledger = CrcLedger()   # every storage byte read, against its writer's record
+        self.ledger = CrcLedger(collect=True)  # every storage byte read, against its writer's record
 
     def stage(self, n: int) -> memoryview:
         """``n`` bytes of the calling thread's stage for unaligned direct reads."""
@@ -748,6 +748,7 @@ def _settle_crcs(files: _Files, verdicts: dict[str, KeyVerdict], b_files: Any) -
     each completed by one read of what is missing, left to the decoding path, or counted as
     not checked; returns `CompareResult.crc`."""
     ledger = files.ledger
+    ledger.raise_first()  # the first corrupt storage in (file, offset) order, whatever order the pool took
     extra = left = unchecked = 0
     for rec in ledger.pending():
         v = verdicts.get(rec.key) if rec.key is not None else None
@@ -770,8 +771,9 @@ def _read_rest(files: _Files, rec: StorageRecord) -> None:
     buf, _ = files.buffers()
     for off, n in files.ledger.missing(rec):
         files.ledger.add(rec, off, n, _crc_range(fd, buf, rec.at + off, n))
-    if not files.ledger.verified(rec):
+    if not files.ledger.verified(rec) and not files.ledger.failures:
         files.ledger.add(rec, 0, rec.nbytes, _crc_range(fd, buf, rec.at, rec.nbytes))
+    files.ledger.raise_first()
 
 
 def _crc_range(fd: int, buf: np.ndarray, pos: int, n: int) -> int:

@@ -122,10 +122,16 @@ class CrcLedger:
     or a key that stopped early), so the caller can check them by one read of what is
     missing (`missing`) or report them as not checked. Storages without a record are
     counted (`unrecorded`), never failed.
+
+    ``collect=True``: a contradiction is kept instead of raised, and `raise_first` raises the
+    first in (file, offset) order, so a reader whose pieces complete in any order (a thread
+    pool) names the same item every run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, collect: bool = False) -> None:
         self._lock = threading.Lock()
+        self.collect = collect
+        self.failures: list[CorruptItem] = []
         self._parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         self._records: dict[tuple[str, int], StorageRecord] = {}
         self._covered: dict[tuple[str, int], int] = {}
@@ -153,7 +159,7 @@ class CrcLedger:
             for off, n, c in parts:
                 if off == offset and n == nbytes:
                     if c != crc:
-                        raise CorruptItem(rec.key, rec.path, c, crc, changed=(offset, offset + nbytes))
+                        self._fail(rec, CorruptItem(rec.key, rec.path, c, crc, changed=(offset, offset + nbytes)))
                     return False
             parts.append((offset, nbytes, crc))
             self._covered[ident] = self._covered.get(ident, 0) + nbytes
@@ -163,13 +169,29 @@ class CrcLedger:
         combined = combine_tiling(snapshot, rec.nbytes)
         if combined is None:  # overlapping pieces that do not chain up yet: wait for more
             return False
-        if combined != rec.crc:
-            raise CorruptItem(rec.key, rec.path, rec.crc or 0, combined)
-        with self._lock:
-            self._verified.add(ident)
+        ok = combined == rec.crc
+        with self._lock:  # decided either way: no longer pending
             self._parts.pop(ident, None)
             self._covered.pop(ident, None)
-        return True
+            if ok:
+                self._verified.add(ident)
+        if not ok:
+            self._fail(rec, CorruptItem(rec.key, rec.path, rec.crc or 0, combined))
+        return ok
+
+    def _fail(self, rec: StorageRecord, exc: CorruptItem) -> None:
+        if not self.collect:
+            raise exc
+        exc.ident = rec.ident  # type: ignore[attr-defined]
+        with self._lock:
+            self.failures.append(exc)
+
+    def raise_first(self) -> None:
+        """Raise the collected contradiction first in (file, offset) order, if any."""
+        with self._lock:
+            first = min(self.failures, key=lambda e: e.ident, default=None)  # type: ignore[attr-defined]
+        if first is not None:
+            raise first
 
     def verified(self, rec: Any) -> bool:
         """Whether the storage (a `StorageRecord`, anything with its ``ident``, or the ident) was checked."""
