@@ -4,7 +4,12 @@ Fixtures that a test mutates are copied first: the session copies are never modi
 """
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import signal
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -85,3 +90,26 @@ def cli(args: list) -> tuple[int, str, str]:
     cap = _Capture()
     with contextlib.redirect_stdout(cap.out), contextlib.redirect_stderr(cap.err):
         return run_cli(args, cap)
+
+
+def fsize_limit(limit: int):
+    """A ``preexec_fn`` capping the size of every file the child writes (writes past it fail with EFBIG)."""
+    def pre() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+@contextmanager
+def mounted_tmpfs(where: Path, options: str):
+    """A tmpfs mounted at ``where`` with ``options`` (root only); the test is skipped where mounting is not allowed."""
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)

@@ -13,7 +13,6 @@ import fcntl
 import hashlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import fsize_limit, mounted_tmpfs, run_cli
 from reshard.io.atomic import stale_temporaries
 
 EPOCH = "1700000000"
@@ -191,27 +190,13 @@ def test_killed_conversion_commits_nothing_and_rerun_is_byte_identical(src, tmp_
 
 
 # ---------------------------------------------------------------------------- 2. disk full
-def _fsize_limit(limit: int):
-    def pre() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return pre
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 300 KiB tmpfs (root only); skipped where mounting is not allowed."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "size=300k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 @pytest.mark.parametrize("how", ["rlimit_fsize", "tmpfs"])
@@ -229,7 +214,7 @@ def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_commit
         r = run(src, dst)
     else:
         dst = tmp_path / "out"
-        r = run(src, dst, preexec=_fsize_limit(200_000))
+        r = run(src, dst, preexec=fsize_limit(200_000))
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()
     assert err.startswith(f"error: {dst}: out of space") and "\n" not in err and "Traceback" not in err

@@ -22,8 +22,6 @@ import dataclasses
 import os
 import pickle
 import re
-import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import fsize_limit, mounted_tmpfs, run_cli
 
 EPOCH = "1700000000"
 TIMEOUT = 300
@@ -115,27 +113,13 @@ def test_workers_with_a_worker_killed_exit_2_naming_it(reference_ckpt, tmp_path)
 
 # ---------------------------------------------------------------------------- export into a full destination
 
-def _fsize_limit(limit: int):
-    def pre() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return pre
 
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 48 KiB tmpfs (root only); skipped where mounting is not allowed."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "size=48k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +140,7 @@ def test_export_to_a_full_destination_exit_2_naming_destination_and_bytes(refere
         p = _reshard(["export", reference_ckpt, dst, "--format", fmt])
     else:
         dst = tmp_path / "out"
-        p = _reshard(["export", reference_ckpt, dst, "--format", fmt], preexec=_fsize_limit(50_000))
+        p = _reshard(["export", reference_ckpt, dst, "--format", fmt], preexec=fsize_limit(50_000))
     assert p.returncode == 2, p.stderr
     err = _paragraph(p.stderr)
     assert err.startswith(f"error: {dst}: out of space writing the export")
@@ -174,17 +158,8 @@ def test_export_to_a_full_destination_exit_2_naming_destination_and_bytes(refere
 @pytest.fixture
 def read_only_dir(tmp_path):
     """A read-only tmpfs (EROFS even for root); skipped where mounting is not allowed."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 @pytest.mark.parametrize("command", ["export", "convert"])
