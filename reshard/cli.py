@@ -39,12 +39,12 @@ def inspect(
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
-    from reshard.inspection import inspect_checkpoint
-    from reshard.report import render_inspect, to_json
+    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.render.report import render_inspect, to_json
 
     bar = None
     if deep:
-        from reshard.index import CheckpointIndex
+        from reshard.storage.index import CheckpointIndex
 
         bar = _progress(CheckpointIndex.open(ckpt).item_count(), "deep check")
     result = inspect_checkpoint(ckpt, deep=deep, from_spec=from_spec, trust_pickle=trust_pickle, progress=bar)
@@ -57,7 +57,7 @@ def inspect(
 def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
              rules=None, model_config=None, pp_stages=None, dtype=None, only=None):
     from reshard.errors import BadInput
-    from reshard.plan import Options
+    from reshard.commands.plan import Options
 
     config = {}
     for item in model_config or []:
@@ -103,14 +103,14 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
-    from reshard.plan import make_plan
-    from reshard.report import render_plan, to_json
+    from reshard.commands.plan import make_plan
+    from reshard.render.report import render_plan, to_json
 
     p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
                                  rules, model_config, pp_stages))
     d = p.to_dict(tensors=json_out or verbose)
     if dst is not None:
-        from reshard.integrity import space_check
+        from reshard.commands.space import space_check
 
         d["space"] = space_check(p, dst)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
@@ -144,14 +144,14 @@ def convert(
     Under torchrun (or with --workers M) the target files are divided among the processes;
     worker 0 commits once every worker has written and verified its part.
     """
-    from reshard.execute import convert as run_convert
-    from reshard.plan import check_plan_matches, make_plan, options_from_plan
-    from reshard.report import render_convert, to_json
+    from reshard.commands.convert import convert as run_convert
+    from reshard.commands.plan import check_plan_matches, make_plan, options_from_plan
+    from reshard.render.report import render_convert, to_json
     from reshard.errors import BadInput
 
     given = None
     if plan_file is not None:
-        from reshard.io.safefs import read_json
+        from reshard.safefs import read_json
 
         try:  # a plan file comes from elsewhere too: a regular file, capped in size and depth
             given = read_json(plan_file, root=plan_file.parent, what="plan file")
@@ -169,8 +169,8 @@ def convert(
                         rules, model_config, pp_stages, dtype, only)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
-    from reshard.distributed import convert_distributed, in_torchrun, launch_workers
-    from reshard.execute import IOOptions
+    from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers
+    from reshard.commands.convert import IOOptions
 
     distributed = in_torchrun()
     if workers is not None and workers != 1 and not distributed:
@@ -250,10 +250,10 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
-    from reshard.report import to_json
-    from reshard.verify import render_verify, verify_checkpoints
+    from reshard.render.report import to_json
+    from reshard.commands.verify import render_verify, verify_checkpoints
 
-    # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.verify)
+    # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.commands.verify)
     r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, recompute=True, strict=strict,
                            direct=not buffered)
     text = render_verify(r)
@@ -274,8 +274,8 @@ def export(
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
     """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor."""
-    from reshard.export import export as run_export, parse_size
-    from reshard.report import to_json
+    from reshard.commands.export import export as run_export, parse_size
+    from reshard.render.report import to_json
 
     r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
                    rename=rename, overwrite=overwrite)
@@ -293,8 +293,8 @@ def import_(
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
 ) -> None:
     """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id."""
-    from reshard.importer import import_checkpoint
-    from reshard.report import to_json
+    from reshard.commands.importer import import_checkpoint
+    from reshard.render.report import to_json
 
     r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id)
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
@@ -322,8 +322,8 @@ def rehearse(
 
     Exit 0 within tolerances with exact coverage, 1 otherwise.
     """
-    from reshard.rehearsal import render_rehearsal, rehearse as run_rehearsal
-    from reshard.report import to_json
+    from reshard.commands.rehearsal import render_rehearsal, rehearse as run_rehearsal
+    from reshard.render.report import to_json
 
     r = run_rehearsal(from_spec=from_spec, to_spec=to, steps=steps, switch_at=switch_at, window=window,
                       micro_batch=micro_batch, grad_accum=grad_accum, like=like, out=out)
@@ -340,8 +340,8 @@ def window(
     json_out: bool = typer.Option(False, "--json", help="Print the judgement as JSON."),
 ) -> None:
     """Judge the verification window after a real transition: loss, grad norm, throughput, coverage."""
-    from reshard.report import to_json
-    from reshard.window import judge, render_window
+    from reshard.render.report import to_json
+    from reshard.commands.window import judge, render_window
 
     r = judge(before, after, manifest=manifest, out=out)
     typer.echo(to_json(r) if json_out else render_window(r))
@@ -354,7 +354,7 @@ def demo(
     steps: int = typer.Option(6, "--steps", help="Optimizer steps the reference trainer runs."),
 ) -> None:
     """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse."""
-    from reshard.demo import run_demo
+    from reshard.commands.demo import run_demo
 
     raise typer.Exit(run_demo(out, steps=steps))
 
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     flushing its output: interpreter teardown with a live gloo process group can abort
     (SIGABRT) on small machines, which would turn a clean exit code into a crash.
     """
-    from reshard.distributed import in_torchrun
+    from reshard.commands.distributed import in_torchrun
 
     if in_torchrun():
         code = 0
@@ -402,8 +402,8 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 def _warn_trusted() -> None:
-    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.io.dcp collects them)."""
-    dcp = sys.modules.get("reshard.io.dcp")
+    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.dcp collects them)."""
+    dcp = sys.modules.get("reshard.storage.dcp")
     line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
     if line:
         typer.echo(line, err=True)
@@ -411,7 +411,7 @@ def _warn_trusted() -> None:
 
 def _say_error(exc: BaseException, code: int, paragraph: str) -> bool:
     """Whether this process prints its error: a worker of a distributed run may leave it to its launcher."""
-    from reshard.distributed import in_torchrun, report_worker_error
+    from reshard.commands.distributed import in_torchrun, report_worker_error
 
     return not in_torchrun() or report_worker_error(exc, code, paragraph)
 

@@ -171,7 +171,7 @@ def shard_box(shape: Sequence[int], shard_dim: int, rank: int, world_size: int) 
 # --------------------------------------------------------------------------------------
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         stride[d] = stride[d + 1] * max(1, int(shape[d + 1]))
@@ -184,7 +184,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_worker(rank: int, world_size: int, port: int) -> None:
+def init_worker(rank: int, world_size: int, port: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -196,7 +196,7 @@ def _init_worker(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
 
 
-def _finish_worker() -> None:
+def finish_worker() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -241,7 +241,7 @@ def _main_not_reimported(fn: Callable[..., None]):
         sys.modules["__main__"] = main
 
 
-def _spawn(fn: Callable[..., None], world_size: int, args: tuple, timeout: float, start_method: str | None = None) -> None:
+def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: float, start_method: str | None = None) -> None:
     """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` fresh processes.
 
     The default start method is ``forkserver`` with torch and this module preloaded in the
@@ -282,7 +282,7 @@ def _spawn(fn: Callable[..., None], world_size: int, args: tuple, timeout: float
             p.join(5)
 
 
-def _prepare_out_dir(out_dir: str | os.PathLike) -> pathlib.Path:
+def prepare_out_dir(out_dir: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return out
@@ -314,7 +314,7 @@ class TinyModel(torch.nn.Module):
 
 
 def _fsdp2_worker(rank: int, world_size: int, port: int, out_dir: str, steps: int, seed: int) -> None:
-    _init_worker(rank, world_size, port)
+    init_worker(rank, world_size, port)
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -339,7 +339,7 @@ def _fsdp2_worker(rank: int, world_size: int, port: int, out_dir: str, steps: in
         model_sd, optim_sd = get_state_dict(model, optim)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out_dir)
     finally:
-        _finish_worker()
+        finish_worker()
 
 
 def make_plain_fsdp2(
@@ -359,8 +359,8 @@ def make_plain_fsdp2(
     embedding has 50 rows, so on 4 ranks it is sharded unevenly (13, 13, 13, 11).
     ``start_method``: ``None`` (forkserver where available) or ``"spawn"``.
     """
-    out = _prepare_out_dir(out_dir)
-    _spawn(_fsdp2_worker, world_size, (str(out), int(steps), int(seed)), timeout, start_method)
+    out = prepare_out_dir(out_dir)
+    spawn_ranks(_fsdp2_worker, world_size, (str(out), int(steps), int(seed)), timeout, start_method)
     return out
 
 
@@ -371,14 +371,14 @@ def make_plain_fsdp2(
 
 def _sharded_worker(rank: int, world_size: int, port: int, out_dir: str, n_tensors: int,
                     shape: tuple[int, ...], dtype: torch.dtype, shard_dim: int, seed: int) -> None:
-    _init_worker(rank, world_size, port)
+    init_worker(rank, world_size, port)
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        stride = _contiguous_stride(shape)
+        stride = contiguous_stride(shape)
         offsets, sizes = shard_box(shape, shard_dim, rank, world_size)
         sd: dict[str, Any] = {}
         for i in range(n_tensors):
@@ -388,7 +388,7 @@ def _sharded_worker(rank: int, world_size: int, port: int, out_dir: str, n_tenso
             )
         dcp.save(sd, checkpoint_id=out_dir)
     finally:
-        _finish_worker()
+        finish_worker()
 
 
 def make_sharded(
@@ -416,8 +416,8 @@ def make_sharded(
     if not -len(shape) <= shard_dim < len(shape):
         raise ValueError(f"shard_dim {shard_dim} out of range for shape {list(shape)}")
     shard_dim %= len(shape)
-    out = _prepare_out_dir(out_dir)
-    _spawn(_sharded_worker, world_size, (str(out), int(n_tensors), shape, dtype, shard_dim, int(seed)), timeout, start_method)
+    out = prepare_out_dir(out_dir)
+    spawn_ranks(_sharded_worker, world_size, (str(out), int(n_tensors), shape, dtype, shard_dim, int(seed)), timeout, start_method)
     return out
 
 
@@ -437,7 +437,7 @@ def make_many_entries(out_dir: str | os.PathLike, n_entries: int, *, numel: int 
     """
     import torch.distributed.checkpoint as dcp
 
-    out = _prepare_out_dir(out_dir)
+    out = prepare_out_dir(out_dir)
     base = torch.arange(n_entries * numel, dtype=torch.float32).view(n_entries, numel)
     sd = {many_entries_key(i): base[i].clone() for i in range(n_entries)}
     with warnings.catch_warnings():
@@ -516,7 +516,7 @@ def minimal_manifest(ckpt: pathlib.Path, *, world_size: int, tool: str, experime
     ``dp_shard=world_size`` run at step 0 with no optimizer, scheduler, data or RNG state,
     and optionally an ``integrity`` record. Benchmarks and tests use it so the checkpoint
     reads as one with a declared topology (what `reshard convert` records lineage against)."""
-    from reshard import manifest as mf
+    from reshard.semantics import manifest as mf
 
     topo = mf.Topology.make(dp_shard=world_size)
     m = mf.Manifest(

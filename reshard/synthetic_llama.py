@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from reshard import transforms
+from reshard.semantics import transforms
 from reshard.synthetic import (
     SyntheticCheckpointError,
-    _contiguous_stride,
-    _finish_worker,
-    _init_worker,
-    _prepare_out_dir,
-    _spawn,
+    contiguous_stride,
+    finish_worker,
+    init_worker,
+    prepare_out_dir,
+    spawn_ranks,
     synthetic_block,
 )
 
@@ -203,7 +203,7 @@ class TPLayout:
 
 def tp_layout(name: str, shape: LlamaShape, *, fused: bool, tp: int) -> TPLayout:
     """The partition rule for ``name`` from the family's TOML, evaluated for ``shape`` and ``tp``."""
-    from reshard import rules as R
+    from reshard.semantics import rules as R
 
     mr = R.select([name], family=family_for(fused))
     rule = mr.rule_for(name)
@@ -274,7 +274,7 @@ def _placements(lay: TPLayout, tp: int):
 
 def _llama_worker(rank: int, world_size: int, port: int, out_dir: str, shape: LlamaShape, tp: int, dp: int,
                   fused: bool, seed: int, with_optimizer: bool) -> None:
-    _init_worker(rank, world_size, port)
+    init_worker(rank, world_size, port)
     try:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
@@ -296,7 +296,7 @@ def _llama_worker(rank: int, world_size: int, port: int, out_dir: str, shape: Ll
                 offs, sizes = rank_box(gshape, lay, tp=tp, dp=dp, t=t, d=d)
                 local = g[tuple(slice(o, o + s) for o, s in zip(offs, sizes))].contiguous()
                 dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(gshape),
-                                        stride=_contiguous_stride(gshape))
+                                        stride=contiguous_stride(gshape))
                 got_sizes, got_offs = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
                 if (tuple(got_offs), tuple(got_sizes)) != (offs, sizes):
                     raise SyntheticCheckpointError(
@@ -311,11 +311,11 @@ def _llama_worker(rank: int, world_size: int, port: int, out_dir: str, shape: Ll
         sd["trainer.step"] = STEP
         dcp.save(sd, checkpoint_id=out_dir)
     finally:
-        _finish_worker()
+        finish_worker()
 
 
 def _manifest(shape: LlamaShape, *, tp: int, dp: int, fused: bool, seed: int, experiment_id: str | None):
-    from reshard import manifest as mf
+    from reshard.semantics import manifest as mf
 
     order = ["dp_shard"] + (["tp"] if tp > 1 else [])
     topo = mf.Topology.make(dp_shard=dp, tp=tp, mesh_order=order)
@@ -369,11 +369,11 @@ def make_llama_checkpoint(
     # fail in the parent (with a clear message) on a tp the rules do not allow
     for name in param_names(shape, fused=fused):
         tp_layout(name, shape, fused=fused, tp=tp)
-    out = _prepare_out_dir(out_dir)
-    _spawn(_llama_worker, tp * dp, (str(out), shape, tp, dp, bool(fused), int(seed), bool(with_optimizer)),
+    out = prepare_out_dir(out_dir)
+    spawn_ranks(_llama_worker, tp * dp, (str(out), shape, tp, dp, bool(fused), int(seed), bool(with_optimizer)),
            timeout, start_method)
     if manifest:
-        from reshard import manifest as mf
+        from reshard.semantics import manifest as mf
 
         mf.write_manifest(out, _manifest(shape, tp=tp, dp=dp, fused=fused, seed=seed, experiment_id=experiment_id))
     return out
@@ -381,7 +381,7 @@ def make_llama_checkpoint(
 
 def load_global(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor key of ``ckpt`` as its global tensor (the TP layout it was saved in)."""
-    from reshard.index import CheckpointIndex
+    from reshard.storage.index import CheckpointIndex
 
     idx = CheckpointIndex.open(ckpt)
     return {e.key: idx.read_tensor(e.key) for e in idx.tensors()}

@@ -29,7 +29,7 @@ the script adds a minimal valid one to each source before converting (``--no-man
 to convert the bare save): at the time of writing, ``reshard convert`` of a manifest-less
 source without step counters refuses to commit, because its own post-write verification
 finds ``step``/``tokens_seen`` unknown in the source but 0 in the output manifest that
-``reshard/transition.py`` writes. The manifest is ~2 KiB and
+``reshard/commands/transition.py`` writes. The manifest is ~2 KiB and
 does not change what is measured. Without optimizer state the plan's verdict is "warm start",
 which is irrelevant to memory.
 
@@ -197,7 +197,7 @@ def add_manifest(ckpt: Path, *, world_size: int) -> None:
 
 
 def checkpoint_facts(ckpt: Path) -> dict:
-    from reshard.index import CheckpointIndex
+    from reshard.storage.index import CheckpointIndex
 
     ix = CheckpointIndex.open(ckpt)
     tensors = [e for e in ix.entries.values() if e.is_tensor]
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     log_dir.mkdir()
     cases = []
     try:
-        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.execute, reshard.verify"],
+        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.commands.convert, reshard.commands.verify"],
                            timeout=args.timeout, sample_ms=args.sample_ms, log_dir=log_dir, name="baseline")
         baseline.pop("stdout")
         for size in sizes:

@@ -20,7 +20,7 @@ table gives the ratio of the two peaks. Cases:
   2^10 / 2^20 / 2^30 times longer than its items hold (the 128 GiB in 8 KiB items);
 - ``staircase``: a forged staircase layout of 2,000 / 8,000 / 20,000 chunks (every column
   of a 2-D tensor cut at a different row: a pairwise coverage check is quadratic), with the
-  in-process time of ``reshard.geometry.coverage_problems`` on the same layout;
+  in-process time of ``reshard.model.geometry.coverage_problems`` on the same layout;
 - ``dev-zero`` / ``fifo``: `.metadata` a symlink to /dev/zero, and a FIFO;
 - ``baseline``: the same one-tensor checkpoint, benign (start-up memory of the CLI).
 
@@ -160,7 +160,7 @@ def one_tensor_checkpoint(out: Path) -> Path:
 
 def coverage_time(n: int) -> float:
     """In-process seconds of `coverage_problems` on the staircase of ``2n`` chunks (best of 3)."""
-    from reshard.geometry import Box, coverage_problems
+    from reshard.model.geometry import Box, coverage_problems
 
     boxes = [Box(o, s) for o, s in fz.staircase_chunks(n)]
     best = float("inf")
@@ -180,7 +180,7 @@ def pairwise_time(n: int) -> float | None:
     spec = importlib.util.spec_from_file_location("reshard_test_geometry", test)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from reshard.geometry import Box
+    from reshard.model.geometry import Box
 
     boxes = [Box(o, s) for o, s in fz.staircase_chunks(n)]
     t0 = time.perf_counter()
@@ -286,7 +286,7 @@ def markdown(result: dict) -> str:
                      if safe else "Some cases did not give the safe outcome (listed below).")]
     stairs = [c for c in result["cases"] if c["name"] == "staircase"]
     if stairs:
-        lines += ["", "Coverage check alone (in process, best of 3, `reshard.geometry.coverage_problems` on the tiled staircase): "
+        lines += ["", "Coverage check alone (in process, best of 3, `reshard.model.geometry.coverage_problems` on the tiled staircase): "
                   + ", ".join(f"{c['size']} {c['coverage_s']:.3f} s" for c in stairs) + "."]
         old = [c for c in stairs if "pairwise_coverage_s" in c]
         if old:

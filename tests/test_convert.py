@@ -27,11 +27,11 @@ import pytest
 import torch
 
 from conftest import cli, run_cli
-from reshard.index import RANK_FILE, CheckpointIndex
-from reshard.integrity import record as integrity_record
-from reshard.io import dcp as dcp_io
-from reshard.io.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.manifest import read_manifest
+from reshard.storage.index import RANK_FILE, CheckpointIndex
+from reshard.storage.integrity import record as integrity_record
+from reshard.storage import dcp as dcp_io
+from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.semantics.manifest import read_manifest
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from reshard.errors import BadInput
-from reshard.export import RenameRules, export, parse_size
-from reshard.importer import import_checkpoint
-from reshard.index import CheckpointIndex
-from reshard.io.safetensors_format import ExportIndex, is_export
-from reshard.verify import verify_checkpoints
+from reshard.commands.export import RenameRules, export, parse_size
+from reshard.commands.importer import import_checkpoint
+from reshard.storage.index import CheckpointIndex
+from reshard.storage.safetensors_format import ExportIndex, is_export
+from reshard.commands.verify import verify_checkpoints
 
 RENAME = Path(__file__).resolve().parent.parent / "formats" / "renames" / "torchtitan-to-hf-llama.toml"
 
@@ -80,8 +80,8 @@ def test_safetensors_round_trip_fp32_and_warm_start(reference_ckpt, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from reshard.inspection import inspect_checkpoint
-    from reshard.manifest import read_manifest
+    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.semantics.manifest import read_manifest
 
     exp = tmp_path / "export"
     rep = export(reference_ckpt, exp, fmt="safetensors")

@@ -3,7 +3,7 @@
 Every conversion here runs as a real ``python -m reshard convert`` subprocess (except where
 noted) with ``SOURCE_DATE_EPOCH`` set, and every test asserts the source directory is
 untouched (`snapshot`: sha256, mtime and size of every file). Fault injection uses the
-test hooks documented in `reshard.execute` (``RESHARD_FAULT_KILL_AT`` / ``_SLEEP_AT`` /
+test hooks documented in `reshard.commands.convert` (``RESHARD_FAULT_KILL_AT`` / ``_SLEEP_AT`` /
 ``_COUNT``). `scripts/soak_faults.py` runs the kill loop at every event and random byte
 mutations.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fsize_limit, mounted_tmpfs, run_cli
-from reshard.io.atomic import stale_temporaries
+from reshard.storage.atomic import stale_temporaries
 
 EPOCH = "1700000000"
 
@@ -133,7 +133,7 @@ def _check_after_kill(dst: Path, n: int, labels: list[str], reference: Path, cap
         assert len(temps) == 1, temps
         for t in temps:  # never a half checkpoint that loads: uncommitted, or complete
             if (t / ".metadata").exists():
-                from reshard.index import CheckpointIndex
+                from reshard.storage.index import CheckpointIndex
 
                 assert CheckpointIndex.open(t).complete, f"kill after event {n}: {t} is committed but incomplete"
             else:
@@ -201,8 +201,8 @@ def small_tmpfs(tmp_path):
 
 @pytest.mark.parametrize("how", ["rlimit_fsize", "tmpfs"])
 def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_committed(src, tmp_path, how, request):
-    from reshard.integrity import estimate_output_bytes, space_check
-    from reshard.plan import Options, make_plan
+    from reshard.commands.space import estimate_output_bytes, space_check
+    from reshard.commands.plan import Options, make_plan
 
     before = snapshot(src)
     plan = make_plan(src, Options(to="dp=2"))
@@ -227,8 +227,8 @@ def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_commit
 
 def test_space_check_compares_estimate_with_free_space(src, tmp_path, capsys):
     """space_check(plan, dst): metadata only; the estimate is close to what convert writes."""
-    from reshard.integrity import space_check
-    from reshard.plan import Options, make_plan
+    from reshard.commands.space import space_check
+    from reshard.commands.plan import Options, make_plan
 
     plan = make_plan(src, Options(to="dp=2"))
     ok = space_check(plan, tmp_path / "not" / "yet" / "there")
@@ -331,8 +331,8 @@ def test_concurrent_runs_into_same_destination_one_wins_other_exits_2(src, tmp_p
 # ---------------------------------------------------------------------------- 5. integrity
 def _flip_payload_byte(root: Path, key: str, chunk_index: int = -1) -> tuple[str, int]:
     """Flip one bit in the middle of a tensor chunk's payload (the torch.save zip still loads)."""
-    from reshard.index import CheckpointIndex
-    from reshard.io import dcp
+    from reshard.storage.index import CheckpointIndex
+    from reshard.storage import dcp
 
     ix = CheckpointIndex.open(root)
     c = ix.entries[key].chunks[chunk_index]
@@ -355,8 +355,8 @@ def test_flipped_payload_byte_is_named_by_inspect_deep_and_verify(src, tmp_path,
     `verify` exit 2 (corrupt input), both naming the first corrupt item's key and file."""
     import zlib
 
-    from reshard.index import CheckpointIndex
-    from reshard.io import dcp
+    from reshard.storage.index import CheckpointIndex
+    from reshard.storage import dcp
 
     before = snapshot(src)
     out = tmp_path / "out"
@@ -408,7 +408,7 @@ def test_flipped_payload_byte_is_named_by_inspect_deep_and_verify(src, tmp_path,
 
 
 def test_manifest_integrity_field_is_optional_and_validated(tmp_path):
-    from reshard import manifest as mf
+    from reshard.semantics import manifest as mf
     from reshard.errors import BadInput
     from test_manifest import sample_manifest
 
@@ -435,7 +435,7 @@ def test_writer_surfaces_file_system_errors_with_their_errno(tmp_path):
         "import errno, resource, signal, sys, torch\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
-        "from reshard.io.dcp_writer import DcpWriter\n"
+        "from reshard.storage.dcp_writer import DcpWriter\n"
         "w = DcpWriter(sys.argv[1]); w.declare_tensor('a', (100000,), torch.float32)\n"
         "try:\n"
         "    w.write_chunk(0, 'a', (0,), torch.zeros(100000))\n"

@@ -1,4 +1,4 @@
-"""Property tests for reshard.geometry: box arithmetic and exact-coverage checks.
+"""Property tests for reshard.model.geometry: box arithmetic and exact-coverage checks.
 
 Oracles: tilings built by construction (grids, FSDP2-style ceil-division grids with
 trailing empty pieces, recursive guillotine splits) and a brute-force numpy count of how
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from reshard.geometry import Box, coverage_problems, whole
+from reshard.model.geometry import Box, coverage_problems, whole
 
 # local settings (a global profile would change other test files' hypothesis settings)
 prop = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -416,8 +416,8 @@ def test_overlap_check_is_not_quadratic_when_sharded_along_dim_1(monkeypatch):
 # minutes). The quadratic version is kept here as the reference the fast one must agree with,
 # problem for problem (kinds and details), on small layouts of every kind.
 
-from reshard import geometry  # noqa: E402
-from reshard.geometry import CoverageProblem  # noqa: E402
+from reshard.model import geometry  # noqa: E402
+from reshard.model.geometry import CoverageProblem  # noqa: E402
 
 
 def reference_coverage_problems(shape, chunks) -> list[CoverageProblem]:

@@ -198,7 +198,7 @@ def test_demo_refuses_an_out_that_is_a_file(tmp_path, capsys):
 
 def test_demo_reclaims_only_what_an_earlier_demo_wrote(tmp_path):
     """An earlier demo's output is deleted exactly; a file the user added, even inside it, stops the rerun."""
-    from reshard.demo import MARKER, claim_output
+    from reshard.commands.demo import MARKER, claim_output
     from reshard.errors import BadInput
 
     names = ["run4", "run4.jsonl", "rehearsal"]
@@ -209,7 +209,7 @@ def test_demo_reclaims_only_what_an_earlier_demo_wrote(tmp_path):
     (out / "run4" / "step_3" / ".metadata").write_bytes(b"x")
     (out / "run4.jsonl").write_text("{}\n")
     # what the demo records when it finishes: every file it wrote
-    from reshard import demo
+    from reshard.commands import demo
 
     demo._write_marker(out, {"created": names, "files": ["run4", "run4.jsonl", "run4/step_3",
                                                          "run4/step_3/.metadata"]})
@@ -290,7 +290,7 @@ def test_a_plan_file_that_is_missing_or_not_json_exits_2_naming_it(reference_ckp
 
 def test_the_run_error_is_the_cause_not_its_echoes():
     """How `launch_workers` picks the run's error from what the workers left and how they ended."""
-    from reshard.distributed import WorkerFailed, raise_run_error
+    from reshard.commands.distributed import WorkerFailed, raise_run_error
 
     own = {"rank": 1, "exit_code": 2, "paragraph": "src: incomplete", "relayed": False, "time": 2.0}
     echo = {"rank": 0, "exit_code": 2, "paragraph": "src: incomplete", "relayed": True, "time": 1.0}

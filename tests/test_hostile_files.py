@@ -1,6 +1,6 @@
 """Hostile files inside a checkpoint (issue 13, findings 1 and 6/7's file parts), written as the attacks.
 
-Every file a source names is opened through `reshard.io.safefs`: a symlink that leaves
+Every file a source names is opened through `reshard.safefs`: a symlink that leaves
 the checkpoint, a device, a FIFO or a socket is refused by name (exit 2, one paragraph,
 nothing committed); a symlink inside the checkpoint pointing inside it is followed; a root
 that is itself a symlink (``latest -> step_3``) is fine. A planted lock symlink beside a

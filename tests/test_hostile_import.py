@@ -88,7 +88,7 @@ def _cli_subprocess(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _imported_equals(dst: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from reshard.index import CheckpointIndex
+    from reshard.storage.index import CheckpointIndex
 
     ix = CheckpointIndex.open(dst)
     assert sorted(k for k in ix.entries if k.startswith("model.")) == sorted("model." + n for n in tensors)
@@ -234,7 +234,7 @@ def _indexed_sources(draw):
 @settings(max_examples=16, deadline=None, derandomize=True, database=None)
 def test_property_an_import_takes_exactly_what_the_index_lists_or_refuses(case):
     from reshard.errors import BadInput
-    from reshard.importer import import_checkpoint
+    from reshard.commands.importer import import_checkpoint
 
     fmt, files, layout, damage, victim = case
     g = torch.Generator().manual_seed(len(files))

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
 from reshard.errors import BadInput, Incomplete, UnsafeInput
-from reshard.index import CheckpointIndex
+from reshard.storage.index import CheckpointIndex
 
 
 def test_reference_checkpoint_complete_and_consistent(reference_ckpt, capsys):
@@ -230,7 +230,7 @@ def test_per_rank_rng_gap_is_inconsistent(tmp_path, capsys):
 
 
 def test_read_box_reads_only_what_it_needs(tmp_path):
-    from reshard.geometry import Box
+    from reshard.model.geometry import Box
     from reshard.synthetic import make_sharded, synthetic_value
 
     ck = make_sharded(tmp_path / "ck", world_size=2, n_tensors=2, shape=(6, 5), shard_dim=0)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from reshard import manifest as mf
+from reshard.semantics import manifest as mf
 from reshard.errors import BadInput
 from reshard.formats import ROOT as FORMATS
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.conventions import ROLES, classify
-from reshard.index import CheckpointIndex
+from reshard.semantics.conventions import ROLES, classify
+from reshard.storage.index import CheckpointIndex
 from reshard.train import rng as train_rng
 
 SOURCE_ACTIONS = {"resharded", "carried", "rewritten", "dropped"}
@@ -51,7 +51,7 @@ def every_role_ckpt(tmp_path) -> Path:
 
 
 def test_checkpoint_covers_every_role(every_role_ckpt):
-    """Enumerates ROLES: a role added to reshard.conventions must get a key here."""
+    """Enumerates ROLES: a role added to reshard.semantics.conventions must get a key here."""
     ix = CheckpointIndex.open(every_role_ckpt)
     cls = classify([(k, "tensor" if e.is_tensor else "object") for k, e in ix.entries.items()])
     assert cls.convention.name == "reshard"

@@ -8,9 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.index import CheckpointIndex
-from reshard.state.batch import Recipe, keep_global_batch
-from reshard.state import rng as rng_state
+from reshard.storage.index import CheckpointIndex
+from reshard.semantics.batch import Recipe, keep_global_batch
+from reshard.semantics import rng as rng_state
 
 
 # ---------------------------------------------------------------- batch arithmetic

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from reshard.manifest import read_manifest
+from reshard.semantics.manifest import read_manifest
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.model import stage_layers
 from reshard.reference.pipeline import coords, global_rank

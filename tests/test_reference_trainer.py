@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from reshard.manifest import read_manifest
+from reshard.semantics.manifest import read_manifest
 from reshard.reference import TrainConfig, run_reference
 
 

@@ -1,4 +1,4 @@
-"""`reshard.rehearsal.rehearse`: real restore rehearsals on CPU gloo ranks.
+"""`reshard.commands.rehearsal.rehearse`: real restore rehearsals on CPU gloo ranks.
 
 1. dp=4 -> dp=2 (accumulation doubled by the plan), 20-step window: exit 0, coverage exact,
    losses within 1e-4, moments after the first resumed step within 1e-5, the naive control
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from reshard.errors import BadInput
-from reshard.rehearsal import rehearse, rewrite_checkpoint
+from reshard.commands.rehearsal import rehearse, rewrite_checkpoint
 
 PANELS = ("loss", "grad_norm", "control_coverage")
 
@@ -136,8 +136,8 @@ def test_bad_inputs(tmp_path):
 
 
 def test_like_copies_from_a_reference_checkpoint_and_refuses_other_families(dp4to2, tmp_path):
-    from reshard.rehearsal.rehearse import _from_like
-    from reshard.topology import parse_spec
+    from reshard.commands.rehearsal.rehearse import _from_like
+    from reshard.model.topology import parse_spec
 
     real = dp4to2["_out"] / "baseline" / "step_4"
     got = _from_like(real, parse_spec("dp=4"))

@@ -1,4 +1,4 @@
-"""`reshard.io.splice`: re-cut tensors are copied as bytes, and the result is exactly the decoded path's.
+"""`reshard.engine.splice`: re-cut tensors are copied as bytes, and the result is exactly the decoded path's.
 
 Sources are real ``dcp.save`` checkpoints (spawned gloo ranks, `reshard.synthetic.make_sharded`),
 sharded along dim 0 (FSDP2) or dim 1. Each conversion is run twice: with byte splicing (the
@@ -20,12 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.execute import IOOptions, convert
-from reshard.geometry import Box, contiguous_run
-from reshard.index import CheckpointIndex
-from reshard.io import bands, dcp_writer, fileio, splice
-from reshard.io.crcledger import CorruptItem
-from reshard.plan import Options, make_plan
+from reshard.commands.convert import IOOptions, convert
+from reshard.model.geometry import Box, contiguous_run
+from reshard.storage.index import CheckpointIndex
+from reshard.engine import bands, splice
+from reshard.storage import dcp_writer, fileio
+from reshard.storage.crcledger import CorruptItem
+from reshard.commands.plan import Options, make_plan
 from reshard.synthetic import make_sharded
 
 SHAPE = (96, 40)          # small, but not divisible by 3 or by the slab row counts used below
@@ -136,7 +137,7 @@ def test_spliced_output_is_the_decoded_output(sources, tmp_path, monkeypatch, na
     assert calls["n"] == calls["band"] == 0
     fast = _run(src, tmp_path / "fast", to, IOOptions(threads=3, window=3 << 20, direct=direct), rules)
     assert calls["n"] + calls["band"] > 0, "the splice path was not taken"
-    # a TP split of dim 1 from row shards goes source by source (`reshard.io.bands`) when direct
+    # a TP split of dim 1 from row shards goes source by source (`reshard.engine.bands`) when direct
     assert (calls["band"] > 0) == (direct and to.startswith("tp") and name == "dim0")
     fast_direct = calls["direct"] + calls["band"]
     merges = name != "dim1" and to in ("dp=2", "dp=1")  # every target chunk is whole source storages
@@ -182,7 +183,7 @@ def test_source_crc_of_zero_is_not_trusted(sources, tmp_path, monkeypatch):
 def _zero_crc(args):
     from dataclasses import replace
 
-    from reshard.io.fastread import item_layout
+    from reshard.storage.fastread import item_layout
 
     lay = item_layout(*args)
     return replace(lay, storage_crc=0)
@@ -350,7 +351,7 @@ def test_items_whose_sources_the_ledger_could_not_complete_are_compared_after_wr
     key leaves the checked set, so the post-write verification compares it."""
     import zlib
 
-    from reshard.execute import WriteChecks
+    from reshard.commands.convert import WriteChecks
 
     data = bytes(range(100))
     src = splice.SourceChunk("f", 0, Box((0,), (100,)), zlib.crc32(data))

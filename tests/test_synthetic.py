@@ -188,7 +188,7 @@ def _boom(rank, world_size, port):
 
 def test_worker_error_is_raised_with_its_message():
     with pytest.raises(S.SyntheticCheckpointError, match="boom-from-rank-1"):
-        S._spawn(_boom, 2, (), timeout=60)
+        S.spawn_ranks(_boom, 2, (), timeout=60)
 
 
 # ----------------------------------------------------------------------------- many entries

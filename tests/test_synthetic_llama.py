@@ -9,10 +9,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from reshard import conventions
-from reshard import manifest as mf
-from reshard import rules as R
-from reshard.index import CheckpointIndex
+from reshard.semantics import conventions
+from reshard.semantics import manifest as mf
+from reshard.semantics import rules as R
+from reshard.storage.index import CheckpointIndex
 from reshard.synthetic_llama import (
     LlamaShape,
     canonical_weights,
@@ -20,7 +20,7 @@ from reshard.synthetic_llama import (
     make_llama_checkpoint,
     param_names,
 )
-from reshard.transforms import to_canonical
+from reshard.semantics.transforms import to_canonical
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from conftest import cli, run_cli
-from reshard import manifest as mf
-from reshard.index import RANK_FILE, CheckpointIndex
+from reshard.semantics import manifest as mf
+from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.reference import TrainConfig
 from reshard.reference.model import stage_layers
 from reshard.reference.trainer import free_port

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.transforms import from_canonical, reinterleave, repad_rows, to_canonical
+from reshard.semantics.transforms import from_canonical, reinterleave, repad_rows, to_canonical
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

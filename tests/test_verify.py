@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from reshard.errors import Incomplete, ReshardError
-from reshard.index import CheckpointIndex
+from reshard.storage.index import CheckpointIndex
 from reshard.synthetic import list_rank_files, make_sharded, synthetic_value, truncate_file
-from reshard.verify import object_difference, render_verify, verify_checkpoints
+from reshard.commands.verify import object_difference, render_verify, verify_checkpoints
 
 SHAPE = (10, 7)  # 10 rows over 3 ranks -> 4, 4, 2; 7 columns over 3 ranks -> 3, 3, 1
 N = 3

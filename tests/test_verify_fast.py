@@ -1,10 +1,10 @@
-"""`reshard verify`'s fast path (`reshard.io.compare`) and the crc32 integrity record.
+"""`reshard verify`'s fast path (`reshard.engine.compare`) and the crc32 integrity record.
 
 Real checkpoints throughout: a 4-rank ``dcp.save`` (gloo ranks, `make_sharded`) and the same
 global values written by `DcpWriter` in other chunkings (dim 1 and a 2-D grid, so the
 intersections are strided in one side or both). The fast path must give exactly the result
 of the reference path (``fast=False``: every chunk decoded with torch.load), and must
-really be the path taken (`reshard.io.compare.COUNTERS`).
+really be the path taken (`reshard.engine.compare.COUNTERS`).
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import integrity
+from reshard.storage import integrity
 from reshard.errors import BadInput, ReshardError
-from reshard.geometry import Box
-from reshard.index import CheckpointIndex
-from reshard.io import compare
-from reshard.io import dcp as rdcp
-from reshard.io.dcp_writer import DcpWriter
+from reshard.model.geometry import Box
+from reshard.storage.index import CheckpointIndex
+from reshard.engine import compare
+from reshard.storage import dcp as rdcp
+from reshard.storage.dcp_writer import DcpWriter
 from reshard.synthetic import make_sharded, minimal_manifest, synthetic_value
-from reshard.verify import verify_checkpoints
+from reshard.commands.verify import verify_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -80,7 +80,7 @@ def _checksums(path: Path, algorithm: str) -> dict[str, str]:
 
 def _flip_payload_bit(path: Path, key: str, index: tuple[int, ...], bit: int = 0) -> tuple[str, int]:
     """Flip one bit of element ``index`` (global) of ``key`` in place, in the file (the zip still loads)."""
-    from reshard.io.fastread import storage_byte_range
+    from reshard.storage.fastread import storage_byte_range
 
     ix = CheckpointIndex.open(path)
     e = ix.entries[key]

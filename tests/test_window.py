@@ -15,9 +15,9 @@ import pytest
 
 from conftest import run_cli
 from reshard.errors import BadInput
-from reshard.plot import Panel, Series, line_chart, read_png
-from reshard.steplog import read_steplog
-from reshard.window import judge, render_window
+from reshard.render.plot import Panel, Series, line_chart, read_png
+from reshard.semantics.steplog import read_steplog
+from reshard.commands.window import judge, render_window
 
 K, W, TREND = 8, 6, 6  # switch after step K, W steps after it; trend window
 DATASET = 96  # 6 steps of 16 per epoch: epochs end at steps 6 and 12, inside both logs
@@ -48,7 +48,7 @@ def records(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------ real logs
 @pytest.fixture(scope="module")
 def real(tmp_path_factory) -> dict[str, Path]:
-    from reshard.manifest import read_manifest
+    from reshard.semantics.manifest import read_manifest
     from reshard.reference import TrainConfig, run_reference
 
     root = tmp_path_factory.mktemp("window")

@@ -64,7 +64,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from reshard import manifest as mf
+from reshard.semantics import manifest as mf
 from reshard.reference import pipeline as pipe
 from reshard.reference.model import FAMILY, GPT, TIED, GPTConfig, GPTStage, SyntheticTokens, stage_layers
 from reshard.train import rng as rngmod

@@ -1,0 +1,541 @@
+"""`reshard convert`: execute a plan, stream by stream, into a checkpoint that appears atomically.
+
+Per tensor, each target chunk is assembled from the source chunks that intersect it (a
+source chunk whose box is exactly the target's is copied byte for byte), so memory is
+bounded by the largest chunk involved, not by the checkpoint. Objects are validated with
+the safe loader and copied verbatim. The output is written into a temporary directory
+beside the destination, verified against the source in global terms, and only then
+renamed into place; an interrupted run leaves nothing that looks like a checkpoint.
+
+Faults
+------
+* **Killed** (SIGKILL, OOM, power): ``dst`` is untouched (absent, or the previous output
+  with ``--overwrite``); at most a hidden temporary directory and the lock file remain
+  beside it, and the next run into ``dst`` deletes the former and reuses the latter
+  (`reshard.storage.atomic`). Running the same command again gives the same bytes.
+* **Out of space** (ENOSPC, EFBIG, EDQUOT): `BadInput` (exit 2) naming the destination
+  and the estimated bytes needed (`reshard.storage.integrity.estimate_output_bytes`); nothing is
+  committed and the temporary directory is removed. `reshard.storage.integrity.space_check`
+  warns before a run.
+* **Integrity**: the manifest records the CRC-32 of every item written
+  (``manifest["integrity"]``); `inspect --deep` and `verify` check it.
+* **Reproducible outputs**: with ``SOURCE_DATE_EPOCH`` set, every time written is that
+  time and the reports record ``"seconds": null``, so two runs of the same command give
+  byte-identical directories (``.metadata``, data files, ``manifest.json`` and both
+  reports; the returned report still carries the measured seconds). The verification
+  result in the report names ``dst``, not the temporary directory.
+
+Test hook: fault injection
+--------------------------
+Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
+`DcpWriter` writes (``item FILE:OFFSET``), the ``.metadata`` commit (``metadata``),
+``manifest.json`` (``manifest``), ``reshard-report.json`` (``report.json``),
+``reshard-report.md`` (``report.md``) and the rename into place (``rename``, the last).
+`reshard.storage.atomic.fault_point` counts them; environment variables act on them:
+
+* ``RESHARD_FAULT_COUNT=PATH``: append ``"N LABEL"`` per event (an uninterrupted run's
+  last line is the total);
+* ``RESHARD_FAULT_KILL_AT=N``: SIGKILL the process right after event N;
+* ``RESHARD_FAULT_SLEEP_AT=N:SECONDS``: sleep right after event N (to hold the lock).
+
+``tests/test_faults.py`` and ``scripts/soak_faults.py`` use them; they do nothing unset.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import threading
+import time as _time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.errors import Infeasible
+from reshard.model.geometry import Box
+from reshard.storage.index import CheckpointIndex
+from reshard.commands.space import estimate_output_bytes
+from reshard.storage.integrity import is_space_error, out_of_space
+from reshard.storage.integrity import record as integrity_record
+from reshard.storage import archive, fastread
+from reshard.engine import bands, splice
+from reshard.storage import dcp as dcp_io
+from reshard.semantics.transforms import write_transformed
+from reshard.storage.atomic import atomic_directory, check_destination, fault_point
+from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.engine.splice import run_jobs
+from reshard.semantics.manifest import write_manifest
+from reshard.commands.plan import Plan
+from reshard.commands.transition import output_manifest
+
+REPORT_JSON = "reshard-report.json"
+REPORT_MD = "reshard-report.md"
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How a conversion reads and writes: pool size, memory window, and whether to splice bytes."""
+
+    threads: int = field(default_factory=splice.default_threads)
+    window: int = field(default_factory=splice.default_window)
+    splice: bool = True
+    direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
+
+
+def _reproducible() -> bool:
+    return bool(os.environ.get("SOURCE_DATE_EPOCH"))
+
+
+def now_text() -> str:
+    """UTC now, or SOURCE_DATE_EPOCH when set (reproducible outputs)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    t = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
+    return t.isoformat(timespec="seconds")
+
+
+def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, CheckpointIndex]:
+    """Refuse infeasible plans and destinations that overlap the source; open the source."""
+    if not plan.feasible:
+        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
+                         hint="Run `reshard plan` to see the choices.")
+    src, dst = Path(src), Path(dst)
+    check_destination(src, dst)
+    return src, dst, CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+
+
+def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
+            output_format: str = "dcp", io: IOOptions | None = None) -> dict[str, Any]:
+    """Write the plan's checkpoint to ``dst``; returns the conversion report."""
+    src, dst, ix = prepare_conversion(plan, src, dst)
+    needed = estimate_output_bytes(plan, ix)
+    try:
+        if output_format == "local":
+            return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress)
+        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions())
+    except OSError as exc:
+        if is_space_error(exc):
+            raise out_of_space(dst, needed, exc) from None
+        raise
+
+
+def refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> None:
+    if not verification["equal"]:
+        raise Infeasible(f"{what} does not match the source: "
+                         + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
+                         where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+
+
+def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
+                 io: IOOptions) -> dict[str, Any]:
+    started = _time.time()
+    stamp = now_text()
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        for key, equal_to in plan.checks.items():
+            from reshard.commands.inspect import bitwise_equal
+
+            if not bitwise_equal(ix, key, equal_to):
+                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
+                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
+        w = DcpWriter(tmp)
+        try:
+            checked = WriteChecks()
+            write_items(plan, ix, w, progress, io=io, commit=False, checked=checked)
+            w.finish(sync_data=False)
+        finally:
+            w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
+        # The disk writes the data back while the output is verified (both in the page
+        # cache); the commit waits for it and then fsyncs the whole directory anyway.
+        syncer = _Syncer(sorted(tmp.glob("*.distcp")))
+        try:
+            src_manifest = source_manifest(src)
+            manifest = output_manifest(plan, src_manifest, time=stamp)
+            manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
+            write_manifest(tmp, manifest)
+            fault_point("manifest")
+            verification = verify_output(src, tmp, plan, checked=checked)
+        finally:
+            syncer.join()
+        verification["b"] = str(dst)  # what was verified is what appears at dst
+        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
+        write_reports(tmp, report)
+        refuse_if_different(verification, dst, "the converted checkpoint")
+    return report
+
+
+class WriteChecks(set):
+    """The keys whose every chunk written by this process was checked as it was written (a
+    set, as `verify_checkpoints` takes it), how many items each kind of check covered, and
+    the `splice.SourceLedger` of the direct copies that take parts of source storages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.ledger = splice.SourceLedger()
+        self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
+        self.read_back = 0           # read back and compared bitwise with the source rows
+        self.after_writing = 0       # not checked while written: compared with the source afterwards
+        self._deferred: list[tuple[str, list]] = []
+
+    def count(self, by_source_crc: bool) -> None:
+        with self._lock:  # called from the pool's threads
+            if by_source_crc:
+                self.against_source_crc += 1
+            else:
+                self.read_back += 1
+
+    def defer(self, key: str, sources: list) -> None:
+        """An item whose source parts went to the ledger: decided by `finalize`."""
+        with self._lock:
+            self._deferred.append((key, sources))
+
+    def finalize(self) -> None:
+        """After every item is written: an item whose every source storage the ledger
+        checked counts as checked against the records; otherwise (some part of a source was
+        copied by another worker) its key leaves the set, so it is compared after writing."""
+        for key, sources in self._deferred:
+            if all(self.ledger.verified(s) for s in sources):
+                self.against_source_crc += 1
+            else:
+                self.after_writing += 1
+                self.discard(key)
+        self._deferred.clear()
+
+    def summary(self) -> dict[str, int]:
+        return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back,
+                "items_compared_after_writing": self.after_writing}
+
+
+class _Syncer:
+    """fsync files in a background thread; `join` waits and re-raises its error."""
+
+    def __init__(self, paths: list[Path]):
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(paths,), name="reshard-fsync", daemon=True)
+        self._t.start()
+
+    def _run(self, paths: list[Path]) -> None:
+        from reshard.storage.atomic import fsync_file
+
+        try:
+            for p in paths:
+                fsync_file(p)
+        except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
+            self.error = exc
+
+    def join(self) -> None:
+        self._t.join()
+        if self.error is not None:
+            raise self.error
+
+
+def write_reports(tmp: Path, report: dict[str, Any]) -> None:
+    """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
+    on_disk = {**report, "seconds": None} if _reproducible() else report
+    (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
+    fault_point("report.json")
+    (tmp / REPORT_MD).write_text(render_markdown(on_disk))
+    fault_point("report.md")
+
+
+def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, io: IOOptions | None = None,
+                 commit: bool = True, checked: set[str] | None = None) -> None:
+    """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
+
+    Re-cut tensors are spliced as bytes on a bounded pool (`reshard.engine.splice`); the rest
+    (rewritten, transformed or cast tensors, objects) are written by this thread in
+    between. Items are reserved in one fixed order, so the files are the same bytes for
+    any pool size, and in a distributed run each worker fills only the files it owns
+    (``w.owns``) while reserving every item (`reshard.commands.distributed`).
+    """
+    io = io or IOOptions()
+    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
+             threads=io.threads, window=io.window,
+             on_done=lambda tok, crc: tok.done(w) if isinstance(tok, _FinishItems) else w.filled(tok, crc))
+    if isinstance(checked, WriteChecks):
+        checked.finalize()
+    if commit:
+        w.finish()
+
+
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str]):
+    """Yields splice jobs for the pool; writes everything else itself, in plan order."""
+    planned = {t.key: t for t in plan.tensors}
+    actions = {a.key: a for a in plan.keys}
+    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice else None
+    try:
+        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
+    finally:
+        if locator is not None:
+            locator.close()
+
+
+def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
+                    locator: Any, checked: set[str], direct: bool = True):
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.action == "dropped":
+            continue
+        if e.is_tensor:
+            t = planned[key]
+            w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
+            if a.action == "rewritten":
+                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
+            elif t.transform or t.dtype != e.dtype_name:
+                write_transformed(ix, w, t)
+            else:
+                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
+                                        direct)
+        else:
+            rank = a.rank or 0
+            if a.action == "rewritten":
+                w.write_object(rank, key, plan.new_values[key], path=e.path or None)
+            else:
+                raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
+                raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
+                fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
+                dcp_io.torch_load_item(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+                w.write_object_bytes(rank, key, raw, path=e.path or None)
+        if progress is not None:
+            progress.update(1)
+    for a in plan.keys:
+        if a.action != "added":
+            continue
+        t = planned.get(a.key)
+        if t is not None and t.copy_from:
+            w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
+            write_transformed(ix, w, t, source_key=t.copy_from)
+            continue
+        v = plan.new_values[a.key]
+        if isinstance(v, torch.Tensor):
+            w.declare_tensor(a.key, tuple(v.shape), v.dtype)
+            w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
+        else:
+            w.write_object(a.rank or 0, a.key, v)
+
+
+def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str],
+                 direct: bool = True):
+    """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
+
+    Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
+    (storage transforms, a layout `reshard.storage.fastread` does not parse) or a chunk is too
+    large for the plain zip framing.
+    """
+    dtype = e.dtype
+    targets = [(rank, Box(tuple(offsets), tuple(sizes))) for rank, offsets, sizes in t.chunks]
+    if (direct and sources is not None and all(archive.fits(b.numel * dtype.itemsize) for _, b in targets)
+            and bands.applies(sources, [b for r, b in targets if w.owns(r)], dtype.itemsize)):
+        yield from _band_tensor(w, e, targets, sources, checked)
+        return
+    all_spliced = True
+    ledger = checked.ledger if isinstance(checked, WriteChecks) else None
+    for rank, offsets, sizes in t.chunks:
+        box = Box(tuple(offsets), tuple(sizes))
+        if sources is not None and archive.fits(box.numel * dtype.itemsize):
+            fr = archive.framing(dtype, box.sizes)
+            loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+            if w.owns(rank):
+                job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
+                fd, path = w.fd(rank), str(w.directory / loc.file)
+                dfd = w.direct_fd(rank) if direct else None
+
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, at=loc.offset, path=path, key=e.key):
+                    crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd, ledger=ledger)
+                    if job.ledgered:
+                        checked.defer(key, job.ledger_sources)
+                        return crc
+                    if not job.checked:
+                        job.check(path, fd, at, buffers, files, slab)
+                    if isinstance(checked, WriteChecks):
+                        checked.count(by_source_crc=job.checked)
+                    return crc
+
+                yield work, loc
+        elif w.owns(rank):
+            all_spliced = False
+            w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
+        else:
+            w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
+    if all_spliced:
+        checked.add(e.key)  # every chunk this process wrote was checked against the source as it was written
+
+
+def _band_tensor(w: DcpWriter, e, targets: list[tuple[int, Box]], sources: list, checked: set[str]):
+    """A tensor whose target chunks take column blocks of source rows (`reshard.engine.bands`):
+    one job per source chunk; each target item is finished by the last job that feeds it."""
+    dtype = e.dtype
+    items = []
+    for rank, box in targets:  # the same reservations, in the same order, as `_copy_tensor`'s
+        fr = archive.framing(dtype, box.sizes)
+        loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+        if w.owns(rank):
+            item = bands.BandItem(box, dtype.itemsize, fr, w.fd(rank), w.direct_fd(rank), loc.offset)
+            item.write_head()
+            items.append((loc, item))
+    jobs = []
+    for s in sources:
+        feeds = [it for _loc, it in items if (x := s.box.intersect(it.box)) is not None and not x.is_empty()]
+        if feeds:
+            jobs.append(bands.BandJob(s, feeds, dtype.itemsize))
+    last = {id(it): j for j, job in enumerate(jobs) for it in job.targets}
+    for j, job in enumerate(jobs):
+        def work(buffers, files, slab, job=job):
+            job.run(buffers, files, slab)
+            return 0
+
+        yield work, _FinishItems([(loc, it) for loc, it in items if last.get(id(it)) == j], checked)
+    checked.add(e.key)  # every source byte copied was checked against its writer's CRC-32 (a mismatch raises)
+
+
+@dataclass
+class _FinishItems:
+    """The token of a band job: the target items it completes (their tails, written once every
+    job feeding them is done, in submission order, so fault events stay deterministic)."""
+
+    items: list
+    checked: set[str]
+
+    def done(self, w: DcpWriter) -> None:
+        for loc, item in self.items:
+            w.filled(loc, item.finish())
+            if isinstance(self.checked, WriteChecks):
+                self.checked.count(by_source_crc=True)
+
+
+def source_manifest(src: Path) -> dict[str, Any] | None:
+    from reshard.semantics.manifest import read_manifest
+
+    m = read_manifest(src)
+    return m.to_dict() if m is not None else None
+
+
+def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
+            checked: set[str] | None = None) -> dict[str, Any]:
+    """The post-write verification: the output against the source, in global terms.
+
+    ``checked``: keys whose every written chunk was already checked against the source while
+    the copy ran (`reshard.engine.splice`: CRC-32 against the source items' records, or read
+    back and compared bitwise); their values are not compared a second time (keys, shapes,
+    dtypes, objects and semantics still are).
+    """
+    from reshard.commands.verify import check_transforms, verify_checkpoints
+
+    expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
+    src_dtypes = {k: e.dtype_name for k, e in CheckpointIndex.open(src).entries.items() if e.is_tensor}
+    for t in plan.tensors:
+        if t.transform:
+            expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
+        elif src_dtypes.get(t.key) not in (None, t.dtype):
+            expected[t.key] = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
+    extra = {"b_files": b_files} if b_files is not None else {}
+    # The output's item checksums were composed while writing (tests check them against a
+    # full recomputation); here its bytes are compared with the source, and the source's own
+    # checksums (if it records any) are checked.
+    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
+                                check_integrity="a", values_checked=checked, **extra)
+    result["checked_while_writing"] = len(checked or ())
+    if isinstance(checked, WriteChecks):
+        result["write_checks"] = checked.summary()
+    bad = check_transforms(src, out, plan, b_files=b_files)
+    result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
+    for k in bad:
+        result["differences"].append({"key": k, "kind": "value", "detail": "canonical form differs from the source"})
+        result["equal"] = False
+    return result
+
+
+def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict[str, Any], manifest: dict[str, Any],
+            checksums: dict[str, str], seconds: float) -> dict[str, Any]:
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
+    return {
+        "report_version": 1,
+        "source": str(src.resolve()),
+        "destination": str(dst.resolve()),
+        "plan": plan.to_dict(tensors=False),
+        "verification": verification,
+        "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],
+                     "lineage_entry": manifest["lineage"][-1]},
+        "files": files,
+        "bytes_written": sum(files.values()),
+        "item_checksums": len(checksums),
+        "seconds": round(seconds, 3),
+    }
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    p = r["plan"]
+    v = p["verdict"]
+    lines = [
+        "# reshard conversion report",
+        "",
+        f"- source: `{r['source']}` ({_spec(p['source']['topology'])}, step {p['source']['step']})",
+        f"- destination: `{r['destination']}` ({_spec(p['target'])})",
+        f"- verdict: **{v['kind']}**; experiment id `{r['manifest']['experiment_id']}` ({r['manifest']['continuity']})",
+        f"- verification against the source: **{'equal' if r['verification']['equal'] else 'DIFFERENT'}**"
+        f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
+        f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
+        *_write_check_lines(r["verification"]),
+        f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
+        + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
+        "",
+    ]
+    if v["warm_start_reasons"] or v["changes"]:
+        lines += ["## What changes", ""] + [f"- {c}" for c in v["warm_start_reasons"] + v["changes"]] + [""]
+    b = p["batch"]
+    if b["before"] and b["after"]:
+        lines += ["## Batch recipe", "", "| | micro-batch | accumulation | dp | global batch |", "|---|---|---|---|---|",
+                  f"| before | {b['before']['micro_batch']} | {b['before']['grad_accum']} | {b['before']['dp']} | {b['before']['global_batch']} |",
+                  f"| after | {b['after']['micro_batch']} | {b['after']['grad_accum']} | {b['after']['dp']} | {b['after']['global_batch']} |", ""]
+    lines += ["## Trainer state", ""]
+    if p["schedule"]:
+        lines.append(f"- LR schedule: {p['schedule']['policy']}: {p['schedule']['note']}")
+    if p["data"]:
+        lines.append(f"- data position: {p['data']['policy']}: {p['data']['note']}")
+    if p["rng"]:
+        lines.append(f"- RNG: {p['rng']['policy']}: {p['rng']['note']}")
+    lines += ["", "## Every source key", "", "| key | role | action | why |", "|---|---|---|---|"]
+    for k in p["keys"]:
+        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _write_check_lines(verification: dict[str, Any]) -> list[str]:
+    wc = verification.get("write_checks")
+    if not wc:
+        return []
+    return [f"- items checked as they were written: {wc['items_against_source_crc']} by CRC-32 against the "
+            f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise; "
+            f"{wc.get('items_compared_after_writing', 0)} compared with the source after writing"]
+
+
+def _spec(t: dict[str, Any]) -> str:
+    return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
+
+
+def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
+    """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
+    return convert(plan, src, dst, overwrite=overwrite, progress=progress, output_format="local")
+
+
+def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
+    from reshard.commands.local_output import write_local
+
+    started = _time.time()
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        info = write_local(plan, ix, tmp, progress=progress)
+        manifest = output_manifest(plan, source_manifest(src), time=now_text())
+        write_manifest(tmp, manifest)
+        fault_point("manifest")
+        verification = verify_output(src, tmp, plan)
+        verification["b"] = str(dst)
+        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
+        report["output_format"] = "local"
+        report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
+        report["bytes_written"] = sum(report["files"].values())
+        report["local"] = info
+        write_reports(tmp, report)
+        refuse_if_different(verification, dst, "the local output")
+    return report

@@ -1,0 +1,525 @@
+"""`reshard plan`: the dry run. A plan is plain data that says, for every source key, what
+happens to it, for every tensor which boxes each target rank owns, and how trainer state
+(batch recipe, schedule, data position, RNG) is rewritten, plus an honest verdict.
+
+`reshard convert` executes exactly this plan. Reading no tensor bytes, planning costs
+about as much as `inspect`; the few small objects it opens (counters, per-rank loader
+states, scheduler position) are read through the safe reader.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard import __version__
+from reshard.errors import BadInput
+from reshard.commands.inspect import Inspection, inspect_checkpoint
+from reshard.model.layout import Placement, local_box, target_chunks
+from reshard.semantics import placement as placement_mod
+from reshard.semantics import batch as batch_mod
+from reshard.semantics import data as data_mod
+from reshard.semantics import rng as rng_mod
+from reshard.semantics import schedule as schedule_mod
+from reshard.model.topology import Topology, parse_spec
+
+PLAN_VERSION = 1
+SHARDED_ROLES = ("parameter", "optimizer_moment")
+
+
+@dataclass
+class Options:
+    """Everything the user chose; a plan is a pure function of (source, options)."""
+
+    to: str
+    from_spec: str | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    schedule: str | None = None
+    data_policy: str | None = None
+    rng_policy: str | None = None
+    seed: int | None = None
+    trust_pickle: bool = False
+    rules: str | None = None
+    model_config: dict[str, Any] | None = None
+    pp_stages: str | None = None
+    dtype: str | None = None  # reduced copies: cast floating tensors (bf16, fp16, fp32)
+    only: str | None = None   # reduced copies: "model" or "model+optim" (default: everything)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class KeyAction:
+    key: str
+    role: str
+    action: str  # "resharded" | "carried" | "rewritten" | "dropped" | "added"
+    reason: str = ""
+    rank: int | None = None  # target file for carried/rewritten/added objects
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"key": self.key, "role": self.role, "action": self.action, "reason": self.reason}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
+
+
+@dataclass
+class TensorPlan:
+    key: str
+    role: str
+    shape: tuple[int, ...]  # target global shape
+    dtype: str
+    placement: Placement
+    chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # (writer rank, offsets, sizes)
+    transform: dict[str, Any] | None = None  # reinterleave / repad (TP-dependent global layouts)
+    copy_from: str | None = None  # tied copies: the source key whose values this key takes
+    local: dict[int, tuple[int, ...]] = field(default_factory=dict)  # every holding rank -> its local shape
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"key": self.key, "role": self.role, "shape": list(self.shape), "dtype": self.dtype,
+             "placement": self.placement.describe(),
+             "chunks": [{"rank": r, "offsets": list(o), "sizes": list(s)} for r, o, s in self.chunks]}
+        if self.transform:
+            d["transform"] = self.transform
+        if self.copy_from:
+            d["copy_from"] = self.copy_from
+        if self.local:
+            d["local_shapes"] = {str(r): list(v) for r, v in self.local.items()}
+            d["uneven"] = len({v for v in self.local.values()}) > 1
+        return d
+
+
+@dataclass
+class Plan:
+    source: dict[str, Any]
+    target: Topology
+    options: Options
+    feasible: bool
+    reasons: list[str]
+    batch: batch_mod.BatchDecision
+    schedule: schedule_mod.ScheduleDecision | None
+    data: data_mod.DataDecision | None
+    rng: rng_mod.RngDecision | None
+    accumulation: dict[str, Any]
+    memory: dict[str, Any]
+    tensors: list[TensorPlan]
+    keys: list[KeyAction]
+    verdict: dict[str, Any]
+    new_values: dict[str, Any] = field(default_factory=dict)  # key -> value written by a rewrite (not in JSON)
+    stage_map: dict[str, Any] | None = None
+    rules: str | None = None
+    checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
+
+    def to_dict(self, *, tensors: bool = True) -> dict[str, Any]:
+        d = {
+            "plan_version": PLAN_VERSION,
+            "tool": f"reshard {__version__}",
+            "source": self.source,
+            "target": self.target.to_dict(),
+            "options": self.options.to_dict(),
+            "feasible": self.feasible,
+            "reasons": self.reasons,
+            "batch": self.batch.to_dict(),
+            "schedule": self.schedule.to_dict() if self.schedule else None,
+            "data": self.data.to_dict() if self.data else None,
+            "rng": self.rng.to_dict() if self.rng else None,
+            "accumulation": self.accumulation,
+            "memory": self.memory,
+            "stage_map": self.stage_map,
+            "rules": self.rules,
+            "verdict": self.verdict,
+            "keys": [k.to_dict() for k in self.keys],
+            "summary": _summary(self.keys),
+            "fingerprint": self.fingerprint(),
+        }
+        if tensors:
+            d["tensors"] = [t.to_dict() for t in self.tensors]
+        return d
+
+    def fingerprint(self) -> str:
+        """Hash of everything the executor acts on: two equal fingerprints write the same checkpoint."""
+        body = {"source": self.source, "target": self.target.degrees(), "keys": [k.to_dict() for k in self.keys],
+                "tensors": [t.to_dict() for t in self.tensors], "options": self.options.to_dict(),
+                "new": sorted(self.new_values)}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def source_fingerprint(self) -> str:
+        """Hash of what the plan read from its source, without where the source lies.
+
+        Recorded in the lineage entry of a conversion (`reshard.commands.transition`) so that
+        `reshard verify A B` can tell, by recomputing the plan from A, whether B claims to
+        come from this A (moved or not); the claim only selects which plan to recompute, it
+        excuses nothing by itself (`reshard.commands.verify`).
+        """
+        body = {k: v for k, v in self.source.items() if k != "path"}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _summary(keys: list[KeyAction]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in keys:
+        out[k.action] = out.get(k.action, 0) + 1
+    return out
+
+
+def _dtype_size(name: str) -> int:
+    return torch.empty((), dtype=getattr(torch, name)).element_size()
+
+
+def make_plan(src: str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
+    """Build the plan, or raise BadInput when the user must choose a policy first."""
+    ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle)
+    r = ins.report
+    if not r["complete"]:
+        first = next((p for p in r["problems"] if p["severity"] == "error"), {"message": "incomplete", "file": None})
+        raise BadInput(f"the source checkpoint is incomplete: {first['message']}", where=str(src),
+                       hint="Run `reshard inspect` for the full list; convert only a complete checkpoint.")
+    ix, cls = ins.index, ins.classification
+    mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
+    source_topo = ins.topology
+    target = parse_spec(options.to)
+    reasons: list[str] = []
+
+    # ------------------------------------------------------------ layouts we can execute
+    for d in ("cp", "dp_replicate"):
+        if getattr(source_topo, d) != getattr(target, d) and d == "cp":
+            reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
+    geo = placement_mod.decide(ix, cls, mdict, source_topo, target, rules_file=options.rules,
+                               model_config=options.model_config, pp_stages=options.pp_stages)
+    reasons.extend(geo.reasons)
+    # ------------------------------------------------------------ accumulation phase
+    acc = r.get("accumulation") or {}
+    acc_out = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
+               "ok": True, "note": "at an optimizer-step boundary" if acc else "unknown (no manifest): assumed at a step boundary"}
+    if acc and acc.get("micro_step"):
+        acc_out["ok"] = False
+        acc_out["note"] = (f"saved at micro-step {acc['micro_step']} of an accumulation: the gradients of the micro-steps "
+                           "already taken are " + ("in the checkpoint but reshard cannot reshard gradients" if acc.get("in_flight_grads") else "not in the checkpoint")
+                           + "; resume from the last checkpoint taken at a completed optimizer step")
+        reasons.append("mid-accumulation checkpoint: " + acc_out["note"])
+
+    # ------------------------------------------------------------ batch recipe and schedule
+    before = None
+    b = r.get("batch")
+    if b and b.get("micro_batch") and b.get("grad_accum"):
+        before = batch_mod.Recipe(int(b["micro_batch"]), int(b["grad_accum"]), source_topo.dp)
+    bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
+    if not bdec.feasible:
+        reasons.append("batch recipe: " + bdec.note)
+    sched_keys = {}
+    for k, role in cls.roles.items():
+        if role.role == "scheduler" and (k.endswith(".last_epoch") or k.endswith("._step_count")):
+            sched_keys[k] = ix.read_object(k)
+    sdec = None
+    if bdec.feasible:
+        samples_seen = mdict.get("samples_seen")
+        sdec = schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=r.get("step"),
+                                   samples_seen=samples_seen, new_global_batch=bdec.after.global_batch if bdec.after else None,
+                                   position_keys=sched_keys)
+
+    # ------------------------------------------------------------ data position
+    per_rank_data: dict[int, tuple[str, Any]] = {}
+    shared_data: dict[str, Any] = {}
+    cursor = (mdict.get("data") or {}).get("cursor")
+    data_roles = [x for x in cls.roles.values() if x.role == "data"]
+    for x in data_roles:
+        if x.rank is not None:
+            per_rank_data[x.rank] = (x.key, None)
+    if per_rank_data:
+        for x in data_roles:
+            if x.rank is None:
+                shared_data[x.key] = ix.read_object(x.key)
+        if source_topo.dp != target.dp and options.data_policy in ("translate", "restart-epoch"):
+            per_rank_data = {rk: (k, ix.read_object(k)) for rk, (k, _) in per_rank_data.items()}
+    elif data_roles and cursor is None:
+        cur = [x.key for x in data_roles if x.key.endswith(".cursor")]
+        if cur:
+            cursor = int(ix.read_object(cur[0]))
+    prefix = _per_rank_prefix(data_roles)
+    ddec = data_mod.decide(per_rank_data, shared_data, source_dp=source_topo.dp, target_dp=target.dp,
+                           policy=options.data_policy, key_for_rank=lambda k: f"{prefix}{k}", cursor=cursor,
+                           trust_pickle=options.trust_pickle)
+
+    # ------------------------------------------------------------ RNG
+    rng_ranks: dict[int, list[str]] = {}
+    for x in cls.roles.values():
+        if x.role == "rng" and x.rank is not None:
+            rng_ranks.setdefault(x.rank, []).append(x.key)
+    seed = options.seed if options.seed is not None else int((mdict.get("rng") or {}).get("seed", 0))
+    same_positions = source_topo.degrees() == target.degrees()
+    rdec = rng_mod.decide(rng_ranks, source_world=source_topo.world_size, target_world=target.world_size,
+                          same_positions=same_positions, policy=options.rng_policy, seed=seed,
+                          step=int(r.get("step") or 0), prefix_for_rank=lambda k: f"rng.rank_{k}")
+
+    # ------------------------------------------------------------ tensors and every key
+    tensors: list[TensorPlan] = []
+    actions: list[KeyAction] = []
+    new_values: dict[str, Any] = {}
+    rewrites: dict[str, tuple[str, Any]] = {}
+    if sdec:
+        for k, (_, new) in sdec.rewrites.items():
+            rewrites[k] = (f"schedule position remapped (--schedule {sdec.policy})", new)
+    for k, v in ddec.writes.items():
+        if k in ix.entries:
+            rewrites[k] = (ddec.rewritten.get(k, "data position rewritten"), v)
+    for k, v in rdec.writes.items():
+        if k in ix.entries:
+            rewrites[k] = (rdec.rewritten.get(k, "RNG reseeded"), v)
+    dropped = {**ddec.dropped, **rdec.dropped}
+    checks: dict[str, str] = {}
+
+    for key, e in ix.entries.items():
+        role = cls.roles[key].role
+        if key in dropped:
+            actions.append(KeyAction(key, role, "dropped", dropped[key]))
+            continue
+        if key in rewrites:
+            why, value = rewrites[key]
+            new_values[key] = value
+            actions.append(KeyAction(key, role, "rewritten", why, rank=_owner_rank(key, cls, target)))
+            if e.is_tensor:
+                tensors.append(_replicated(key, role, value, _owner_rank(key, cls, target)))
+            continue
+        if role == "unknown":
+            reasons.append(f"key '{key}' matches no rule of convention '{cls.convention.name}': reshard does not guess "
+                           "what it means (add a rule in formats/conventions/)")
+            actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
+            continue
+        if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
+            _, why, equal_to = geo.tied_actions[key]
+            actions.append(KeyAction(key, role, "dropped", why))
+            if equal_to:
+                checks[key] = equal_to
+            continue
+        if e.is_tensor:
+            tg = geo.by_key[key]
+            placement = tg.placement
+            owner = _owner_rank(key, cls, target)
+            chunks = [(owner if placement.kind == "replicate" and owner else rk, b_.offsets, b_.sizes)
+                      for rk, b_ in target_chunks(tg.target_shape, placement, target)]
+            tensors.append(TensorPlan(key, role, tg.target_shape, e.dtype_name or "", placement, chunks, tg.transform))
+            why = placement.describe()
+            if tg.transform:
+                why += "; " + _describe_transform(tg.transform)
+            actions.append(KeyAction(key, role, "resharded" if placement.kind == "shard" else "carried",
+                                     why if placement.kind == "shard" or tg.transform else why + ", unchanged",
+                                     rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner))
+        else:
+            actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+    param_keys = {r_.param: k for k, r_ in cls.roles.items() if r_.role == "parameter" and r_.param}
+    declared = [tuple(t) for t in ((mdict.get("model") or {}).get("tied") or []) if len(t) == 2]
+    for a_key, b_key in geo.tied_params + [(param_keys[a], param_keys[b]) for a, b in declared
+                                           if a in param_keys and b in param_keys]:
+        checks[b_key] = a_key  # declared tied weights must be equal, or the conversion would pick one silently
+    for key, (action, why, src_key) in geo.tied_actions.items():
+        if action != "added" or src_key is None:
+            continue
+        se = ix.entries[src_key]
+        if not se.is_tensor:
+            new_values[key] = ix.read_object(src_key)
+            actions.append(KeyAction(key, cls.roles[src_key].role, "added", why, rank=0))
+            continue
+        pl = geo.by_key[src_key].placement
+        stage = target.pp - 1
+        pl = Placement(dp_shard=pl.dp_shard, tp_dim=pl.tp_dim, stage=stage)
+        chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(geo.by_key[src_key].target_shape, pl, target)]
+        tensors.append(TensorPlan(key, cls.roles[src_key].role, geo.by_key[src_key].target_shape, se.dtype_name or "", pl,
+                                  chunks, geo.by_key[src_key].transform, copy_from=src_key))
+        actions.append(KeyAction(key, cls.roles[src_key].role, "added", why))
+    for k, v in list(ddec.writes.items()) + list(rdec.writes.items()):
+        if k in ix.entries:
+            continue
+        role = "data" if k in ddec.writes else "rng"
+        rank = _rank_from_key(k)
+        why = (f"new rank {rank}: " if rank is not None else "") + ("data position " + ddec.policy if role == "data" else rdec.per_rank.get(rank, "RNG"))
+        new_values[k] = v
+        actions.append(KeyAction(k, role, "added", why, rank=rank if rank is not None else 0))
+        if isinstance(v, torch.Tensor):
+            tensors.append(_replicated(k, role, v, rank or 0))
+
+    for t in tensors:
+        for rank in range(target.world_size):
+            box = local_box(t.shape, t.placement, target, rank)
+            if box is not None:
+                t.local[rank] = box.sizes
+    reduced = _reduce(options, tensors, actions, ix)
+    memory = _memory(tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
+    verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
+    verdict["changes"].extend(geo.numerics)
+    if reduced and not reasons:
+        verdict["warm_start_reasons"].extend(reduced)
+        verdict["kind"] = "warm_start"
+    source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
+              "tokens_seen": r.get("tokens_seen"),
+              "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
+              "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
+    return Plan(source, target.with_source("given"), options, not reasons, reasons, bdec, sdec, ddec, rdec, acc_out,
+                memory, tensors, actions, verdict, new_values, geo.stage_map,
+                geo.rules.family if geo.rules else None, checks)
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "float32": "float32"}
+OPTIMIZER_ROLES = ("optimizer_moment", "optimizer_step", "param_group")
+
+
+def _reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction], ix) -> list[str]:
+    """Reduced copies for testing (`--only`, `--dtype`): what they drop or cast, said out loud.
+
+    Such a copy is never the real continuation: the verdict becomes a warm start and the
+    reasons list exactly what it keeps, so nobody mistakes it for the run itself.
+    """
+    reasons: list[str] = []
+    if options.only not in (None, "model", "model+optim"):
+        raise BadInput(f"unknown --only '{options.only}'", hint="Use model or model+optim.")
+    if options.only == "model":
+        dropped = 0
+        for a in actions:
+            if a.role in OPTIMIZER_ROLES and a.action != "dropped":
+                a.action, a.reason, a.rank = "dropped", "--only model: a reduced copy without optimizer state", None
+                dropped += 1
+        tensors[:] = [t for t in tensors if t.role not in OPTIMIZER_ROLES]
+        reasons.append(f"reduced copy: optimizer state dropped ({dropped} keys, --only model)")
+    if options.dtype is not None:
+        name = DTYPES.get(options.dtype)
+        if name is None:
+            raise BadInput(f"unknown --dtype '{options.dtype}'", hint="Use bf16, fp16 or fp32.")
+        cast = 0
+        by_key = {a.key: a for a in actions}
+        for t in tensors:
+            if t.role in ("parameter", "optimizer_moment") and getattr(torch, t.dtype).is_floating_point and t.dtype != name:
+                a = by_key.get(t.key)
+                t.dtype = name
+                if a is not None:
+                    a.reason += f"; cast to {name}"
+                cast += 1
+        if cast:
+            reasons.append(f"reduced copy: {cast} parameter and moment tensors cast to {name} (--dtype {options.dtype})")
+    return reasons
+
+
+def _describe_transform(t: dict[str, Any]) -> str:
+    if t["kind"] == "reinterleave":
+        return f"fused parts {t['parts']} re-interleaved for tp {t['from_tp']} -> {t['to_tp']}"
+    return f"vocab {t['vocab']} padded {t['from_rows']} -> {t['to_rows']} rows (fill {t['fill']})"
+
+
+def _per_rank_prefix(data_roles) -> str:
+    for x in data_roles:
+        if x.rank is not None:
+            return x.key[: len(x.key) - len(str(x.rank))]
+    return "data.rank_"
+
+
+def _rank_from_key(key: str) -> int | None:
+    import re
+
+    m = re.search(r"(?:rank_|dp_rank_)(\d+)", key)
+    return int(m.group(1)) if m else None
+
+
+def _owner_rank(key: str, cls, target: Topology) -> int:
+    """Per-rank state lives in its rank's file (each rank reads only its own); the rest in rank 0's."""
+    role = cls.roles.get(key)
+    if role is not None and role.rank is not None and role.rank < target.world_size:
+        if role.role == "data":  # dp rank k -> the first global rank with dp_shard index k
+            from reshard.model.layout import rank_of
+
+            return rank_of(target, dp_shard=role.rank % target.dp_shard, dp_replicate=role.rank // target.dp_shard)
+        return role.rank
+    r = _rank_from_key(key)
+    if r is not None and r < target.world_size and (key.startswith("rng.") or key.startswith("dataloader.")):
+        return r
+    return 0
+
+
+def _replicated(key: str, role: str, value: torch.Tensor, rank: int) -> TensorPlan:
+    shape = tuple(value.shape)
+    return TensorPlan(key, role, shape, str(value.dtype).removeprefix("torch."), Placement.replicated(),
+                      [(rank, tuple(0 for _ in shape), shape)])
+
+
+def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storage: set[str] = frozenset(),
+            extra_trainable: set[str] = frozenset()) -> dict[str, Any]:
+    """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state.
+
+    A tied copy that shares storage with its tie on the target is counted once.
+    """
+    trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"} | set(extra_trainable)
+    per_rank = []
+    for rank in range(target.world_size):
+        acc = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
+        for t in tensors:
+            box = local_box(t.shape, t.placement, target, rank)
+            if box is None:
+                continue
+            nbytes = box.numel * _dtype_size(t.dtype)
+            role = cls.roles.get(t.key)
+            if t.key in same_storage:
+                continue
+            if t.role == "parameter":
+                acc["parameters"] += nbytes
+                if role is not None and role.param in trainable:
+                    acc["gradients"] += nbytes
+            elif t.role in ("optimizer_moment", "optimizer_step"):
+                acc["optimizer"] += nbytes
+            elif any(c[0] == rank for c in t.chunks):
+                acc["other"] += nbytes
+        acc["total"] = sum(acc.values())
+        per_rank.append({"rank": rank, **acc})
+    totals = [p["total"] for p in per_rank]
+    return {"per_rank": per_rank, "max": max(totals) if totals else 0, "min": min(totals) if totals else 0,
+            "note": "gradients assume the parameter dtype; activations and communication buffers are not included"}
+
+
+def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, Any]:
+    warm: list[str] = []
+    changes: list[str] = []
+    if not r["optimizer"]["moment_names"]:
+        warm.append("no optimizer moments in the source: fresh Adam state")
+    if ddec is not None and not ddec.continuity:
+        warm.append("data continuity lost: " + ddec.note)
+    if bdec.kept is False and bdec.feasible:
+        changes.append(bdec.note)
+    elif bdec.kept is None:
+        changes.append("batch recipe unknown: global batch not checked")
+    if bdec.before and bdec.after and bdec.after.grad_accum != bdec.before.grad_accum:
+        changes.append(f"accumulation {bdec.before.grad_accum} -> {bdec.after.grad_accum} (global batch kept; reduction order differs)")
+    if sdec is not None and sdec.policy in ("steps", "tokens"):
+        changes.append("LR schedule: " + sdec.note)
+    if rdec is not None and not rdec.streams_kept:
+        changes.append("RNG: " + rdec.note)
+    if not same_positions:
+        changes.append("collective reduction order differs on a new world size: losses match to rounding, not bitwise")
+    if reasons:
+        kind = "infeasible"
+    elif warm:
+        kind = "warm_start"
+    elif any(not c.startswith("collective") and not c.startswith("accumulation") for c in changes):
+        kind = "continuation_with_changes"
+    else:
+        kind = "continuation"
+    return {"kind": kind, "warm_start_reasons": warm, "changes": changes}
+
+
+def check_plan_matches(given: dict[str, Any], plan: Plan) -> None:
+    """`convert --plan`: refuse to execute anything but the plan that was printed."""
+    if given.get("plan_version") != PLAN_VERSION:
+        raise BadInput(f"plan version {given.get('plan_version')} is not {PLAN_VERSION}", where="--plan")
+    if given.get("fingerprint") != plan.fingerprint():
+        raise BadInput("the given plan does not match what this source and these options produce now "
+                       "(the source changed, or options differ)", where="--plan",
+                       hint="Re-run `reshard plan --json` and review it again.")
+
+
+def options_from_plan(given: dict[str, Any]) -> Options:
+    try:
+        return Options(**given["options"])
+    except (KeyError, TypeError) as exc:
+        raise BadInput(f"not a reshard plan ({exc})", where="--plan") from None

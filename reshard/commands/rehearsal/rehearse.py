@@ -1,0 +1,478 @@
+"""`rehearse`: a deterministic restore test of a topology transition, run for real.
+
+On the small reference model, on CPU gloo ranks:
+
+1. baseline  the source topology runs uninterrupted for ``steps`` steps, saving at
+             ``switch_at`` and ``switch_at + 1`` (optimizer state after one more step);
+2. resumed   the step-``switch_at`` checkpoint is planned and converted by reshard with the
+             policies a real transition uses, then the reference trainer resumes it on the
+             target topology with the plan's batch recipe;
+3. control   the naive resume: the same source checkpoint loaded on the target topology
+             with fresh Adam moments and each rank's LOCAL data position replayed on the
+             new world size (see ``reshard.commands.rehearsal.ckpt.make_control``);
+4. compare   over steps switch_at+1 .. switch_at+window: losses, grad norms, throughput,
+             sample coverage, Adam moments after the first resumed step, step counters;
+             plus the control's repeats/skips and loss jump;
+5. verdict   exit 0 when the resumed run is within tolerance and coverage is exact.
+
+Dropout is 0 by default, so no randomness depends on the topology (dropout masks come from
+per-dp-rank RNG streams, which a new world size necessarily reseeds).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import BadInput, Infeasible
+from reshard.commands.rehearsal import compare
+from reshard.commands.rehearsal.ckpt import make_control
+from reshard.model.topology import Topology, parse_spec
+
+DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "grad_norm_rtol": 1e-3, "moment_rtol": 1e-5}
+FLOOR_FACTOR = 10.0      # tolerance = max(default, FLOOR_FACTOR x measured fp32 noise floor)
+FALLBACK_FACTOR = 10.0   # no noise-floor run possible: defaults x this factor
+REFERENCE_FAMILIES = ("reshard-reference-gpt", "reference-gpt")
+
+
+def _topology(spec: str, what: str) -> Topology:
+    t = parse_spec(spec)
+    if t.dp_replicate != 1 or t.cp != 1:
+        raise BadInput(f"--{what} {spec}: the reference trainer has no dp_replicate or cp dimension",
+                       hint="Rehearse with dp (= dp_shard), tp and pp only.")
+    return t
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def _from_like(like: Path, src: Topology) -> dict[str, Any]:
+    """Batch recipe, schedule, data policy and model shape copied (scaled down) from a real checkpoint."""
+    from reshard.storage.index import CheckpointIndex
+    from reshard.semantics.manifest import read_manifest
+    from reshard.semantics.rules import select
+
+    like = Path(like)
+    m = read_manifest(like)
+    if m is None:
+        raise BadInput("--like needs a checkpoint with a manifest (manifest.json)", where=str(like))
+    family = m.model.family
+    if family not in REFERENCE_FAMILIES:
+        raise BadInput(f"model family '{family}': the reference trainer cannot build that family yet, so a "
+                       "rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
+                       hint="Rehearse without --like (reference GPT), or rehearse on your own trainer.")
+    ix = CheckpointIndex.open(like)
+    prefix = "model." if m.key_convention == "reshard" else ""
+    params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
+    rules_family = select(params, family=family).family
+    cfg = dict(m.model.config or {})
+    copied: dict[str, Any] = {"from": str(like), "model_family": family, "rules_family": rules_family}
+    kw: dict[str, Any] = {}
+    n_heads = int(cfg.get("n_heads", 2))
+    n_layers = min(int(cfg.get("n_layers", 2)), 4)
+    n_layers = max(src.pp, n_layers - n_layers % src.pp)
+    kw.update(n_heads=n_heads, n_layers=n_layers, dim=max(32, 4 * n_heads) // n_heads * n_heads)
+    if "vocab_size" in cfg:
+        kw["vocab_size"] = min(int(cfg["vocab_size"]), 64)
+    copied["model"] = {"real": {k: cfg.get(k) for k in ("n_heads", "n_layers", "dim", "vocab_size")},
+                       "rehearsal": {k: kw.get(k) for k in ("n_heads", "n_layers", "dim", "vocab_size")},
+                       "rule": "n_heads kept, n_layers min(real, 4) (a multiple of pp), dim small (4 per head, >= 32)"}
+    if m.batch.micro_batch and m.batch.grad_accum:
+        kw["micro_batch"], kw["grad_accum"] = min(int(m.batch.micro_batch), 4), min(int(m.batch.grad_accum), 8)
+        copied["batch"] = {"real": {"micro_batch": m.batch.micro_batch, "grad_accum": m.batch.grad_accum},
+                           "rehearsal": {"micro_batch": kw["micro_batch"], "grad_accum": kw["grad_accum"]},
+                           "rule": "micro_batch min(real, 4), grad_accum min(real, 8)"}
+    sc = m.scheduler.config or {}
+    if sc.get("total_steps") and sc.get("warmup") is not None:
+        copied["schedule"] = {"real": {"warmup": sc["warmup"], "total_steps": sc["total_steps"], "unit": m.scheduler.unit},
+                              "warmup_fraction": float(sc["warmup"]) / float(sc["total_steps"])}
+    copied["data"] = {"sampler": m.data.sampler, "order": m.data.order,
+                      "policy": "elastic global cursor carried (the rehearsal trainer's sampler)"}
+    prev = [e for e in m.lineage if e.event == "transition"]
+    if prev and prev[-1].policies.get("data"):
+        copied["data"]["last_transition_policy"] = prev[-1].policies.get("data")
+    copied["key_convention"] = {"real": m.key_convention, "rehearsal": "reshard"}
+    return {"train": kw, "copied": copied}
+
+
+def _spawn(cfgs: list, what: str) -> str | None:
+    """Run configs in one spawn; return an error text instead of raising. A failed spawn is
+    retried once from clean outputs (a free port taken between probe and bind, or a gloo
+    connection lost on a loaded machine, must not read as a failed transition)."""
+    from reshard.reference import run_reference
+
+    err = None
+    for attempt in range(2):
+        if attempt:
+            for c in cfgs:
+                if c.log:
+                    Path(c.log).unlink(missing_ok=True)
+                if c.out and c.out != c.resume:
+                    shutil.rmtree(c.out, ignore_errors=True)
+        try:
+            run_reference(cfgs)
+            return None
+        except Exception as exc:  # a rank failed: the report says so
+            text = str(exc).strip()
+            err = f"{what} failed: {type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+    return err
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else ("inf" if x == math.inf else f"{x:.2e}")
+
+
+def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 4, window: int = 20,
+             micro_batch: int | None = None, grad_accum: int | None = None, like: Path | None = None,
+             out: Path, tolerances: dict | None = None, hooks: dict | None = None, seed: int = 0,
+             dropout: float = 0.0, data_policy: str | None = None,
+             source_micro_batch: int = 2, source_grad_accum: int = 2) -> dict:
+    """Rehearse the transition ``from_spec -> to_spec``; write rehearsal.{json,md,png} into ``out``.
+
+    ``micro_batch`` / ``grad_accum`` are the target recipe overrides handed to the planner (by
+    default the plan keeps the global batch); ``source_micro_batch`` / ``source_grad_accum``
+    the source run's recipe (``like`` replaces them with the real checkpoint's).
+    ``hooks["after_convert"](dst)`` runs after conversion, before the resume; if it returns
+    a path, that checkpoint is resumed instead of ``dst``. Returns the report (also
+    ``rehearsal.json``) with ``exit_code`` (0: within tolerance and coverage exact) and
+    ``diverged`` (what diverged, named).
+    """
+    from reshard.commands.convert import convert
+    from reshard.storage.index import CheckpointIndex
+    from reshard.commands.plan import Options, make_plan
+    from reshard.reference import TrainConfig
+    from reshard.semantics.rules import select
+    from reshard.commands.verify import verify_checkpoints
+
+    t_start = time.perf_counter()
+    src, tgt = _topology(from_spec, "from"), _topology(to_spec, "to")
+    if switch_at < 1 or window < 1:
+        raise BadInput(f"switch_at ({switch_at}) and window ({window}) must be >= 1")
+    if steps < switch_at + window:
+        raise BadInput(f"steps ({steps}) must be >= switch_at + window ({switch_at} + {window})")
+    unknown_hooks = set(hooks or {}) - {"after_convert"}
+    if unknown_hooks:
+        raise BadInput(f"unknown hooks {sorted(unknown_hooks)}", hint="Known: after_convert.")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("baseline", "floor", "converted", "resumed", "control", "control_ckpt"):
+        shutil.rmtree(out / name, ignore_errors=True)
+        (out / f"{name}.jsonl").unlink(missing_ok=True)
+
+    train_kw: dict[str, Any] = {"micro_batch": source_micro_batch, "grad_accum": source_grad_accum}
+    copied = None
+    warmup = 2
+    if like is not None:
+        got = _from_like(Path(like), src)
+        train_kw.update(got["train"])
+        copied = got["copied"]
+        frac = (copied.get("schedule") or {}).get("warmup_fraction")
+        if frac is not None:
+            warmup = max(1, round(frac * steps)) if frac > 0 else 0
+            copied["schedule"]["rehearsal"] = {"warmup": warmup, "total_steps": steps}
+    n_heads = train_kw.get("n_heads", 2)
+    for t, name in ((src, "from"), (tgt, "to")):
+        if n_heads % t.tp:
+            raise BadInput(f"--{name}: tp={t.tp} does not divide the rehearsal model's n_heads={n_heads}")
+        if train_kw.get("n_layers", 2) % t.pp:
+            raise BadInput(f"--{name}: pp={t.pp} does not divide the rehearsal model's n_layers={train_kw.get('n_layers', 2)}")
+
+    k = switch_at
+    g_src = train_kw["micro_batch"] * train_kw["grad_accum"] * src.dp
+    if micro_batch and grad_accum:
+        g_tgt = micro_batch * grad_accum * tgt.dp
+    else:
+        g_tgt = g_src  # the planner keeps the global batch (checked below against the plan)
+    # no epoch boundary inside any run: baseline, resumed, and the control's replayed cursor
+    ctrl_start = (k * g_src // src.dp) * tgt.dp
+    need = max(steps * g_src, k * g_src + (steps - k) * g_tgt, ctrl_start + (steps - k) * g_tgt)
+    unit = _lcm(g_src, g_tgt)
+    dataset_len = -(-need // unit) * unit + unit
+    common = dict(seed=seed, dropout=dropout, dataset_len=dataset_len, warmup=warmup, total_steps=steps,
+                  steps=steps, experiment_id="rehearsal",
+                  **{x: train_kw[x] for x in ("n_heads", "n_layers", "dim", "vocab_size") if x in train_kw})
+    window_steps = list(range(k + 1, k + window + 1))
+
+    # ------------------------------------------------------------ 1. baseline (+ noise floor)
+    base_cfg = TrainConfig(dp=src.dp_shard, tp=src.tp, pp=src.pp, save_at=[k, k + 1], out=str(out / "baseline"),
+                           log=str(out / "baseline.jsonl"), micro_batch=train_kw["micro_batch"],
+                           grad_accum=train_kw["grad_accum"], **common)
+    structural = src.tp != tgt.tp or src.pp != tgt.pp
+    floor_cfg = None
+    if structural:
+        mb, ga = base_cfg.micro_batch, base_cfg.grad_accum
+        split = (mb * 2, ga // 2) if ga % 2 == 0 else (mb // 2, ga * 2) if mb % 2 == 0 else None
+        if split:
+            floor_cfg = TrainConfig(**{**asdict(base_cfg), "micro_batch": split[0], "grad_accum": split[1],
+                                       "save_at": [k + 1], "out": str(out / "floor"), "log": str(out / "floor.jsonl"),
+                                       "steps": k + window})
+    t0 = time.perf_counter()
+    err = _spawn([base_cfg] + ([floor_cfg] if floor_cfg else []), "baseline run")
+    timings = {"baseline": time.perf_counter() - t0}
+    if err:
+        raise Infeasible(err, where=str(out / "baseline"), hint="The source run itself failed; see the ranks' stderr.")
+    src_ckpt, base_next = out / "baseline" / f"step_{k}", out / "baseline" / f"step_{k + 1}"
+
+    rules_family = None
+    if copied is not None:
+        bix = CheckpointIndex.open(src_ckpt)
+        rules_family = select(sorted(x[len("model."):] for x in bix.entries if x.startswith("model.")),
+                              family="reshard-reference-gpt").family
+        copied["rehearsal_rules_family"] = rules_family
+        if rules_family != copied["rules_family"]:
+            raise BadInput(f"the rehearsal model selects partition rules '{rules_family}', the real checkpoint "
+                           f"'{copied['rules_family']}': the rehearsal would not exercise the same rules",
+                           where=str(like))
+
+    # ------------------------------------------------------------ 2. plan, convert, verify, resume
+    t0 = time.perf_counter()
+    plan = make_plan(src_ckpt, Options(to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum,
+                                       data_policy=data_policy))
+    if not plan.feasible:
+        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src_ckpt))
+    after = plan.batch.after
+    dst = out / "converted"
+    convert(plan, src_ckpt, dst)
+    resume_from = dst
+    hook = (hooks or {}).get("after_convert")
+    if hook is not None:
+        ret = hook(dst)
+        if ret is not None:
+            resume_from = Path(ret)
+    planned = {a.key: a.action for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
+    v = verify_checkpoints(src_ckpt, resume_from, expected_rewrites=planned)
+    timings["plan_convert_verify"] = time.perf_counter() - t0
+    control_info = make_control(src_ckpt, out / "control_ckpt", source_dp=src.dp, target_dp=tgt.dp)
+
+    tgt_common = dict(dp=tgt.dp_shard, tp=tgt.tp, pp=tgt.pp, micro_batch=after.micro_batch,
+                      grad_accum=after.grad_accum, **common)
+    res_cfg = TrainConfig(resume=str(resume_from), save_at=[k + 1], out=str(out / "resumed"),
+                          log=str(out / "resumed.jsonl"), **tgt_common)
+    ctl_cfg = TrainConfig(resume=str(out / "control_ckpt"), log=str(out / "control.jsonl"), **tgt_common)
+    t0 = time.perf_counter()
+    res_err = _spawn([res_cfg, ctl_cfg], "resumed run")
+    ctl_err = None
+    if res_err:
+        (out / "control.jsonl").unlink(missing_ok=True)
+        ctl_err = _spawn([ctl_cfg], "control run")
+    timings["resumed_and_control"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------ 3. compare
+    base, res, ctl = (compare.read_log(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control"))
+    loss = compare.trajectory(res, base, window_steps, "loss")
+    gnorm = compare.trajectory(res, base, window_steps, "grad_norm")
+    res_next = out / "resumed" / f"step_{k + 1}"
+    mom = compare.moments(res_next, base_next) if (res_next / ".metadata").exists() else None
+    cov_kw = dict(switch_at=k, window_steps=window_steps, dataset_len=dataset_len, seed=seed)
+    cov = compare.coverage(base, res, **cov_kw)
+    ctl_cov = compare.coverage(base, ctl, **cov_kw) if ctl else None
+    ctl_loss = compare.trajectory(ctl, base, window_steps, "loss") if ctl else None
+    first = window_steps[0]
+    jump = None
+    if ctl and first in ctl and first in base:
+        jump = {"step": first, "control": ctl[first].loss, "baseline": base[first].loss,
+                "resumed": res[first].loss if first in res else None,
+                "abs": ctl[first].loss - base[first].loss, "rel": compare.rel(ctl[first].loss, base[first].loss)}
+
+    # ------------------------------------------------------------ 4. tolerances
+    tol = dict(DEFAULT_TOLERANCES)
+    derivation: dict[str, Any]
+    if not structural:
+        derivation = {"how": "defaults for a data-parallel-only change (loss_rtol 1e-4, grad_norm_rtol 1e-3, "
+                             "moment_rtol 1e-5)"}
+    elif floor_cfg is not None:
+        fl = compare.read_log(out / "floor.jsonl")
+        f_loss = compare.trajectory(fl, base, window_steps, "loss")["max_rel"] or 0.0
+        f_gn = compare.trajectory(fl, base, window_steps, "grad_norm")["max_rel"] or 0.0
+        f_mom = compare.moments(out / "floor" / f"step_{k + 1}", base_next)["max_rel"] or 0.0
+        tol = {"loss_rtol": max(tol["loss_rtol"], FLOOR_FACTOR * f_loss),
+               "grad_norm_rtol": max(tol["grad_norm_rtol"], FLOOR_FACTOR * f_gn),
+               "moment_rtol": max(tol["moment_rtol"], FLOOR_FACTOR * f_mom)}
+        derivation = {
+            "how": (f"tp/pp change: fp32 noise floor measured from the baseline. A second run of the source "
+                    f"topology ({src.spec()}) from the same initial weights on the same samples, with only the "
+                    f"accumulation split changed (micro_batch {base_cfg.micro_batch}->{floor_cfg.micro_batch}, "
+                    f"grad_accum {base_cfg.grad_accum}->{floor_cfg.grad_accum}: the same sums in another order), "
+                    f"differs from the baseline by up to {_fmt(f_loss)} in loss, {_fmt(f_gn)} in grad norm "
+                    f"over the window and {_fmt(f_mom)} in moments after step {k + 1}; tolerance = "
+                    f"max(default, {FLOOR_FACTOR:g} x floor)"),
+            "floor": {"loss_rel": f_loss, "grad_norm_rel": f_gn, "moment_rel": f_mom}, "factor": FLOOR_FACTOR}
+    else:
+        tol = {n: v * FALLBACK_FACTOR for n, v in tol.items()}
+        derivation = {"how": (f"tp/pp change and no accumulation split to measure a noise floor with (micro_batch "
+                              f"and grad_accum both odd): defaults x {FALLBACK_FACTOR:g}"), "factor": FALLBACK_FACTOR}
+    overridden = sorted(set(tolerances or {}) & set(tol))
+    bad = set(tolerances or {}) - set(tol)
+    if bad:
+        raise BadInput(f"unknown tolerances {sorted(bad)}", hint=f"Known: {sorted(tol)}.")
+    tol.update({n: float(tolerances[n]) for n in overridden})
+    if overridden:
+        derivation["overridden"] = overridden
+
+    # ------------------------------------------------------------ 5. verdict
+    diverged: list[str] = []
+    if res_err:
+        diverged.append(f"resumed run: {res_err}")
+    if loss["missing_steps"]:
+        diverged.append(f"loss: resumed run logged no loss for steps {loss['missing_steps'][:5]}")
+    if loss["max_rel"] is not None and loss["max_rel"] > tol["loss_rtol"]:
+        diverged.append(f"loss: max rel diff {_fmt(loss['max_rel'])} at step {loss['worst_step']} "
+                        f"> loss_rtol {_fmt(tol['loss_rtol'])}")
+    if gnorm["max_rel"] is not None and gnorm["max_rel"] > tol["grad_norm_rtol"]:
+        diverged.append(f"grad norm: max rel diff {_fmt(gnorm['max_rel'])} at step {gnorm['worst_step']} "
+                        f"> grad_norm_rtol {_fmt(tol['grad_norm_rtol'])}")
+    if mom is None:
+        diverged.append(f"moments: the resumed run wrote no step_{k + 1} checkpoint to compare")
+    else:
+        for p, d in mom["per_param"].items():
+            bad_m = {n: r for n, r in d.items() if r > tol["moment_rtol"]}
+            if bad_m:
+                diverged.append(f"moments of {p}: " + ", ".join(f"{n} rel {_fmt(r)}" for n, r in bad_m.items())
+                                + f" > moment_rtol {_fmt(tol['moment_rtol'])}")
+        for key in mom["missing"]:
+            diverged.append(f"moments: {key} missing from the resumed checkpoint")
+        if not mom["step_counters_equal"]:
+            diverged.append("optimizer step counters: " + ", ".join(
+                f"{x['key']} {x['run']} != {x['baseline']}" for x in mom["step_mismatch"][:3])
+                + ("; trainer.step differs" if not mom["counters"].get("trainer.step", {}).get("equal", True) else ""))
+    if not cov["exact"]:
+        diverged.append(f"coverage: {cov['repeated']} sample ids repeated, {cov['skipped']} skipped within the epoch"
+                        + (f", steps {cov['steps_with_other_ids'][:5]} took other ids than the baseline"
+                           if cov["steps_with_other_ids"] else "")
+                        + (f", steps {cov['missing_steps'][:5]} not run" if cov["missing_steps"] else ""))
+    if not v["equal"]:
+        diverged.append("converted state: differs from the source beyond the planned rewrites: "
+                        + ", ".join(sorted({d["key"] for d in v["differences"]})[:5]))
+    exit_code = 0 if not diverged else 1
+
+    # ------------------------------------------------------------ exactness statement
+    reasons = []
+    if src.dp != tgt.dp or (after.grad_accum != train_kw["grad_accum"]) or after.micro_batch != train_kw["micro_batch"]:
+        reasons.append(f"the data-parallel width changes {src.dp} -> {tgt.dp} and the recipe micro_batch x grad_accum "
+                       f"{train_kw['micro_batch']}x{train_kw['grad_accum']} -> {after.micro_batch}x{after.grad_accum}: "
+                       "each step's gradient is the same sum over the same samples, but fp32 addition is not "
+                       "associative and the sum is taken in another order (micro-batch sums, then a reduce-scatter "
+                       "over another number of ranks)")
+    if src.tp != tgt.tp:
+        reasons.append(f"tensor parallelism changes {src.tp} -> {tgt.tp}: row-parallel matmuls add partial "
+                       "products across TP ranks with an all-reduce, so activations, gradients and the grad norm "
+                       "are accumulated in another order")
+    if src.pp != tgt.pp:
+        reasons.append(f"pipeline parallelism changes {src.pp} -> {tgt.pp}: the tied embedding's gradient is summed "
+                       "across stages and the grad norm across stage groups")
+    if dropout > 0:
+        reasons.append(f"dropout {dropout} draws masks from per-dp-rank RNG streams, which a new topology reseeds")
+    state_line = ("the state is bit-exact at the switch (verify: the converted checkpoint equals the source except "
+                  f"the {len(planned)} planned rewrites)" if v["equal"] else
+                  "the converted state is NOT equal to the source beyond the planned rewrites")
+    mom_line = f"moments after the first resumed step within {_fmt(mom['max_rel'])} rel" if mom else "moments not compared"
+    if loss["bitwise"] and gnorm["bitwise"]:
+        kind = "bitwise"
+        statement = (f"resumed losses and grad norms are bitwise equal to the baseline at every step of the window; "
+                     f"{state_line}; {mom_line}.")
+    elif loss["max_rel"] is not None and not loss["missing_steps"] and loss["max_rel"] <= tol["loss_rtol"]:
+        kind = "within_tolerance"
+        statement = (f"the trajectory is not bitwise identical (max rel loss diff {_fmt(loss['max_rel'])} at step "
+                     f"{loss['worst_step']}; {sum(p['bitwise'] for p in loss['per_step'])} of {len(loss['per_step'])} "
+                     f"steps bitwise equal) because " + ("; and ".join(reasons) or "of fp32 reduction order")
+                     + f". A bit-exact trajectory across topologies is not expected; {state_line}; {mom_line}; "
+                     f"trajectory within {_fmt(loss['max_rel'])} (tolerance {_fmt(tol['loss_rtol'])}).")
+    else:
+        kind = "neither"
+        statement = (f"the resumed trajectory is neither bitwise equal nor within tolerance (max rel loss diff "
+                     f"{_fmt(loss['max_rel'])} > {_fmt(tol['loss_rtol'])}"
+                     + (f", steps missing: {loss['missing_steps'][:5]}" if loss["missing_steps"] else "")
+                     + f"); {state_line}; {mom_line}.")
+
+    control = {
+        "how": control_info["how"], "cursor_before": control_info["cursor_before"],
+        "cursor_after": control_info["cursor_after"], "error": ctl_err,
+        "coverage": ctl_cov, "first_step_loss_jump": jump,
+        "loss": {x: ctl_loss[x] for x in ("max_abs", "max_rel", "worst_step")} if ctl_loss else None,
+    }
+    if ctl_cov is not None:
+        what = []
+        if ctl_cov["repeated"]:
+            what.append(f"repeats {ctl_cov['repeated']} sample ids")
+        if ctl_cov["skipped"]:
+            what.append(f"skips {ctl_cov['skipped']} sample ids")
+        control["summary"] = ("the naive resume " + " and ".join(what) if what else
+                              "the naive resume neither repeats nor skips samples (dp unchanged)") + (
+            f"; its loss at step {first} is {jump['control']:.6f} vs {jump['baseline']:.6f} "
+            f"(rel jump {_fmt(jump['rel'])}), max rel loss diff over the window {_fmt(ctl_loss['max_rel'])}"
+            if jump else "")
+
+    # ------------------------------------------------------------ series + outputs
+    def xy(run: dict, steps_: list[int], field: str) -> dict[str, list]:
+        pts = [(s, getattr(run[s], field)) for s in steps_ if s in run and getattr(run[s], field) is not None]
+        return {"xs": [float(s) for s, _ in pts], "ys": [float(y) for _, y in pts]}
+
+    all_base = list(range(1, k + window + 1))
+    series = {
+        "loss": {"baseline": xy(base, all_base, "loss"), "resumed": xy(res, window_steps, "loss"),
+                 "control": xy(ctl, window_steps, "loss")},
+        "grad_norm": {"baseline": xy(base, all_base, "grad_norm"), "resumed": xy(res, window_steps, "grad_norm"),
+                      "control": xy(ctl, window_steps, "grad_norm")},
+        "control_coverage": {
+            "repeated": {"xs": [float(s) for s in (ctl_cov or cov)["per_step"]["steps"]] if ctl_cov else [],
+                         "ys": [float(x) for x in ctl_cov["per_step"]["repeated"]] if ctl_cov else []},
+            "skipped": {"xs": [float(s) for s in ctl_cov["per_step"]["steps"]] if ctl_cov else [],
+                        "ys": [float(x) for x in ctl_cov["per_step"]["skipped"]] if ctl_cov else []},
+        },
+    }
+    report: dict[str, Any] = {
+        "rehearsal_version": 1,
+        "from": src.spec(), "to": tgt.spec(), "steps": steps, "switch_at": k, "window": window,
+        "window_steps": [window_steps[0], window_steps[-1]],
+        "exit_code": exit_code, "verdict": "pass" if exit_code == 0 else "fail", "diverged": diverged,
+        "exactness": {"kind": kind, "statement": statement, "reasons": reasons},
+        "tolerances": tol, "tolerance_derivation": derivation,
+        "setup": {
+            "model": {"n_heads": n_heads, "n_layers": common.get("n_layers", 2), "dim": common.get("dim", 32),
+                      "vocab_size": common.get("vocab_size", 64), "family": "reshard-reference-gpt"},
+            "source_recipe": {"micro_batch": train_kw["micro_batch"], "grad_accum": train_kw["grad_accum"],
+                              "dp": src.dp, "global_batch": g_src},
+            "target_recipe": after.to_dict(), "batch_kept": plan.batch.kept,
+            "dataset_len": dataset_len, "seed": seed, "warmup": warmup, "total_steps": steps,
+            "dropout": dropout,
+            "randomness": ("dropout 0: no randomness depends on the topology (the data order comes from the "
+                           "elastic sampler's global cursor, the weights from one seed)") if dropout == 0 else
+                          (f"dropout {dropout}: masks come from per-dp-rank RNG streams that a new topology reseeds; "
+                           "the trajectory cannot match beyond the first step"),
+            "epoch_boundary": f"dataset_len {dataset_len}: no run crosses an epoch boundary",
+            "like": copied,
+        },
+        "plan": {"fingerprint": plan.fingerprint(), "batch": plan.batch.to_dict(),
+                 "data": plan.data.to_dict() if plan.data else None,
+                 "schedule": plan.schedule.to_dict() if plan.schedule else None,
+                 "rng": plan.rng.to_dict() if plan.rng else None, "planned_rewrites": planned},
+        "verify": {"equal": v["equal"], "differences": [{"key": d["key"], "kind": d.get("kind")} for d in v["differences"]][:20],
+                   "resumed_from": str(resume_from), "hook": hook is not None},
+        "loss": {x: loss[x] for x in ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")},
+        "grad_norm": {x: gnorm[x] for x in ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")},
+        "throughput": {"baseline_median_tokens_per_s": compare.median_throughput(base, window_steps),
+                       "resumed_median_tokens_per_s": compare.median_throughput(res, window_steps),
+                       "control_median_tokens_per_s": compare.median_throughput(ctl, window_steps),
+                       "note": "CPU gloo ranks on a shared machine: indicative only"},
+        "coverage": {"resumed": cov, "control": ctl_cov},
+        "moments": mom, "control": control,
+        "per_step": {"loss": loss["per_step"], "grad_norm": gnorm["per_step"]},
+        "series": series,
+        "errors": {"resumed": res_err, "control": ctl_err},
+        "paths": {"baseline": str(out / "baseline"), "converted": str(dst), "resumed": str(out / "resumed"),
+                  "control_checkpoint": str(out / "control_ckpt"),
+                  "logs": {n: str(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control")}},
+    }
+    from reshard.commands.rehearsal.render import render_markdown, render_png
+
+    report["plot"] = render_png(out / "rehearsal.png", report)
+    timings["total"] = time.perf_counter() - t_start
+    report["timings_s"] = {n: round(x, 2) for n, x in timings.items()}
+    (out / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "rehearsal.md").write_text(render_markdown(report))
+    return report

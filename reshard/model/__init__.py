@@ -1,0 +1,1 @@
+"""A checkpoint in global terms as plain data: boxes, topology, placements."""

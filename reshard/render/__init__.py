@@ -1,0 +1,1 @@
+"""Reports rendered for terminals, Markdown, JSON and PNG figures."""

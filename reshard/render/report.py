@@ -1,0 +1,188 @@
+"""Render command results for people (terminal text) and scripts (JSON).
+
+Reports are plain dicts produced by the library; this module only formats them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from reshard.units import human_bytes
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=False, default=str)
+
+
+def _topo_line(t: dict[str, Any]) -> str:
+    dims = [f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1] or ["dp=1"]
+    return f"{', '.join(dims)} (world size {t.get('world_size')}, {t.get('source')})"
+
+
+def render_inspect(r: dict[str, Any]) -> str:
+    out: list[str] = []
+    verdict = "complete" if r["complete"] else "INCOMPLETE"
+    if r["complete"] and not r["consistent"]:
+        verdict = "complete but INCONSISTENT"
+    elif r["complete"]:
+        verdict = "complete and consistent"
+    out.append(f"checkpoint  {r['path']}")
+    out.append(f"verdict     {verdict}")
+    out.append(f"experiment  {r.get('experiment_id') or '-'}   continuity: {r.get('continuity') or '-'}")
+    out.append(f"step        {r.get('step') if r.get('step') is not None else '-'}"
+               + (f" (from {r['step_source']})" if r.get("step_source") else "")
+               + f"   tokens seen: {r.get('tokens_seen') if r.get('tokens_seen') is not None else '-'}")
+    out.append(f"topology    {_topo_line(r['topology'])}; {r['writer_ranks']} writer rank(s)")
+    for ev in r["topology"].get("evidence", []):
+        out.append(f"            - {ev}")
+    b = r.get("batch")
+    if b:
+        out.append(f"batch       micro-batch {b.get('micro_batch')} x accumulation {b.get('grad_accum')} x dp "
+                   f"= global batch {b.get('global_batch')} (seq len {b.get('seq_len')})")
+    acc = r.get("accumulation")
+    if acc:
+        phase = "at an optimizer-step boundary" if not acc.get("micro_step") else f"mid-accumulation (micro-step {acc['micro_step']})"
+        out.append(f"accum phase {phase}")
+    version = r.get("dcp_version") or "?"
+    fmt = f"DCP {version}" if version[:1].isdigit() or version == "?" else version  # exports/local outputs name themselves
+    out.append(f"convention  {r['convention']['name']}   manifest: {'yes' if r['manifest'] else 'no'}   format: {fmt}")
+    out.append(f"contents    {r['entries']} entries, {r['items']} items in {r['files']} files, {human_bytes(r['bytes'])} on disk")
+    out.append("")
+    out.append(f"  {'role':<18}{'count':>8}{'bytes':>12}  dtypes")
+    for role, s in sorted(r["by_role"].items(), key=lambda kv: -kv[1]["bytes"]):
+        dts = ", ".join(f"{d} x{v['count']}" for d, v in s["dtypes"].items())
+        out.append(f"  {role:<18}{s['count']:>8}{human_bytes(s['bytes']):>12}  {dts}")
+    out.append("")
+    o = r["optimizer"]
+    if o["moment_names"]:
+        out.append(f"optimizer   moments {', '.join(o['moment_names'])} for {o['with_moments']} of {o['parameters']} parameters"
+                   + ("; missing for " + ", ".join(o["missing_moments"][:5]) if o["missing_moments"] else "; every trainable parameter covered"))
+    else:
+        out.append("optimizer   no moments (a resume from here is a warm start)")
+    sc = o["step_counters"]
+    if sc["count"]:
+        out.append(f"            step counters: {sc['count']}, " + (f"one value {sc['values'][0]}" if sc["consistent"] else f"DISAGREE {sc['values']}"))
+    for t in o["tied"]:
+        eq = {True: "bitwise equal", False: "DIFFER", None: t.get("note", "-")}[t.get("equal")]
+        out.append(f"            tied ({t['source']}): {' = '.join(t['names'])}: {eq}")
+    for role, info in r["per_rank_state"].items():
+        if info["keyed_per_rank"]:
+            miss = f"; missing ranks {info['missing_ranks']}" if info.get("missing_ranks") else ""
+            out.append(f"per-rank    {role}: keyed per rank, ranks {_ranges(info['ranks'])}{miss}")
+        else:
+            out.append(f"per-rank    {role}: one shared copy ({info['keys']} keys)")
+    if r["unknown_keys"]:
+        out.append(f"unknown     {len(r['unknown_keys'])} keys: " + ", ".join(r["unknown_keys"][:8]) + (" ..." if len(r["unknown_keys"]) > 8 else ""))
+    if r["problems"]:
+        out.append("")
+        out.append("problems")
+        for p in r["problems"]:
+            where = f" [{p['file']}]" if p.get("file") else ""
+            keys = p.get("keys") or []
+            ks = (": " + ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")) if keys else ""
+            out.append(f"  {p['severity']:<12} {p['message']}{where}{ks}")
+    for n in r.get("notes", []):
+        out.append(f"note        {n['message']}")
+    return "\n".join(out)
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(parts)
+
+
+def _spec(t: dict[str, Any]) -> str:
+    return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
+
+
+def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
+    out: list[str] = []
+    s, t = p["source"], p["target"]
+    out.append(f"source      {s['path']}")
+    out.append(f"            {_spec(s['topology'])} (world size {s['topology']['world_size']}, {s['topology']['source']}), "
+               f"step {s['step']}, convention {s['convention']}")
+    out.append(f"target      {_spec(t)} (world size {t['world_size']})")
+    b = p["batch"]
+    if b["before"]:
+        bb = b["before"]
+        out.append(f"batch       before: micro-batch {bb['micro_batch']} x accumulation {bb['grad_accum']} x dp {bb['dp']} = {bb['global_batch']}")
+    if b["after"]:
+        ba = b["after"]
+        out.append(f"            after:  micro-batch {ba['micro_batch']} x accumulation {ba['grad_accum']} x dp {ba['dp']} = {ba['global_batch']}"
+                   + ("  (global batch kept)" if b["kept"] else ""))
+    if b["note"]:
+        out.append(f"            {b['note']}")
+    for a in b["alternatives"]:
+        out.append(f"            choice: micro-batch {a['micro_batch']} x accumulation {a['grad_accum']} x dp {a['dp']} = {a['global_batch']}")
+    if p["schedule"]:
+        sc = p["schedule"]
+        out.append(f"schedule    {sc['policy']}: {sc['note']}")
+        for k, v in sc["rewrites"].items():
+            out.append(f"            {k}: {v['old']} -> {v['new']}")
+    if p["data"]:
+        d = p["data"]
+        extra = ""
+        if d["repeated"] is not None:
+            extra = f" (repeated: {d['repeated']}, skipped: {d['skipped']})"
+        out.append(f"data        {d['policy']}: {d['note']}{extra}")
+    if p["rng"]:
+        r = p["rng"]
+        out.append(f"rng         {r['policy']}: {r['note']}")
+    acc = p["accumulation"]
+    out.append(f"accum phase {acc['note']}")
+    m = p["memory"]
+    out.append(f"memory      per rank max {human_bytes(m['max'])}, min {human_bytes(m['min'])} "
+               "(parameters + gradients + optimizer state)")
+    if verbose:
+        for row in m["per_rank"]:
+            out.append(f"            rank {row['rank']}: params {human_bytes(row['parameters'])}, grads {human_bytes(row['gradients'])}, "
+                       f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
+    summ = ", ".join(f"{n} {a}" for a, n in sorted(p["summary"].items()))
+    out.append(f"keys        {summ}")
+    groups: dict[tuple[str, str], list[str]] = {}
+    for k in p["keys"]:
+        if k["action"] in ("dropped", "added") or (verbose and k["action"] == "rewritten"):
+            groups.setdefault((k["action"], k["reason"]), []).append(k["key"])
+    for (action, reason), keys in groups.items():
+        more = f" (+{len(keys) - 1} keys)" if len(keys) > 1 else ""
+        out.append(f"            {action:<9} {keys[0]}{more}: {reason}")
+    if verbose and "tensors" in p:
+        out.append("")
+        out.append(f"  {'tensor':<52}{'global shape':<16}{'placement':<36}writer rank: local shape")
+        for tp in p["tensors"]:
+            locs = ", ".join(f"r{c['rank']}:{c['sizes']}" for c in tp["chunks"])
+            flag = "  (uneven)" if tp.get("uneven") else ""
+            out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<36}{locs}{flag}")
+    v = p["verdict"]
+    out.append("")
+    out.append(f"verdict     {v['kind'].replace('_', ' ').upper()}")
+    for r_ in p["reasons"]:
+        out.append(f"  infeasible: {r_}")
+    for w in v["warm_start_reasons"]:
+        out.append(f"  warm start: {w}")
+    for c in v["changes"]:
+        out.append(f"  change: {c}")
+    out.append(f"fingerprint {p['fingerprint']}")
+    return "\n".join(out)
+
+
+def render_convert(r: dict[str, Any]) -> str:
+    v = r["verification"]
+    lines = [
+        f"converted   {r['source']} -> {r['destination']}",
+        f"verdict     {r['plan']['verdict']['kind'].replace('_', ' ')}; experiment {r['manifest']['experiment_id']} ({r['manifest']['continuity']})",
+        f"verified    {'equal to the source in global terms' if v['equal'] else 'DIFFERENT'} "
+        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {len(v.get('rewritten', []))} keys rewritten on purpose)",
+        f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
+        f"report      {r['destination']}/reshard-report.md (and .json)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Storage formats and file access: bytes and layouts, nothing of training."""

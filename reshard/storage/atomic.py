@@ -1,0 +1,349 @@
+"""Make an output directory appear all at once, or not at all.
+
+`atomic_directory(dst)` hands out a fresh temporary directory next to ``dst`` (same parent,
+so the same filesystem) and, when the block finishes without an exception, makes it
+durable and renames it into place. A reader looking at ``dst`` therefore sees either
+nothing (or what was there before) or the complete new output, never a half-written one.
+When the block raises, the temporary directory is deleted and ``dst`` is left untouched.
+
+Two runs into the same ``dst`` exclude each other with an ``flock`` on a lock file
+``.{dst.name}.reshard-lock`` in the parent directory; the second run fails at once with
+`BadInput` instead of waiting.
+
+Replacing a non-empty ``dst`` (``overwrite=True``) first tries the Linux
+``renameat2(RENAME_EXCHANGE)`` system call, which swaps the two directories in one atomic
+step. Where that is unavailable (other kernels/filesystems, e.g. NFS) it falls back to two
+renames: old ``dst`` to a trash name, then the new directory to ``dst``. In that fallback
+there is a tiny window between the two renames in which ``dst`` does not exist at all; at
+no moment is a mix of old and new files visible under ``dst``. The trash is deleted after
+the new output is in place.
+
+A run killed outright (SIGKILL, power loss) leaves at most a temporary directory
+``.{dst.name}.reshard-tmp-<hex>`` and the lock file beside ``dst``; ``dst`` itself is
+untouched. The kernel releases a dead process's ``flock``, so the lock file does not block
+the next run, and the next run that takes the lock deletes the stale temporary
+directories of the same ``dst`` (holding the lock, no live run can be using them).
+
+`fault_point` is a test hook (see `reshard.commands.convert`): every write event of a conversion
+calls it, and the ``RESHARD_FAULT_*`` environment variables make the process SIGKILL or
+pause itself right after a chosen event.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from reshard.errors import BadInput
+
+__all__ = ["atomic_directory", "check_destination", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "stale_temporaries"]
+
+_TMP_TAG = ".reshard-tmp-"
+_TRASH_TAG = ".reshard-trash-"
+_LOCK_TAG = ".reshard-lock"
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so the names created, renamed or removed in it are durable.
+
+    Filesystems that cannot fsync a directory (EINVAL/ENOTSUP) are tolerated silently.
+    """
+    _fsync(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """fsync one regular file by path (what `fsync_tree` does to each file)."""
+    _fsync(os.fspath(path), os.O_RDONLY)
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every regular file and directory under ``root`` (children before parents)."""
+    for dirpath, _dirnames, filenames in os.walk(os.fspath(root), topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                fsync_file(p)
+        fsync_dir(dirpath)
+
+
+# ---------------------------------------------------------------------------- fault injection (test hook)
+
+FAULT_KILL_ENV = "RESHARD_FAULT_KILL_AT"    # N: SIGKILL this process right after write event N
+FAULT_RANK_ENV = "RESHARD_FAULT_RANK"        # R: only the worker with RANK=R counts events
+FAULT_SLEEP_ENV = "RESHARD_FAULT_SLEEP_AT"  # N:SECONDS: sleep that long right after write event N
+FAULT_COUNT_ENV = "RESHARD_FAULT_COUNT"     # PATH: append "N LABEL" for every write event
+_fault_events = 0
+
+
+def fault_point(label: str) -> int:
+    """Count one write event of this process; returns its number (1, 2, ...).
+
+    A test hook with no effect unless one of the ``RESHARD_FAULT_*`` variables is set:
+    ``RESHARD_FAULT_COUNT=PATH`` appends ``"N LABEL"`` per event (the last line gives the
+    total of an uninterrupted run), ``RESHARD_FAULT_SLEEP_AT=N:SECONDS`` pauses after event
+    N, ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
+    kind runs: what is left on disk is what a power cut or the OOM killer leaves).
+    ``RESHARD_FAULT_RANK=R`` limits all of this to the worker whose ``RANK`` is R (a
+    distributed conversion; every other worker counts nothing).
+    """
+    global _fault_events
+    env = os.environ
+    only = env.get(FAULT_RANK_ENV)
+    if only is not None and only.strip() != env.get("RANK", "0"):
+        return 0  # a distributed run: faults act on one worker only
+    _fault_events += 1
+    n = _fault_events
+    count = env.get(FAULT_COUNT_ENV)
+    if count:
+        with open(count, "a") as f:
+            f.write(f"{n} {label}\n")
+    pause = env.get(FAULT_SLEEP_ENV)
+    if pause:
+        at, _, secs = pause.partition(":")
+        if at.strip() == str(n):
+            time.sleep(float(secs or 1))
+    kill = env.get(FAULT_KILL_ENV)
+    if kill and kill.strip() == str(n):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+
+
+# ---------------------------------------------------------------------------- state of dst
+
+def _state(dst: Path) -> str:
+    """'absent' | 'empty_dir' | 'occupied' (non-empty directory, file, or symlink)."""
+    if not os.path.lexists(dst):
+        return "absent"
+    if dst.is_dir() and not dst.is_symlink():
+        with os.scandir(dst) as it:
+            return "occupied" if any(True for _ in it) else "empty_dir"
+    return "occupied"
+
+
+def _refuse(dst: Path) -> BadInput:
+    return BadInput(
+        "the output already exists and is not empty",
+        where=str(dst),
+        hint="Choose another output path, or pass --overwrite to replace it entirely.",
+    )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---------------------------------------------------------------------------- locking
+
+def _acquire_lock(lock_path: Path, dst: Path) -> int:
+    """Exclusive, non-blocking flock on ``lock_path``; returns the open fd.
+
+    The holder unlinks the lock file when done, so after locking we check that the file
+    we locked is still the one at ``lock_path`` (else a finished run unlinked it under us
+    and a third run could lock a fresh file): retry in that case.
+    """
+    for _ in range(100):
+        try:  # never follow a planted symlink (it would create or lock a file where it points)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise BadInput(f"the lock file '{lock_path.name}' beside the destination is not a regular file "
+                               f"({'a symbolic link' if lock_path.is_symlink() else 'a special file'})",
+                               where=str(lock_path), hint="Remove it (no reshard run makes one) and run again.") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadInput(f"the lock file '{lock_path.name}' beside the destination is not a regular file",
+                           where=str(lock_path), hint="Remove it (no reshard run makes one) and run again.")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BadInput(
+                f"another reshard run is writing {dst}",
+                where=str(dst),
+                hint=f"Wait for it to finish. If no run is active, remove '{lock_path}'.",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # locked a file that was unlinked meanwhile; try again
+    raise BadInput(f"could not take the lock for {dst}", where=str(lock_path))  # pragma: no cover
+
+
+def _release_lock(fd: int, lock_path: Path) -> None:
+    try:
+        try:
+            lock_path.unlink()  # while still holding the lock (see _acquire_lock)
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- swapping
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace_occupied(tmp: Path, dst: Path, *, use_exchange: bool = True) -> None:
+    """Put ``tmp`` at ``dst`` and delete the old ``dst``; never show a mix of both."""
+    if use_exchange and _exchange(tmp, dst):
+        fsync_dir(dst.parent)
+        _remove(tmp)  # tmp now holds the old output
+        return
+    trash = dst.parent / f".{dst.name}{_TRASH_TAG}{secrets.token_hex(6)}"
+    os.rename(dst, trash)
+    try:
+        os.rename(tmp, dst)  # dst is absent only between these two renames
+    except BaseException:
+        os.rename(trash, dst)  # put the old output back
+        raise
+    fsync_dir(dst.parent)
+    _remove(trash)
+
+
+# ---------------------------------------------------------------------------- the context
+
+def _make_tmp(parent: Path, name: str) -> Path:
+    # os.mkdir (not tempfile.mkdtemp, which forces mode 0700) so the final output gets the
+    # same permissions as a directory created with mkdir under the user's umask.
+    for _ in range(100):
+        tmp = parent / f".{name}{_TMP_TAG}{secrets.token_hex(6)}"
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+    raise BadInput("could not create a temporary directory", where=str(parent))  # pragma: no cover
+
+
+
+def stale_temporaries(parent: Path, name: str) -> list[Path]:
+    """Temporary directories of earlier runs into ``parent / name`` (``.{name}.reshard-tmp-<hex>``)."""
+    pat = re.compile(r"^\." + re.escape(name) + re.escape(_TMP_TAG) + r"[0-9a-f]{12}$")
+    try:
+        with os.scandir(parent) as it:
+            return sorted(Path(e.path) for e in it if pat.match(e.name))
+    except FileNotFoundError:
+        return []
+
+
+def _clean_stale(parent: Path, name: str) -> None:
+    """Delete what killed runs into the same output left behind (call only holding the lock)."""
+    for p in stale_temporaries(parent, name):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
+
+    - ``dst`` absent or an empty directory: the temporary directory is renamed onto it.
+    - ``dst`` non-empty (or a file/symlink): `BadInput` before anything is created, unless
+      ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring).
+    - An exception in the block deletes the temporary directory and propagates; ``dst``
+      is untouched.
+    - A concurrent run into the same ``dst`` raises `BadInput` ("another reshard run is
+      writing ...") instead of proceeding.
+    - Temporary directories left by killed runs into the same ``dst`` are deleted once the
+      lock is held; a stale lock file is simply reused.
+
+    Missing parent directories of ``dst`` are created (after the checks above pass). Whether
+    ``dst`` overlaps the input is the caller's concern.
+    """
+    dst = Path(os.path.abspath(os.fspath(dst)))
+    if not dst.name:
+        raise BadInput("the output path has no name", where=str(dst))
+    if _state(dst) == "occupied" and not overwrite:
+        raise _refuse(dst)
+    parent = dst.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    lock_path = parent / f".{dst.name}{_LOCK_TAG}"
+    lock_fd = _acquire_lock(lock_path, dst)
+    try:
+        # Re-check under the lock: another run may have finished since the first look.
+        if _state(dst) == "occupied" and not overwrite:
+            raise _refuse(dst)
+        _clean_stale(parent, dst.name)
+        tmp = _make_tmp(parent, dst.name)
+        try:
+            yield tmp
+            fsync_tree(tmp)
+            state = _state(dst)
+            if state == "occupied":
+                if not overwrite:
+                    raise _refuse(dst)
+                _replace_occupied(tmp, dst)
+            else:
+                # rename(2) replaces an empty directory atomically.
+                os.rename(tmp, dst)
+                fsync_dir(parent)
+            fault_point("rename")
+        except BaseException:
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        _release_lock(lock_fd, lock_path)
+
+
+def check_destination(src: Path, dst: Path) -> None:
+    """An output must not overlap its source: the source is never modified, and an atomic
+    rename over or inside it would be."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise BadInput("the destination overlaps the source", where=str(dst),
+                       hint="Write the converted checkpoint to a separate directory; the source is never modified.")

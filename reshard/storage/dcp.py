@@ -1,0 +1,433 @@
+"""Safe, byte-range reader for PyTorch Distributed Checkpoint directories.
+
+A DCP checkpoint is a directory holding `.metadata` (a pickle, written last by rank 0 as the
+commit) and `__{rank}_{n}.distcp` data files. Every item (one chunk of one tensor, or one
+plain object) is its own ``torch.save`` blob at ``[offset, offset + length)`` of a data file,
+optionally passed through stream transforms such as zstd.
+
+This module knows bytes and formats, nothing of training: it turns `.metadata` into plain
+records without executing code, and reads single items from their byte ranges with
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from reshard.errors import BadInput, Incomplete, UnsafeInput
+from reshard import safefs
+from reshard.model.checkpoint import ItemLocation
+from reshard.storage.fastread import check_item_crcs
+from reshard.storage.safe_pickle import Record, check_cost, load_metadata_pickle
+
+METADATA_FILE = ".metadata"
+MAX_METADATA_BYTES = 2 << 30
+
+
+@dataclass
+class RawTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes)
+
+
+@dataclass
+class RawObject:
+    key: str
+
+
+@dataclass
+class RawMetadata:
+    """`.metadata` decoded into plain Python, validated for shape (not for consistency)."""
+
+    entries: dict[str, RawTensor | RawObject]
+    # (key, chunk offsets or None for objects) -> location
+    locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation]
+    planner_paths: dict[str, tuple]
+    version: str | None
+
+
+def read_raw_metadata(ckpt: Path) -> RawMetadata:
+    """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed.
+
+    `.metadata` is opened through `reshard.safefs`: a symlink out of the checkpoint, a
+    device or a FIFO is refused by name, and the read stops at `MAX_METADATA_BYTES`.
+    """
+    path = ckpt / METADATA_FILE
+    where = str(path)
+    if not ckpt.exists():
+        raise BadInput("no such checkpoint directory", where=str(ckpt))
+    if not ckpt.is_dir():
+        raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(ckpt))
+    if not os.path.lexists(path):
+        extra = " A '.metadata.tmp' exists: rank 0 died while committing." if (ckpt / ".metadata.tmp").exists() else ""
+        raise Incomplete(
+            "not committed: the checkpoint has no .metadata, so a writer died before the commit" + extra,
+            where=str(ckpt),
+            hint="Resume from the previous checkpoint; this one cannot be trusted to be complete.",
+        )
+    try:
+        data = safefs.read_bounded(path, limit=MAX_METADATA_BYTES, root=ckpt, what=".metadata")
+    except FileNotFoundError:  # a dangling symlink
+        raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
+    md = load_metadata_pickle(data, where)
+    return _decode(md, where)
+
+
+def _bad(where: str, what: str) -> BadInput:
+    return BadInput(
+        f"malformed checkpoint metadata: {what}",
+        where=where,
+        hint="The file is corrupt or was not written by torch.distributed.checkpoint.",
+    )
+
+
+def _int_tuple(v: Any, where: str, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise _bad(where, f"{what} is not a tuple of integers")
+    return tuple(int(x) for x in v)
+
+
+def _decode(md: Any, where: str) -> RawMetadata:
+    if not isinstance(md, Record) or type(md).__name__ != "Metadata":
+        raise _bad(where, f"top-level object is {type(md).__name__}, not Metadata")
+    sdm = md.get("state_dict_metadata")
+    if not isinstance(sdm, dict):
+        raise _bad(where, "state_dict_metadata is not a mapping")
+    entries: dict[str, RawTensor | RawObject] = {}
+    for key, value in sdm.items():
+        if not isinstance(key, str):
+            raise _bad(where, f"entry key {key!r} is not a string")
+        kind = type(value).__name__
+        if kind == "BytesStorageMetadata":
+            entries[key] = RawObject(key)
+        elif kind == "TensorStorageMetadata":
+            props = value.get("properties")
+            dtype = props.get("dtype") if isinstance(props, Record) else None
+            if not isinstance(dtype, torch.dtype):
+                raise _bad(where, f"tensor '{key}' has no valid dtype")
+            shape = _int_tuple(value.get("size"), where, f"global shape of '{key}'")
+            chunks_in = value.get("chunks")
+            if not isinstance(chunks_in, list):
+                raise _bad(where, f"chunks of '{key}' are not a list")
+            chunks = []
+            for c in chunks_in:
+                if not isinstance(c, Record):
+                    raise _bad(where, f"a chunk of '{key}' is not a chunk record")
+                chunks.append((_int_tuple(c.get("offsets"), where, f"chunk offsets of '{key}'"),
+                               _int_tuple(c.get("sizes"), where, f"chunk sizes of '{key}'")))
+            entries[key] = RawTensor(key, shape, dtype, chunks)
+        else:
+            raise _bad(where, f"entry '{key}' has unknown storage type {kind}")
+    storage = md.get("storage_data")
+    if not isinstance(storage, dict):
+        raise _bad(where, "storage_data is not a mapping (not written by the filesystem writer?)")
+    locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+    for idx, info in storage.items():
+        if not isinstance(idx, Record) or not isinstance(info, Record):
+            raise _bad(where, "storage_data holds unexpected objects")
+        fqn = idx.get("fqn")
+        if not isinstance(fqn, str):
+            raise _bad(where, "a storage index has no key name")
+        off = idx.get("offset")
+        offsets = None if off is None else _int_tuple(off, where, f"storage offset of '{fqn}'")
+        rel = info.get("relative_path")
+        if not isinstance(rel, str):
+            raise _bad(where, f"storage of '{fqn}' has no file name")
+        safefs.check_name(rel, where=where)
+        if "/" in rel or "\\" in rel:
+            raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
+                           hint="Refusing to read files outside the checkpoint directory.")
+        o, n = info.get("offset"), info.get("length")
+        if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
+            raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
+        tds = info.get("transform_descriptors") or ()
+        if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
+            raise _bad(where, f"storage of '{fqn}' has invalid transforms")
+        locations[(fqn, offsets)] = ItemLocation(rel, o, n, tuple(tds))
+    planner = md.get("planner_data")
+    paths: dict[str, tuple] = {}
+    if isinstance(planner, dict):
+        for k, v in planner.items():
+            if isinstance(k, str) and isinstance(v, (tuple, list)):
+                paths[k] = tuple(v)
+    version = md.get("version")
+    return RawMetadata(entries, locations, paths, version if isinstance(version, str) else None)
+
+
+# ---------------------------------------------------------------------------- item bytes
+
+def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
+    """The raw (still transformed) bytes of one item, checked for length."""
+    path = ckpt / loc.file
+    try:
+        fd = safefs.open_read(path, root=ckpt)
+        try:
+            data = _pread_all(fd, loc.offset, loc.length)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        raise Incomplete(f"data file '{loc.file}' is missing (needed for '{key}')", where=str(ckpt),
+                         hint="The checkpoint is incomplete; restore the file or use another checkpoint.") from None
+    except OSError as exc:
+        raise BadInput(f"cannot read '{key}': {exc}", where=str(path)) from None
+    if len(data) != loc.length:
+        raise Incomplete(
+            f"'{key}' needs bytes [{loc.offset}, {loc.offset + loc.length}) but the file ends at {loc.offset + len(data)}",
+            where=str(path),
+            hint="The data file is truncated; the checkpoint is incomplete.",
+        )
+    return data
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    """Up to ``length`` bytes at ``offset``, fewer only where the file ends."""
+    parts, got = [], 0
+    while got < length:
+        b = os.pread(fd, min(length - got, 64 << 20), offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+MAX_INFLATE_RATIO = 1024        # a compressed item may inflate this much (zeros compress ~1000x) ...
+MAX_INFLATE_SLACK = 64 << 20    # ... plus this, when its caller does not know how large it must be
+
+
+def untransform(data: bytes, transforms: Sequence[str], *, key: str, where: str, limit: int | None = None) -> bytes:
+    """Undo an item's stream transforms (DCP applies them in order on save; undone in reverse).
+
+    The result is capped: at ``limit`` bytes when the caller knows the item's size (a tensor
+    chunk: its elements, dtype and archive overhead), else at `MAX_INFLATE_RATIO` times the
+    stored bytes plus `MAX_INFLATE_SLACK`, so a small compressed item cannot inflate without bound.
+    """
+    cap = limit if limit is not None else MAX_INFLATE_RATIO * len(data) + MAX_INFLATE_SLACK
+    for desc in reversed(list(transforms)):
+        name, _, version = desc.partition("/")
+        if name == "stream.zstd" and version.split(".")[0] == "1":
+            data = _zstd_decompress(data, key=key, where=where, limit=cap)
+        else:
+            raise BadInput(f"item '{key}' uses transform '{desc}', which reshard does not know", where=where,
+                           hint="Convert the checkpoint with the tool that wrote it, or file an issue with the descriptor.")
+    return data
+
+
+def _zstd_decompress(data: bytes, *, key: str, where: str, limit: int) -> bytes:
+    try:
+        import zstandard  # type: ignore[import-not-found]
+    except ImportError:
+        zstandard = None
+    try:
+        if zstandard is not None:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+                out = r.read(limit + 1)
+        else:
+            import pyzstd  # type: ignore[import-not-found]
+
+            d = pyzstd.ZstdDecompressor()
+            out = d.decompress(data, max_length=limit + 1)
+    except ImportError:
+        raise BadInput(f"item '{key}' is zstd-compressed and no zstd module is installed", where=where,
+                       hint="pip install 'reshard[zstd]' (the zstandard package) and run again.") from None
+    except Exception as exc:  # pragma: no cover - corrupt stream
+        raise BadInput(f"item '{key}' has a corrupt zstd stream: {exc}", where=where) from None
+    if len(out) > limit:
+        raise BadInput(f"item '{key}' inflates to more than {limit:,} bytes from {len(data):,}", where=where,
+                       hint="Its chunk cannot need that many; the item is corrupt or forged (a compression bomb).")
+    return out
+
+
+def tensor_item_limit(numel: int, itemsize: int) -> int:
+    """The most bytes a decoded ``torch.save`` item of one chunk can need: its storage plus the archive around it."""
+    return numel * itemsize + (1 << 20)
+
+
+OBJECT_INFLATION = 64
+"""An object item's loaded value may hold at most this many times its stored bytes (plus
+`OBJECT_SLACK`), counted expanded: every container slot 8 bytes, every string its length,
+every tensor its elements times their size, once per place it appears. Real object items
+(counters, hyperparameters, sampler states) hold less than their stored bytes."""
+OBJECT_SLACK = 1 << 20
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
+
+
+@dataclass
+class TrustedUnpickles:
+    """The object items this process unpickled with arbitrary classes allowed (``--trust-pickle``).
+
+    Collected as they are loaded so the command can say, once, on one line, which items it
+    let run code (`warning`); the CLI takes the line when the command ends.
+    """
+
+    items: dict[tuple[str, str], None] = field(default_factory=dict)  # (key, file), in load order
+
+    def record(self, key: str, where: str) -> None:
+        self.items[(key, where)] = None
+
+    def warning(self) -> str | None:
+        """The one warning line for what was recorded since the last call (and forget it), or None."""
+        items, self.items = list(self.items), {}
+        if not items:
+            return None
+        keys = list(dict.fromkeys(k for k, _ in items))
+        files = list(dict.fromkeys(w for _, w in items))
+        return (f"warning: --trust-pickle: unpickled {len(keys)} object item{'s' if len(keys) != 1 else ''} with "
+                f"arbitrary classes allowed (any code in them ran): {', '.join(repr(k) for k in keys)} "
+                f"(from {', '.join(files)})")
+
+
+TRUSTED_UNPICKLES = TrustedUnpickles()
+
+
+def item_pickle(data: bytes, *, key: str, where: str) -> bytes:
+    """The ``data.pkl`` of the torch.save archive ``data``, once the archive is known not to inflate.
+
+    ``torch.load`` inflates deflate-compressed members (a 1 MB item can hold gigabytes of
+    zeros), but ``torch.save`` stores every member uncompressed. So an item is refused
+    (`BadInput`, key and file named) unless it is a zip archive whose members all lie under
+    one folder, are STORED (central directory and local header agree), unencrypted, fit
+    inside the item without overlapping, and include exactly one ``data.pkl``: its members
+    then hold at most the item's own length, whatever they claim.
+    """
+    def refuse(what: str) -> BadInput:
+        return BadInput(f"item '{key}' {what}", where=where,
+                        hint="torch.save writes plain uncompressed zip archives; this item is corrupt or forged "
+                             "(a compression bomb, or not written by torch.distributed.checkpoint).")
+
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise refuse(f"is not a torch.save zip archive ({str(exc)[:120]})") from None
+    if not infos:
+        raise refuse("is an empty zip archive")
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    names: set[str] = set()
+    spans: list[tuple[int, int]] = []
+    pkl: tuple[int, int] | None = None
+    for zi in infos:
+        name = zi.filename
+        if not name.startswith(prefix) or name in names:
+            raise refuse(f"has members outside one folder or twice ('{name[:80]}')")
+        names.add(name)
+        if zi.compress_type != zipfile.ZIP_STORED or zi.flag_bits & 0x1 or zi.file_size != zi.compress_size:
+            raise refuse(f"has a compressed or encrypted member '{name[:80]}' (declared {zi.file_size:,} bytes "
+                         f"from {zi.compress_size:,})")
+        head = data[zi.header_offset:zi.header_offset + _LOCAL_HEADER.size]
+        if len(head) != _LOCAL_HEADER.size:
+            raise refuse(f"has a member '{name[:80]}' whose header lies outside it")
+        magic, _v, flags, method, *_rest, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        if magic != b"PK\x03\x04" or method != zipfile.ZIP_STORED or flags & 0x1:
+            raise refuse(f"has a member '{name[:80]}' whose local header says it is compressed or is not a header")
+        start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if start + zi.file_size > len(data):
+            raise refuse(f"has a member '{name[:80]}' of {zi.file_size:,} bytes running past its end")
+        spans.append((start, start + zi.file_size))
+        if name == prefix + "data.pkl":
+            pkl = (start, start + zi.file_size)
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise refuse("has members that overlap (one byte range read as several members)")
+    if pkl is None:
+        raise refuse("has no data.pkl (not a torch.save archive)")
+    return data[pkl[0]:pkl[1]]
+
+
+def _loaded_size(obj: Any, limit: int) -> int:
+    """Bytes ``obj`` holds counted expanded (see `OBJECT_INFLATION`), stopping once past ``limit``."""
+    total, todo = 0, [obj]
+    while todo and total <= limit:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, (str, bytes, bytearray)):
+            total += len(x)
+        elif isinstance(x, dict):
+            total += 16 * len(x)
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            total += 8 * len(x)
+            todo.extend(x)
+        else:
+            total += 8
+    return total
+
+
+def _is_unsafe_global(msg: str) -> bool:
+    low = msg.lower()
+    return "unsupported global" in low or "global " in low and "not an allowed global" in low
+
+
+def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, tensor: bool = False) -> Any:
+    """``torch.load`` of one item's bytes, bounded, with ``weights_only=True`` unless trusted.
+
+    Before loading: the archive may not inflate (`item_pickle`) and its ``data.pkl`` may build
+    no more than `reshard.storage.safe_pickle.pickle_budget` of its length (the same cost scan as
+    `.metadata`). After: the value may hold no more than `OBJECT_INFLATION` times the item's
+    bytes (an expanded view, or one tensor referenced a million times). ``trust_pickle``
+    applies to object items only: an item that ``weights_only=True`` refuses for a global is
+    then loaded with arbitrary classes allowed and recorded in `TRUSTED_UNPICKLES` (the
+    command's warning). A tensor item (``tensor=True``) never needs more than the safe set,
+    so it is refused whatever ``trust_pickle`` says.
+    """
+    check_cost(item_pickle(data, key=key, where=where), where=where, what=f"the pickle of item '{key}'")
+    try:
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            msg = str(exc)
+            if not _is_unsafe_global(msg) and not (trust_pickle and not tensor):
+                raise
+            if not trust_pickle or tensor:
+                first = msg.strip().splitlines()
+                detail = next((ln.strip() for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else "")
+                raise UnsafeInput(
+                    f"item '{key}' is a pickle that references code outside the safe set ({detail[:200]})",
+                    where=where,
+                    hint="reshard refuses to run it. A tensor item never needs more than the safe set, so "
+                         "--trust-pickle does not apply to it: the checkpoint is corrupt or forged." if tensor else
+                         "reshard refuses to run it. If you wrote this checkpoint yourself, pass --trust-pickle.",
+                ) from None
+            TRUSTED_UNPICKLES.record(key, where)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except UnsafeInput:
+        raise
+    except pickle.UnpicklingError as exc:
+        msg = str(exc)
+        detail = msg.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if msg.strip() else ""
+        raise BadInput(f"item '{key}' is not a readable torch.save blob ({detail[:200]})", where=where,
+                       hint="The data file is corrupt.") from None
+    except Exception as exc:
+        raise BadInput(f"item '{key}' is not a readable torch.save blob ({type(exc).__name__}: {str(exc)[:200]})",
+                       where=where, hint="The data file is corrupt.") from None
+    limit = OBJECT_INFLATION * len(data) + OBJECT_SLACK
+    size = _loaded_size(obj, limit)
+    if size > limit:
+        raise BadInput(f"item '{key}' of {len(data):,} bytes loads as a value of more than {limit:,} bytes "
+                       f"({OBJECT_INFLATION}x its size plus {OBJECT_SLACK:,})", where=where,
+                       hint="Real items hold about their own size; this one is corrupt or forged (an amplifying pickle).")
+    return obj
+
+
+def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
+              tensor: bool = False) -> Any:
+    """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`torch_load_item`)."""
+    where = str(ckpt / loc.file)
+    data = read_item_bytes(ckpt, loc, key=key)
+    data = untransform(data, loc.transforms, key=key, where=where, limit=limit)
+    check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
+    return torch_load_item(data, key=key, where=where, trust_pickle=trust_pickle, tensor=tensor)

@@ -1,0 +1,541 @@
+"""Streaming writer for PyTorch Distributed Checkpoint directories.
+
+`DcpWriter` writes a checkpoint in the exact on-disk format of
+``torch.distributed.checkpoint.FileSystemWriter`` (what ``dcp.save`` produces), one item at
+a time, so memory stays bounded by the largest single item:
+
+- data files ``__{rank}_0.distcp``, created lazily (a rank with no items gets no file).
+  Each item (one chunk of one tensor, or one object) is its own ``torch.save`` archive
+  at a byte range reserved at the end of its rank's file; its location is ``(file,
+  offset, length)``. Tensor chunks are framed by `reshard.storage.archive` (the archive
+  ``torch.save`` writes, built around the tensor's bytes, no pickling of data); objects
+  go through ``torch.save``. Writes are positional (``pwritev``): `reserve_chunk` /
+  `filled` let callers fill reserved items from several threads in any order, and the
+  layout depends only on the order of reservations.
+- checksums: the CRC-32 of every item as written (`checksums`), for the manifest's
+  ``integrity`` record.
+- ``.metadata``, a pickle of a real ``torch.distributed.checkpoint.metadata.Metadata``:
+  ``state_dict_metadata`` (global shape, dtype and chunk list per tensor; a
+  ``BytesStorageMetadata`` per object), ``storage_data`` (``MetadataIndex`` ->
+  ``_StorageInfo``), ``planner_data`` (flat key -> path in the nested state dict) and
+  ``version``. It is written last, via ``.metadata.tmp`` + fsync + rename: a directory
+  without ``.metadata`` is an uncommitted checkpoint, exactly as with DCP.
+
+About ``planner_data``: stock ``dcp.load`` with a caller-provided state dict never needs it;
+only tools that rebuild the nested state dict from the checkpoint alone (e.g.
+``format_utils.dcp_to_torch_save``) use it. It is a hint. When no path is given it is
+derived by splitting the key on ".", which nests *every* dotted component — a model
+state dict saved by DCP as ``{"model": {"layers.0.w": t}}`` has the path
+``("model", "layers.0.w")``, so callers that know the source's path should pass it on.
+
+The writer only ever touches files inside the directory it was given (normally a
+temporary directory from `reshard.storage.atomic.atomic_directory`).
+
+Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
+that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
+otherwise wrap it in a RuntimeError). Every item written and the ``.metadata`` commit are
+write events for `reshard.storage.atomic.fault_point` (a test hook).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from reshard.errors import ReshardError
+from reshard.model.geometry import Box, coverage_problems
+from reshard.storage import archive
+from reshard.storage.atomic import fault_point, fsync_dir
+from reshard.model.checkpoint import ItemLocation
+from reshard.storage.dcp import METADATA_FILE
+from reshard.storage.fileio import ALIGN, open_direct, start_writeback, write_exact
+
+try:  # the version string stock DCP stamps into .metadata
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION as _DCP_VERSION,
+    )
+except ImportError:  # pragma: no cover - older torch
+    _DCP_VERSION = "1.0.0"
+
+__all__ = ["DcpWriter", "WriterError", "data_file_name"]
+
+# Every torch.save blob is a zip archive (torch >= 1.6 default; DCP always uses it).
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class WriterError(ReshardError):
+    """The writer was asked for something a consistent checkpoint cannot hold.
+
+    This is a caller bug (a plan producing a wrong chunk), not a property of the user's
+    input; it names the key and what is wrong. Exit code 2, like any unusable output.
+    """
+
+    exit_code = 2
+
+
+def data_file_name(rank: int) -> str:
+    """DCP's name for a rank's (single) data file."""
+    return f"__{rank}_0.distcp"
+
+
+@dataclass
+class _Tensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    path: tuple
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], ItemLocation]] = field(default_factory=list)
+    offsets_seen: set[tuple[int, ...]] = field(default_factory=set)
+
+
+@dataclass
+class _Object:
+    path: tuple
+    location: ItemLocation
+
+
+CHECKSUM_ALGORITHM = "crc32"
+
+
+def _crc_hex(crc: int) -> str:
+    return format(crc & 0xFFFFFFFF, "08x")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _default_path(key: str) -> tuple:
+    return tuple(key.split("."))
+
+
+class DcpWriter:
+    """Write a DCP checkpoint item by item into an existing (normally empty) directory.
+
+    Typical use::
+
+        w = DcpWriter(tmp)
+        w.declare_tensor("model.w", (10, 4), torch.float32)
+        w.write_chunk(0, "model.w", (0, 0), t[:5])
+        w.write_chunk(1, "model.w", (5, 0), t[5:])
+        w.write_object(0, "step", 100)
+        w.finish()   # checks coverage, writes .metadata last
+
+    Not thread-safe. After `finish` (or `close`) no further writes are accepted.
+    """
+
+    def __init__(self, directory: Path, owned: Any = None):
+        """``owned``: optional predicate on a rank's file; items of files it rejects are only
+        reserved (their bytes are written by another process of a distributed conversion,
+        which passes their checksums back through `adopt`)."""
+        self.directory = Path(directory)
+        self._owned = owned
+        if not self.directory.is_dir():
+            raise WriterError("the output directory does not exist", where=str(self.directory))
+        self._fds: dict[int, int] = {}          # rank -> open data file
+        self._fd_of: dict[str, int] = {}        # file name -> the same descriptor
+        self._direct: dict[int, int | None] = {}  # rank -> O_DIRECT descriptor of its file (None: unsupported)
+        self._end: dict[int, int] = {}          # rank -> bytes reserved in its file so far
+        self._pending: set[tuple[str, int]] = set()  # reserved items not yet filled
+        self._foreign: set[tuple[str, int]] = set()  # items another process writes
+        self._tensors: dict[str, _Tensor] = {}
+        self._objects: dict[str, _Object] = {}
+        self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
+        self._checksums: dict[str, str] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ declarations
+    def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, path: tuple | None = None) -> None:
+        """Announce a tensor's global shape and dtype; its chunks follow with `write_chunk`.
+
+        Declaring the same key again with the same shape and dtype is a no-op.
+        """
+        self._check_open()
+        self._check_key(key)
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise WriterError(f"tensor '{key}' declared with negative size {list(shape)}", where=str(self.directory))
+        if not isinstance(dtype, torch.dtype):
+            raise WriterError(f"tensor '{key}' declared with {dtype!r}, not a torch.dtype", where=str(self.directory))
+        if key in self._objects:
+            raise WriterError(f"'{key}' was already written as an object", where=str(self.directory))
+        old = self._tensors.get(key)
+        if old is not None:
+            if old.shape != shape or old.dtype != dtype:
+                raise WriterError(f"tensor '{key}' declared twice: {old.dtype} {list(old.shape)} and {dtype} {list(shape)}",
+                                  where=str(self.directory))
+            return
+        self._tensors[key] = _Tensor(shape, dtype, tuple(path) if path is not None else _default_path(key))
+        self._order.append(key)
+
+    # ------------------------------------------------------------------ tensors
+    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...], tensor: torch.Tensor) -> ItemLocation:
+        """Append one chunk of a declared tensor to rank ``rank``'s file.
+
+        The chunk's sizes are ``tensor.shape``; dtype, rank (number of dims) and bounds are
+        checked against the declaration. Views are saved compact (contiguous, own storage),
+        so a slice never drags its whole base storage into the file.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise WriterError(f"chunk of '{key}' is a {type(tensor).__name__}, not a tensor", where=str(self.directory))
+        t = tensor.detach()
+        if type(t) is not torch.Tensor:
+            raise WriterError(f"chunk of '{key}' is a {type(t).__name__}; pass the plain local tensor",
+                              where=str(self.directory))
+        offsets, sizes = self._check_chunk(key, offsets, tuple(t.shape))
+        decl = self._tensors[key]
+        if t.dtype != decl.dtype:
+            raise WriterError(f"chunk of '{key}' at {list(offsets)} is {t.dtype}, declared {decl.dtype}",
+                              where=str(self.directory))
+        t = _compact(t)
+        if not self.owns(rank):
+            if archive.fits(t.numel() * t.element_size()):
+                loc = self._reserve(rank, *_storage_at(archive.framing(t.dtype, tuple(t.shape))))
+            else:
+                loc = self._reserve(rank, len(_save_bytes(t)))
+            self._foreign.add((loc.file, loc.offset))
+        elif archive.fits(t.numel() * t.element_size()):
+            fr = archive.framing(t.dtype, tuple(t.shape))
+            data = tensor_bytes(t)
+            scrc = zlib.crc32(data)
+            tail = fr.tail(scrc)
+            loc = self._reserve(rank, *_storage_at(fr))
+            write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
+            self._filled(loc, fr.item_crc(scrc, tail))
+        else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
+            loc = self._write_blob(rank, _save_bytes(t))
+        self._add_chunk(key, offsets, sizes, loc)
+        return loc
+
+    def write_chunk_bytes(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], blob: bytes) -> ItemLocation:
+        """Append an existing ``torch.save``'d chunk blob verbatim (no re-serialisation).
+
+        Only the geometry is checked (the blob is not deserialised); the caller vouches that
+        the blob holds a ``sizes``-shaped tensor of the declared dtype, with any storage
+        transforms (zstd, ...) already undone.
+        """
+        offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
+        loc = self._write_blob(rank, blob)
+        self._add_chunk(key, offsets, sizes, loc)
+        return loc
+
+    # ------------------------------------------------------------------ objects
+    def write_object(self, rank: int, key: str, obj: Any, path: tuple | None = None) -> ItemLocation:
+        """Append a non-tensor item: ``torch.save(obj)``, as DCP does for BYTE_IO items."""
+        self._check_object_key(key)
+        loc = self._write_blob(rank, _save_bytes(obj))
+        self._add_object(key, path, loc)
+        return loc
+
+    def write_object_bytes(self, rank: int, key: str, blob: bytes, path: tuple | None = None) -> ItemLocation:
+        """Append an already ``torch.save``'d object blob verbatim."""
+        self._check_object_key(key)
+        self._check_blob(blob, f"object '{key}'")
+        loc = self._write_blob(rank, blob)
+        self._add_object(key, path, loc)
+        return loc
+
+    # ------------------------------------------------------------------ reserved items
+    def reserve_chunk(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                      length: int) -> ItemLocation:
+        """Claim ``length`` bytes at the end of rank ``rank``'s file for one chunk; fill it later.
+
+        The caller writes the item's bytes at the returned location (``os.pwrite`` on
+        `fd`), from any thread and in any order, then calls `filled` with the CRC-32 of
+        exactly those bytes. `finish` refuses to commit while a reserved item is unfilled.
+        Reserving in a fixed order gives the same file layout whatever order the items
+        are then filled in, which is what makes parallel and distributed conversions
+        byte-identical to a sequential one.
+        """
+        offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        dtype = self._tensors[key].dtype
+        fr = archive.framing(dtype, sizes) if archive.fits(prod(sizes) * dtype.itemsize) else None
+        if fr is not None and fr.length == length:  # a hand-framed item: its storage may be aligned
+            loc = self._reserve(rank, *_storage_at(fr))
+        else:
+            loc = self._reserve(rank, length)
+        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        self._add_chunk(key, offsets, sizes, loc)
+        return loc
+
+    def reserve_object(self, rank: int, key: str, length: int, path: tuple | None = None) -> ItemLocation:
+        """Like `reserve_chunk`, for an object item."""
+        self._check_object_key(key)
+        loc = self._reserve(rank, length)
+        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        self._add_object(key, path, loc)
+        return loc
+
+    def owns(self, rank: int) -> bool:
+        """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
+        return self._owned is None or bool(self._owned(rank))
+
+    @staticmethod
+    def chunk_length(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
+        """The length of the item `write_chunk` writes for a chunk of ``dtype`` and ``sizes``."""
+        return archive.framing(dtype, tuple(sizes)).length
+
+    def adopt(self, checksums: dict[str, str]) -> None:
+        """Take the checksums of items other processes wrote (``checksums()`` of their writers)."""
+        for file, off in sorted(self._foreign):
+            name = f"{file}:{off}"
+            if name not in checksums:
+                raise WriterError(f"no worker reported writing item {name}", where=str(self.directory),
+                                  hint="A worker of the distributed conversion did not finish; nothing was committed.")
+            self._checksums[name] = checksums[name]
+        self._foreign.clear()
+
+    def sync_files(self) -> None:
+        """fsync this writer's data files (a distributed worker, before it reports its part done)."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+
+    def fd(self, rank: int) -> int:
+        """The open file descriptor of rank ``rank``'s data file (after a reservation in it)."""
+        return self._fds[rank]
+
+    def direct_fd(self, rank: int) -> int | None:
+        """A second, ``O_DIRECT`` descriptor of rank ``rank``'s data file for `ALIGN`-aligned
+        writes that bypass the page cache (`reshard.engine.splice`), or None where the file
+        system has no direct I/O."""
+        if rank not in self._direct:
+            self._check_open()
+            self._direct[rank] = open_direct(self.directory / data_file_name(rank), os.O_WRONLY)
+        return self._direct[rank]
+
+    def filled(self, loc: ItemLocation, crc: int) -> None:
+        """Record that a reserved item's bytes are written, with their CRC-32 (a write event)."""
+        name = (loc.file, loc.offset)
+        if name not in self._pending:
+            raise WriterError(f"item {loc.file}:{loc.offset} was not reserved or is already filled",
+                              where=str(self.directory))
+        self._pending.discard(name)
+        self._filled(loc, crc)
+
+    # ------------------------------------------------------------------ results
+    def checksums(self) -> dict[str, str]:
+        """``"{file}:{offset}"`` -> CRC-32 (8 hex digits) of that item's bytes exactly as written."""
+        return dict(self._checksums)
+
+    def locations(self) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
+        """(key, chunk offsets or None for objects) -> where the item was written."""
+        out: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+        for key in self._order:
+            if key in self._tensors:
+                for offsets, _sizes, loc in self._tensors[key].chunks:
+                    out[(key, offsets)] = loc
+            else:
+                out[(key, None)] = self._objects[key].location
+        return out
+
+    def finish(self, sync_data: bool = True) -> Path:
+        """Make the data durable, check every tensor is tiled exactly, commit `.metadata`.
+
+        ``sync_data=False`` leaves the data files' fsync to the caller (`reshard convert`
+        runs it in the background while it verifies the output, and the atomic commit
+        fsyncs the whole directory before the rename).
+
+        Raises `WriterError` naming the key when a declared tensor's chunks leave a gap or
+        overlap; no `.metadata` is written then (the directory stays uncommitted).
+        Returns the path of `.metadata`.
+        """
+        self._check_open()
+        if self._pending or self._foreign:
+            file, off = min(self._pending | self._foreign)
+            self.close()
+            raise WriterError(f"{len(self._pending | self._foreign)} reserved items were never written (first: {file}:{off})",
+                              where=str(self.directory), hint="This is a bug in reshard; the output was not committed.")
+        for key in self._order:
+            decl = self._tensors.get(key)
+            if decl is None:
+                continue
+            probs = coverage_problems(decl.shape, (Box(o, s) for o, s, _ in decl.chunks))
+            if probs:
+                self.close()
+                detail = "; ".join(p.detail for p in probs)
+                raise WriterError(
+                    f"tensor '{key}' is not tiled exactly by its written chunks ({probs[0].kind}: {detail})",
+                    where=str(self.directory),
+                    hint="This is a bug in the resharding plan; the output was not committed.",
+                )
+        if sync_data:
+            for fd in self._fds.values():
+                os.fsync(fd)
+        self.close()
+
+        md = self._metadata()
+        tmp = self.directory / (METADATA_FILE + ".tmp")
+        final = self.directory / METADATA_FILE
+        with open(tmp, "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.directory)
+        fault_point("metadata")
+        return final
+
+    def close(self) -> None:
+        """Close the data files without committing (idempotent). `finish` calls it."""
+        self._closed = True
+        fds, self._fds = self._fds, {}
+        direct, self._direct = self._direct, {}
+        for fd in list(fds.values()) + [d for d in direct.values() if d is not None]:
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
+                pass
+
+    # ------------------------------------------------------------------ internals
+    def _metadata(self) -> Metadata:
+        sdm: dict[str, Any] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        planner: dict[str, tuple] = {}
+        for key in self._order:
+            if key in self._tensors:
+                d = self._tensors[key]
+                sdm[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=d.dtype),
+                    size=torch.Size(d.shape),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in d.chunks],
+                )
+                for o, _s, loc in d.chunks:
+                    storage[MetadataIndex(key, o)] = _StorageInfo(loc.file, loc.offset, loc.length)
+                planner[key] = d.path
+            else:
+                ob = self._objects[key]
+                sdm[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(ob.location.file, ob.location.offset, ob.location.length)
+                planner[key] = ob.path
+        # checkpoint_id is left unset: the directory is normally renamed into place later.
+        return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
+                        storage_meta=StorageMeta(), version=_DCP_VERSION)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterError("the writer is already finished or closed", where=str(self.directory))
+
+    def _check_key(self, key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise WriterError(f"invalid key {key!r}", where=str(self.directory))
+
+    def _check_object_key(self, key: str) -> None:
+        self._check_open()
+        self._check_key(key)
+        if key in self._tensors:
+            raise WriterError(f"'{key}' is declared as a tensor, cannot write it as an object", where=str(self.directory))
+        if key in self._objects:
+            raise WriterError(f"object '{key}' written twice", where=str(self.directory))
+
+    def _check_chunk(self, key: str, offsets: Any, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        self._check_open()
+        decl = self._tensors.get(key)
+        if decl is None:
+            raise WriterError(f"chunk for undeclared tensor '{key}' (call declare_tensor first)", where=str(self.directory))
+        offsets = tuple(int(o) for o in offsets)
+        shape = decl.shape
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise WriterError(f"chunk of '{key}' has offsets {list(offsets)} and sizes {list(sizes)}, "
+                              f"but the tensor has {len(shape)} dims {list(shape)}", where=str(self.directory))
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise WriterError(f"chunk of '{key}' at {list(offsets)} size {list(sizes)} lies outside {list(shape)}",
+                              where=str(self.directory))
+        if offsets in decl.offsets_seen:
+            raise WriterError(f"two chunks of '{key}' at the same offsets {list(offsets)}", where=str(self.directory))
+        return offsets, sizes
+
+    def _check_blob(self, blob: bytes, what: str) -> None:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise WriterError(f"{what}: blob is a {type(blob).__name__}, not bytes", where=str(self.directory))
+        if bytes(memoryview(blob)[:4]) != _ZIP_MAGIC:
+            raise WriterError(f"{what}: blob is not a torch.save archive (transformed or corrupt bytes?)",
+                              where=str(self.directory))
+
+    def _reserve(self, rank: int, length: int, storage_offset: int | None = None) -> ItemLocation:
+        """The next ``length`` bytes of rank ``rank``'s file; with ``storage_offset`` (a large
+        tensor item's head length), first skip to where its storage starts `ALIGN`-aligned."""
+        self._check_open()
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
+        if rank not in self._end:
+            if self.owns(rank):
+                # O_EXCL: never reuse or clobber a file that is already there.
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                self._fds[rank] = os.open(self.directory / data_file_name(rank), flags, 0o644)
+                self._fd_of[data_file_name(rank)] = self._fds[rank]
+            self._end[rank] = 0
+        start = self._end[rank]
+        if storage_offset is not None:
+            start += -(start + storage_offset) % ALIGN  # a hole of under 4 KiB that no item owns
+        self._end[rank] = start + int(length)
+        return ItemLocation(data_file_name(rank), start, int(length))
+
+    def _filled(self, loc: ItemLocation, crc: int) -> None:
+        self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
+        fault_point(f"item {loc.file}:{loc.offset}")
+
+    def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
+        loc = self._reserve(rank, len(blob))
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+            return loc
+        write_exact(self._fds[rank], [blob], loc.offset)
+        self._filled(loc, zlib.crc32(blob))
+        return loc
+
+    def _add_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], loc: ItemLocation) -> None:
+        decl = self._tensors[key]
+        decl.chunks.append((offsets, sizes, loc))
+        decl.offsets_seen.add(offsets)
+
+    def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
+        self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
+        self._order.append(key)
+
+
+ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
+
+
+def _storage_at(fr: archive.Framing) -> tuple[int, int | None]:
+    """``_reserve`` arguments for a hand-framed item: its length, and its head length when
+    its storage is large enough to be written with direct I/O (`reshard.engine.splice`)."""
+    return fr.length, (fr.storage_offset if fr.storage_nbytes >= ALIGN_FROM else None)
+
+
+def _save_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` in memory (objects are small; tensors take the framing path)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that is contiguous and owns exactly its bytes (no offset, no excess)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t

@@ -1,0 +1,267 @@
+"""`CheckpointIndex`: a DCP checkpoint described in global terms.
+
+Every entry (tensor or object) with its global shape, dtype and chunks, and for each chunk
+where its bytes live. Building the index reads `.metadata` and stats the data files; it
+never reads tensor bytes, so it is cheap enough to run on every command. Completeness is
+judged here, once, as a list of findings that name files and keys.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.errors import BadInput, Incomplete, ReshardError
+from reshard.model.geometry import Box, coverage_problems, whole
+from reshard import safefs
+from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
+from reshard.storage import dcp
+from reshard.storage.fastread import check_item_crcs
+
+RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+class CheckpointIndex(EntryQueries):
+    """The global view of one DCP checkpoint directory (read-only)."""
+
+    def __init__(self, root: Path, raw: dcp.RawMetadata, *, trust_pickle: bool = False):
+        self.root = root
+        self.version = raw.version
+        self.trust_pickle = trust_pickle
+        self.entries: dict[str, Entry] = {}
+        self.findings: list[Finding] = []
+        self._build(raw)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "CheckpointIndex":
+        root = Path(path)
+        raw = dcp.read_raw_metadata(root)
+        return cls(root, raw, trust_pickle=trust_pickle)
+
+    def _build(self, raw: dcp.RawMetadata) -> None:
+        missing_loc: list[str] = []
+        for key, e in raw.entries.items():
+            path = raw.planner_paths.get(key, ())
+            if isinstance(e, dcp.RawObject):
+                loc = raw.locations.get((key, None))
+                if loc is None:
+                    missing_loc.append(key)
+                self.entries[key] = Entry(key, "object", location=loc, path=path)
+            else:
+                chunks = []
+                for offsets, sizes in e.chunks:
+                    loc = raw.locations.get((key, offsets))
+                    if loc is None:
+                        missing_loc.append(key)
+                    chunks.append(Chunk(Box(offsets, sizes), loc))
+                self.entries[key] = Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path)
+        if missing_loc:
+            self.findings.append(Finding("error", "no_storage", "metadata names chunks with no storage location",
+                                         file=dcp.METADATA_FILE, keys=tuple(sorted(set(missing_loc)))))
+        orphans = sorted({k for (k, _) in raw.locations if k not in raw.entries})
+        if orphans:
+            self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
+                                         file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
+        self._check_files()
+        self._check_item_lengths()
+        self._check_coverage()
+
+    def _check_files(self) -> None:
+        """Missing data files and files shorter than the byte ranges the metadata names."""
+        need: dict[str, int] = defaultdict(int)
+        keys_by_file: dict[str, list[tuple[int, str]]] = defaultdict(list)
+        for e in self.entries.values():
+            locs = [c.location for c in e.chunks] if e.is_tensor else [e.location]
+            for loc in locs:
+                if loc is None:
+                    continue
+                end = loc.offset + loc.length
+                need[loc.file] = max(need[loc.file], end)
+                keys_by_file[loc.file].append((end, e.key))
+        self.file_sizes: dict[str, int] = {}
+        for name in sorted(need):
+            p = self.root / name
+            try:
+                size = safefs.regular_size(p, root=self.root)  # a symlink out, a device or a FIFO is refused here
+            except FileNotFoundError:
+                keys = sorted({k for _, k in keys_by_file[name]})
+                self.findings.append(Finding("error", "missing_file", f"data file '{name}' is missing; {len(keys)} keys lose bytes",
+                                             file=name, keys=tuple(keys)))
+                continue
+            self.file_sizes[name] = size
+            if size < need[name]:
+                keys = sorted({k for end, k in keys_by_file[name] if end > size})
+                self.findings.append(Finding(
+                    "error", "truncated_file",
+                    f"data file '{name}' has {size} bytes but the metadata needs {need[name]}; {len(keys)} keys lose bytes",
+                    file=name, keys=tuple(keys)))
+
+    def _check_item_lengths(self) -> None:
+        """A tensor item shorter than the elements its chunk declares cannot hold them.
+
+        Checked from metadata alone, so a forged `.metadata` declaring a 128 GiB tensor in
+        8 KiB items is refused here instead of when a later command allocates the tensor.
+        Transformed (compressed) items are bounded when they are decoded instead.
+        """
+        short: list[str] = []
+        first: tuple[str, int, int, str] | None = None
+        for e in self.entries.values():
+            if not e.is_tensor:
+                continue
+            itemsize = e.dtype.itemsize if e.dtype is not None else 1
+            for c in e.chunks:
+                loc = c.location
+                if loc is None or loc.transforms:
+                    continue
+                need = c.box.numel * itemsize
+                if loc.length < need:
+                    short.append(e.key)
+                    if first is None:
+                        first = (e.key, need, loc.length, loc.file)
+        if first is not None:
+            key, need, have, file = first
+            keys = tuple(dict.fromkeys(short))
+            self.findings.append(Finding(
+                "error", "item_too_short",
+                f"tensor '{key}' declares a chunk of {need:,} bytes stored in an item of {have:,} bytes in '{file}'"
+                + (f" ({len(keys)} keys in all)" if len(keys) > 1 else ""),
+                file=dcp.METADATA_FILE, keys=keys[:50]))
+
+    def _check_coverage(self) -> None:
+        for e in self.entries.values():
+            if not e.is_tensor:
+                continue
+            probs = coverage_problems(e.shape, (c.box for c in e.chunks))
+            for p in probs:
+                self.findings.append(Finding("error", f"chunk_{p.kind}", f"tensor '{e.key}': {p.detail}",
+                                             file=dcp.METADATA_FILE, keys=(e.key,)))
+
+    # ------------------------------------------------------------------ queries
+    def data_files(self) -> list[str]:
+        """Data files present in the directory (whether or not the metadata names them)."""
+        return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
+
+    def writer_ranks(self) -> list[int]:
+        """Ranks that wrote data files, from DCP's `__{rank}_{n}.distcp` naming."""
+        ranks = set()
+        for name in set(self.file_sizes) | set(self.data_files()):
+            m = RANK_FILE.match(name)
+            if m:
+                ranks.add(int(m.group(1)))
+        return sorted(ranks)
+
+    # ------------------------------------------------------------------ reading bytes
+    def read_object(self, key: str) -> Any:
+        e = self.entry(key)
+        if e.is_tensor:
+            return self.read_tensor(key)
+        if e.location is None:
+            raise Incomplete(f"object '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
+        return dcp.load_item(self.root, e.location, key=key, trust_pickle=self.trust_pickle)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        e = self.entry(key)
+        return self.read_box(key, whole(e.shape))
+
+    def read_box(self, key: str, box: Box) -> torch.Tensor:
+        """Assemble one box of a tensor from the chunks that intersect it, reading only those."""
+        e = self.entry(key)
+        if not e.is_tensor:
+            raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
+        if not whole(e.shape).contains(box) or len(box.sizes) != len(e.shape):
+            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
+                           where=str(self.root))
+        out = torch.empty(box.sizes, dtype=e.dtype)
+        filled = 0
+        for c in e.chunks:
+            inter = c.box.intersect(box) if e.shape else (c.box if not c.box.offsets else None)
+            if inter is None:
+                continue
+            if c.location is None:
+                raise Incomplete(f"a chunk of '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
+            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False,
+                              limit=dcp.tensor_item_limit(c.box.numel, e.dtype.itemsize), tensor=True)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.box.sizes:
+                raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
+                               f"metadata says {list(c.box.sizes)}", where=str(self.root / c.location.file),
+                               hint="The checkpoint is corrupt.")
+            if t.dtype != e.dtype:
+                raise BadInput(f"chunk of '{key}' is {t.dtype}, metadata says {e.dtype}",
+                               where=str(self.root / c.location.file), hint="The checkpoint is corrupt.")
+            src = inter.relative_to(c.box).slices()
+            dst = inter.relative_to(box).slices()
+            out[dst] = t[src]
+            filled += inter.numel
+        if filled != box.numel:
+            raise Incomplete(f"the chunks of '{key}' cover {filled} of {box.numel} elements of the requested box",
+                             where=str(self.root / dcp.METADATA_FILE))
+        return out
+
+    def deep_check(self, progress: Any = None, integrity: dict[str, Any] | None = None) -> list[Finding]:
+        """Load every item; report the ones that fail (with --deep).
+
+        ``integrity`` (a manifest's ``integrity`` field, see `reshard.storage.integrity`): each
+        item's stored bytes are also hashed and compared with the recorded checksum (crc32 or
+        sha256, as the record says); items
+        that differ are reported first, in (file, offset) order, by one finding whose
+        message names the first corrupt item (key and file) and whose keys list them all.
+        """
+        from reshard.storage import integrity as integ
+
+        found: list[Finding] = []
+        algorithm = integ.check_algorithm(integrity, where=self.root / "manifest.json") if integrity is not None else None
+        recorded = dict((integrity or {}).get("items") or {})
+        mismatched: list[dict[str, Any]] = []
+        unrecorded: list[tuple[str, str]] = []
+        for e in self.entries.values():
+            items = [(c.location, c.box.sizes) for c in e.chunks] if e.is_tensor else [(e.location, None)]
+            for loc, sizes in items:
+                if loc is None:
+                    continue
+                try:
+                    raw = dcp.read_item_bytes(self.root, loc, key=e.key)
+                    if integrity is not None:
+                        want = recorded.pop(integ.item_name(loc.file, loc.offset), None)
+                        if want is None:
+                            unrecorded.append((e.key, loc.file))
+                        elif integ.digest(raw, algorithm) != want:
+                            mismatched.append({"kind": "mismatch", "key": e.key, "file": loc.file,
+                                               "offset": loc.offset, "length": loc.length, "algorithm": algorithm})
+                            if progress is not None:
+                                progress.update(1)
+                            continue
+                    where = str(self.root / loc.file)
+                    data = dcp.untransform(raw, loc.transforms, key=e.key, where=where,
+                                           limit=dcp.tensor_item_limit(math.prod(sizes), e.dtype.itemsize) if sizes is not None else None)
+                    check_item_crcs(data, key=e.key, where=where)  # against the writer's CRC-32s (CorruptItem)
+                    obj = dcp.torch_load_item(data, key=e.key, where=where, trust_pickle=self.trust_pickle, tensor=sizes is not None)
+                    if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
+                        raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
+                                       f"metadata says {e.dtype_name} {list(sizes)}")
+                except ReshardError as exc:
+                    code = {"UnsafeInput": "unsafe_item", "CorruptItem": "crc_mismatch"}.get(type(exc).__name__,
+                                                                                               "unreadable_item")
+                    msg = f"{exc.message}. {exc.hint}" if exc.hint else exc.message
+                    found.append(Finding("error", code, msg, file=loc.file, keys=(e.key,)))
+                if progress is not None:
+                    progress.update(1)
+        if mismatched:
+            mismatched.sort(key=lambda m: (m["file"], m["offset"]))
+            first = mismatched[0]
+            found.insert(0, Finding("error", "checksum_mismatch",
+                                    integ.first_issue_message([integ.IntegrityIssue(**m) for m in mismatched]),
+                                    file=first["file"], keys=tuple(dict.fromkeys(m["key"] for m in mismatched))))
+        if unrecorded or recorded:
+            what = [f"'{k}' ({f})" for k, f in unrecorded[:5]] + [f"{n} (not in .metadata)" for n in list(recorded)[:5]]
+            found.append(Finding("warning", "checksum_unrecorded",
+                                 f"{len(unrecorded) + len(recorded)} items and recorded checksums do not pair up "
+                                 f"(.metadata changed after manifest.json was written?): {', '.join(what)}",
+                                 file="manifest.json", keys=tuple(k for k, _ in unrecorded[:50])))
+        self.findings.extend(found)
+        return found
+

@@ -1,0 +1,168 @@
+"""The layers of `reshard` import downward only, with no cycle and no private name crossing a module.
+
+Every module's imports are read from its source (module level and inside functions, since a
+lazy import is still a dependency) and checked against the layer order written once, in the
+README's architecture section (the table between the ``layers:begin`` / ``layers:end``
+markers). Within the commands layer the modules have an order of their own, written there too.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "reshard"
+
+
+def _declared() -> tuple[list[list[str]], list[str]]:
+    """(layers bottom-up, each a list of module prefixes; the commands' own order) from the README."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- layers:begin -->", 1)[1].split("<!-- layers:end -->", 1)[0]
+    layers: list[list[str]] = []
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        layers.append(re.findall(r"`(reshard[\w./]*)`", cells[1]))
+    order = re.search(r"commands in order: (.*)", block)
+    assert order, "the README names the order of the commands"
+    return layers, re.findall(r"`(reshard[\w.]*)`", order.group(1))
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = p
+    return mods
+
+
+MODS = _modules()
+
+
+def _target(mod: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".")
+    if not str(MODS[mod]).endswith("__init__.py"):
+        base = base[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(mod: str) -> list[tuple[str, int, list[str]]]:
+    """(imported module, line, names taken from it) for every import of a reshard module in ``mod``."""
+    tree = ast.parse(MODS[mod].read_text())
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out += [(a.name, n.lineno, []) for a in n.names if a.name.split(".")[0] == "reshard"]
+        elif isinstance(n, ast.ImportFrom):
+            tgt = _target(mod, n)
+            if tgt.split(".")[0] != "reshard":
+                continue
+            plain = [a.name for a in n.names if f"{tgt}.{a.name}" not in MODS]
+            out += [(f"{tgt}.{a.name}", n.lineno, []) for a in n.names if f"{tgt}.{a.name}" in MODS]
+            if plain:
+                out.append((tgt, n.lineno, plain))
+    return out
+
+
+def _layer_of(mod: str, layers: list[list[str]]) -> int:
+    best, where = -1, None
+    for i, prefixes in enumerate(layers):
+        for p in prefixes:
+            p = p.replace("/", ".").removesuffix(".py").rstrip(".")
+            inside = mod == p or (mod.startswith(p + ".") and p != "reshard")  # `reshard` alone: the package itself
+            if inside and len(p) > best:
+                best, where = len(p), i
+    assert where is not None, f"module {mod} belongs to no layer in the README's table"
+    return where
+
+
+def _command_rank(mod: str, order: list[str]) -> int | None:
+    for i, p in enumerate(order):
+        if mod == p or mod.startswith(p + "."):
+            return i
+    return None
+
+
+def test_every_module_belongs_to_one_layer_and_the_folders_match():
+    layers, order = _declared()
+    assert len(layers) >= 6
+    for m in MODS:
+        _layer_of(m, layers)
+    commands = [m for m in MODS if m.startswith("reshard.commands.") and m.count(".") == 2]
+    for m in commands:
+        assert _command_rank(m, order) is not None, f"{m} is not in the README's order of commands"
+
+
+def test_imports_point_down_the_declared_layers():
+    layers, order = _declared()
+    wrong = []
+    for m in sorted(MODS):
+        lm = _layer_of(m, layers)
+        for tgt, line, _ in _imports(m):
+            if tgt not in MODS and tgt.rsplit(".", 1)[0] in MODS:
+                tgt = tgt.rsplit(".", 1)[0]
+            if tgt not in MODS or tgt == m or m.startswith(tgt + ".") and tgt != "reshard":
+                continue
+            lt = _layer_of(tgt, layers)
+            if lt > lm:
+                wrong.append(f"{m}:{line} imports {tgt} (layer {lt} above {lm})")
+            elif lt == lm and m.startswith("reshard.commands.") and tgt.startswith("reshard.commands."):
+                rm, rt = _command_rank(m, order), _command_rank(tgt, order)
+                if rm is not None and rt is not None and rt > rm:
+                    wrong.append(f"{m}:{line} imports {tgt}, a later command")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    graph = {m: set() for m in MODS}
+    for m in MODS:
+        for tgt, _, _ in _imports(m):
+            while tgt not in MODS and "." in tgt:
+                tgt = tgt.rsplit(".", 1)[0]
+            if tgt in MODS and tgt != m and not m.startswith(tgt + "."):
+                graph[m].add(tgt)
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> None:
+        seen[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if seen.get(w) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(w):] + [w]))
+            if w not in seen:
+                visit(w)
+        stack.pop()
+        seen[v] = 2
+
+    for v in sorted(graph):
+        if v not in seen:
+            visit(v)
+
+
+def test_no_private_name_crosses_a_module():
+    wrong = []
+    for m in sorted(MODS):
+        tree = ast.parse(MODS[m].read_text())
+        aliases: dict[str, str] = {}
+        for tgt, line, names in _imports(m):
+            wrong += [f"{m}:{line} takes {n} from {tgt}" for n in names if n.startswith("_") and not n.startswith("__")]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and _target(m, n).startswith("reshard"):
+                for a in n.names:
+                    if f"{_target(m, n)}.{a.name}" in MODS:
+                        aliases[a.asname or a.name] = f"{_target(m, n)}.{a.name}"
+            elif isinstance(n, ast.Import):
+                for a in n.names:
+                    if a.name.startswith("reshard") and a.asname:
+                        aliases[a.asname] = a.name
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+                    and n.attr.startswith("_") and not n.attr.startswith("__") and aliases[n.value.id] != m):
+                wrong.append(f"{m}:{n.lineno} uses {aliases[n.value.id]}.{n.attr}")
+    assert not wrong, "\n".join(wrong)
