@@ -15,19 +15,54 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "reshard"
 
 
+def _block() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split("<!-- layers:begin -->", 1)[1].split("<!-- layers:end -->", 1)[0]
+
+
+def _rows() -> list[list[str]]:
+    rows = []
+    for line in _block().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            rows.append(cells)
+    return rows
+
+
 def _declared() -> tuple[list[list[str]], list[str]]:
     """(layers bottom-up, each a list of module prefixes; the commands' own order) from the README."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- layers:begin -->", 1)[1].split("<!-- layers:end -->", 1)[0]
-    layers: list[list[str]] = []
-    for line in block.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].isdigit():
-            continue
-        layers.append(re.findall(r"`(reshard[\w./]*)`", cells[1]))
-    order = re.search(r"commands in order: (.*)", block)
+    layers = [re.findall(r"`(reshard[\w./]*)`", cells[1]) for cells in _rows()]
+    order = re.search(r"commands in order: (.*)", _block())
     assert order, "the README names the order of the commands"
     return layers, re.findall(r"`(reshard[\w.]*)`", order.group(1))
+
+
+def _allowed() -> list[dict[int, set[str] | None]]:
+    """Per layer, the lower layers it may import: layer -> None (any module of it) or the only
+    modules of it that may (``semantics (only `safetensors_format`, ...)``), read from the
+    "may import" column: "nothing of reshard", "everything", names, and "A to B" ranges."""
+    rows = _rows()
+    names = [c[1].split(":")[0].strip() for c in rows]
+    out: list[dict[int, set[str] | None]] = []
+    for i, cells in enumerate(rows):
+        text = cells[2]
+        allowed: dict[int, set[str] | None] = {}
+        if text.startswith("everything"):
+            allowed = {j: None for j in range(i)}
+        elif not text.startswith("nothing"):
+            for part in re.split(r",\s*(?![^()]*\))", text):
+                part = part.strip()
+                rng = re.match(r"(\w+) to (\w+)$", part)
+                if rng:
+                    a, b = names.index(rng.group(1)), names.index(rng.group(2))
+                    allowed.update({j: None for j in range(a, b + 1)})
+                    continue
+                m = re.match(r"(\w+)(?:\s*\((.*)\))?$", part)
+                assert m and m.group(1) in names, f"unreadable 'may import' entry {part!r} in layer {names[i]}"
+                only = re.findall(r"only `(\w+)`", m.group(2) or "")
+                allowed[names.index(m.group(1))] = set(only) if only else None
+        out.append(allowed)
+    return out
 
 
 def _modules() -> dict[str, Path]:
@@ -100,6 +135,7 @@ def test_every_module_belongs_to_one_layer_and_the_folders_match():
 
 def test_imports_point_down_the_declared_layers():
     layers, order = _declared()
+    allowed = _allowed()
     wrong = []
     for m in sorted(MODS):
         lm = _layer_of(m, layers)
@@ -111,6 +147,9 @@ def test_imports_point_down_the_declared_layers():
             lt = _layer_of(tgt, layers)
             if lt > lm:
                 wrong.append(f"{m}:{line} imports {tgt} (layer {lt} above {lm})")
+            elif lt < lm and (lt not in allowed[lm] or (allowed[lm][lt] is not None
+                                                        and m.rsplit(".", 1)[-1] not in allowed[lm][lt])):
+                wrong.append(f"{m}:{line} imports {tgt}: layer {lm} may not import layer {lt} (README's 'may import')")
             elif lt == lm and m.startswith("reshard.commands.") and tgt.startswith("reshard.commands."):
                 rm, rt = _command_rank(m, order), _command_rank(tgt, order)
                 if rm is not None and rt is not None and rt > rm:
