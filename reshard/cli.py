@@ -341,7 +341,8 @@ def window(
 ) -> None:
     """Judge the verification window after a real transition: loss, grad norm, throughput, coverage."""
     from reshard.render.report import to_json
-    from reshard.commands.window import judge, render_window
+    from reshard.commands.window import judge
+    from reshard.render.window import render_window
 
     r = judge(before, after, manifest=manifest, out=out)
     typer.echo(to_json(r) if json_out else render_window(r))

@@ -17,7 +17,8 @@ from conftest import run_cli
 from reshard.errors import BadInput
 from reshard.render.plot import Panel, Series, line_chart, read_png
 from reshard.semantics.steplog import read_steplog
-from reshard.commands.window import judge, render_window
+from reshard.commands.window import judge
+from reshard.render.window import render_window
 
 K, W, TREND = 8, 6, 6  # switch after step K, W steps after it; trend window
 DATASET = 96  # 6 steps of 16 per epoch: epochs end at steps 6 and 12, inside both logs

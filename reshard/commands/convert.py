@@ -69,6 +69,7 @@ from reshard.engine.splice import run_jobs
 from reshard.semantics.manifest import write_manifest
 from reshard.commands.plan import Plan
 from reshard.commands.transition import output_manifest
+from reshard.render.conversion import conversion_markdown
 
 REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
@@ -235,7 +236,7 @@ def write_reports(tmp: Path, report: dict[str, Any]) -> None:
     on_disk = {**report, "seconds": None} if _reproducible() else report
     (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
     fault_point("report.json")
-    (tmp / REPORT_MD).write_text(render_markdown(on_disk))
+    (tmp / REPORT_MD).write_text(conversion_markdown(on_disk))
     fault_point("report.md")
 
 
@@ -462,57 +463,6 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
         "item_checksums": len(checksums),
         "seconds": round(seconds, 3),
     }
-
-
-def render_markdown(r: dict[str, Any]) -> str:
-    p = r["plan"]
-    v = p["verdict"]
-    lines = [
-        "# reshard conversion report",
-        "",
-        f"- source: `{r['source']}` ({_spec(p['source']['topology'])}, step {p['source']['step']})",
-        f"- destination: `{r['destination']}` ({_spec(p['target'])})",
-        f"- verdict: **{v['kind']}**; experiment id `{r['manifest']['experiment_id']}` ({r['manifest']['continuity']})",
-        f"- verification against the source: **{'equal' if r['verification']['equal'] else 'DIFFERENT'}**"
-        f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
-        f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
-        *_write_check_lines(r["verification"]),
-        f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
-        + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
-        "",
-    ]
-    if v["warm_start_reasons"] or v["changes"]:
-        lines += ["## What changes", ""] + [f"- {c}" for c in v["warm_start_reasons"] + v["changes"]] + [""]
-    b = p["batch"]
-    if b["before"] and b["after"]:
-        lines += ["## Batch recipe", "", "| | micro-batch | accumulation | dp | global batch |", "|---|---|---|---|---|",
-                  f"| before | {b['before']['micro_batch']} | {b['before']['grad_accum']} | {b['before']['dp']} | {b['before']['global_batch']} |",
-                  f"| after | {b['after']['micro_batch']} | {b['after']['grad_accum']} | {b['after']['dp']} | {b['after']['global_batch']} |", ""]
-    lines += ["## Trainer state", ""]
-    if p["schedule"]:
-        lines.append(f"- LR schedule: {p['schedule']['policy']}: {p['schedule']['note']}")
-    if p["data"]:
-        lines.append(f"- data position: {p['data']['policy']}: {p['data']['note']}")
-    if p["rng"]:
-        lines.append(f"- RNG: {p['rng']['policy']}: {p['rng']['note']}")
-    lines += ["", "## Every source key", "", "| key | role | action | why |", "|---|---|---|---|"]
-    for k in p["keys"]:
-        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']} |")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _write_check_lines(verification: dict[str, Any]) -> list[str]:
-    wc = verification.get("write_checks")
-    if not wc:
-        return []
-    return [f"- items checked as they were written: {wc['items_against_source_crc']} by CRC-32 against the "
-            f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise; "
-            f"{wc.get('items_compared_after_writing', 0)} compared with the source after writing"]
-
-
-def _spec(t: dict[str, Any]) -> str:
-    return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
 
 
 def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:

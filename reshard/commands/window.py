@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from reshard.render.window import window_markdown
 from reshard.semantics import manifest as mf
 from reshard.errors import BadInput
 from reshard.semantics.steplog import StepRecord, read_steplog
@@ -383,41 +384,8 @@ def write_outputs(result: dict, pre: list[StepRecord], post: list[StepRecord], o
     result["plot"] = line_chart(fig, figure_panels(result, pre, post),
                                 title=f"verification window after step {t['at_step']}")
     result["figure"], result["report"] = str(fig), str(md)
-    md.write_text(render_markdown(result), encoding="utf-8")
+    md.write_text(window_markdown(result), encoding="utf-8")
     js.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
 
 
-def render_window(result: dict) -> str:
-    t = result["transition"]
-    lines = [f"window      {'OK' if result['ok'] else 'FAILED'} (exit {result['exit_code']})",
-             f"transition  after step {t['at_step']}: world {t['from_world_size']} -> {t['to_world_size']}"
-             f" ({t['kind'] or 'kind unknown'}; from {t['source']})",
-             f"steps       before {result['steps']['before'][0]}-{result['steps']['before'][1]}, "
-             f"after {result['steps']['after'][0]}-{result['steps']['after'][1]}"]
-    for ch in result["checks"]:
-        mark = "ok  " if ch["ok"] else ("WARN" if ch["severity"] == "warning" else "FAIL")
-        lines.append(f"  [{mark}] {ch['name']}: {ch['detail']}")
-    if result.get("figure"):
-        lines.append(f"figure      {result['figure']}")
-    if result.get("report"):
-        lines.append(f"report      {result['report']}")
-    return "\n".join(lines)
-
-
-def render_markdown(result: dict) -> str:
-    t = result["transition"]
-    out = [f"# Verification window: {'OK' if result['ok'] else 'FAILED'}", "",
-           f"Transition after step {t['at_step']}: world size {t['from_world_size']} -> {t['to_world_size']} "
-           f"(kind: {t['kind'] or 'unknown'}; source: {t['source']}).", "",
-           "| check | result | steps | detail |", "|---|---|---|---|"]
-    for ch in result["checks"]:
-        res = "ok" if ch["ok"] else ("warning" if ch["severity"] == "warning" else "**FAIL**")
-        steps = "" if not ch["steps"] else f"{ch['steps'][0]}-{ch['steps'][1]}"
-        out.append(f"| {ch['name']} | {res} | {steps} | {ch['detail'].replace('|', '/')} |")
-    cov = result["coverage"]
-    out += ["", f"Coverage: {cov['repeated']} repeated, {cov['skipped']} skipped.", "",
-            f"![window]({Path(result['figure']).name})" if result.get("figure") else ""]
-    return "\n".join(out) + "\n"
-
-
-__all__ = ["judge", "render_window", "render_markdown", "LOSS_K", "DEFAULT_LOSS_RTOL", "JUMP_FACTOR"]
+__all__ = ["judge", "LOSS_K", "DEFAULT_LOSS_RTOL", "JUMP_FACTOR"]

@@ -468,7 +468,7 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
                   "control_checkpoint": str(out / "control_ckpt"),
                   "logs": {n: str(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control")}},
     }
-    from reshard.commands.rehearsal.render import render_markdown, render_png
+    from reshard.render.rehearsal import render_markdown, render_png
 
     report["plot"] = render_png(out / "rehearsal.png", report)
     timings["total"] = time.perf_counter() - t_start
