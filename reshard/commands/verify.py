@@ -793,128 +793,253 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     cache (`reshard.storage.fileio`); False reads through it.
     """
     a, b = Path(a), Path(b)
-    if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
-        raise BadInput(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
+    _check_tolerances(rtol, atol)
     rewrites = dict(expected_rewrites or {})
     sa, sb = _open(a, trust_pickle), _open(b, trust_pickle)
-    ia, ib = sa.index, sb.index
-
-    found: list[dict[str, Any]] = []
+    sides = _integrity_sides(check_integrity)
+    records = _checksum_records(sides, (a, sa), (b, sb))
+    verdicts, digests = ({}, {}) if not fast else _fast_verdicts(
+        sa.index, sb.index, rtol=rtol, atol=atol, values_checked=values_checked, record_b=records["b"],
+        progress=progress, workers=workers, b_files=b_files, direct=direct)
     notes: list[str] = []
-    sides = {"a", "b"} if check_integrity is True else ({"a"} if check_integrity == "a" else set())
-    records = {side: _integrity_record(insp) if side in sides else None for side, insp in (("a", sa), ("b", sb))}
-    for side, path in (("a", a), ("b", b)):
-        if records[side] is not None:  # an unknown algorithm is bad input before any work
-            check_algorithm(records[side], where=Path(path) / "manifest.json")
-    stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
-    verdicts: dict[str, Any] = {}
-    digests: dict[str, str] = {}
-    if fast:
-        from reshard.engine.compare import compare_tensors
-
-        cand = _fast_candidates(ia, ib, rtol, atol)
-        pre = set(values_checked or ()) & set(cand)
-        for key in pre:
-            verdicts[key] = _Checked(ia.entries[key], ib.entries[key], b_files)
-        cand = [k for k in cand if k not in pre]
-        if cand:
-            rb = records["b"]
-            res = compare_tensors(ia, ib, cand, progress=progress if b_files is None else None, workers=workers,
-                                  hash_b=rb["algorithm"] if rb else None, hash_names=(rb or {}).get("items") or (),
-                                  b_files=b_files, direct=direct)
-            verdicts.update(res.verdicts)
-            digests = res.digests
     # corrupt input is bad input, not a difference: every recorded checksum is checked before
     # any result (B's items the comparison above already read whole are not read again)
+    _check_checksums(sides, (a, sa), (b, sb), notes, workers=workers, digests=digests)
+    stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
+    ranks = _PerRank.of(sa, sb)
+    found = _semantic_differences(sa, sb)
+    found += _per_rank_differences(ranks, sa, sb)
+    found += _key_differences(_KeyComparison(sa.index, sb.index, ranks, rtol, atol, verdicts, b_files, progress,
+                                             stats, notes))
+    if recompute and found and evidence is None:
+        evidence, why_not = _recomputed_evidence(a, b, sa, sb, trust_pickle=trust_pickle, strict=strict)
+        notes.extend(why_not)
+    differences, rewritten = _sort_excused(found, rewrites, evidence, sa.index, sb.index)
+    return _result(a, b, stats, differences, rewritten, notes, evidence, rtol, atol)
+
+
+def _check_tolerances(rtol: float, atol: float) -> None:
+    """Negative or NaN tolerances are bad input before anything is opened."""
+    if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
+        raise BadInput(f"tolerances must be >= 0, got rtol={rtol}, atol={atol}")
+
+
+# ---------------------------------------------------------------------------------- integrity
+def _integrity_sides(check_integrity: bool | str) -> set[str]:
+    """The sides whose recorded item checksums are checked (see ``check_integrity``)."""
+    return {"a", "b"} if check_integrity is True else ({"a"} if check_integrity == "a" else set())
+
+
+def _checksum_records(sides: set[str], a: tuple[Path, Inspection], b: tuple[Path, Inspection]) -> dict[str, Any]:
+    """Each checked side's manifest record of item checksums (None: not checked, or none
+    recorded), its algorithm known: an unknown one is bad input before any work."""
+    records = {side: _integrity_record(insp) if side in sides else None for side, (_, insp) in (("a", a), ("b", b))}
+    for side, (path, _) in (("a", a), ("b", b)):
+        if records[side] is not None:
+            check_algorithm(records[side], where=Path(path) / "manifest.json")
+    return records
+
+
+def _check_checksums(sides: set[str], a: tuple[Path, Inspection], b: tuple[Path, Inspection], notes: list[str], *,
+                     workers: int | None, digests: dict[str, str]) -> None:
+    """Every recorded checksum of the checked sides, A's first; B's items the byte comparison
+    already hashed (``digests``) are not read again."""
     if "a" in sides:
-        check_item_checksums(sa, a, notes, workers=workers)
+        check_item_checksums(a[1], a[0], notes, workers=workers)
     if "b" in sides:
-        check_item_checksums(sb, b, notes, workers=workers, digests=digests)
+        check_item_checksums(b[1], b[0], notes, workers=workers, digests=digests)
 
-    def tick(n: int = 1) -> None:
-        if progress is not None and n:
-            progress.update(n)
 
-    # ---------------------------------------------------------------- semantics
+# ---------------------------------------------------------------------------------- fast path
+def _fast_verdicts(ia: Any, ib: Any, *, rtol: float, atol: float, values_checked: set[str] | None,
+                   record_b: dict[str, Any] | None, progress: Any, workers: int | None, b_files: set[str] | None,
+                   direct: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """Verdicts of the keys decided without decoding, and the checksums of B's items read on
+    the way: keys the caller already checked (`_Checked`), the rest of the candidates
+    compared byte for byte by `reshard.engine.compare` (hashing B's recorded items as it reads them)."""
+    from reshard.engine.compare import compare_tensors
+
+    cand = _fast_candidates(ia, ib, rtol, atol)
+    pre = set(values_checked or ()) & set(cand)
+    verdicts: dict[str, Any] = {key: _Checked(ia.entries[key], ib.entries[key], b_files) for key in pre}
+    cand = [k for k in cand if k not in pre]
+    if not cand:
+        return verdicts, {}
+    res = compare_tensors(ia, ib, cand, progress=progress if b_files is None else None, workers=workers,
+                          hash_b=record_b["algorithm"] if record_b else None,
+                          hash_names=(record_b or {}).get("items") or (), b_files=b_files, direct=direct)
+    verdicts.update(res.verdicts)
+    return verdicts, res.digests
+
+
+# ---------------------------------------------------------------------------------- semantics
+def _semantic_differences(sa: Inspection, sb: Inspection) -> list[dict[str, Any]]:
+    """``step``, ``tokens_seen`` and (both sides with a manifest) ``data.cursor`` that differ."""
     ra, rb = sa.report, sb.report
     sem = [("step", ra.get("step"), rb.get("step")),
            ("tokens_seen", ra.get("tokens_seen"), rb.get("tokens_seen"))]
     if sa.manifest is not None and sb.manifest is not None:
         sem.append(("data.cursor", sa.manifest.data.cursor, sb.manifest.data.cursor))
-    for name, va, vb in sem:
-        if va != vb:
-            fmt = lambda v: "unknown" if v is None else repr(v)  # noqa: E731
-            found.append({"key": name, "kind": "semantics", "detail": f"{name} {fmt(va)} in A, {fmt(vb)} in B",
-                          "a": va, "b": vb})
+    return [{"key": name, "kind": "semantics", "detail": f"{name} {_known(va)} in A, {_known(vb)} in B",
+             "a": va, "b": vb} for name, va, vb in sem if va != vb]
 
-    # ---------------------------------------------------------------- per-rank completeness
-    pra, prb = _per_rank(sa), _per_rank(sb)
-    for side, insp, pr in (("A", sa, pra), ("B", sb, prb)):
-        for role, ranks in sorted(pr.items()):
-            expect = insp.topology.world_size if role == "rng" else insp.topology.dp
-            what = "world size" if role == "rng" else "data-parallel width"
-            missing = sorted(set(range(expect)) - set(ranks))
-            extra = sorted(r for r in ranks if r >= expect)
-            if missing or extra:
-                parts = []
-                if missing:
-                    parts.append(f"missing ranks {missing}")
-                if extra:
-                    parts.append(f"ranks {extra} beyond it")
-                found.append({"key": role, "kind": "per_rank", "side": side, "role": role,
-                              "ranks": sorted(ranks), "expected": expect,
-                              "detail": f"{side}: per-rank {role} state for {what} {expect} "
-                                        f"({insp.topology.source} topology): {'; '.join(parts)}"})
-    rank_of: dict[str, tuple[str, int]] = {}
-    for pr in (pra, prb):
-        for role, ranks in pr.items():
-            for r, keys in ranks.items():
-                for k in keys:
-                    rank_of[k] = (role, r)
 
-    def rank_elsewhere(key: str, other: dict[str, dict[int, set[str]]]) -> bool:
+def _known(v: Any) -> str:
+    return "unknown" if v is None else repr(v)
+
+
+# ---------------------------------------------------------------------------------- per-rank state
+@dataclass
+class _PerRank:
+    """Both sides' per-rank keys (role -> rank -> keys), and each such key's (role, rank)."""
+
+    a: dict[str, dict[int, set[str]]]
+    b: dict[str, dict[int, set[str]]]
+    rank_of: dict[str, tuple[str, int]]
+
+    @classmethod
+    def of(cls, sa: Inspection, sb: Inspection) -> _PerRank:
+        pra, prb = _per_rank(sa), _per_rank(sb)
+        rank_of: dict[str, tuple[str, int]] = {}
+        for pr in (pra, prb):
+            for role, ranks in pr.items():
+                for r, keys in ranks.items():
+                    for k in keys:
+                        rank_of[k] = (role, r)
+        return cls(pra, prb, rank_of)
+
+    def rank_elsewhere(self, key: str, other: dict[str, dict[int, set[str]]]) -> bool:
         """A per-rank key whose rank the other side does not have at all (not a key difference)."""
-        if key not in rank_of:
+        if key not in self.rank_of:
             return False
-        role, r = rank_of[key]
+        role, r = self.rank_of[key]
         return r not in other.get(role, {})
 
-    # ---------------------------------------------------------------- keys
-    for key in sorted(set(ia.entries) | set(ib.entries)):
-        ea, eb = ia.entries.get(key), ib.entries.get(key)
-        if eb is None:
-            tick(len(ea.chunks) if ea.is_tensor else 1)
-            if not rank_elsewhere(key, prb):
-                found.append({"key": key, "kind": "missing", "detail": f"{_describe(ea)} in A, missing in B"})
-            continue
-        if ea is None:
-            if not rank_elsewhere(key, pra):
-                found.append({"key": key, "kind": "unexpected", "detail": f"not in A, {_describe(eb)} in B"})
-            continue
-        if ea.is_tensor != eb.is_tensor:
-            tick(len(ea.chunks) if ea.is_tensor else 1)
-            found.append({"key": key, "kind": "object", "detail": f"{_describe(ea)} in A, {_describe(eb)} in B"})
-            continue
-        if ea.is_tensor:
-            d = _compare_tensor(key, ea, eb, ia, ib, rtol, atol, stats, notes, progress if b_files is None else None,
-                                verdicts.get(key), b_files)
-            if b_files is not None:
-                tick(len(ea.chunks))
+
+def _per_rank_differences(ranks: _PerRank, sa: Inspection, sb: Inspection) -> list[dict[str, Any]]:
+    """Per side, each per-rank role whose ranks are not exactly ``0..N-1`` of that side's declared size."""
+    found = []
+    for side, insp, pr in (("A", sa, ranks.a), ("B", sb, ranks.b)):
+        for role, present in sorted(pr.items()):
+            d = _rank_gap(side, insp, role, present)
             if d:
                 found.append(d)
-            continue
-        stats["objects"] += 1
-        d = object_difference(ia.read_object(key), ib.read_object(key))
-        tick(1)
-        if d:
-            found.append({"key": key, "kind": "object", "detail": d})
+    return found
 
-    # ---------------------------------------------------------------- excused differences
-    if recompute and found and evidence is None:
-        evidence, why_not = export_evidence(a, b, sa, sb)
-        if evidence is None and not strict:
-            evidence, why_not = conversion_evidence(a, b, sa, sb, trust_pickle=trust_pickle)
-        notes.extend(why_not)
+
+def _rank_gap(side: str, insp: Inspection, role: str, ranks: dict[int, set[str]]) -> dict[str, Any] | None:
+    """The ``per_rank`` difference of one role on one side: ranks missing below the declared
+    size (world size for rng, data-parallel width for data) or present beyond it; else None."""
+    expect = insp.topology.world_size if role == "rng" else insp.topology.dp
+    what = "world size" if role == "rng" else "data-parallel width"
+    missing = sorted(set(range(expect)) - set(ranks))
+    extra = sorted(r for r in ranks if r >= expect)
+    if not (missing or extra):
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing ranks {missing}")
+    if extra:
+        parts.append(f"ranks {extra} beyond it")
+    return {"key": role, "kind": "per_rank", "side": side, "role": role,
+            "ranks": sorted(ranks), "expected": expect,
+            "detail": f"{side}: per-rank {role} state for {what} {expect} "
+                      f"({insp.topology.source} topology): {'; '.join(parts)}"}
+
+
+# ---------------------------------------------------------------------------------- keys
+@dataclass
+class _KeyComparison:
+    """What comparing the keys of A and B reads (both indexes, per-rank keys, tolerances, the
+    fast path's verdicts, a worker's ``b_files``, progress) and adds to (the ``compared``
+    counts and the notes of the result)."""
+
+    ia: Any
+    ib: Any
+    ranks: _PerRank
+    rtol: float
+    atol: float
+    verdicts: dict[str, Any]
+    b_files: set[str] | None
+    progress: Any
+    stats: dict[str, int]
+    notes: list[str]
+
+    def tick(self, n: int = 1) -> None:
+        if self.progress is not None and n:
+            self.progress.update(n)
+
+
+def _key_differences(kc: _KeyComparison) -> list[dict[str, Any]]:
+    """Every key of either side, in sorted order: its difference, if any."""
+    found = []
+    for key in sorted(set(kc.ia.entries) | set(kc.ib.entries)):
+        d = _key_difference(kc, key)
+        if d:
+            found.append(d)
+    return found
+
+
+def _key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | None:
+    """One key: present on one side only (unless its rank exists on that side only), a tensor
+    on one side and an object on the other, else its tensor or object comparison."""
+    ea, eb = kc.ia.entries.get(key), kc.ib.entries.get(key)
+    if eb is None:
+        kc.tick(_item_count(ea))
+        if kc.ranks.rank_elsewhere(key, kc.ranks.b):
+            return None
+        return {"key": key, "kind": "missing", "detail": f"{_describe(ea)} in A, missing in B"}
+    if ea is None:
+        if kc.ranks.rank_elsewhere(key, kc.ranks.a):
+            return None
+        return {"key": key, "kind": "unexpected", "detail": f"not in A, {_describe(eb)} in B"}
+    if ea.is_tensor != eb.is_tensor:
+        kc.tick(_item_count(ea))
+        return {"key": key, "kind": "object", "detail": f"{_describe(ea)} in A, {_describe(eb)} in B"}
+    if ea.is_tensor:
+        return _tensor_key_difference(kc, key, ea, eb)
+    return _object_key_difference(kc, key)
+
+
+def _item_count(e: Entry) -> int:
+    """A's progress items of an entry: its chunks, or one object."""
+    return len(e.chunks) if e.is_tensor else 1
+
+
+def _tensor_key_difference(kc: _KeyComparison, key: str, ea: Entry, eb: Entry) -> dict[str, Any] | None:
+    """A tensor key on both sides (`_compare_tensor`, with the fast path's verdict if any); a
+    worker's part ticks A's chunks once the key is done, whatever part of them it compared."""
+    d = _compare_tensor(key, ea, eb, kc.ia, kc.ib, kc.rtol, kc.atol, kc.stats, kc.notes,
+                        kc.progress if kc.b_files is None else None, kc.verdicts.get(key), kc.b_files)
+    if kc.b_files is not None:
+        kc.tick(len(ea.chunks))
+    return d
+
+
+def _object_key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | None:
+    """An object key on both sides, compared bit for bit (`object_difference`)."""
+    kc.stats["objects"] += 1
+    d = object_difference(kc.ia.read_object(key), kc.ib.read_object(key))
+    kc.tick(1)
+    return {"key": key, "kind": "object", "detail": d} if d else None
+
+
+# ---------------------------------------------------------------------------------- excuses and result
+def _recomputed_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, trust_pickle: bool,
+                         strict: bool) -> tuple[Evidence | None, list[str]]:
+    """The changes re-derived from the source side: an export's (``strict`` or not: an export
+    cannot hold what it leaves out), else a conversion's unless ``strict``; with notes on
+    lineages that could not be used."""
+    evidence, why_not = export_evidence(a, b, sa, sb)
+    if evidence is None and not strict:
+        evidence, why_not = conversion_evidence(a, b, sa, sb, trust_pickle=trust_pickle)
+    return evidence, why_not
+
+
+def _sort_excused(found: list[dict[str, Any]], rewrites: dict[str, str], evidence: Evidence | None,
+                  ia: Any, ib: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(differences, rewritten)``, in the order found: a difference is rewritten when the
+    caller's ``rewrites`` name its key (or a key above it) or ``evidence`` excuses it."""
     indexes = {"a": ia, "b": ib}
 
     def read(side: str, key: str) -> Any:
@@ -931,7 +1056,13 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
             differences.append(d)
         else:
             rewritten.append({"key": d["key"], "reason": reason, "kind": d["kind"], "detail": d["detail"]})
+    return differences, rewritten
 
+
+def _result(a: Path, b: Path, stats: dict[str, int], differences: list[dict[str, Any]],
+            rewritten: list[dict[str, Any]], notes: list[str], evidence: Evidence | None,
+            rtol: float, atol: float) -> dict[str, Any]:
+    """The result dict (the ``--json`` shape of the module docstring)."""
     equal = not differences
     return {
         "equal": equal,

@@ -482,19 +482,6 @@ def _run_task(files: _Files, state: _KeyState, task: _Task, algorithm: str | Non
     return True, h.hexdigest(), fast, slow
 
 
-class _Done:
-    """A finished future's face for a result computed in the calling thread."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
-
-    def cancel(self) -> bool:
-        return False
-
-
 def _run_small_keys(files: _Files, ia: Any, ib: Any, keys: list[str], slab: int, names: set[str],
                     algorithm: str | None, b_files: Any = None) -> list[tuple[KeyVerdict, dict[str, str], int, int, int]]:
     """Small keys, one after the other in the calling thread (layouts, plan, comparison):
@@ -524,7 +511,7 @@ def _run_small_keys(files: _Files, ia: Any, ib: Any, keys: list[str], slab: int,
         except CorruptItem:
             raise  # bad input, not a difference
         except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
-            v = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
+            v = KeyVerdict(key, "fallback", _error_reason(exc))
         out.append((v, digests, fast, slow, v.nbytes if v.status == "equal" else 0))
     return out
 
@@ -574,173 +561,259 @@ def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = No
     """
     slab = max(64, int(slab_bytes))  # at least one element of any dtype
     nw = max(1, int(workers or _default_workers()))
-    names = set(hash_names) if hash_b else set()
-    files = _Files(slab, direct)
-    out: dict[str, KeyVerdict] = {}
-    digests: dict[str, str] = {}
-    window: deque[tuple[_KeyState, _Task, Any]] = deque()
-    limit = 2 * nw
-
-    def tick(state: _KeyState, n: int = 1) -> None:
-        state.verdict.ticked += n
-        if progress is not None and n:
-            progress.update(n)
-
-    def fail(state: _KeyState, status: str, reason: str | None) -> None:
-        if not state.stop:
-            state.stop = True
-            state.verdict.status, state.verdict.reason = status, reason
-
-    def finish(state: _KeyState | None, task: Any, fut: Any) -> None:
-        if state is None:  # a batch of small keys (task: their names)
-            try:
-                results = fut.result()
-            except CorruptItem:
-                raise
-            except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: the slow path decides
-                for key in task:
-                    out[key] = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
-                return
-            for v, dig, fast, slow, nbytes in results:
-                out[v.key] = v
-                digests.update(dig)
-                _count(parts_contiguous=fast, parts_strided=slow, bytes=nbytes)
-                if v.status == "equal":
-                    n = len(ia.entries[v.key].chunks)
-                    v.ticked = n
-                    if progress is not None and n:
-                        progress.update(n)
-            return
-        try:
-            same, dig, fast, slow = fut.result()
-        except CorruptItem:
-            raise  # bad input, not a difference
-        except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
-            fail(state, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
-            return
-        if dig is not None:
-            digests[f"{task.b.file}:{task.b.item_offset}"] = dig
-        if not same:
-            fail(state, "different", None)
-            return
-        if state.stop:
-            return
-        _count(parts_contiguous=fast, parts_strided=slow,
-               bytes=sum(p.box.numel for p in task.pieces) * state.itemsize)
-        for i, n in task.a_parts:
-            state.remaining[i] -= n
-            if not state.remaining[i]:
-                tick(state)
-
-    def key_bytes(ea: Any) -> int:
-        return ea.numel * int(ea.dtype.itemsize)
-
-    def small(ea: Any, eb: Any) -> bool:
-        return key_bytes(ea) <= min(slab, SMALL_KEY_BYTES) and len(ea.chunks) + len(eb.chunks) <= SMALL_KEY_CHUNKS
-
-    def layout_jobs(lpool: ThreadPoolExecutor) -> Iterator[tuple[str, Any]]:
-        """(key, layouts, or SMALL, or the _NotFast) in key order. A large key's item layouts
-        are parsed on a pool a bounded number of items (and bytes) ahead; with ``prefetch``
-        the kernel is first asked to read those items whole, so the parse's small reads (zip
-        directory, pickle) and later the comparison find them in the page cache instead of
-        waiting for the disk one small read at a time."""
-        ahead: deque[tuple[str, Any, int, int]] = deque()
-        items = nbytes = 0
-        for key in keys:
-            ea, eb = ia.entries[key], ib.entries[key]
-            try:
-                _check_key(ea, eb)
-                if small(ea, eb):
-                    futs: Any = _SMALL
-                    m = b = 0
-                else:
-                    bs = [(i, c) for i, c in enumerate(eb.chunks) if not c.box.is_empty() and
-                          (b_files is None or (c.location is not None and c.location.file in b_files))]
-                    as_ = [(i, c) for i, c in enumerate(ea.chunks) if not c.box.is_empty() and
-                           (b_files is None or any(c.box.intersect(d.box) is not None for _, d in bs))]
-                    chunks = [("a", ia, i, c) for i, c in as_] + [("b", ib, i, c) for i, c in bs]
-                    if prefetch:
-                        for _, ix, _, c in chunks:
-                            if c.location is not None:
-                                path, off, n = Path(ix.root) / c.location.file, int(c.location.offset), int(c.location.length)
-                                # a huge item (or any read directly): its head and its zip directory
-                                cap = (64 << 10) if direct else PREFETCH_BYTES // 4
-                                _willneed(files, path, off, min(n, cap))
-                                if n > cap:
-                                    _willneed(files, path, off + n - (64 << 10), 64 << 10)
-                    futs = {(side, i): lpool.submit(_layout_job, ix, c) for side, ix, i, c in chunks}
-                    m = len(chunks)
-                    b = sum(int(c.location.length) for *_, c in chunks if c.location is not None)
-            except _NotFast as exc:
-                futs, m, b = exc, 0, 0
-            ahead.append((key, futs, m, b))
-            items += m
-            nbytes += b
-            while len(ahead) > 1 and (items > LAYOUT_AHEAD or nbytes > PREFETCH_BYTES):
-                k, f, m, b = ahead.popleft()
-                items -= m
-                nbytes -= b
-                yield k, f
-        while ahead:
-            k, f, _, _ = ahead.popleft()
-            yield k, f
-
-    def submit(state: _KeyState | None, task: Any, fut: Any) -> None:
-        window.append((state, task, fut))
-        while len(window) >= limit:
-            finish(*window.popleft())
-
+    run = _Run(ia, ib, _Files(slab, direct), slab, set(hash_names) if hash_b else set(), hash_b, b_files,
+               progress, prefetch, direct, limit=2 * nw)
     try:
-        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="reshard-compare") as pool, \
-                ThreadPoolExecutor(max_workers=LAYOUT_WORKERS, thread_name_prefix="reshard-layout") as lpool:
-            batch: list[str] = []
-            batch_bytes = 0
-
-            def flush() -> None:
-                # small keys are mostly Python work (layouts, planning), which threads would only
-                # contend for: this thread does them while the pool reads and compares large keys
-                nonlocal batch, batch_bytes
-                if batch:
-                    finish(None, batch, _Done(_run_small_keys(files, ia, ib, batch, slab, names, hash_b, b_files)))
-                    batch, batch_bytes = [], 0
-
-            try:
-                for key, layouts in layout_jobs(lpool):
-                    if layouts is _SMALL:
-                        batch.append(key)
-                        batch_bytes += key_bytes(ia.entries[key])
-                        if batch_bytes >= slab or len(batch) >= SMALL_BATCH_KEYS:
-                            flush()
-                        continue
-                    try:
-                        if isinstance(layouts, Exception):
-                            raise layouts
-                        state, tasks = _plan(ia, ib, key, slab, names, lambda side, i, lay=layouts: lay[(side, i)].result(),
-                                             b_files)
-                    except _NotFast as exc:
-                        out[key] = KeyVerdict(key, "fallback", str(exc))
-                        continue
-                    except Exception as exc:  # noqa: BLE001 - unreadable item: the slow path says so
-                        out[key] = KeyVerdict(key, "fallback", f"{type(exc).__name__}: {str(exc)[:200]}")
-                        continue
-                    out[key] = state.verdict
-                    tick(state, len(ia.entries[key].chunks) - len(state.remaining))  # empty chunks of A
-                    for task in tasks:
-                        if state.stop:
-                            break
-                        submit(state, task, pool.submit(_run_task, files, state, task, hash_b))
-                flush()
-                while window:
-                    finish(*window.popleft())
-            finally:
-                for _, _, fut in window:
-                    fut.cancel()
-        crc = _settle_crcs(files, out, b_files)
+        _compare_keys(run, keys, nw)
+        crc = _settle_crcs(run.files, run.verdicts, b_files)
     finally:
-        files.close()
-    for v in out.values():
+        run.files.close()
+    _count_verdicts(run.verdicts)
+    return CompareResult(run.verdicts, run.digests, crc)
+
+
+@dataclass
+class _Run:
+    """One `compare_tensors` call: its inputs and open files, what it has found so far (a
+    verdict per key, B's item checksums) and the tasks in flight. One object, so the
+    functions that plan, run and settle the comparison share it without closures."""
+
+    ia: Any
+    ib: Any
+    files: _Files
+    slab: int
+    names: set[str]             # B's items whose checksum is wanted (``hash_names``, with ``hash_b``)
+    hash_b: str | None
+    b_files: Any
+    progress: Any
+    prefetch: bool
+    direct: bool
+    limit: int                  # tasks in flight at most, so memory stays bounded
+    verdicts: dict[str, KeyVerdict] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    window: deque[tuple[_KeyState, _Task, Any]] = field(default_factory=deque)
+
+    def tick(self, verdict: KeyVerdict, n: int = 1) -> None:
+        """``n`` chunks of A of ``verdict``'s key are done: progress, and the verdict remembers
+        it (a caller that falls back skips that many)."""
+        verdict.ticked += n
+        if self.progress is not None and n:
+            self.progress.update(n)
+
+
+@dataclass
+class _SmallBatch:
+    """Small keys waiting for the calling thread, which compares them a batch at a time."""
+
+    keys: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _compare_keys(run: _Run, keys: Sequence[str], nw: int) -> None:
+    """Every key in order: small ones by this thread in batches, large ones as tasks on a pool
+    of ``nw`` threads with a bounded window in flight; their layouts parsed ahead on a second pool."""
+    with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="reshard-compare") as pool, \
+            ThreadPoolExecutor(max_workers=LAYOUT_WORKERS, thread_name_prefix="reshard-layout") as lpool:
+        batch = _SmallBatch()
+        try:
+            for key, layouts in _layouts_ahead(run, keys, lpool):
+                if layouts is _SMALL:
+                    _add_small(run, batch, key)
+                else:
+                    _compare_large_key(run, pool, key, layouts)
+            _flush_small(run, batch)
+            _drain(run)
+        finally:
+            for _, _, fut in run.window:
+                fut.cancel()
+
+
+# ------------------------------------------------------------------------------ layouts ahead
+def _layouts_ahead(run: _Run, keys: Sequence[str], lpool: ThreadPoolExecutor) -> Iterator[tuple[str, Any]]:
+    """(key, its `_key_layouts`) in key order, started a bounded number of items (and bytes)
+    ahead of the comparison, so the parse's small reads overlap it."""
+    ahead: deque[tuple[str, Any, int, int]] = deque()
+    items = nbytes = 0
+    for key in keys:
+        layouts, m, b = _key_layouts(run, key, lpool)
+        ahead.append((key, layouts, m, b))
+        items += m
+        nbytes += b
+        while len(ahead) > 1 and (items > LAYOUT_AHEAD or nbytes > PREFETCH_BYTES):
+            k, f, m, b = ahead.popleft()
+            items -= m
+            nbytes -= b
+            yield k, f
+    while ahead:
+        k, f, _, _ = ahead.popleft()
+        yield k, f
+
+
+def _key_layouts(run: _Run, key: str, lpool: ThreadPoolExecutor) -> tuple[Any, int, int]:
+    """What comparing ``key`` needs from its items, started: ``(layouts, items, bytes)``.
+
+    ``layouts`` is ``_SMALL`` for a small key (its layouts are parsed when it is compared),
+    the `_NotFast` for a key that does not qualify, else the futures of its chunks' layouts
+    on ``lpool`` by (side, chunk index), with how many items and bytes they span."""
+    ea, eb = run.ia.entries[key], run.ib.entries[key]
+    try:
+        _check_key(ea, eb)
+        if _is_small(ea, eb, run.slab):
+            return _SMALL, 0, 0
+        chunks = _chunks_compared(run, ea, eb)
+        if run.prefetch:
+            _prefetch_heads(run, chunks)
+        futs = {(side, i): lpool.submit(_layout_job, ix, c) for side, ix, i, c in chunks}
+        nbytes = sum(int(c.location.length) for *_, c in chunks if c.location is not None)
+        return futs, len(chunks), nbytes
+    except _NotFast as exc:
+        return exc, 0, 0
+
+
+def _key_bytes(entry: Any) -> int:
+    return entry.numel * int(entry.dtype.itemsize)
+
+
+def _is_small(ea: Any, eb: Any, slab: int) -> bool:
+    """A key whose cost is Python, not bytes (see ``SMALL_KEY_BYTES``)."""
+    return _key_bytes(ea) <= min(slab, SMALL_KEY_BYTES) and len(ea.chunks) + len(eb.chunks) <= SMALL_KEY_CHUNKS
+
+
+def _chunks_compared(run: _Run, ea: Any, eb: Any) -> list[tuple[str, Any, int, Any]]:
+    """``(side, index, chunk index, chunk)`` of the non-empty chunks a key's comparison reads:
+    with ``b_files``, only B's chunks stored there and A's chunks that meet them."""
+    b_files = run.b_files
+    bs = [(i, c) for i, c in enumerate(eb.chunks) if not c.box.is_empty() and
+          (b_files is None or (c.location is not None and c.location.file in b_files))]
+    as_ = [(i, c) for i, c in enumerate(ea.chunks) if not c.box.is_empty() and
+           (b_files is None or any(c.box.intersect(d.box) is not None for _, d in bs))]
+    return [("a", run.ia, i, c) for i, c in as_] + [("b", run.ib, i, c) for i, c in bs]
+
+
+def _prefetch_heads(run: _Run, chunks: list[tuple[str, Any, int, Any]]) -> None:
+    """Ask the kernel to read the chunks' items ahead (``posix_fadvise WILLNEED``): a huge item,
+    or any read directly, only its head and its zip directory, which the layout parse reads."""
+    cap = (64 << 10) if run.direct else PREFETCH_BYTES // 4
+    for _, ix, _, c in chunks:
+        if c.location is not None:
+            path, off, n = Path(ix.root) / c.location.file, int(c.location.offset), int(c.location.length)
+            _willneed(run.files, path, off, min(n, cap))
+            if n > cap:
+                _willneed(run.files, path, off + n - (64 << 10), 64 << 10)
+
+
+# ------------------------------------------------------------------------------ small keys
+def _add_small(run: _Run, batch: _SmallBatch, key: str) -> None:
+    """Queue a small key; compare the batch once it holds a slab's bytes or ``SMALL_BATCH_KEYS`` keys."""
+    batch.keys.append(key)
+    batch.nbytes += _key_bytes(run.ia.entries[key])
+    if batch.nbytes >= run.slab or len(batch.keys) >= SMALL_BATCH_KEYS:
+        _flush_small(run, batch)
+
+
+def _flush_small(run: _Run, batch: _SmallBatch) -> None:
+    """Compare the queued small keys in this thread: they are mostly Python work (layouts,
+    planning), which threads would only contend for, while the pool reads and compares large keys."""
+    if batch.keys:
+        _record_small(run, _run_small_keys(run.files, run.ia, run.ib, batch.keys, run.slab, run.names,
+                                           run.hash_b, run.b_files))
+        batch.keys, batch.nbytes = [], 0
+
+
+def _record_small(run: _Run, results: list[tuple[KeyVerdict, dict[str, str], int, int, int]]) -> None:
+    """A batch's `_run_small_keys` results: verdicts and digests kept, parts counted, and
+    every chunk of A of an equal key ticked at once."""
+    for v, dig, fast, slow, nbytes in results:
+        run.verdicts[v.key] = v
+        run.digests.update(dig)
+        _count(parts_contiguous=fast, parts_strided=slow, bytes=nbytes)
+        if v.status == "equal":
+            run.tick(v, len(run.ia.entries[v.key].chunks))
+
+
+# ------------------------------------------------------------------------------ large keys
+def _compare_large_key(run: _Run, pool: ThreadPoolExecutor, key: str, layouts: Any) -> None:
+    """Plan a large key over its parsed layouts and hand its tasks to the pool (none once it stopped)."""
+    planned = _plan_large_key(run, key, layouts)
+    if planned is None:
+        return
+    state, tasks = planned
+    run.verdicts[key] = state.verdict
+    run.tick(state.verdict, len(run.ia.entries[key].chunks) - len(state.remaining))  # empty chunks of A
+    for task in tasks:
+        if state.stop:
+            break
+        _submit(run, state, task, pool.submit(_run_task, run.files, state, task, run.hash_b))
+
+
+def _plan_large_key(run: _Run, key: str, layouts: Any) -> tuple[_KeyState, list[_Task]] | None:
+    """`_plan` over the layouts parsed ahead; None, with a ``"fallback"`` verdict recorded,
+    when the key does not qualify or one of its items cannot be read (the slow path says so)."""
+    try:
+        if isinstance(layouts, Exception):
+            raise layouts
+        return _plan(run.ia, run.ib, key, run.slab, run.names, lambda side, i: layouts[(side, i)].result(),
+                     run.b_files)
+    except _NotFast as exc:
+        run.verdicts[key] = KeyVerdict(key, "fallback", str(exc))
+    except Exception as exc:  # noqa: BLE001 - unreadable item: the slow path says so
+        run.verdicts[key] = KeyVerdict(key, "fallback", _error_reason(exc))
+    return None
+
+
+def _submit(run: _Run, state: _KeyState, task: _Task, fut: Any) -> None:
+    """Put a task in flight; settle the oldest while the window is full, so memory stays bounded."""
+    run.window.append((state, task, fut))
+    while len(run.window) >= run.limit:
+        _finish_task(run, *run.window.popleft())
+
+
+def _drain(run: _Run) -> None:
+    """Settle every task still in flight, oldest first."""
+    while run.window:
+        _finish_task(run, *run.window.popleft())
+
+
+def _finish_task(run: _Run, state: _KeyState, task: _Task, fut: Any) -> None:
+    """A task's outcome into its key's state: its digest kept, the key stopped on a difference
+    or an error, else its parts counted and each chunk of A whose parts are all done ticked."""
+    try:
+        same, dig, fast, slow = fut.result()
+    except CorruptItem:
+        raise  # bad input, not a difference
+    except Exception as exc:  # noqa: BLE001 - the slow path reports it in its own words
+        _stop_key(state, "fallback", _error_reason(exc))
+        return
+    if dig is not None:
+        run.digests[f"{task.b.file}:{task.b.item_offset}"] = dig
+    if not same:
+        _stop_key(state, "different", None)
+        return
+    if state.stop:
+        return
+    _count(parts_contiguous=fast, parts_strided=slow,
+           bytes=sum(p.box.numel for p in task.pieces) * state.itemsize)
+    for i, n in task.a_parts:
+        state.remaining[i] -= n
+        if not state.remaining[i]:
+            run.tick(state.verdict)
+
+
+def _stop_key(state: _KeyState, status: str, reason: str | None) -> None:
+    """The first task of a key that differs or fails decides its verdict; its other tasks are skipped."""
+    if not state.stop:
+        state.stop = True
+        state.verdict.status, state.verdict.reason = status, reason
+
+
+def _error_reason(exc: BaseException) -> str:
+    """A fallback's reason for an error (the slow path reports the error itself in its own words)."""
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _count_verdicts(verdicts: dict[str, KeyVerdict]) -> None:
+    for v in verdicts.values():
         _count(**{f"keys_{v.status}": 1})
-    return CompareResult(out, digests, crc)
 
 
 def _settle_crcs(files: _Files, verdicts: dict[str, KeyVerdict], b_files: Any) -> dict[str, int]:
