@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from reshard.model import topology as topo_mod
-from reshard.semantics.conventions import Classification, classify, known_tied_pairs
+from reshard.semantics.conventions import Classification, KeyRole, classify, known_tied_pairs
 from reshard.errors import ReshardError
 from reshard.model.checkpoint import Finding
 from reshard.storage.index import CheckpointIndex
@@ -67,29 +67,67 @@ def _scalar(v: Any) -> Any:
 
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None) -> Inspection:
+    """Describe a checkpoint: each step below does one job and adds its problems to ``findings``.
+
+    The order of the steps is the order of the problems in the report, so it stays fixed.
+    """
     root = Path(path)
     ix = open_any(root, trust_pickle=trust_pickle)  # DCP, or reshard's local format (local-index.json)
-    findings: list[Finding] = ix.findings
-    manifest = None
-    try:
-        manifest = _load_manifest(root)
-    except ReshardError as exc:
-        findings.append(Finding("error", "bad_manifest", exc.message, file="manifest.json"))
+    findings: list[Finding] = ix.findings  # the index's own findings come first, then ours
+    manifest = _manifest_or_finding(root, findings)
     mdict: dict[str, Any] = manifest.to_dict() if manifest is not None else {}
-
     can_read = ix.complete  # byte ranges all present: small items can be read for the checks below
     if deep:
-        integrity = getattr(manifest, "integrity", None)
-        if integrity is not None and isinstance(ix, CheckpointIndex):
-            ix.deep_check(progress=progress, integrity=integrity)  # also checks the recorded item checksums
-        else:
-            ix.deep_check(progress=progress)
+        _deep_check(ix, manifest, progress)
 
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
-    roles = cls.roles
+    params = _parameters(cls.roles)
+    topo = _topology(ix, mdict, params, from_spec, findings)
+    by_role = _contents_by_role(ix, cls.roles)
+    counters = _read_scalars(ix, _present_counters(ix, cls) if can_read else {}, findings)
+    opt, step_values = _optimizer_health(ix, cls.roles, params, mdict, can_read, findings)
+    per_rank = _per_rank_state(cls.roles, topo, findings)
+    step, step_source = _global_step(mdict, counters, step_values, cls, findings)
+    _check_accumulation(mdict.get("accumulation"), findings)
+    _check_unknown_keys(cls, findings)
 
-    # ---------------------------------------------------------------- topology
-    params = {r.param: k for k, r in roles.items() if r.role == "parameter" and r.param}
+    report = _report(root, ix, cls, manifest, mdict, topo, deep=deep, step=step, step_source=step_source,
+                     by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
+    return Inspection(ix, cls, manifest, topo, report)
+
+
+def _manifest_or_finding(root: Path, findings: list[Finding]) -> Any:
+    """The manifest, or None: a missing one is normal, an unreadable one is an error worth naming."""
+    try:
+        return _load_manifest(root)
+    except ReshardError as exc:
+        findings.append(Finding("error", "bad_manifest", exc.message, file="manifest.json"))
+        return None
+
+
+def _deep_check(ix: Any, manifest: Any, progress: Any) -> None:
+    """`--deep`: read every item; a DCP index also checks the item checksums the manifest recorded."""
+    integrity = getattr(manifest, "integrity", None)
+    if integrity is not None and isinstance(ix, CheckpointIndex):
+        ix.deep_check(progress=progress, integrity=integrity)
+    else:
+        ix.deep_check(progress=progress)
+
+
+def _parameters(roles: dict[str, KeyRole]) -> dict[str, str]:
+    """Parameter name -> its key: the names every optimizer and tied-weight check speaks in."""
+    return {r.param: k for k, r in roles.items() if r.role == "parameter" and r.param}
+
+
+# ---------------------------------------------------------------------------- topology
+
+def _topology(ix: Any, mdict: dict[str, Any], params: dict[str, str], from_spec: str | None,
+              findings: list[Finding]) -> topo_mod.Topology:
+    """The source layout: given by the user, else recorded in the manifest, else inferred from the chunks.
+
+    A given or recorded layout is checked against the ranks that wrote data files, since a
+    wrong world size would misplace every per-rank state.
+    """
     if from_spec:
         topo = topo_mod.parse_spec(from_spec, source="given")
     elif mdict.get("topology"):
@@ -102,29 +140,60 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     if writers and max(writers) >= topo.world_size and topo.source != "inferred":
         findings.append(Finding("inconsistent", "topology_mismatch",
                                 f"data files were written by rank {max(writers)} but the {topo.source} topology has world size {topo.world_size}"))
+    return topo
 
-    # ---------------------------------------------------------------- counts by role and dtype
+
+# ---------------------------------------------------------------------------- contents
+
+def _contents_by_role(ix: Any, roles: dict[str, KeyRole]) -> dict[str, dict[str, Any]]:
+    """Count and bytes per role, and per dtype inside each role (objects count as dtype "object")."""
     by_role: dict[str, dict[str, Any]] = {}
     for k, e in ix.entries.items():
-        r = roles[k].role
-        slot = by_role.setdefault(r, {"count": 0, "bytes": 0, "dtypes": {}})
+        slot = by_role.setdefault(roles[k].role, {"count": 0, "bytes": 0, "dtypes": {}})
         slot["count"] += 1
         slot["bytes"] += e.nbytes
-        dt = e.dtype_name or "object"
-        d = slot["dtypes"].setdefault(dt, {"count": 0, "bytes": 0})
+        d = slot["dtypes"].setdefault(e.dtype_name or "object", {"count": 0, "bytes": 0})
         d["count"] += 1
         d["bytes"] += e.nbytes
+    return by_role
 
-    # ---------------------------------------------------------------- counters
-    counters: dict[str, Any] = {}
-    for name, key in cls.convention.counters.items():
-        if key in ix.entries and can_read:
-            try:
-                counters[name] = _scalar(ix.read_object(key))
-            except ReshardError as exc:
-                findings.append(Finding("error", "unreadable_item", exc.message, keys=(key,)))
 
-    # ---------------------------------------------------------------- optimizer health
+def _present_counters(ix: Any, cls: Classification) -> dict[str, str]:
+    """The convention's counters (step, tokens seen, ...) that this checkpoint actually saved."""
+    return {name: key for name, key in cls.convention.counters.items() if key in ix.entries}
+
+
+def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dict[str, Any]:
+    """Read small items as Python scalars, by name; an unreadable one is an error finding, not a crash."""
+    values: dict[str, Any] = {}
+    for name, key in keys.items():
+        try:
+            values[name] = _scalar(ix.read_object(key))
+        except ReshardError as exc:
+            findings.append(Finding("error", "unreadable_item", exc.message, keys=(key,)))
+    return values
+
+
+# ---------------------------------------------------------------------------- optimizer health
+
+def _optimizer_health(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], mdict: dict[str, Any],
+                      can_read: bool, findings: list[Finding]) -> tuple[dict[str, Any], list[Any]]:
+    """The report's "optimizer" section, and the distinct step counter values (the step check needs them)."""
+    moments, steps = _optimizer_keys(roles)
+    moment_names = sorted({n for m in moments.values() for n in m})
+    opt: dict[str, Any] = {"moment_names": moment_names, "parameters": len(params),
+                           "with_moments": sum(1 for p in params if p in moments)}
+    opt["step_counters"], distinct = _step_counters(ix, steps, can_read, findings)
+    tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings)
+    opt["tied"] = tied
+    missing, shape_bad = _moment_coverage(ix, params, moments, moment_names, tied, tied_members, findings)
+    opt["missing_moments"] = missing
+    opt["shape_mismatches"] = shape_bad
+    return opt, distinct
+
+
+def _optimizer_keys(roles: dict[str, KeyRole]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """Parameter name -> {moment name -> key}, and parameter name -> its step counter key."""
     moments: dict[str, dict[str, str]] = defaultdict(dict)
     steps: dict[str, str] = {}
     for k, r in roles.items():
@@ -132,30 +201,29 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             moments[r.param][r.name or "?"] = k
         elif r.role == "optimizer_step" and r.param:
             steps[r.param] = k
-    moment_names = sorted({n for m in moments.values() for n in m})
-    opt: dict[str, Any] = {"moment_names": moment_names, "parameters": len(params),
-                           "with_moments": sum(1 for p in params if p in moments)}
-    step_values: dict[str, Any] = {}
-    if can_read:
-        for p, k in steps.items():
-            try:
-                step_values[p] = _scalar(ix.read_object(k))
-            except ReshardError as exc:
-                findings.append(Finding("error", "unreadable_item", exc.message, keys=(k,)))
+    return moments, steps
+
+
+def _step_counters(ix: Any, steps: dict[str, str], can_read: bool,
+                   findings: list[Finding]) -> tuple[dict[str, Any], list[Any]]:
+    """Per-parameter step counters must agree: disagreeing ones mean state from different steps."""
+    step_values = _read_scalars(ix, steps if can_read else {}, findings)
     distinct = sorted({v for v in step_values.values()}, key=lambda x: (str(type(x)), x))
-    opt["step_counters"] = {"count": len(step_values), "values": distinct, "consistent": len(distinct) <= 1}
+    summary: dict[str, Any] = {"count": len(step_values), "values": distinct, "consistent": len(distinct) <= 1}
     if len(distinct) > 1:
         groups: dict[Any, list[str]] = defaultdict(list)
         for p, v in step_values.items():
             groups[v].append(p)
-        opt["step_counters"]["disagreements"] = {str(v): sorted(ps)[:20] for v, ps in groups.items()}
+        summary["disagreements"] = {str(v): sorted(ps)[:20] for v, ps in groups.items()}
         findings.append(Finding("inconsistent", "step_disagree",
                                 f"optimizer step counters disagree: values {distinct}",
                                 keys=tuple(sorted(steps.values())[:50])))
+    return summary, distinct
 
-    # ---------------------------------------------------------------- tied weights
-    tied: list[dict[str, Any]] = []
-    tied_members: set[str] = set()
+
+def _tied_candidates(params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
+                     mdict: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """Tied groups declared by the manifest, then known pairs where only one copy carries optimizer state."""
     declared = [tuple(t) for t in (mdict.get("model", {}) or {}).get("tied", []) or []]
     candidates = [(t, "manifest") for t in declared]
     for a, b in known_tied_pairs():
@@ -163,7 +231,19 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             continue
         if a in params and b in params and moment_names and ((a in moments) != (b in moments)):
             candidates.append(((a, b), "inferred"))
-    for names, source in candidates:
+    return candidates
+
+
+def _tied_weights(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
+                  mdict: dict[str, Any], can_read: bool,
+                  findings: list[Finding]) -> tuple[list[dict[str, Any]], set[str]]:
+    """One record per tied group (are the saved copies bitwise equal?), and the parameters known to be tied.
+
+    Copies declared tied by the manifest must be equal; an inferred tie counts only once seen equal.
+    """
+    tied: list[dict[str, Any]] = []
+    tied_members: set[str] = set()
+    for names, source in _tied_candidates(params, moments, moment_names, mdict):
         present = [n for n in names if n in params]
         rec: dict[str, Any] = {"names": list(names), "source": source}
         if len(present) < 2:
@@ -187,26 +267,20 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             rec["equal"] = None
             rec["note"] = "not checked: the checkpoint is incomplete"
         tied.append(rec)
-    opt["tied"] = tied
+    return tied, tied_members
 
-    # moments for every trainable parameter, with the parameter's global shape
+
+def _moment_coverage(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
+                     tied: list[dict[str, Any]], tied_members: set[str],
+                     findings: list[Finding]) -> tuple[list[str], list[str]]:
+    """Every trainable parameter has every moment, with the parameter's global shape; no moment lacks a parameter.
+
+    Returns the missing moments and the shape mismatches, as the report lists them.
+    """
     missing: list[str] = []
     shape_bad: list[str] = []
     if moment_names:
-        for p, k in params.items():
-            have = moments.get(p)
-            if not have:
-                # a tied copy carries no state of its own
-                if p in tied_members and any(q in moments for t in tied for q in t["names"] if p in t["names"]):
-                    continue
-                missing.append(p)
-                continue
-            for n in moment_names:
-                mk = have.get(n)
-                if mk is None:
-                    missing.append(f"{p} ({n})")
-                elif ix.entries[mk].shape != ix.entries[k].shape:
-                    shape_bad.append(f"{p}.{n}: {list(ix.entries[mk].shape)} vs parameter {list(ix.entries[k].shape)}")
+        missing, shape_bad = _missing_and_misshapen(ix, params, moments, moment_names, tied, tied_members)
         orphan = sorted(p for p in moments if p not in params)
         if orphan:
             findings.append(Finding("inconsistent", "moments_without_param",
@@ -220,10 +294,41 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
                                 keys=tuple(shape_bad[:50])))
     if not moment_names and params:
         findings.append(Finding("info", "no_moments", "no optimizer moments: resuming from this checkpoint is a warm start"))
-    opt["missing_moments"] = missing
-    opt["shape_mismatches"] = shape_bad
+    return missing, shape_bad
 
-    # ---------------------------------------------------------------- per-rank state
+
+def _missing_and_misshapen(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
+                           tied: list[dict[str, Any]], tied_members: set[str]) -> tuple[list[str], list[str]]:
+    """Parameters (or parameter moments) without state, and moments shaped unlike their parameter.
+
+    A tied copy carries no state of its own when another member of its tie does.
+    """
+    missing: list[str] = []
+    shape_bad: list[str] = []
+    for p, k in params.items():
+        have = moments.get(p)
+        if not have:
+            if p in tied_members and any(q in moments for t in tied for q in t["names"] if p in t["names"]):
+                continue
+            missing.append(p)
+            continue
+        for n in moment_names:
+            mk = have.get(n)
+            if mk is None:
+                missing.append(f"{p} ({n})")
+            elif ix.entries[mk].shape != ix.entries[k].shape:
+                shape_bad.append(f"{p}.{n}: {list(ix.entries[mk].shape)} vs parameter {list(ix.entries[k].shape)}")
+    return missing, shape_bad
+
+
+# ---------------------------------------------------------------------------- per-rank state
+
+def _per_rank_state(roles: dict[str, KeyRole], topo: topo_mod.Topology, findings: list[Finding]) -> dict[str, Any]:
+    """RNG and data-loader state, one record per role: which ranks saved it, and which are missing.
+
+    RNG state is expected for every rank, data state for every data-parallel rank; state under
+    a key shared by all ranks keeps one rank's copy only, so it is a warning on several ranks.
+    """
     per_rank: dict[str, Any] = {}
     for role in ("rng", "data"):
         rs = [r for r in roles.values() if r.role == role]
@@ -247,8 +352,17 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
                                     "RNG state is saved under keys shared by all ranks: DCP keeps one rank's copy only",
                                     keys=tuple(shared[:20])))
         per_rank[role] = info
+    return per_rank
 
-    # ---------------------------------------------------------------- step, unknowns, verdict
+
+# ---------------------------------------------------------------------------- identity and problems
+
+def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list[Any], cls: Classification,
+                 findings: list[Finding]) -> tuple[Any, str | None]:
+    """The global step and where it came from: the manifest, else a counter, else the optimizer's step.
+
+    Every other source that disagrees with the chosen one is an inconsistency.
+    """
     step = mdict.get("step")
     step_source = "manifest" if step is not None else None
     if step is None and "step" in counters:
@@ -261,19 +375,37 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     if "step" in counters and mdict.get("step") is not None and counters["step"] != mdict["step"]:
         findings.append(Finding("inconsistent", "step_mismatch",
                                 f"manifest step {mdict['step']} but counter '{cls.convention.counters['step']}' says {counters['step']}"))
-    acc = mdict.get("accumulation")
+    return step, step_source
+
+
+def _check_accumulation(acc: dict[str, Any] | None, findings: list[Finding]) -> None:
+    """A save in the middle of an accumulation, without its gradients, cannot be resumed exactly."""
     if acc and acc.get("micro_step", 0) and not acc.get("in_flight_grads"):
         findings.append(Finding("warning", "mid_accumulation",
                                 f"saved at micro-step {acc['micro_step']} of an accumulation without in-flight gradients"))
+
+
+def _check_unknown_keys(cls: Classification, findings: list[Finding]) -> None:
+    """Keys no rule of the convention explains: reshard will not guess what they mean."""
     unknown = cls.unknown
     if unknown:
         findings.append(Finding("warning", "unknown_keys", f"{len(unknown)} keys match no rule of convention '{cls.convention.name}'",
                                 keys=tuple(unknown[:50])))
 
+
+def _exit_code(findings: list[Finding]) -> tuple[bool, bool, int]:
+    """Complete (no errors), consistent (no inconsistencies), and the exit code: 2 incomplete, 1 inconsistent."""
     complete = not any(f.severity == "error" for f in findings)
     consistent = not any(f.severity == "inconsistent" for f in findings)
-    exit_code = 0 if complete and consistent else (2 if not complete else 1)
-    report: dict[str, Any] = {
+    return complete, consistent, 0 if complete and consistent else (2 if not complete else 1)
+
+
+def _report(root: Path, ix: Any, cls: Classification, manifest: Any, mdict: dict[str, Any], topo: topo_mod.Topology, *,
+            deep: bool, step: Any, step_source: str | None, by_role: dict[str, Any], counters: dict[str, Any],
+            opt: dict[str, Any], per_rank: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
+    """The `--json` shape (documented in the README): its key order is what the JSON prints."""
+    complete, consistent, exit_code = _exit_code(findings)
+    return {
         "json_version": JSON_VERSION,
         "path": str(root),
         "complete": complete,
@@ -284,9 +416,9 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
         "step_source": step_source,
         "tokens_seen": mdict.get("tokens_seen", counters.get("tokens_seen")),
         "topology": topo.to_dict(),
-        "writer_ranks": len(writers),
+        "writer_ranks": len(ix.writer_ranks()),
         "batch": mdict.get("batch"),
-        "accumulation": acc,
+        "accumulation": mdict.get("accumulation"),
         "continuity": mdict.get("continuity"),
         "lineage": mdict.get("lineage", []),
         "manifest": manifest is not None,
@@ -300,9 +432,8 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
         "counters": counters,
         "optimizer": opt,
         "per_rank_state": per_rank,
-        "unknown_keys": unknown,
+        "unknown_keys": cls.unknown,
         "deep": deep,
         "problems": [f.to_dict() for f in findings if f.severity != "info"],
         "notes": [f.to_dict() for f in findings if f.severity == "info"],
     }
-    return Inspection(ix, cls, manifest, topo, report)

@@ -173,27 +173,62 @@ def _dtype_size(name: str) -> int:
 
 
 def make_plan(src: str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
-    """Build the plan, or raise BadInput when the user must choose a policy first."""
+    """Build the plan, or raise BadInput when the user must choose a policy first.
+
+    Each step decides one thing; those that make the plan infeasible add to ``reasons``, in
+    this order, which is the order the plan lists them.
+    """
+    ins = _complete_inspection(src, options, inspection)
+    r, ix, cls = ins.report, ins.index, ins.classification
+    mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
+    source_topo, target = ins.topology, parse_spec(options.to)
+    same_positions = source_topo.degrees() == target.degrees()
+    reasons: list[str] = []
+
+    geo = _placements(ix, cls, mdict, source_topo, target, options, reasons)
+    acc_out = _accumulation(r, reasons)
+    bdec = _batch_recipe(r, source_topo, target, options, reasons)
+    sdec = _schedule(ix, cls, mdict, r, bdec, options)
+    ddec = _data_position(ix, cls, mdict, source_topo, target, options)
+    rdec = _rng(cls, mdict, r, source_topo, target, options, same_positions)
+    keys = _key_actions(ix, cls, mdict, geo, target, sdec, ddec, rdec, reasons)
+    reduced = _reduce(options, keys.tensors, keys.actions, ix)
+    memory = _memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
+    verdict = _plan_verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
+
+    return Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
+                bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
+                geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
+
+
+def _complete_inspection(src: str | Path, options: Options, inspection: Inspection | None) -> Inspection:
+    """The source's inspection (given, or made now); a plan of an incomplete checkpoint would lose data."""
     ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle)
     r = ins.report
     if not r["complete"]:
         first = next((p for p in r["problems"] if p["severity"] == "error"), {"message": "incomplete", "file": None})
         raise BadInput(f"the source checkpoint is incomplete: {first['message']}", where=str(src),
                        hint="Run `reshard inspect` for the full list; convert only a complete checkpoint.")
-    ix, cls = ins.index, ins.classification
-    mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
-    source_topo = ins.topology
-    target = parse_spec(options.to)
-    reasons: list[str] = []
+    return ins
 
-    # ------------------------------------------------------------ layouts we can execute
-    for d in ("cp", "dp_replicate"):
-        if getattr(source_topo, d) != getattr(target, d) and d == "cp":
-            reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
+
+# ---------------------------------------------------------------------------- topology and placements
+
+def _placements(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
+                reasons: list[str]) -> placement_mod.Geometry:
+    """Where every tensor goes on the target, and the layout changes reshard cannot execute (context parallel)."""
+    if source_topo.cp != target.cp:
+        reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
     geo = placement_mod.decide(ix, cls, mdict, source_topo, target, rules_file=options.rules,
                                model_config=options.model_config, pp_stages=options.pp_stages)
     reasons.extend(geo.reasons)
-    # ------------------------------------------------------------ accumulation phase
+    return geo
+
+
+# ---------------------------------------------------------------------------- trainer state
+
+def _accumulation(r: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
+    """The accumulation phase: only a checkpoint taken at an optimizer-step boundary can be resharded."""
     acc = r.get("accumulation") or {}
     acc_out = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
                "ok": True, "note": "at an optimizer-step boundary" if acc else "unknown (no manifest): assumed at a step boundary"}
@@ -203,8 +238,12 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
                            "already taken are " + ("in the checkpoint but reshard cannot reshard gradients" if acc.get("in_flight_grads") else "not in the checkpoint")
                            + "; resume from the last checkpoint taken at a completed optimizer step")
         reasons.append("mid-accumulation checkpoint: " + acc_out["note"])
+    return acc_out
 
-    # ------------------------------------------------------------ batch recipe and schedule
+
+def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
+                  reasons: list[str]) -> batch_mod.BatchDecision:
+    """The target's micro-batch and accumulation, chosen to keep the global batch (when the source's is known)."""
     before = None
     b = r.get("batch")
     if b and b.get("micro_batch") and b.get("grad_accum"):
@@ -212,18 +251,30 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
     if not bdec.feasible:
         reasons.append("batch recipe: " + bdec.note)
+    return bdec
+
+
+def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec: batch_mod.BatchDecision,
+              options: Options) -> schedule_mod.ScheduleDecision | None:
+    """The LR scheduler's position on the target; undecided (None) when the batch recipe is infeasible."""
     sched_keys = {}
     for k, role in cls.roles.items():
         if role.role == "scheduler" and (k.endswith(".last_epoch") or k.endswith("._step_count")):
             sched_keys[k] = ix.read_object(k)
-    sdec = None
-    if bdec.feasible:
-        samples_seen = mdict.get("samples_seen")
-        sdec = schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=r.get("step"),
-                                   samples_seen=samples_seen, new_global_batch=bdec.after.global_batch if bdec.after else None,
-                                   position_keys=sched_keys)
+    if not bdec.feasible:
+        return None
+    return schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=r.get("step"),
+                               samples_seen=mdict.get("samples_seen"),
+                               new_global_batch=bdec.after.global_batch if bdec.after else None,
+                               position_keys=sched_keys)
 
-    # ------------------------------------------------------------ data position
+
+def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology,
+                   options: Options) -> data_mod.DataDecision:
+    """Where each target rank's data loader resumes, from per-rank loader states or a shared cursor.
+
+    Per-rank states are read only when the policy must translate them to a new dp degree.
+    """
     per_rank_data: dict[int, tuple[str, Any]] = {}
     shared_data: dict[str, Any] = {}
     cursor = (mdict.get("data") or {}).get("cursor")
@@ -242,25 +293,56 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         if cur:
             cursor = int(ix.read_object(cur[0]))
     prefix = _per_rank_prefix(data_roles)
-    ddec = data_mod.decide(per_rank_data, shared_data, source_dp=source_topo.dp, target_dp=target.dp,
+    return data_mod.decide(per_rank_data, shared_data, source_dp=source_topo.dp, target_dp=target.dp,
                            policy=options.data_policy, key_for_rank=lambda k: f"{prefix}{k}", cursor=cursor,
                            trust_pickle=options.trust_pickle)
 
-    # ------------------------------------------------------------ RNG
+
+def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topology, target: Topology,
+         options: Options, same_positions: bool) -> rng_mod.RngDecision:
+    """Each target rank's RNG streams: kept where every rank keeps its position, else reseeded by policy."""
     rng_ranks: dict[int, list[str]] = {}
     for x in cls.roles.values():
         if x.role == "rng" and x.rank is not None:
             rng_ranks.setdefault(x.rank, []).append(x.key)
     seed = options.seed if options.seed is not None else int((mdict.get("rng") or {}).get("seed", 0))
-    same_positions = source_topo.degrees() == target.degrees()
-    rdec = rng_mod.decide(rng_ranks, source_world=source_topo.world_size, target_world=target.world_size,
+    return rng_mod.decide(rng_ranks, source_world=source_topo.world_size, target_world=target.world_size,
                           same_positions=same_positions, policy=options.rng_policy, seed=seed,
                           step=int(r.get("step") or 0), prefix_for_rank=lambda k: f"rng.rank_{k}")
 
-    # ------------------------------------------------------------ tensors and every key
-    tensors: list[TensorPlan] = []
-    actions: list[KeyAction] = []
-    new_values: dict[str, Any] = {}
+
+# ---------------------------------------------------------------------------- per-key actions
+
+@dataclass
+class _Keys:
+    """What the executor does, key by key: tensors to write, one action per key, values to write, tie checks."""
+
+    tensors: list[TensorPlan] = field(default_factory=list)
+    actions: list[KeyAction] = field(default_factory=list)
+    new_values: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, str] = field(default_factory=dict)
+
+
+def _key_actions(ix: Any, cls: Any, mdict: dict[str, Any], geo: placement_mod.Geometry, target: Topology,
+                 sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision,
+                 reasons: list[str]) -> _Keys:
+    """Every source key's fate, in the source's key order, then the keys the target adds."""
+    keys = _Keys()
+    rewrites = _rewrites(ix, sdec, ddec, rdec)
+    dropped = {**ddec.dropped, **rdec.dropped}
+    for key, e in ix.entries.items():
+        _plan_source_key(key, e, keys, cls=cls, geo=geo, target=target, rewrites=rewrites, dropped=dropped,
+                         reasons=reasons)
+    _tied_checks(cls, mdict, geo, keys.checks)
+    _add_tied_copies(ix, cls, geo, target, keys)
+    _add_new_rank_state(ix, ddec, rdec, keys)
+    _fill_local_shapes(keys.tensors, target)
+    return keys
+
+
+def _rewrites(ix: Any, sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision,
+              rdec: rng_mod.RngDecision) -> dict[str, tuple[str, Any]]:
+    """Source key -> (why, new value) for the schedule, data and RNG state the decisions rewrite."""
     rewrites: dict[str, tuple[str, Any]] = {}
     if sdec:
         for k, (_, new) in sdec.rewrites.items():
@@ -271,97 +353,130 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     for k, v in rdec.writes.items():
         if k in ix.entries:
             rewrites[k] = (rdec.rewritten.get(k, "RNG reseeded"), v)
-    dropped = {**ddec.dropped, **rdec.dropped}
-    checks: dict[str, str] = {}
+    return rewrites
 
-    for key, e in ix.entries.items():
-        role = cls.roles[key].role
-        if key in dropped:
-            actions.append(KeyAction(key, role, "dropped", dropped[key]))
-            continue
-        if key in rewrites:
-            why, value = rewrites[key]
-            new_values[key] = value
-            actions.append(KeyAction(key, role, "rewritten", why, rank=_owner_rank(key, cls, target)))
-            if e.is_tensor:
-                tensors.append(_replicated(key, role, value, _owner_rank(key, cls, target)))
-            continue
-        if role == "unknown":
-            reasons.append(f"key '{key}' matches no rule of convention '{cls.convention.name}': reshard does not guess "
-                           "what it means (add a rule in formats/conventions/)")
-            actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
-            continue
-        if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
-            _, why, equal_to = geo.tied_actions[key]
-            actions.append(KeyAction(key, role, "dropped", why))
-            if equal_to:
-                checks[key] = equal_to
-            continue
+
+def _plan_source_key(key: str, e: Any, keys: _Keys, *, cls: Any, geo: placement_mod.Geometry, target: Topology,
+                     rewrites: dict[str, tuple[str, Any]], dropped: dict[str, str], reasons: list[str]) -> None:
+    """One source key: dropped by a decision, rewritten, refused (unknown), a dropped tied copy, resharded or carried."""
+    role = cls.roles[key].role
+    if key in dropped:
+        keys.actions.append(KeyAction(key, role, "dropped", dropped[key]))
+        return
+    if key in rewrites:
+        why, value = rewrites[key]
+        keys.new_values[key] = value
+        keys.actions.append(KeyAction(key, role, "rewritten", why, rank=_owner_rank(key, cls, target)))
         if e.is_tensor:
-            tg = geo.by_key[key]
-            placement = tg.placement
-            owner = _owner_rank(key, cls, target)
-            chunks = [(owner if placement.kind == "replicate" and owner else rk, b_.offsets, b_.sizes)
-                      for rk, b_ in target_chunks(tg.target_shape, placement, target)]
-            tensors.append(TensorPlan(key, role, tg.target_shape, e.dtype_name or "", placement, chunks, tg.transform))
-            why = placement.describe()
-            if tg.transform:
-                why += "; " + _describe_transform(tg.transform)
-            actions.append(KeyAction(key, role, "resharded" if placement.kind == "shard" else "carried",
-                                     why if placement.kind == "shard" or tg.transform else why + ", unchanged",
-                                     rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner))
-        else:
-            actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+            keys.tensors.append(_replicated(key, role, value, _owner_rank(key, cls, target)))
+        return
+    if role == "unknown":
+        reasons.append(f"key '{key}' matches no rule of convention '{cls.convention.name}': reshard does not guess "
+                       "what it means (add a rule in formats/conventions/)")
+        keys.actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
+        return
+    if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
+        _, why, equal_to = geo.tied_actions[key]
+        keys.actions.append(KeyAction(key, role, "dropped", why))
+        if equal_to:
+            keys.checks[key] = equal_to
+        return
+    if e.is_tensor:
+        tensor, action = _placed_tensor(key, role, e, geo.by_key[key], cls, target)
+        keys.tensors.append(tensor)
+        keys.actions.append(action)
+    else:
+        keys.actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+
+
+def _placed_tensor(key: str, role: str, e: Any, tg: placement_mod.TensorGeometry, cls: Any,
+                   target: Topology) -> tuple[TensorPlan, KeyAction]:
+    """A source tensor at its target placement: sharded ones are resharded, replicated ones carried to their owner."""
+    placement = tg.placement
+    owner = _owner_rank(key, cls, target)
+    chunks = [(owner if placement.kind == "replicate" and owner else rk, b_.offsets, b_.sizes)
+              for rk, b_ in target_chunks(tg.target_shape, placement, target)]
+    tensor = TensorPlan(key, role, tg.target_shape, e.dtype_name or "", placement, chunks, tg.transform)
+    why = placement.describe()
+    if tg.transform:
+        why += "; " + _describe_transform(tg.transform)
+    action = KeyAction(key, role, "resharded" if placement.kind == "shard" else "carried",
+                       why if placement.kind == "shard" or tg.transform else why + ", unchanged",
+                       rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner)
+    return tensor, action
+
+
+def _tied_checks(cls: Any, mdict: dict[str, Any], geo: placement_mod.Geometry, checks: dict[str, str]) -> None:
+    """Tied weights must be equal, or the conversion would pick one copy silently: convert checks each pair."""
     param_keys = {r_.param: k for k, r_ in cls.roles.items() if r_.role == "parameter" and r_.param}
     declared = [tuple(t) for t in ((mdict.get("model") or {}).get("tied") or []) if len(t) == 2]
     for a_key, b_key in geo.tied_params + [(param_keys[a], param_keys[b]) for a, b in declared
                                            if a in param_keys and b in param_keys]:
-        checks[b_key] = a_key  # declared tied weights must be equal, or the conversion would pick one silently
+        checks[b_key] = a_key
+
+
+def _add_tied_copies(ix: Any, cls: Any, geo: placement_mod.Geometry, target: Topology, keys: _Keys) -> None:
+    """Tied copies the target needs but the source did not save (e.g. the output head on the last stage)."""
     for key, (action, why, src_key) in geo.tied_actions.items():
         if action != "added" or src_key is None:
             continue
         se = ix.entries[src_key]
+        role = cls.roles[src_key].role
         if not se.is_tensor:
-            new_values[key] = ix.read_object(src_key)
-            actions.append(KeyAction(key, cls.roles[src_key].role, "added", why, rank=0))
+            keys.new_values[key] = ix.read_object(src_key)
+            keys.actions.append(KeyAction(key, role, "added", why, rank=0))
             continue
-        pl = geo.by_key[src_key].placement
-        stage = target.pp - 1
-        pl = Placement(dp_shard=pl.dp_shard, tp_dim=pl.tp_dim, stage=stage)
-        chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(geo.by_key[src_key].target_shape, pl, target)]
-        tensors.append(TensorPlan(key, cls.roles[src_key].role, geo.by_key[src_key].target_shape, se.dtype_name or "", pl,
-                                  chunks, geo.by_key[src_key].transform, copy_from=src_key))
-        actions.append(KeyAction(key, cls.roles[src_key].role, "added", why))
+        src_geo = geo.by_key[src_key]
+        pl = Placement(dp_shard=src_geo.placement.dp_shard, tp_dim=src_geo.placement.tp_dim, stage=target.pp - 1)
+        chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(src_geo.target_shape, pl, target)]
+        keys.tensors.append(TensorPlan(key, role, src_geo.target_shape, se.dtype_name or "", pl,
+                                       chunks, src_geo.transform, copy_from=src_key))
+        keys.actions.append(KeyAction(key, role, "added", why))
+
+
+def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision, keys: _Keys) -> None:
+    """Data and RNG state for target ranks the source did not have."""
     for k, v in list(ddec.writes.items()) + list(rdec.writes.items()):
         if k in ix.entries:
             continue
         role = "data" if k in ddec.writes else "rng"
         rank = _rank_from_key(k)
         why = (f"new rank {rank}: " if rank is not None else "") + ("data position " + ddec.policy if role == "data" else rdec.per_rank.get(rank, "RNG"))
-        new_values[k] = v
-        actions.append(KeyAction(k, role, "added", why, rank=rank if rank is not None else 0))
+        keys.new_values[k] = v
+        keys.actions.append(KeyAction(k, role, "added", why, rank=rank if rank is not None else 0))
         if isinstance(v, torch.Tensor):
-            tensors.append(_replicated(k, role, v, rank or 0))
+            keys.tensors.append(_replicated(k, role, v, rank or 0))
 
+
+def _fill_local_shapes(tensors: list[TensorPlan], target: Topology) -> None:
+    """Each holding rank's local shape, so an uneven split is visible in the plan."""
     for t in tensors:
         for rank in range(target.world_size):
             box = local_box(t.shape, t.placement, target, rank)
             if box is not None:
                 t.local[rank] = box.sizes
-    reduced = _reduce(options, tensors, actions, ix)
-    memory = _memory(tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
+
+
+# ---------------------------------------------------------------------------- verdict and source
+
+def _plan_verdict(r: dict[str, Any], bdec: batch_mod.BatchDecision, sdec: schedule_mod.ScheduleDecision | None,
+                  ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision, reasons: list[str], same_positions: bool,
+                  numerics: list[str], reduced: list[str]) -> dict[str, Any]:
+    """The verdict on the decisions, plus the placements' numeric changes; a reduced copy is a warm start."""
     verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
-    verdict["changes"].extend(geo.numerics)
+    verdict["changes"].extend(numerics)
     if reduced and not reasons:
         verdict["warm_start_reasons"].extend(reduced)
         verdict["kind"] = "warm_start"
-    source = {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
-              "tokens_seen": r.get("tokens_seen"),
-              "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
-              "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
-    return Plan(source, target.with_source("given"), options, not reasons, reasons, bdec, sdec, ddec, rdec, acc_out,
-                memory, tensors, actions, verdict, new_values, geo.stage_map,
-                geo.rules.family if geo.rules else None, checks)
+    return verdict
+
+
+def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
+    """What the plan read from its source; part of the fingerprint, so its content must not drift."""
+    return {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
+            "tokens_seen": r.get("tokens_seen"),
+            "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
+            "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
