@@ -1,8 +1,8 @@
 """Are this tree's outputs byte-identical to another revision's? For refactors that promise "behaviour unchanged".
 
-    python scripts/compare_outputs.py BASE_REV [--work DIR] [--mib 64]
+    python scripts/compare_outputs.py BASE_REV [--this REV] [--work DIR] [--mib 64]
 
-Checks out ``BASE_REV`` in a temporary git worktree, makes the checkpoints once with this
+Checks out ``BASE_REV`` (and ``--this REV``, else this working tree is used) in a temporary git worktree, makes the checkpoints once with this
 tree's makers (the benchmark's `make_sharded` layout at ``--mib`` MiB, a plain FSDP2
 `get_state_dict` checkpoint, and the reference trainer's 4-rank checkpoint with its full
 trainer state), then runs the same commands with each tree (``PYTHONPATH`` first on the
@@ -73,6 +73,7 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("base", help="the revision to compare with (e.g. the commit before a refactor)")
+    ap.add_argument("--this", default=None, help="compare this revision instead of the working tree")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--mib", type=int, default=64, help="size of the sharded benchmark-layout checkpoint")
     a = ap.parse_args()
@@ -80,6 +81,11 @@ def main() -> int:
     base = work / "base-tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), a.base], check=True,
                    capture_output=True)
+    this = ROOT
+    if a.this:
+        this = work / "this-tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(this), a.this], check=True,
+                       capture_output=True)
     failed = 0
     try:
         ck = _make(work / "ckpts", a.mib)
@@ -92,7 +98,7 @@ def main() -> int:
             dst = work / "run" / "out"
             dst.parent.mkdir(parents=True, exist_ok=True)
             outs = {}
-            for label, tree in (("base", base), ("this", ROOT)):
+            for label, tree in (("base", base), ("this", this)):
                 shutil.rmtree(dst, ignore_errors=True)
                 r = _run(tree, args, dst)
                 if r.returncode != 0:
@@ -109,7 +115,8 @@ def main() -> int:
                   f" ({sum(p.stat().st_size for p in outs['this'].rglob('*') if p.is_file()):,} bytes)")
             shutil.rmtree(outs["base"]), shutil.rmtree(outs["this"])
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
+        for tree in {base, this} - {ROOT}:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
     print("all outputs identical" if not failed else f"{failed} command(s) differ")
     return 1 if failed else 0
 

@@ -54,6 +54,7 @@ The output directory appears atomically (`reshard.storage.atomic.atomic_director
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import time as _time
@@ -520,7 +521,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             "keys": plan.keys,
             "verification": verification,
             "files": files,
-            "seconds": round(_time.time() - started, 3),
+            # no wall time under SOURCE_DATE_EPOCH: reproducible outputs, as convert and import
+            "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
         }
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         if not verification["equal"]:
