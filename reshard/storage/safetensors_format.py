@@ -200,6 +200,31 @@ def read_header(fd: int, *, size: int, where: str) -> tuple[dict[str, Any], int]
     return header, 8 + n
 
 
+def sort_header_metadata(path: str | Path) -> None:
+    """Rewrite, in place and at the same length, a safetensors file's ``__metadata__`` with its keys sorted.
+
+    ``safetensors`` serialises the metadata from a hash map, whose order changes from process
+    to process, so the same tensors and metadata give different bytes on each run. Sorting
+    the keys makes files written with ``safetensors.torch.save_file`` reproducible; the
+    header's length and every data offset stay as they were.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        header = json.loads(raw)
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict) or len(meta) < 2:
+            return
+        ordered = {"__metadata__": dict(sorted(meta.items()))}
+        ordered.update((k, v) for k, v in header.items() if k != "__metadata__")
+        new = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        body = raw.rstrip(b" ")
+        if len(new) != len(body):  # a serialisation this does not reproduce exactly: leave the file as written
+            return
+        f.seek(8)
+        f.write(new + raw[len(body):])
+
+
 def default_key(name: str) -> str:
     """The reshard key for a stored name nobody recorded a source key for."""
     if name.startswith("optim."):
