@@ -260,69 +260,114 @@ def _fast_candidates(ia: Any, ib: Any, rtol: float, atol: float) -> list[str]:
 def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: CheckpointIndex,
                     rtol: float, atol: float, stats: dict[str, int], notes: list[str],
                     progress: Any, verdict: Any = None, b_files: set[str] | None = None) -> dict[str, Any] | None:
+    """One tensor key on both sides: the fast path's ``"equal"`` verdict counted as is, else
+    shape, dtype and values decoded box by box (the keys the fast path found different or
+    left alone), so what is reported does not depend on the path taken."""
     if verdict is not None and verdict.status == "equal":  # decided by reshard.engine.compare
-        stats["tensors"] += 1
-        stats["elements"] += verdict.elements
-        stats["bytes"] += verdict.nbytes
-        if progress is not None and len(ea.chunks) > verdict.ticked:
-            progress.update(len(ea.chunks) - verdict.ticked)
+        _count_decided(ea, verdict, stats, progress)
         return None
     if verdict is not None and verdict.ticked and progress is not None:
         progress = _SkipTicks(progress, verdict.ticked)
+    d = _shape_or_dtype_difference(key, ea, eb, rtol, atol, notes)
+    if d is not None:
+        _advance(progress, len(ea.chunks))
+        return d
+    stats["tensors"] += 1
+    mismatch = _decoded_mismatch(key, ia, ib, _decoded_boxes(ea, eb, b_files), rtol, atol, stats, progress)
+    return _value_difference(key, ea, mismatch, rtol, atol) if mismatch.count else None
 
-    def done(n: int) -> None:
-        if progress is not None and n:
-            progress.update(n)
 
+def _advance(progress: Any, n: int) -> None:
+    if progress is not None and n:
+        progress.update(n)
+
+
+def _count_decided(ea: Entry, verdict: Any, stats: dict[str, int], progress: Any) -> None:
+    """A key the fast path found equal: its counts, and the ticks for A's chunks it did not give yet."""
+    stats["tensors"] += 1
+    stats["elements"] += verdict.elements
+    stats["bytes"] += verdict.nbytes
+    if progress is not None and len(ea.chunks) > verdict.ticked:
+        progress.update(len(ea.chunks) - verdict.ticked)
+
+
+def _shape_or_dtype_difference(key: str, ea: Entry, eb: Entry, rtol: float, atol: float,
+                               notes: list[str]) -> dict[str, Any] | None:
+    """A shape difference, else a dtype difference unless a tolerance is given (then the
+    dtype change is only noted: both sides are widened before comparing)."""
     if ea.shape != eb.shape:
-        done(len(ea.chunks))
         return {"key": key, "kind": "shape", "detail": f"shape {list(ea.shape)} in A, {list(eb.shape)} in B",
                 "a": list(ea.shape), "b": list(eb.shape)}
-    tolerant = rtol > 0 or atol > 0
     if ea.dtype != eb.dtype:
-        if not tolerant:
-            done(len(ea.chunks))
+        if not (rtol > 0 or atol > 0):
             return {"key": key, "kind": "dtype", "detail": f"dtype {ea.dtype_name} in A, {eb.dtype_name} in B",
                     "a": ea.dtype_name, "b": eb.dtype_name}
         notes.append(f"{key}: dtype {ea.dtype_name} in A, {eb.dtype_name} in B (compared within tolerance)")
-    stats["tensors"] += 1
-    count = 0
-    first: tuple[list[int], Any, Any] | None = None
-    # one box at a time: A's chunks, or (a distributed worker's part) B's chunks in its files
-    boxes = ([c.box for c in ea.chunks] if b_files is None else
-             [c.box for c in eb.chunks if c.location is not None and c.location.file in b_files])
-    for box in boxes:
-        if box.is_empty():
-            done(1)
-            continue
-        ta = ia.read_box(key, box)
-        tb = ib.read_box(key, box)
-        if tolerant:
-            wa, wb = _wide(ta), _wide(tb)
-            bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
-            del wa, wb
-        else:
-            bad = (_bits(ta) != _bits(tb)).any(dim=1)
+    return None
+
+
+def _decoded_boxes(ea: Entry, eb: Entry, b_files: set[str] | None) -> list[Any]:
+    """The boxes decoded one at a time: A's chunks, or (a distributed worker's part) B's chunks in its files."""
+    return ([c.box for c in ea.chunks] if b_files is None else
+            [c.box for c in eb.chunks if c.location is not None and c.location.file in b_files])
+
+
+@dataclass
+class _Mismatch:
+    """A key's differing elements so far: how many, and the first in global row-major order with its values."""
+
+    count: int = 0
+    index: list[int] | None = None
+    a: Any = None
+    b: Any = None
+
+    def add(self, box: Any, bad: torch.Tensor, ta: torch.Tensor, tb: torch.Tensor) -> None:
+        """The differing elements ``bad`` (a flat mask) of ``box``, read as ``ta`` and ``tb``."""
         n = int(bad.sum())
-        stats["elements"] += box.numel
-        stats["bytes"] += box.numel * ta.element_size()
-        if n:
-            count += n
-            flat = int(bad.nonzero()[0, 0])
-            idx = [o + i for o, i in zip(box.offsets, _unravel(flat, box.sizes))]
-            # row-major order within a box is lexicographic, so the global first is the min
-            if first is None or idx < first[0]:
-                first = (idx, _item(ta, flat), _item(tb, flat))
-        del ta, tb, bad
-        done(1)
-    if not count:
-        return None
-    assert first is not None
-    idx, va, vb = first
-    how = "bitwise" if not tolerant else f"beyond rtol={rtol}, atol={atol}"
+        if not n:
+            return
+        self.count += n
+        flat = int(bad.nonzero()[0, 0])
+        idx = [o + i for o, i in zip(box.offsets, _unravel(flat, box.sizes))]
+        # row-major order within a box is lexicographic, so the global first is the min
+        if self.index is None or idx < self.index:
+            self.index, self.a, self.b = idx, _item(ta, flat), _item(tb, flat)
+
+
+def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes: list[Any], rtol: float,
+                      atol: float, stats: dict[str, int], progress: Any) -> _Mismatch:
+    """Decode ``boxes`` of ``key`` from both sides one at a time (memory bounded by the largest)
+    and compare them; each box is counted in ``stats`` and ticked."""
+    mismatch = _Mismatch()
+    for box in boxes:
+        if not box.is_empty():
+            ta = ia.read_box(key, box)
+            tb = ib.read_box(key, box)
+            bad = _differing(ta, tb, rtol, atol)
+            stats["elements"] += box.numel
+            stats["bytes"] += box.numel * ta.element_size()
+            mismatch.add(box, bad, ta, tb)
+            del ta, tb, bad
+        _advance(progress, 1)
+    return mismatch
+
+
+def _differing(ta: torch.Tensor, tb: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """A flat mask of the elements that differ: bit for bit, or (a tolerance given) beyond it, widened."""
+    if rtol > 0 or atol > 0:
+        wa, wb = _wide(ta), _wide(tb)
+        bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
+        del wa, wb
+        return bad
+    return (_bits(ta) != _bits(tb)).any(dim=1)
+
+
+def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: float) -> dict[str, Any]:
+    """The ``value`` difference of a key with differing elements."""
+    how = "bitwise" if not (rtol > 0 or atol > 0) else f"beyond rtol={rtol}, atol={atol}"
     return {"key": key, "kind": "value",
-            "detail": f"{count} of {ea.numel} elements differ ({how}); first at {idx}: {va!r} in A, {vb!r} in B",
-            "index": idx, "a": va, "b": vb, "count": count, "numel": ea.numel}
+            "detail": f"{m.count} of {ea.numel} elements differ ({how}); first at {m.index}: {m.a!r} in A, {m.b!r} in B",
+            "index": m.index, "a": m.a, "b": m.b, "count": m.count, "numel": ea.numel}
 
 
 # ---------------------------------------------------------------------------------- objects
@@ -966,8 +1011,7 @@ class _KeyComparison:
     notes: list[str]
 
     def tick(self, n: int = 1) -> None:
-        if self.progress is not None and n:
-            self.progress.update(n)
+        _advance(self.progress, n)
 
 
 def _key_differences(kc: _KeyComparison) -> list[dict[str, Any]]:
