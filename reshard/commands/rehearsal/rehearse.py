@@ -24,14 +24,21 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Infeasible
 from reshard.commands.rehearsal import compare
 from reshard.commands.rehearsal.ckpt import make_control
 from reshard.model.topology import Topology, parse_spec
+
+if TYPE_CHECKING:  # annotations only: the trainer and the planner load torch, imported where they run
+    from reshard.commands.plan import Options, Plan
+    from reshard.reference import TrainConfig
+    from reshard.semantics.batch import Recipe
 
 DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "grad_norm_rtol": 1e-3, "moment_rtol": 1e-5}
 FLOOR_FACTOR = 10.0      # tolerance = max(default, FLOOR_FACTOR x measured fp32 noise floor)
@@ -142,15 +149,72 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
     ``rehearsal.json``) with ``exit_code`` (0: within tolerance and coverage exact) and
     ``diverged`` (what diverged, named).
     """
-    from reshard.commands.convert import convert
-    from reshard.storage.index import CheckpointIndex
-    from reshard.commands.plan import Options, make_plan
-    from reshard.reference import TrainConfig
-    from reshard.semantics.rules import select
-    from reshard.commands.verify import verify_checkpoints
+    from reshard.commands.plan import Options
 
     t_start = time.perf_counter()
     src, tgt = _topology(from_spec, "from"), _topology(to_spec, "to")
+    _check_arguments(steps, switch_at, window, hooks)
+    out = _fresh_outputs(Path(out))
+    setup = _make_setup(src, tgt, steps=steps, switch_at=switch_at, window=window, out=out, seed=seed,
+                        dropout=dropout, like=like, micro_batch=micro_batch, grad_accum=grad_accum,
+                        source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum)
+    timings: dict[str, float] = {}
+    with _timed(timings, "baseline"):
+        baseline = _run_baseline(setup)
+    _check_rules_family(setup, baseline.src_ckpt)
+    with _timed(timings, "plan_convert_verify"):
+        switch = _convert_at_switch(setup, baseline.src_ckpt, hooks, Options(
+            to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum, data_policy=data_policy))
+    control_info = make_control(baseline.src_ckpt, out / "control_ckpt", source_dp=src.dp, target_dp=tgt.dp)
+    with _timed(timings, "resumed_and_control"):
+        errors = _run_resumed_and_control(setup, switch)
+    cmp = _compare_runs(setup, baseline)
+    tol, derivation = _tolerances(setup, baseline, cmp.base, tolerances)
+    diverged = _diverged(setup, switch, cmp, tol, errors["resumed"])
+    report = _report(setup, switch, cmp, tol=tol, derivation=derivation, diverged=diverged,
+                     exactness=_exactness(setup, switch, cmp, tol),
+                     control=_control_section(control_info, errors["control"], cmp), errors=errors)
+    _write_outputs(report, out, timings, t_start)
+    return report
+
+
+# ---------------------------------------------------------------------- the shared setup
+
+@dataclass
+class _Setup:
+    """What every run of one rehearsal shares, fixed before the first rank starts: the two
+    topologies, the window, the source recipe (scaled from ``--like`` when given) and a data
+    length that keeps every run inside one epoch."""
+
+    src: Topology
+    tgt: Topology
+    steps: int
+    switch_at: int
+    window: int
+    out: Path
+    seed: int
+    dropout: float
+    like: Path | None
+    train_kw: dict[str, Any]          # source recipe (micro_batch, grad_accum) and model shape
+    copied: dict[str, Any] | None     # what --like copied from the real checkpoint (None without it)
+    warmup: int
+    g_src: int                        # the source run's global batch
+    dataset_len: int
+    common: dict[str, Any]            # TrainConfig fields every run takes
+
+    @property
+    def window_steps(self) -> list[int]:
+        """The steps compared: the ``window`` steps after the switch."""
+        return list(range(self.switch_at + 1, self.switch_at + self.window + 1))
+
+    @property
+    def structural(self) -> bool:
+        """tp or pp changes: sums are taken in another order, so the tolerances need a noise floor."""
+        return self.src.tp != self.tgt.tp or self.src.pp != self.tgt.pp
+
+
+def _check_arguments(steps: int, switch_at: int, window: int, hooks: dict | None) -> None:
+    """Refuse a window that does not fit in the run, and hooks this function would silently ignore."""
     if switch_at < 1 or window < 1:
         raise BadInput(f"switch_at ({switch_at}) and window ({window}) must be >= 1")
     if steps < switch_at + window:
@@ -158,13 +222,42 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
     unknown_hooks = set(hooks or {}) - {"after_convert"}
     if unknown_hooks:
         raise BadInput(f"unknown hooks {sorted(unknown_hooks)}", hint="Known: after_convert.")
-    out = Path(out)
+
+
+def _fresh_outputs(out: Path) -> Path:
+    """Create ``out`` and remove a previous rehearsal's runs, so no stale log or checkpoint is compared."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("baseline", "floor", "converted", "resumed", "control", "control_ckpt"):
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.jsonl").unlink(missing_ok=True)
+    return out
 
-    train_kw: dict[str, Any] = {"micro_batch": source_micro_batch, "grad_accum": source_grad_accum}
+
+def _make_setup(src: Topology, tgt: Topology, *, steps: int, switch_at: int, window: int, out: Path, seed: int,
+                dropout: float, like: Path | None, micro_batch: int | None, grad_accum: int | None,
+                source_micro_batch: int, source_grad_accum: int) -> _Setup:
+    """The source recipe, checked against both topologies, and the data length every run needs."""
+    train_kw, copied, warmup = _source_recipe(like, src, steps, source_micro_batch, source_grad_accum)
+    _check_model_divides(src, tgt, train_kw)
+    g_src = train_kw["micro_batch"] * train_kw["grad_accum"] * src.dp
+    if micro_batch and grad_accum:
+        g_tgt = micro_batch * grad_accum * tgt.dp
+    else:
+        g_tgt = g_src  # the planner keeps the global batch (checked below against the plan)
+    dataset_len = _dataset_len(src, tgt, steps, switch_at, g_src, g_tgt)
+    common = dict(seed=seed, dropout=dropout, dataset_len=dataset_len, warmup=warmup, total_steps=steps,
+                  steps=steps, experiment_id="rehearsal",
+                  **{x: train_kw[x] for x in ("n_heads", "n_layers", "dim", "vocab_size") if x in train_kw})
+    return _Setup(src=src, tgt=tgt, steps=steps, switch_at=switch_at, window=window, out=out, seed=seed,
+                  dropout=dropout, like=like, train_kw=train_kw, copied=copied, warmup=warmup, g_src=g_src,
+                  dataset_len=dataset_len, common=common)
+
+
+def _source_recipe(like: Path | None, src: Topology, steps: int, micro_batch: int,
+                   grad_accum: int) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """(train_kw, copied, warmup): the given recipe, or the one ``like`` scales down from a real
+    checkpoint, with its warmup kept as the same fraction of the (shorter) rehearsal."""
+    train_kw: dict[str, Any] = {"micro_batch": micro_batch, "grad_accum": grad_accum}
     copied = None
     warmup = 2
     if like is not None:
@@ -175,6 +268,11 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
         if frac is not None:
             warmup = max(1, round(frac * steps)) if frac > 0 else 0
             copied["schedule"]["rehearsal"] = {"warmup": warmup, "total_steps": steps}
+    return train_kw, copied, warmup
+
+
+def _check_model_divides(src: Topology, tgt: Topology, train_kw: dict[str, Any]) -> None:
+    """Both topologies must split the rehearsal model: tp its heads, pp its layers."""
     n_heads = train_kw.get("n_heads", 2)
     for t, name in ((src, "from"), (tgt, "to")):
         if n_heads % t.tp:
@@ -182,61 +280,122 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
         if train_kw.get("n_layers", 2) % t.pp:
             raise BadInput(f"--{name}: pp={t.pp} does not divide the rehearsal model's n_layers={train_kw.get('n_layers', 2)}")
 
+
+def _dataset_len(src: Topology, tgt: Topology, steps: int, switch_at: int, g_src: int, g_tgt: int) -> int:
+    """A dataset length, a multiple of both global batches, with no epoch boundary inside any run:
+    baseline, resumed, and the control's replayed cursor."""
     k = switch_at
-    g_src = train_kw["micro_batch"] * train_kw["grad_accum"] * src.dp
-    if micro_batch and grad_accum:
-        g_tgt = micro_batch * grad_accum * tgt.dp
-    else:
-        g_tgt = g_src  # the planner keeps the global batch (checked below against the plan)
-    # no epoch boundary inside any run: baseline, resumed, and the control's replayed cursor
     ctrl_start = (k * g_src // src.dp) * tgt.dp
     need = max(steps * g_src, k * g_src + (steps - k) * g_tgt, ctrl_start + (steps - k) * g_tgt)
     unit = _lcm(g_src, g_tgt)
-    dataset_len = -(-need // unit) * unit + unit
-    common = dict(seed=seed, dropout=dropout, dataset_len=dataset_len, warmup=warmup, total_steps=steps,
-                  steps=steps, experiment_id="rehearsal",
-                  **{x: train_kw[x] for x in ("n_heads", "n_layers", "dim", "vocab_size") if x in train_kw})
-    window_steps = list(range(k + 1, k + window + 1))
+    return -(-need // unit) * unit + unit
 
-    # ------------------------------------------------------------ 1. baseline (+ noise floor)
-    base_cfg = TrainConfig(dp=src.dp_shard, tp=src.tp, pp=src.pp, save_at=[k, k + 1], out=str(out / "baseline"),
-                           log=str(out / "baseline.jsonl"), micro_batch=train_kw["micro_batch"],
-                           grad_accum=train_kw["grad_accum"], **common)
-    structural = src.tp != tgt.tp or src.pp != tgt.pp
-    floor_cfg = None
-    if structural:
-        mb, ga = base_cfg.micro_batch, base_cfg.grad_accum
-        split = (mb * 2, ga // 2) if ga % 2 == 0 else (mb // 2, ga * 2) if mb % 2 == 0 else None
-        if split:
-            floor_cfg = TrainConfig(**{**asdict(base_cfg), "micro_batch": split[0], "grad_accum": split[1],
-                                       "save_at": [k + 1], "out": str(out / "floor"), "log": str(out / "floor.jsonl"),
-                                       "steps": k + window})
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Record the wall time of the block as ``timings[name]`` (the report's ``timings_s``)."""
     t0 = time.perf_counter()
-    err = _spawn([base_cfg] + ([floor_cfg] if floor_cfg else []), "baseline run")
-    timings = {"baseline": time.perf_counter() - t0}
+    yield
+    timings[name] = time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- 1. baseline (+ noise floor)
+
+@dataclass
+class _Baseline:
+    """The source run: its config, the noise-floor run's (None when none is needed or possible),
+    and its checkpoints at the switch and one step after (optimizer state to compare)."""
+
+    cfg: TrainConfig
+    floor_cfg: TrainConfig | None
+    src_ckpt: Path
+    next_ckpt: Path
+
+
+def _run_baseline(setup: _Setup) -> _Baseline:
+    """Run the source topology uninterrupted (and the noise-floor run beside it, in one spawn)."""
+    from reshard.reference import TrainConfig
+
+    k, out, src = setup.switch_at, setup.out, setup.src
+    cfg = TrainConfig(dp=src.dp_shard, tp=src.tp, pp=src.pp, save_at=[k, k + 1], out=str(out / "baseline"),
+                      log=str(out / "baseline.jsonl"), micro_batch=setup.train_kw["micro_batch"],
+                      grad_accum=setup.train_kw["grad_accum"], **setup.common)
+    floor_cfg = _floor_config(setup, cfg)
+    err = _spawn([cfg] + ([floor_cfg] if floor_cfg else []), "baseline run")
     if err:
         raise Infeasible(err, where=str(out / "baseline"), hint="The source run itself failed; see the ranks' stderr.")
-    src_ckpt, base_next = out / "baseline" / f"step_{k}", out / "baseline" / f"step_{k + 1}"
+    return _Baseline(cfg=cfg, floor_cfg=floor_cfg, src_ckpt=out / "baseline" / f"step_{k}",
+                     next_ckpt=out / "baseline" / f"step_{k + 1}")
 
-    rules_family = None
-    if copied is not None:
-        bix = CheckpointIndex.open(src_ckpt)
-        rules_family = select(sorted(x[len("model."):] for x in bix.entries if x.startswith("model.")),
-                              family="reshard-reference-gpt").family
-        copied["rehearsal_rules_family"] = rules_family
-        if rules_family != copied["rules_family"]:
-            raise BadInput(f"the rehearsal model selects partition rules '{rules_family}', the real checkpoint "
-                           f"'{copied['rules_family']}': the rehearsal would not exercise the same rules",
-                           where=str(like))
 
-    # ------------------------------------------------------------ 2. plan, convert, verify, resume
-    t0 = time.perf_counter()
-    plan = make_plan(src_ckpt, Options(to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum,
-                                       data_policy=data_policy))
+def _floor_config(setup: _Setup, base_cfg: TrainConfig) -> TrainConfig | None:
+    """For a tp/pp change, the source run again with only the accumulation split changed: the same
+    sums in another order, i.e. the fp32 noise floor. None for a dp-only change, or when micro_batch
+    and grad_accum are both odd (no split to take)."""
+    from reshard.reference import TrainConfig
+
+    if not setup.structural:
+        return None
+    k, out = setup.switch_at, setup.out
+    mb, ga = base_cfg.micro_batch, base_cfg.grad_accum
+    split = (mb * 2, ga // 2) if ga % 2 == 0 else (mb // 2, ga * 2) if mb % 2 == 0 else None
+    if not split:
+        return None
+    return TrainConfig(**{**asdict(base_cfg), "micro_batch": split[0], "grad_accum": split[1],
+                          "save_at": [k + 1], "out": str(out / "floor"), "log": str(out / "floor.jsonl"),
+                          "steps": k + setup.window})
+
+
+def _check_rules_family(setup: _Setup, src_ckpt: Path) -> None:
+    """With ``--like``: the rehearsal model must select the real checkpoint's partition rules, or the
+    rehearsal would not exercise them. Records the family in ``setup.copied``."""
+    from reshard.semantics.rules import select
+    from reshard.storage.index import CheckpointIndex
+
+    copied = setup.copied
+    if copied is None:
+        return
+    bix = CheckpointIndex.open(src_ckpt)
+    rules_family = select(sorted(x[len("model."):] for x in bix.entries if x.startswith("model.")),
+                          family="reshard-reference-gpt").family
+    copied["rehearsal_rules_family"] = rules_family
+    if rules_family != copied["rules_family"]:
+        raise BadInput(f"the rehearsal model selects partition rules '{rules_family}', the real checkpoint "
+                       f"'{copied['rules_family']}': the rehearsal would not exercise the same rules",
+                       where=str(setup.like))
+
+
+# ---------------------------------------------------------------------- 2. plan, convert, verify, resume
+
+@dataclass
+class _Switch:
+    """The conversion at the switch: the plan, where it wrote, what is resumed (a hook may substitute
+    its own checkpoint), the planned rewrites and verify's comparison of source and resumed state."""
+
+    plan: Plan
+    dst: Path
+    resume_from: Path
+    hooked: bool
+    planned: dict[str, str]
+    verified: dict[str, Any]
+
+    @property
+    def after(self) -> Recipe:
+        """The target batch recipe the plan chose (a feasible plan always has one)."""
+        return self.plan.batch.after
+
+
+def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, options: Options) -> _Switch:
+    """Plan and convert the switch checkpoint as a real transition would, run the after_convert
+    hook, then verify the resumed checkpoint against the source (only planned rewrites may differ)."""
+    from reshard.commands.convert import convert
+    from reshard.commands.plan import make_plan
+    from reshard.commands.verify import verify_checkpoints
+
+    plan = make_plan(src_ckpt, options)
     if not plan.feasible:
         raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src_ckpt))
-    after = plan.batch.after
-    dst = out / "converted"
+    dst = setup.out / "converted"
     convert(plan, src_ckpt, dst)
     resume_from = dst
     hook = (hooks or {}).get("after_convert")
@@ -246,78 +405,147 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
             resume_from = Path(ret)
     planned = {a.key: a.action for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
     v = verify_checkpoints(src_ckpt, resume_from, expected_rewrites=planned)
-    timings["plan_convert_verify"] = time.perf_counter() - t0
-    control_info = make_control(src_ckpt, out / "control_ckpt", source_dp=src.dp, target_dp=tgt.dp)
+    return _Switch(plan=plan, dst=dst, resume_from=resume_from, hooked=hook is not None, planned=planned, verified=v)
 
+
+def _run_resumed_and_control(setup: _Setup, switch: _Switch) -> dict[str, str | None]:
+    """Resume the converted checkpoint and the naive control on the target topology, in one spawn;
+    when that fails, the control again alone (so its failure and the resumed run's are told apart).
+    Returns the report's ``errors``: {"resumed": ..., "control": ...}."""
+    from reshard.reference import TrainConfig
+
+    k, out, tgt, after = setup.switch_at, setup.out, setup.tgt, switch.after
     tgt_common = dict(dp=tgt.dp_shard, tp=tgt.tp, pp=tgt.pp, micro_batch=after.micro_batch,
-                      grad_accum=after.grad_accum, **common)
-    res_cfg = TrainConfig(resume=str(resume_from), save_at=[k + 1], out=str(out / "resumed"),
+                      grad_accum=after.grad_accum, **setup.common)
+    res_cfg = TrainConfig(resume=str(switch.resume_from), save_at=[k + 1], out=str(out / "resumed"),
                           log=str(out / "resumed.jsonl"), **tgt_common)
     ctl_cfg = TrainConfig(resume=str(out / "control_ckpt"), log=str(out / "control.jsonl"), **tgt_common)
-    t0 = time.perf_counter()
     res_err = _spawn([res_cfg, ctl_cfg], "resumed run")
     ctl_err = None
     if res_err:
         (out / "control.jsonl").unlink(missing_ok=True)
         ctl_err = _spawn([ctl_cfg], "control run")
-    timings["resumed_and_control"] = time.perf_counter() - t0
+    return {"resumed": res_err, "control": ctl_err}
 
-    # ------------------------------------------------------------ 3. compare
+
+# ---------------------------------------------------------------------- 3. compare
+
+@dataclass
+class _Comparison:
+    """The three runs' logs and what compare measured of them over the window."""
+
+    base: dict[int, Any]
+    res: dict[int, Any]
+    ctl: dict[int, Any]
+    loss: dict[str, Any]
+    gnorm: dict[str, Any]
+    mom: dict[str, Any] | None            # None: the resumed run wrote no step_{k+1} checkpoint
+    cov: dict[str, Any]
+    ctl_cov: dict[str, Any] | None
+    ctl_loss: dict[str, Any] | None
+    jump: dict[str, Any] | None           # the control's loss jump at the first resumed step
+
+
+def _compare_runs(setup: _Setup, baseline: _Baseline) -> _Comparison:
+    """Losses, grad norms, moments after the first resumed step and sample coverage, each against the baseline."""
+    out, k, window_steps = setup.out, setup.switch_at, setup.window_steps
     base, res, ctl = (compare.read_log(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control"))
-    loss = compare.trajectory(res, base, window_steps, "loss")
-    gnorm = compare.trajectory(res, base, window_steps, "grad_norm")
     res_next = out / "resumed" / f"step_{k + 1}"
-    mom = compare.moments(res_next, base_next) if (res_next / ".metadata").exists() else None
-    cov_kw = dict(switch_at=k, window_steps=window_steps, dataset_len=dataset_len, seed=seed)
-    cov = compare.coverage(base, res, **cov_kw)
-    ctl_cov = compare.coverage(base, ctl, **cov_kw) if ctl else None
-    ctl_loss = compare.trajectory(ctl, base, window_steps, "loss") if ctl else None
-    first = window_steps[0]
-    jump = None
-    if ctl and first in ctl and first in base:
-        jump = {"step": first, "control": ctl[first].loss, "baseline": base[first].loss,
-                "resumed": res[first].loss if first in res else None,
-                "abs": ctl[first].loss - base[first].loss, "rel": compare.rel(ctl[first].loss, base[first].loss)}
+    mom = compare.moments(res_next, baseline.next_ckpt) if (res_next / ".metadata").exists() else None
+    cov_kw = dict(switch_at=k, window_steps=window_steps, dataset_len=setup.dataset_len, seed=setup.seed)
+    return _Comparison(
+        base=base, res=res, ctl=ctl,
+        loss=compare.trajectory(res, base, window_steps, "loss"),
+        gnorm=compare.trajectory(res, base, window_steps, "grad_norm"),
+        mom=mom, cov=compare.coverage(base, res, **cov_kw),
+        ctl_cov=compare.coverage(base, ctl, **cov_kw) if ctl else None,
+        ctl_loss=compare.trajectory(ctl, base, window_steps, "loss") if ctl else None,
+        jump=_first_step_jump(base, res, ctl, window_steps[0]))
 
-    # ------------------------------------------------------------ 4. tolerances
-    tol = dict(DEFAULT_TOLERANCES)
+
+def _first_step_jump(base: dict[int, Any], res: dict[int, Any], ctl: dict[int, Any],
+                     first: int) -> dict[str, Any] | None:
+    """The control's loss against the baseline's at the first resumed step: where a naive resume shows."""
+    if not (ctl and first in ctl and first in base):
+        return None
+    return {"step": first, "control": ctl[first].loss, "baseline": base[first].loss,
+            "resumed": res[first].loss if first in res else None,
+            "abs": ctl[first].loss - base[first].loss, "rel": compare.rel(ctl[first].loss, base[first].loss)}
+
+
+# ---------------------------------------------------------------------- 4. tolerances
+
+def _tolerances(setup: _Setup, baseline: _Baseline, base: dict[int, Any],
+                overrides: dict | None) -> tuple[dict[str, float], dict[str, Any]]:
+    """(tolerances, derivation): the defaults for a dp-only change; for a tp/pp change, derived from
+    the measured noise floor (or the defaults widened when none could be measured); then the
+    caller's overrides."""
     derivation: dict[str, Any]
-    if not structural:
+    if not setup.structural:
+        tol = dict(DEFAULT_TOLERANCES)
         derivation = {"how": "defaults for a data-parallel-only change (loss_rtol 1e-4, grad_norm_rtol 1e-3, "
                              "moment_rtol 1e-5)"}
-    elif floor_cfg is not None:
-        fl = compare.read_log(out / "floor.jsonl")
-        f_loss = compare.trajectory(fl, base, window_steps, "loss")["max_rel"] or 0.0
-        f_gn = compare.trajectory(fl, base, window_steps, "grad_norm")["max_rel"] or 0.0
-        f_mom = compare.moments(out / "floor" / f"step_{k + 1}", base_next)["max_rel"] or 0.0
-        tol = {"loss_rtol": max(tol["loss_rtol"], FLOOR_FACTOR * f_loss),
-               "grad_norm_rtol": max(tol["grad_norm_rtol"], FLOOR_FACTOR * f_gn),
-               "moment_rtol": max(tol["moment_rtol"], FLOOR_FACTOR * f_mom)}
-        derivation = {
-            "how": (f"tp/pp change: fp32 noise floor measured from the baseline. A second run of the source "
-                    f"topology ({src.spec()}) from the same initial weights on the same samples, with only the "
-                    f"accumulation split changed (micro_batch {base_cfg.micro_batch}->{floor_cfg.micro_batch}, "
-                    f"grad_accum {base_cfg.grad_accum}->{floor_cfg.grad_accum}: the same sums in another order), "
-                    f"differs from the baseline by up to {_fmt(f_loss)} in loss, {_fmt(f_gn)} in grad norm "
-                    f"over the window and {_fmt(f_mom)} in moments after step {k + 1}; tolerance = "
-                    f"max(default, {FLOOR_FACTOR:g} x floor)"),
-            "floor": {"loss_rel": f_loss, "grad_norm_rel": f_gn, "moment_rel": f_mom}, "factor": FLOOR_FACTOR}
+    elif baseline.floor_cfg is not None:
+        tol, derivation = _floor_tolerances(setup, baseline, baseline.floor_cfg, base)
     else:
-        tol = {n: v * FALLBACK_FACTOR for n, v in tol.items()}
+        tol = {n: v * FALLBACK_FACTOR for n, v in DEFAULT_TOLERANCES.items()}
         derivation = {"how": (f"tp/pp change and no accumulation split to measure a noise floor with (micro_batch "
                               f"and grad_accum both odd): defaults x {FALLBACK_FACTOR:g}"), "factor": FALLBACK_FACTOR}
-    overridden = sorted(set(tolerances or {}) & set(tol))
-    bad = set(tolerances or {}) - set(tol)
+    overridden = sorted(set(overrides or {}) & set(tol))
+    bad = set(overrides or {}) - set(tol)
     if bad:
         raise BadInput(f"unknown tolerances {sorted(bad)}", hint=f"Known: {sorted(tol)}.")
-    tol.update({n: float(tolerances[n]) for n in overridden})
+    tol.update({n: float(overrides[n]) for n in overridden})
     if overridden:
         derivation["overridden"] = overridden
+    return tol, derivation
 
-    # ------------------------------------------------------------ 5. verdict
+
+def _floor_tolerances(setup: _Setup, baseline: _Baseline, floor_cfg: TrainConfig,
+                      base: dict[int, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """max(default, FLOOR_FACTOR x how far the noise-floor run drifted from the baseline)."""
+    k, window_steps, base_cfg = setup.switch_at, setup.window_steps, baseline.cfg
+    fl = compare.read_log(setup.out / "floor.jsonl")
+    f_loss = compare.trajectory(fl, base, window_steps, "loss")["max_rel"] or 0.0
+    f_gn = compare.trajectory(fl, base, window_steps, "grad_norm")["max_rel"] or 0.0
+    f_mom = compare.moments(setup.out / "floor" / f"step_{k + 1}", baseline.next_ckpt)["max_rel"] or 0.0
+    d = DEFAULT_TOLERANCES
+    tol = {"loss_rtol": max(d["loss_rtol"], FLOOR_FACTOR * f_loss),
+           "grad_norm_rtol": max(d["grad_norm_rtol"], FLOOR_FACTOR * f_gn),
+           "moment_rtol": max(d["moment_rtol"], FLOOR_FACTOR * f_mom)}
+    derivation = {
+        "how": (f"tp/pp change: fp32 noise floor measured from the baseline. A second run of the source "
+                f"topology ({setup.src.spec()}) from the same initial weights on the same samples, with only the "
+                f"accumulation split changed (micro_batch {base_cfg.micro_batch}->{floor_cfg.micro_batch}, "
+                f"grad_accum {base_cfg.grad_accum}->{floor_cfg.grad_accum}: the same sums in another order), "
+                f"differs from the baseline by up to {_fmt(f_loss)} in loss, {_fmt(f_gn)} in grad norm "
+                f"over the window and {_fmt(f_mom)} in moments after step {k + 1}; tolerance = "
+                f"max(default, {FLOOR_FACTOR:g} x floor)"),
+        "floor": {"loss_rel": f_loss, "grad_norm_rel": f_gn, "moment_rel": f_mom}, "factor": FLOOR_FACTOR}
+    return tol, derivation
+
+
+# ---------------------------------------------------------------------- 5. verdict
+
+def _diverged(setup: _Setup, switch: _Switch, cmp: _Comparison, tol: dict[str, float],
+              res_err: str | None) -> list[str]:
+    """Everything that diverged, named; empty means exit 0."""
     diverged: list[str] = []
     if res_err:
         diverged.append(f"resumed run: {res_err}")
+    diverged += _trajectory_divergences(cmp.loss, cmp.gnorm, tol)
+    diverged += _moment_divergences(cmp.mom, tol, setup.switch_at)
+    diverged += _coverage_divergences(cmp.cov)
+    v = switch.verified
+    if not v["equal"]:
+        diverged.append("converted state: differs from the source beyond the planned rewrites: "
+                        + ", ".join(sorted({d["key"] for d in v["differences"]})[:5]))
+    return diverged
+
+
+def _trajectory_divergences(loss: dict[str, Any], gnorm: dict[str, Any], tol: dict[str, float]) -> list[str]:
+    """Missing loss steps, and loss or grad norm beyond tolerance (the worst step named)."""
+    diverged = []
     if loss["missing_steps"]:
         diverged.append(f"loss: resumed run logged no loss for steps {loss['missing_steps'][:5]}")
     if loss["max_rel"] is not None and loss["max_rel"] > tol["loss_rtol"]:
@@ -326,49 +554,46 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
     if gnorm["max_rel"] is not None and gnorm["max_rel"] > tol["grad_norm_rtol"]:
         diverged.append(f"grad norm: max rel diff {_fmt(gnorm['max_rel'])} at step {gnorm['worst_step']} "
                         f"> grad_norm_rtol {_fmt(tol['grad_norm_rtol'])}")
-    if mom is None:
-        diverged.append(f"moments: the resumed run wrote no step_{k + 1} checkpoint to compare")
-    else:
-        for p, d in mom["per_param"].items():
-            bad_m = {n: r for n, r in d.items() if r > tol["moment_rtol"]}
-            if bad_m:
-                diverged.append(f"moments of {p}: " + ", ".join(f"{n} rel {_fmt(r)}" for n, r in bad_m.items())
-                                + f" > moment_rtol {_fmt(tol['moment_rtol'])}")
-        for key in mom["missing"]:
-            diverged.append(f"moments: {key} missing from the resumed checkpoint")
-        if not mom["step_counters_equal"]:
-            diverged.append("optimizer step counters: " + ", ".join(
-                f"{x['key']} {x['run']} != {x['baseline']}" for x in mom["step_mismatch"][:3])
-                + ("; trainer.step differs" if not mom["counters"].get("trainer.step", {}).get("equal", True) else ""))
-    if not cov["exact"]:
-        diverged.append(f"coverage: {cov['repeated']} sample ids repeated, {cov['skipped']} skipped within the epoch"
-                        + (f", steps {cov['steps_with_other_ids'][:5]} took other ids than the baseline"
-                           if cov["steps_with_other_ids"] else "")
-                        + (f", steps {cov['missing_steps'][:5]} not run" if cov["missing_steps"] else ""))
-    if not v["equal"]:
-        diverged.append("converted state: differs from the source beyond the planned rewrites: "
-                        + ", ".join(sorted({d["key"] for d in v["differences"]})[:5]))
-    exit_code = 0 if not diverged else 1
+    return diverged
 
-    # ------------------------------------------------------------ exactness statement
-    reasons = []
-    if src.dp != tgt.dp or (after.grad_accum != train_kw["grad_accum"]) or after.micro_batch != train_kw["micro_batch"]:
-        reasons.append(f"the data-parallel width changes {src.dp} -> {tgt.dp} and the recipe micro_batch x grad_accum "
-                       f"{train_kw['micro_batch']}x{train_kw['grad_accum']} -> {after.micro_batch}x{after.grad_accum}: "
-                       "each step's gradient is the same sum over the same samples, but fp32 addition is not "
-                       "associative and the sum is taken in another order (micro-batch sums, then a reduce-scatter "
-                       "over another number of ranks)")
-    if src.tp != tgt.tp:
-        reasons.append(f"tensor parallelism changes {src.tp} -> {tgt.tp}: row-parallel matmuls add partial "
-                       "products across TP ranks with an all-reduce, so activations, gradients and the grad norm "
-                       "are accumulated in another order")
-    if src.pp != tgt.pp:
-        reasons.append(f"pipeline parallelism changes {src.pp} -> {tgt.pp}: the tied embedding's gradient is summed "
-                       "across stages and the grad norm across stage groups")
-    if dropout > 0:
-        reasons.append(f"dropout {dropout} draws masks from per-dp-rank RNG streams, which a new topology reseeds")
+
+def _moment_divergences(mom: dict[str, Any] | None, tol: dict[str, float], k: int) -> list[str]:
+    """Each parameter whose Adam moments differ beyond tolerance, missing moments, and step counters."""
+    if mom is None:
+        return [f"moments: the resumed run wrote no step_{k + 1} checkpoint to compare"]
+    diverged = []
+    for p, d in mom["per_param"].items():
+        bad_m = {n: r for n, r in d.items() if r > tol["moment_rtol"]}
+        if bad_m:
+            diverged.append(f"moments of {p}: " + ", ".join(f"{n} rel {_fmt(r)}" for n, r in bad_m.items())
+                            + f" > moment_rtol {_fmt(tol['moment_rtol'])}")
+    for key in mom["missing"]:
+        diverged.append(f"moments: {key} missing from the resumed checkpoint")
+    if not mom["step_counters_equal"]:
+        diverged.append("optimizer step counters: " + ", ".join(
+            f"{x['key']} {x['run']} != {x['baseline']}" for x in mom["step_mismatch"][:3])
+            + ("; trainer.step differs" if not mom["counters"].get("trainer.step", {}).get("equal", True) else ""))
+    return diverged
+
+
+def _coverage_divergences(cov: dict[str, Any]) -> list[str]:
+    """Repeated or skipped samples, steps that took other ids, steps not run."""
+    if cov["exact"]:
+        return []
+    return [f"coverage: {cov['repeated']} sample ids repeated, {cov['skipped']} skipped within the epoch"
+            + (f", steps {cov['steps_with_other_ids'][:5]} took other ids than the baseline"
+               if cov["steps_with_other_ids"] else "")
+            + (f", steps {cov['missing_steps'][:5]} not run" if cov["missing_steps"] else "")]
+
+
+# ---------------------------------------------------------------------- exactness statement
+
+def _exactness(setup: _Setup, switch: _Switch, cmp: _Comparison, tol: dict[str, float]) -> dict[str, Any]:
+    """{"kind", "statement", "reasons"}: bitwise, within tolerance (and why not bitwise), or neither."""
+    loss, gnorm, mom, v = cmp.loss, cmp.gnorm, cmp.mom, switch.verified
+    reasons = _inexact_reasons(setup, switch.after)
     state_line = ("the state is bit-exact at the switch (verify: the converted checkpoint equals the source except "
-                  f"the {len(planned)} planned rewrites)" if v["equal"] else
+                  f"the {len(switch.planned)} planned rewrites)" if v["equal"] else
                   "the converted state is NOT equal to the source beyond the planned rewrites")
     mom_line = f"moments after the first resumed step within {_fmt(mom['max_rel'])} rel" if mom else "moments not compared"
     if loss["bitwise"] and gnorm["bitwise"]:
@@ -388,7 +613,36 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
                      f"{_fmt(loss['max_rel'])} > {_fmt(tol['loss_rtol'])}"
                      + (f", steps missing: {loss['missing_steps'][:5]}" if loss["missing_steps"] else "")
                      + f"); {state_line}; {mom_line}.")
+    return {"kind": kind, "statement": statement, "reasons": reasons}
 
+
+def _inexact_reasons(setup: _Setup, after: Recipe) -> list[str]:
+    """Why this transition cannot be expected to reproduce the trajectory bit for bit."""
+    src, tgt, kw, dropout = setup.src, setup.tgt, setup.train_kw, setup.dropout
+    reasons = []
+    if src.dp != tgt.dp or (after.grad_accum != kw["grad_accum"]) or after.micro_batch != kw["micro_batch"]:
+        reasons.append(f"the data-parallel width changes {src.dp} -> {tgt.dp} and the recipe micro_batch x grad_accum "
+                       f"{kw['micro_batch']}x{kw['grad_accum']} -> {after.micro_batch}x{after.grad_accum}: "
+                       "each step's gradient is the same sum over the same samples, but fp32 addition is not "
+                       "associative and the sum is taken in another order (micro-batch sums, then a reduce-scatter "
+                       "over another number of ranks)")
+    if src.tp != tgt.tp:
+        reasons.append(f"tensor parallelism changes {src.tp} -> {tgt.tp}: row-parallel matmuls add partial "
+                       "products across TP ranks with an all-reduce, so activations, gradients and the grad norm "
+                       "are accumulated in another order")
+    if src.pp != tgt.pp:
+        reasons.append(f"pipeline parallelism changes {src.pp} -> {tgt.pp}: the tied embedding's gradient is summed "
+                       "across stages and the grad norm across stage groups")
+    if dropout > 0:
+        reasons.append(f"dropout {dropout} draws masks from per-dp-rank RNG streams, which a new topology reseeds")
+    return reasons
+
+
+# ---------------------------------------------------------------------- control, series, report
+
+def _control_section(control_info: dict[str, Any], ctl_err: str | None, cmp: _Comparison) -> dict[str, Any]:
+    """The naive control: how it was made, its coverage and loss jump, and a one-line summary."""
+    ctl_cov, ctl_loss, jump = cmp.ctl_cov, cmp.ctl_loss, cmp.jump
     control = {
         "how": control_info["how"], "cursor_before": control_info["cursor_before"],
         "cursor_after": control_info["cursor_after"], "error": ctl_err,
@@ -403,21 +657,28 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
             what.append(f"skips {ctl_cov['skipped']} sample ids")
         control["summary"] = ("the naive resume " + " and ".join(what) if what else
                               "the naive resume neither repeats nor skips samples (dp unchanged)") + (
-            f"; its loss at step {first} is {jump['control']:.6f} vs {jump['baseline']:.6f} "
+            f"; its loss at step {jump['step']} is {jump['control']:.6f} vs {jump['baseline']:.6f} "
             f"(rel jump {_fmt(jump['rel'])}), max rel loss diff over the window {_fmt(ctl_loss['max_rel'])}"
             if jump else "")
+    return control
 
-    # ------------------------------------------------------------ series + outputs
-    def xy(run: dict, steps_: list[int], field: str) -> dict[str, list]:
-        pts = [(s, getattr(run[s], field)) for s in steps_ if s in run and getattr(run[s], field) is not None]
-        return {"xs": [float(s) for s, _ in pts], "ys": [float(y) for _, y in pts]}
 
-    all_base = list(range(1, k + window + 1))
-    series = {
-        "loss": {"baseline": xy(base, all_base, "loss"), "resumed": xy(res, window_steps, "loss"),
-                 "control": xy(ctl, window_steps, "loss")},
-        "grad_norm": {"baseline": xy(base, all_base, "grad_norm"), "resumed": xy(res, window_steps, "grad_norm"),
-                      "control": xy(ctl, window_steps, "grad_norm")},
+def _xy(run: dict, steps: list[int], field: str) -> dict[str, list]:
+    """One plotted line: the steps of ``steps`` the run logged ``field`` for."""
+    pts = [(s, getattr(run[s], field)) for s in steps if s in run and getattr(run[s], field) is not None]
+    return {"xs": [float(s) for s, _ in pts], "ys": [float(y) for _, y in pts]}
+
+
+def _series(setup: _Setup, cmp: _Comparison) -> dict[str, Any]:
+    """The figure's data (the report carries it, so the plot can be checked against it)."""
+    base, res, ctl, cov, ctl_cov = cmp.base, cmp.res, cmp.ctl, cmp.cov, cmp.ctl_cov
+    window_steps = setup.window_steps
+    all_base = list(range(1, setup.switch_at + setup.window + 1))
+    return {
+        "loss": {"baseline": _xy(base, all_base, "loss"), "resumed": _xy(res, window_steps, "loss"),
+                 "control": _xy(ctl, window_steps, "loss")},
+        "grad_norm": {"baseline": _xy(base, all_base, "grad_norm"), "resumed": _xy(res, window_steps, "grad_norm"),
+                      "control": _xy(ctl, window_steps, "grad_norm")},
         "control_coverage": {
             "repeated": {"xs": [float(s) for s in (ctl_cov or cov)["per_step"]["steps"]] if ctl_cov else [],
                          "ys": [float(x) for x in ctl_cov["per_step"]["repeated"]] if ctl_cov else []},
@@ -425,49 +686,69 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
                         "ys": [float(x) for x in ctl_cov["per_step"]["skipped"]] if ctl_cov else []},
         },
     }
-    report: dict[str, Any] = {
+
+
+def _setup_section(setup: _Setup, switch: _Switch) -> dict[str, Any]:
+    """The report's ``setup``: model, both recipes, data, randomness, and what --like copied."""
+    common, kw, dropout, dataset_len = setup.common, setup.train_kw, setup.dropout, setup.dataset_len
+    return {
+        "model": {"n_heads": kw.get("n_heads", 2), "n_layers": common.get("n_layers", 2), "dim": common.get("dim", 32),
+                  "vocab_size": common.get("vocab_size", 64), "family": "reshard-reference-gpt"},
+        "source_recipe": {"micro_batch": kw["micro_batch"], "grad_accum": kw["grad_accum"],
+                          "dp": setup.src.dp, "global_batch": setup.g_src},
+        "target_recipe": switch.after.to_dict(), "batch_kept": switch.plan.batch.kept,
+        "dataset_len": dataset_len, "seed": setup.seed, "warmup": setup.warmup, "total_steps": setup.steps,
+        "dropout": dropout,
+        "randomness": ("dropout 0: no randomness depends on the topology (the data order comes from the "
+                       "elastic sampler's global cursor, the weights from one seed)") if dropout == 0 else
+                      (f"dropout {dropout}: masks come from per-dp-rank RNG streams that a new topology reseeds; "
+                       "the trajectory cannot match beyond the first step"),
+        "epoch_boundary": f"dataset_len {dataset_len}: no run crosses an epoch boundary",
+        "like": setup.copied,
+    }
+
+
+def _report(setup: _Setup, switch: _Switch, cmp: _Comparison, *, tol: dict[str, float], derivation: dict[str, Any],
+            diverged: list[str], exactness: dict[str, Any], control: dict[str, Any],
+            errors: dict[str, str | None]) -> dict[str, Any]:
+    """The report (rehearsal.json), in the order its readers expect; ``plot`` and ``timings_s`` come last."""
+    plan, v, loss, gnorm, out = switch.plan, switch.verified, cmp.loss, cmp.gnorm, setup.out
+    window_steps = setup.window_steps
+    exit_code = 0 if not diverged else 1
+    trajectory_fields = ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")
+    return {
         "rehearsal_version": 1,
-        "from": src.spec(), "to": tgt.spec(), "steps": steps, "switch_at": k, "window": window,
-        "window_steps": [window_steps[0], window_steps[-1]],
+        "from": setup.src.spec(), "to": setup.tgt.spec(), "steps": setup.steps, "switch_at": setup.switch_at,
+        "window": setup.window, "window_steps": [window_steps[0], window_steps[-1]],
         "exit_code": exit_code, "verdict": "pass" if exit_code == 0 else "fail", "diverged": diverged,
-        "exactness": {"kind": kind, "statement": statement, "reasons": reasons},
+        "exactness": exactness,
         "tolerances": tol, "tolerance_derivation": derivation,
-        "setup": {
-            "model": {"n_heads": n_heads, "n_layers": common.get("n_layers", 2), "dim": common.get("dim", 32),
-                      "vocab_size": common.get("vocab_size", 64), "family": "reshard-reference-gpt"},
-            "source_recipe": {"micro_batch": train_kw["micro_batch"], "grad_accum": train_kw["grad_accum"],
-                              "dp": src.dp, "global_batch": g_src},
-            "target_recipe": after.to_dict(), "batch_kept": plan.batch.kept,
-            "dataset_len": dataset_len, "seed": seed, "warmup": warmup, "total_steps": steps,
-            "dropout": dropout,
-            "randomness": ("dropout 0: no randomness depends on the topology (the data order comes from the "
-                           "elastic sampler's global cursor, the weights from one seed)") if dropout == 0 else
-                          (f"dropout {dropout}: masks come from per-dp-rank RNG streams that a new topology reseeds; "
-                           "the trajectory cannot match beyond the first step"),
-            "epoch_boundary": f"dataset_len {dataset_len}: no run crosses an epoch boundary",
-            "like": copied,
-        },
+        "setup": _setup_section(setup, switch),
         "plan": {"fingerprint": plan.fingerprint(), "batch": plan.batch.to_dict(),
                  "data": plan.data.to_dict() if plan.data else None,
                  "schedule": plan.schedule.to_dict() if plan.schedule else None,
-                 "rng": plan.rng.to_dict() if plan.rng else None, "planned_rewrites": planned},
+                 "rng": plan.rng.to_dict() if plan.rng else None, "planned_rewrites": switch.planned},
         "verify": {"equal": v["equal"], "differences": [{"key": d["key"], "kind": d.get("kind")} for d in v["differences"]][:20],
-                   "resumed_from": str(resume_from), "hook": hook is not None},
-        "loss": {x: loss[x] for x in ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")},
-        "grad_norm": {x: gnorm[x] for x in ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")},
-        "throughput": {"baseline_median_tokens_per_s": compare.median_throughput(base, window_steps),
-                       "resumed_median_tokens_per_s": compare.median_throughput(res, window_steps),
-                       "control_median_tokens_per_s": compare.median_throughput(ctl, window_steps),
+                   "resumed_from": str(switch.resume_from), "hook": switch.hooked},
+        "loss": {x: loss[x] for x in trajectory_fields},
+        "grad_norm": {x: gnorm[x] for x in trajectory_fields},
+        "throughput": {"baseline_median_tokens_per_s": compare.median_throughput(cmp.base, window_steps),
+                       "resumed_median_tokens_per_s": compare.median_throughput(cmp.res, window_steps),
+                       "control_median_tokens_per_s": compare.median_throughput(cmp.ctl, window_steps),
                        "note": "CPU gloo ranks on a shared machine: indicative only"},
-        "coverage": {"resumed": cov, "control": ctl_cov},
-        "moments": mom, "control": control,
+        "coverage": {"resumed": cmp.cov, "control": cmp.ctl_cov},
+        "moments": cmp.mom, "control": control,
         "per_step": {"loss": loss["per_step"], "grad_norm": gnorm["per_step"]},
-        "series": series,
-        "errors": {"resumed": res_err, "control": ctl_err},
-        "paths": {"baseline": str(out / "baseline"), "converted": str(dst), "resumed": str(out / "resumed"),
+        "series": _series(setup, cmp),
+        "errors": errors,
+        "paths": {"baseline": str(out / "baseline"), "converted": str(switch.dst), "resumed": str(out / "resumed"),
                   "control_checkpoint": str(out / "control_ckpt"),
                   "logs": {n: str(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control")}},
     }
+
+
+def _write_outputs(report: dict[str, Any], out: Path, timings: dict[str, float], t_start: float) -> None:
+    """Draw the figure, add it and the timings to the report, write rehearsal.{png,json,md}."""
     from reshard.render.rehearsal import render_markdown, render_png
 
     report["plot"] = render_png(out / "rehearsal.png", report)
@@ -475,4 +756,3 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
     report["timings_s"] = {n: round(x, 2) for n, x in timings.items()}
     (out / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "rehearsal.md").write_text(render_markdown(report))
-    return report
