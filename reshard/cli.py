@@ -403,7 +403,16 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 def _warn_trusted() -> None:
-    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.dcp collects them)."""
+    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.dcp collects them).
+
+    A worker of a distributed run hands its items to the one process that prints the run's
+    line (`reshard.commands.distributed.pass_on_trusted`: the --workers command, or worker 0
+    of a plain torchrun), so a command warns once however many processes ran it.
+    """
+    from reshard.commands.distributed import in_torchrun, pass_on_trusted
+
+    if in_torchrun() and pass_on_trusted():
+        return
     dcp = sys.modules.get("reshard.storage.dcp")
     line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
     if line:

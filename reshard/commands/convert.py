@@ -64,6 +64,7 @@ from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.semantics.transforms import write_transformed
 from reshard.storage.atomic import atomic_directory, check_destination, fault_point
+from reshard.storage.crcledger import StorageRecord
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.engine.splice import run_jobs
 from reshard.semantics.manifest import write_manifest
@@ -165,15 +166,43 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
     return report
 
 
+class PieceLedger(splice.SourceLedger):
+    """The copy's `reshard.storage.crcledger.CrcLedger` that also keeps the pieces of every storage
+    it has not checked yet, so a worker of a distributed run can hand the storages it read only in
+    part (the rest went to another worker) to the one that checks them against their records
+    (`reshard.commands.distributed`). A storage's pieces are dropped once it is checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pieces_lock = threading.Lock()
+        self._pieces: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+
+    def add(self, rec: StorageRecord, offset: int, nbytes: int, crc: int) -> bool:
+        done = super().add(rec, offset, nbytes, crc)
+        if rec.recorded and rec.nbytes and nbytes > 0:
+            with self._pieces_lock:
+                if self.verified(rec):
+                    self._pieces.pop(rec.ident, None)
+                else:
+                    self._pieces.setdefault(rec.ident, []).append((offset, nbytes, crc))
+        return done
+
+    def partial(self) -> list[tuple[StorageRecord, list[tuple[int, int, int]]]]:
+        """The recorded storages seen only in part, in (file, offset) order, each with its pieces
+        ``(offset within the storage, nbytes, CRC-32)``."""
+        with self._pieces_lock:
+            return [(rec, list(self._pieces.get(rec.ident, ()))) for rec in self.pending()]
+
+
 class WriteChecks(set):
     """The keys whose every chunk written by this process was checked as it was written (a
     set, as `verify_checkpoints` takes it), how many items each kind of check covered, and
-    the `splice.SourceLedger` of the direct copies that take parts of source storages."""
+    the `PieceLedger` of the copies that take parts of source storages (direct, or read back)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.Lock()
-        self.ledger = splice.SourceLedger()
+        self.ledger = PieceLedger()
         self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
         self.read_back = 0           # read back and compared bitwise with the source rows
         self.after_writing = 0       # not checked while written: compared with the source afterwards

@@ -14,10 +14,15 @@ tensor crosses the network, only short Python objects):
 1. worker 0 takes the destination's lock and creates the hidden temporary directory
    beside ``dst`` (`reshard.storage.atomic.atomic_directory`) and broadcasts its path (the
    directory must be on a file system every worker sees, as DCP itself requires);
-2. each worker writes and fsyncs its files, then reports ``(ok, checksums)`` or its error;
+2. each worker writes and fsyncs its files, then reports ``(ok, checksums, split)`` or its
+   error, where ``split`` lists the source storages it read only in part, each with the
+   CRC-32s of its pieces (`reshard.commands.convert.PieceLedger`);
 3. if any worker failed, every worker raises that error and worker 0 deletes the temporary
-   directory: nothing is committed. Otherwise worker 0 writes ``.metadata`` and
-   ``manifest.json`` (inside the still-hidden directory);
+   directory: nothing is committed. Otherwise worker 0 checks every split source storage
+   once against its writer's record (`check_split_storages`: the workers' pieces combined,
+   what no piece covered read once; a contradiction is the `CorruptItem` a single process
+   raises, and nothing is committed), then writes ``.metadata`` and ``manifest.json``
+   (inside the still-hidden directory);
 4. each worker verifies its own files against the source in global terms
    (`reshard.commands.verify.verify_checkpoints` restricted to its files) and reports the result;
 5. only when every part verified does worker 0 write the reports and rename the
@@ -37,13 +42,22 @@ single process would (`reshard.errors.render_error`: same exit code, same paragr
 other workers raise `WorkerFailed`, which carries that worker's code and paragraph. Under
 ``--workers`` (`launch_workers`) torchrun runs inside the command itself: each worker writes
 its error (exit code, paragraph, whether it was relayed) to a file in a private temporary
-directory named by ``RESHARD_WORKER_ERRORS`` and prints nothing; the command then raises
+directory named by ``RESHARD_WORKER_ERRORS`` and prints nothing (a relay first waits for its
+cause's file: torchrun stops the others as soon as one worker exits); the command then raises
 the first worker's own error (earliest, then lowest rank), or says which worker was killed
 by which signal, and exits with its code. torchrun's traceback and its log lines are
 shown with ``--debug`` only. Started by ``torchrun`` directly, each worker prints its own
 error once (relayed copies stay silent) and also writes it to torchrun's error file
 (``TORCHELASTIC_ERROR_FILE``), so torchrun's summary names the cause; torchrun itself then
 exits 1 with its own summary, which reshard cannot change.
+
+``--trust-pickle``: one warning line per command
+------------------------------------------------
+Every worker loads the object items (plan, copy, verification), so each would name them.
+Instead each hands the items it unpickled to the one process that warns (`pass_on_trusted`):
+under ``--workers`` it leaves them in ``trusted-<rank>.json`` beside the errors and the
+command prints one line naming every key once; under a plain ``torchrun`` worker 0 gathers
+every worker's items (one collective at exit) and prints the line, the others print none.
 """
 from __future__ import annotations
 
@@ -61,7 +75,8 @@ from typing import Any, Iterator
 
 from reshard.errors import BadInput, Infeasible, ReshardError, render_error
 
-__all__ = ["ERRORS_ENV", "WorkerFailed", "in_torchrun", "convert_distributed", "launch_workers", "report_worker_error"]
+__all__ = ["ERRORS_ENV", "WorkerFailed", "in_torchrun", "check_split_storages", "convert_distributed", "launch_workers",
+           "pass_on_trusted", "report_worker_error"]
 
 ERRORS_ENV = "RESHARD_WORKER_ERRORS"  # private directory where the workers of `launch_workers` leave their errors
 
@@ -199,7 +214,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
             checked = ex.WriteChecks()
             ex.write_items(plan, ix, w, progress if lead else None, io=io, commit=False, checked=checked)
             w.sync_files()
-            status: dict[str, Any] = {"ok": True, "checksums": w.checksums()}
+            status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial()}
         except Exception as exc:  # reported to every worker, then raised everywhere
             w.close()
             failure = own(exc)
@@ -207,10 +222,12 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         statuses = _gather(dist, status, world, "writing its files")
         _raise_first(statuses, failure)
 
-        # 3. worker 0 writes .metadata inside the hidden directory
+        # 3. worker 0 checks the source storages split between workers, then writes .metadata
         status = {"ok": True}
+        split_checked = 0
         if lead:
             try:
+                split_checked = check_split_storages([s["split"] for s in statuses])
                 merged: dict[str, str] = {}
                 for s in statuses:
                     merged.update(s["checksums"])
@@ -244,11 +261,73 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         verification = _merge([s["verification"] for s in statuses])
         verification["b"] = str(dst)
         verification["workers"] = [{"worker": i, "files": s["files"]} for i, s in enumerate(statuses)]
+        if split_checked:  # absent when every source storage was read whole by one worker
+            verification["storages_checked_across_workers"] = split_checked
         report = ex.build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["workers"] = world
         ex.write_reports(tmp, report)
         ex.refuse_if_different(verification, dst, "the converted checkpoint")
     return report
+
+
+def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]]]) -> int:
+    """Every source storage that no single worker read whole, checked once against its writer's
+    CRC-32 record; returns how many there were.
+
+    A source shard cut between targets of different workers (dp 4 -> 8: each source feeds
+    one file of each worker) leaves each worker with pieces of it, so no worker's own ledger
+    could check it. ``parts`` holds each worker's `reshard.commands.convert.PieceLedger.partial`:
+    the pieces are combined here (``crc32_combine``, no bytes read); a storage they do not
+    tile (a part was copied by a path that reports no pieces) is completed by reading what
+    no piece covered, once. The first contradiction in (file, offset) order is raised: the
+    `CorruptItem` paragraph (file and key) and exit code 2 a single process gives.
+    """
+    from reshard.storage.crcledger import CrcLedger
+
+    ledger = CrcLedger(collect=True)
+    seen = set()
+    for part in parts:
+        for rec, pieces in part:
+            seen.add(rec.ident)
+            for offset, nbytes, crc in pieces:
+                ledger.add(rec, offset, nbytes, crc)
+    ledger.raise_first()
+    for rec in ledger.pending():
+        _read_rest(ledger, rec)
+    return len(seen)
+
+
+def _read_rest(ledger: Any, rec: Any) -> None:
+    """The bytes of ``rec`` no piece covered, read once into ``ledger`` (which checks the storage);
+    the whole storage when the pieces overlap without chaining up."""
+    from reshard.safefs import open_read
+
+    fd = open_read(rec.path)
+    try:
+        for offset, nbytes in ledger.missing(rec):
+            ledger.add(rec, offset, nbytes, _crc_range(fd, rec.at + offset, nbytes))
+        if not ledger.verified(rec) and not ledger.failures:
+            ledger.add(rec, 0, rec.nbytes, _crc_range(fd, rec.at, rec.nbytes))
+    finally:
+        os.close(fd)
+    ledger.raise_first()
+
+
+def _crc_range(fd: int, pos: int, n: int, slab: int = 8 << 20) -> int:
+    """CRC-32 of ``n`` bytes of ``fd`` at ``pos``, read in slabs (memory: one slab)."""
+    import zlib
+
+    from reshard.storage.fileio import read_exact
+
+    buf = memoryview(bytearray(min(n, slab)))
+    crc = 0
+    while n > 0:
+        view = buf[:min(n, len(buf))]
+        read_exact(fd, view, pos)
+        crc = zlib.crc32(view, crc)
+        pos += len(view)
+        n -= len(view)
+    return crc
 
 
 def _file_rank(name: str) -> int:
@@ -290,6 +369,68 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def pass_on_trusted() -> bool:
+    """A worker's ``--trust-pickle`` items (`reshard.storage.dcp.TRUSTED_UNPICKLES`) handed to the
+    process that prints the run's one warning line; returns whether this worker stays silent.
+
+    Under `launch_workers` they go to ``trusted-<rank>.json`` in the ``RESHARD_WORKER_ERRORS``
+    directory (the command reads them back, `_adopt_trusted`). Under a plain ``torchrun``,
+    once the process group exists, every worker takes part in one gather and worker 0 keeps
+    everyone's items (so it prints) while the others print nothing. A worker that cannot
+    hand its items over (the file cannot be written, a peer is gone) keeps them and prints
+    its own line: a warning is never dropped.
+    """
+    from reshard.storage.dcp import TRUSTED_UNPICKLES
+
+    items = TRUSTED_UNPICKLES.take()
+    rank = int(os.environ.get("RANK", "0"))
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        if not items or _write_json(Path(folder) / f"trusted-{rank}.json", {"rank": rank, "items": items}):
+            return True
+        everyone = [items]
+    else:
+        everyone = _gather_trusted(items)
+        if everyone is None:
+            everyone = [items]
+        elif rank != 0:
+            return True
+    for part in everyone:
+        for key, where in part:
+            TRUSTED_UNPICKLES.record(key, where)
+    return False
+
+
+def _gather_trusted(items: list[tuple[str, str]]) -> list[list[tuple[str, str]]] | None:
+    """Every worker's trusted items, by rank (one gather), or None without a process group or a peer."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return _gather(dist, items, dist.get_world_size(), "naming the items --trust-pickle unpickled")
+    except WorkerFailed:
+        return None
+
+
+def _adopt_trusted(folder: Path) -> None:
+    """The workers' ``trusted-<rank>.json`` (`pass_on_trusted`), recorded in this process, in rank
+    order, so the command's one warning line names every key once."""
+    from reshard.safefs import read_json
+    from reshard.storage.dcp import TRUSTED_UNPICKLES
+
+    found = []
+    for p in folder.glob("trusted-*.json"):
+        try:
+            r = read_json(p, root=folder, what="worker's trusted items", limit=64 << 20)
+            found.append((int(r["rank"]), [(str(k), str(w)) for k, w in r["items"]]))
+        except (ReshardError, OSError, KeyError, TypeError, ValueError):
+            continue  # unreadable (never half-written: it is renamed into place): nothing to add
+    for _rank, items in sorted(found, key=lambda f: f[0]):
+        for key, where in items:
+            TRUSTED_UNPICKLES.record(key, where)
+
+
 def report_worker_error(exc: BaseException, code: int, paragraph: str) -> bool:
     """A worker's error, left where its launcher reads it; returns whether the worker should print it too.
 
@@ -307,6 +448,8 @@ def report_worker_error(exc: BaseException, code: int, paragraph: str) -> bool:
         record = {"rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "exit_code": code,
                   "paragraph": paragraph, "relayed": relayed, "time": _time.time()}
         if _write_json(Path(folder) / f"worker-{rank}.json", record):
+            if relayed and exc.worker is not None and exc.worker != rank:
+                _await_report(Path(folder) / f"worker-{exc.worker}.json")
             return False
     # a lost peer printed nothing (it is gone): the survivors say what they saw
     speaks = not (isinstance(exc, WorkerFailed) and exc.worker is not None)
@@ -315,6 +458,18 @@ def report_worker_error(exc: BaseException, code: int, paragraph: str) -> bool:
         _write_json(Path(torch_file), {"message": {"message": paragraph, "extraInfo": {
             "py_callstack": f"error: {paragraph}", "timestamp": str(int(_time.time()))}}})
     return speaks
+
+
+def _await_report(path: Path, timeout: float = 30.0) -> None:
+    """Wait until the worker whose error this one relays has left its own report (or ``timeout``).
+
+    torchrun stops every worker as soon as one exits with an error, so a relay that left
+    first would have the cause killed before it said what it was (the cause may still be
+    removing the temporary directory); the command would then name a SIGTERM instead.
+    """
+    end = _time.monotonic() + timeout
+    while not path.exists() and _time.monotonic() < end:
+        _time.sleep(0.01)
 
 
 def _write_json(path: Path, obj: Any) -> bool:
@@ -342,6 +497,7 @@ def launch_workers(workers: int, argv: list[str], *, debug: bool = False) -> int
     args = ["--standalone", f"--nproc-per-node={workers}", "-m", "reshard", *argv]
     with tempfile.TemporaryDirectory(prefix="reshard-workers-") as folder:
         failures = _run_torchrun(args, {ERRORS_ENV: folder}, debug=debug)
+        _adopt_trusted(Path(folder))  # the CLI prints them as one line, as for a single process
         if not failures:
             return 0
         reports = _worker_reports(Path(folder))

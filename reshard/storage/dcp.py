@@ -276,9 +276,16 @@ class TrustedUnpickles:
     def record(self, key: str, where: str) -> None:
         self.items[(key, where)] = None
 
+    def take(self) -> list[tuple[str, str]]:
+        """What was recorded since the last call, ``(key, file)`` in load order (and forget it):
+        a worker of a distributed run hands it to the one process that warns for the run
+        (`reshard.commands.distributed`), which records it again."""
+        items, self.items = list(self.items), {}
+        return items
+
     def warning(self) -> str | None:
         """The one warning line for what was recorded since the last call (and forget it), or None."""
-        items, self.items = list(self.items), {}
+        items = self.take()
         if not items:
             return None
         keys = list(dict.fromkeys(k for k, _ in items))
