@@ -19,6 +19,7 @@ from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
 from reshard.storage.index import CheckpointIndex
+from reshard.storage.safetensors_format import sort_header_metadata
 from reshard.storage.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
                                           rank_objects_file)
 
@@ -208,6 +209,7 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
             local[t.key] = x
         name = rank_file(rank, world)
         save_file(local, str(out / name), metadata={"reshard": "local", "rank": str(rank), "world_size": str(world)})
+        sort_header_metadata(out / name)  # safetensors writes metadata in hash-map order: sorted, reproducible
         _chmod_like_umask(out / name)  # safetensors creates its files 0600
         nbytes = (out / name).stat().st_size
         total_bytes += nbytes
