@@ -79,6 +79,7 @@ import torch
 
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.model.geometry import Box, whole
+from reshard.model.topology import Topology
 
 REPORT = "import-report.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -282,21 +283,85 @@ def _new_id(src: Path, srcs: list[_Src], to: str) -> str:
     return f"import-{uuid.uuid4()}"
 
 
+@dataclass
+class _Source:
+    """What the source holds, as the import reads it."""
+
+    format: str                   # "safetensors" | "torch"
+    tensors: list[_Src]
+    essentials: dict[str, Any]    # what an export recorded of the run it came from ({} otherwise)
+    tied: list[list[str]]         # groups of stored names that are one tensor
+    skipped: list[dict]           # values that are not tensors: reported, not imported
+
+    @property
+    def with_moments(self) -> bool:
+        return any(s.key.startswith("optim.state.") and s.shape for s in self.tensors)
+
+    def orphans(self) -> list[str]:
+        """Optimizer state whose parameter the source does not hold (imported, and named in the report)."""
+        params = {s.key[len("model."):] for s in self.tensors if s.key.startswith("model.")}
+        return sorted(s.key for s in self.tensors if s.key.startswith("optim.state.")
+                      and not any(s.key[len("optim.state."):].startswith(p + ".") for p in params))
+
+    def tied_fqns(self) -> list[list[str]]:
+        return _tied_fqns(self.tied, self.tensors)
+
+
+@dataclass
+class _Output:
+    """What the output says of itself: a new experiment, a warm start, and why."""
+
+    experiment_id: str
+    reason: str
+    stamp: str
+
+
+@dataclass
+class _Planned:
+    """One source tensor's place in the output: its state-dict path and the chunk each writer rank writes."""
+
+    src: _Src
+    path: tuple[str, ...] | None
+    chunks: list[tuple[int, Box]]
+
+
 def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str | Path | None = None,
                       overwrite: bool = False, experiment_id: str | None = None, progress: Any = None) -> dict[str, Any]:
-    """Write ``src`` (consolidated weights) as a DCP checkpoint for layout ``to`` into ``dst``; returns the report."""
-    from reshard import __version__
-    from reshard.semantics import manifest as mf
-    from reshard.commands.convert import now_text
+    """Write ``src`` (consolidated weights) as a DCP checkpoint for layout ``to`` into ``dst``; returns the report.
+
+    Nothing is committed unless the output reads back bitwise equal to the source.
+    """
     from reshard.commands.export import RenameRules
-    from reshard.storage.integrity import record as integrity_record
+    from reshard.semantics import manifest as mf
     from reshard.storage.atomic import atomic_directory, check_destination
-    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-    from reshard.model.layout import target_chunks
-    from reshard.model.topology import parse_spec
+    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
+    from reshard.storage.integrity import record as integrity_record
 
     started = _time.time()
     src, dst = Path(src), Path(dst)
+    topo = _target_topology(to)
+    check_destination(src, dst)
+    rules = RenameRules.load(rename).inverse() if rename is not None else None
+    source = _Source(*_open_source(src, rules))
+    _check_keys(source.tensors, src)
+    output = _output(src, source, to, experiment_id)
+    planned = _plan_layout(source.tensors, topo)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        checksums = _write_tensors(tmp, planned, progress)
+        manifest = _manifest(src, source, rules, topo, output)
+        manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
+        mf.write_manifest(tmp, manifest)
+        verification = _verify_import(source.tensors, tmp)
+        report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        _refuse_unequal(verification, dst)
+    return report
+
+
+def _target_topology(to: str) -> Topology:
+    """The target layout; only data-parallel targets are imported (tp/pp placements need the model's rules)."""
+    from reshard.model.topology import parse_spec
+
     topo = parse_spec(to)
     if topo.tp > 1 or topo.pp > 1:
         raise BadInput(f"import to tp={topo.tp}, pp={topo.pp} is not supported yet",
@@ -304,9 +369,11 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
                             "(tensor/pipeline placements come from the model's partition rules).")
     if topo.cp > 1:
         raise BadInput("import to cp > 1 is not supported", hint="Import with cp=1.")
-    check_destination(src, dst)
-    rules = RenameRules.load(rename).inverse() if rename is not None else None
-    fmt, srcs, ess, tied, skipped = _open_source(src, rules)
+    return topo
+
+
+def _check_keys(srcs: list[_Src], src: Path) -> None:
+    """Something to import, one source name per key, and parameters of a floating-point dtype."""
     if not srcs:
         raise BadInput("the source holds no tensors", where=str(src))
     seen: dict[str, str] = {}
@@ -318,100 +385,131 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
         if s.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64) and s.key.startswith("model."):
             raise BadInput(f"parameter '{s.name}' has dtype {s.dtype}", where=str(src))
 
-    params = {s.key[len("model."):] for s in srcs if s.key.startswith("model.")}
-    moments = [s for s in srcs if s.key.startswith("optim.state.") and s.shape]
-    with_moments = bool(moments)
-    orphans = sorted(s.key for s in srcs if s.key.startswith("optim.state.")
-                     and not any(s.key[len("optim.state."):].startswith(p + ".") for p in params))
-    stamp = now_text()
-    exp_id = experiment_id or _new_id(src, srcs, to)
-    what = "weights and optimizer moments" if with_moments else "weights only"
-    reason = f"{what} from {src.resolve()}" + (" (no scheduler, data position or RNG state)" if with_moments else "")
-    keys_report: list[dict[str, Any]] = []
 
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
-        w = DcpWriter(tmp)
-        try:
-            for s in sorted(srcs, key=lambda s: (not s.key.startswith("model."), s.key)):
-                if s.key.startswith("model."):
-                    path = ("model", s.key[len("model."):])
-                elif s.key.startswith("optim.state."):
-                    fqn, _, name = s.key[len("optim.state."):].rpartition(".")
-                    path = ("optim", "state", fqn, name)
-                else:
-                    path = None
-                w.declare_tensor(s.key, s.shape, s.dtype, path=path)
-                chunks = target_chunks(s.shape, _placement(s), topo)
-                for rank, box in chunks:
-                    w.write_chunk(rank, s.key, box.offsets, s.read(box))
-                keys_report.append({"name": s.name, "key": s.key, "shape": list(s.shape),
-                                    "dtype": str(s.dtype).removeprefix("torch."),
-                                    "placement": _placement(s).describe(),
-                                    "chunks": [{"rank": r, "offsets": list(b.offsets), "sizes": list(b.sizes)}
-                                               for r, b in chunks]})
-                if progress is not None:
-                    progress.update(1)
-            w.finish()
-        finally:
-            w.close()
-        mtopo = mf.Topology.make(dp_replicate=topo.dp_replicate, dp_shard=topo.dp_shard, cp=topo.cp, tp=topo.tp, pp=topo.pp)
-        tied_fqns = _tied_fqns(tied, srcs)
-        dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in srcs if s.key.startswith("model.")})
-        policies = {"source": str(src.resolve()), "format": fmt, "rename": rules.source if rules else None,
-                    "optimizer_moments": with_moments, "source_experiment_id": ess.get("experiment_id"),
-                    "source_step": ess.get("step"), "source_tokens_seen": ess.get("tokens_seen"),
-                    "source_topology": ess.get("topology")}
-        manifest = mf.Manifest(
-            experiment_id=exp_id, step=0, tokens_seen=0, samples_seen=0, key_convention="reshard",
-            topology=mtopo,
-            batch=mf.Batch(micro_batch=None, grad_accum=None, seq_len=None, global_batch=None),
-            accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
-            precision=mf.Precision(param_dtype=dtypes[0] if len(dtypes) == 1 else "mixed", reduce_dtype="unknown",
-                                   loss_scaler=None),
-            model=mf.ModelInfo(family=str(ess.get("model_family") or "unknown"),
-                               config=ess.get("model_config") if isinstance(ess.get("model_config"), dict) else {},
-                               tied=tied_fqns),
-            optimizer=mf.OptimizerInfo(name="unknown" if with_moments else "none", config={}),
-            scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
-            data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=0,
-                                 order="none: imported weights carry no data position"),
-            rng=mf.RngInfo(policy="none", keyed_by_rank=False, seed=0),
-            continuity="warm_start",
-            lineage=[mf.LineageEvent(event="import", from_=None, to=mtopo,
-                                     at_step=ess.get("step") if isinstance(ess.get("step"), int) else None,
-                                     policies=policies, tool=f"reshard {__version__}", time=stamp,
-                                     kind="warm_start", reason=reason)],
-            writer=mf.Writer(tool=f"reshard {__version__}", torch=str(torch.__version__), time=stamp),
-        )
-        manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
-        mf.write_manifest(tmp, manifest)
-        verification = _verify_import(srcs, tmp)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
-        report = {
-            "report_version": 1,
-            "source": str(src.resolve()),
-            "destination": str(dst.resolve()),
-            "format": fmt,
-            "target": topo.to_dict(),
-            "experiment_id": exp_id,
-            "continuity": "warm_start",
-            "reason": reason,
-            "optimizer_moments": with_moments,
-            "moments_without_parameter": orphans,
-            "tied": tied_fqns,
-            "keys": keys_report,
-            "not_imported": skipped,
-            "verification": verification,
-            "files": files,
-            "bytes_written": sum(files.values()),
-            "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
-        }
-        (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
-        if not verification["equal"]:
-            raise Infeasible("the imported checkpoint does not read back as the source: "
-                             + "; ".join(verification["differences"][:5]), where=str(dst),
-                             hint="Nothing was committed. This is a bug in reshard; please report it.")
-    return report
+def _output(src: Path, source: _Source, to: str, experiment_id: str | None) -> _Output:
+    """An import never continues a run: a new experiment id, and the reason it is a warm start."""
+    from reshard.commands.convert import now_text
+
+    stamp = now_text()
+    exp_id = experiment_id or _new_id(src, source.tensors, to)
+    what = "weights and optimizer moments" if source.with_moments else "weights only"
+    reason = f"{what} from {src.resolve()}" + (" (no scheduler, data position or RNG state)" if source.with_moments else "")
+    return _Output(exp_id, reason, stamp)
+
+
+def _plan_layout(srcs: list[_Src], topo: Topology) -> list[_Planned]:
+    """Every tensor's state-dict path and target chunks, parameters first (then by key)."""
+    from reshard.model.layout import target_chunks
+
+    return [_Planned(s, _state_path(s.key), target_chunks(s.shape, _placement(s), topo))
+            for s in sorted(srcs, key=lambda s: (not s.key.startswith("model."), s.key))]
+
+
+def _state_path(key: str) -> tuple[str, ...] | None:
+    """Where a key sits in the trainer's nested state dict (None: the writer's default for the key)."""
+    if key.startswith("model."):
+        return ("model", key[len("model."):])
+    if key.startswith("optim.state."):
+        fqn, _, name = key[len("optim.state."):].rpartition(".")
+        return ("optim", "state", fqn, name)
+    return None
+
+
+def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any) -> dict[str, str]:
+    """Write every planned chunk, read box by box from the source; returns the items' checksums."""
+    from reshard.storage.dcp_writer import DcpWriter
+
+    w = DcpWriter(tmp)
+    try:
+        for p in planned:
+            s = p.src
+            w.declare_tensor(s.key, s.shape, s.dtype, path=p.path)
+            for rank, box in p.chunks:
+                w.write_chunk(rank, s.key, box.offsets, s.read(box))
+            if progress is not None:
+                progress.update(1)
+        w.finish()
+    finally:
+        w.close()
+    return w.checksums()
+
+
+def _manifest(src: Path, source: _Source, rules, topo: Topology, output: _Output):
+    """The output's manifest: step 0 of a new experiment, a warm start, the source recorded in its lineage."""
+    from reshard import __version__
+    from reshard.semantics import manifest as mf
+
+    ess = source.essentials
+    with_moments = source.with_moments
+    mtopo = mf.Topology.make(dp_replicate=topo.dp_replicate, dp_shard=topo.dp_shard, cp=topo.cp, tp=topo.tp, pp=topo.pp)
+    dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in source.tensors if s.key.startswith("model.")})
+    policies = {"source": str(src.resolve()), "format": source.format, "rename": rules.source if rules else None,
+                "optimizer_moments": with_moments, "source_experiment_id": ess.get("experiment_id"),
+                "source_step": ess.get("step"), "source_tokens_seen": ess.get("tokens_seen"),
+                "source_topology": ess.get("topology")}
+    return mf.Manifest(
+        experiment_id=output.experiment_id, step=0, tokens_seen=0, samples_seen=0, key_convention="reshard",
+        topology=mtopo,
+        batch=mf.Batch(micro_batch=None, grad_accum=None, seq_len=None, global_batch=None),
+        accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
+        precision=mf.Precision(param_dtype=dtypes[0] if len(dtypes) == 1 else "mixed", reduce_dtype="unknown",
+                               loss_scaler=None),
+        model=mf.ModelInfo(family=str(ess.get("model_family") or "unknown"),
+                           config=ess.get("model_config") if isinstance(ess.get("model_config"), dict) else {},
+                           tied=source.tied_fqns()),
+        optimizer=mf.OptimizerInfo(name="unknown" if with_moments else "none", config={}),
+        scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
+        data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=0,
+                             order="none: imported weights carry no data position"),
+        rng=mf.RngInfo(policy="none", keyed_by_rank=False, seed=0),
+        continuity="warm_start",
+        lineage=[mf.LineageEvent(event="import", from_=None, to=mtopo,
+                                 at_step=ess.get("step") if isinstance(ess.get("step"), int) else None,
+                                 policies=policies, tool=f"reshard {__version__}", time=output.stamp,
+                                 kind="warm_start", reason=output.reason)],
+        writer=mf.Writer(tool=f"reshard {__version__}", torch=str(torch.__version__), time=output.stamp),
+    )
+
+
+def _key_report(p: _Planned) -> dict[str, Any]:
+    """The report's line for one source name: the key it became and its chunks."""
+    s = p.src
+    return {"name": s.name, "key": s.key, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
+            "placement": _placement(s).describe(),
+            "chunks": [{"rank": r, "offsets": list(b.offsets), "sizes": list(b.sizes)} for r, b in p.chunks]}
+
+
+def _report(src: Path, dst: Path, tmp: Path, topo: Topology, source: _Source, output: _Output, planned: list[_Planned],
+            verification: dict[str, Any], started: float) -> dict[str, Any]:
+    """``import-report.json``: every source name, the key it became, its chunks, and what was not imported."""
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
+    return {
+        "report_version": 1,
+        "source": str(src.resolve()),
+        "destination": str(dst.resolve()),
+        "format": source.format,
+        "target": topo.to_dict(),
+        "experiment_id": output.experiment_id,
+        "continuity": "warm_start",
+        "reason": output.reason,
+        "optimizer_moments": source.with_moments,
+        "moments_without_parameter": source.orphans(),
+        "tied": source.tied_fqns(),
+        "keys": [_key_report(p) for p in planned],
+        "not_imported": source.skipped,
+        "verification": verification,
+        "files": files,
+        "bytes_written": sum(files.values()),
+        "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
+    }
+
+
+def _refuse_unequal(verification: dict[str, Any], dst: Path) -> None:
+    """Raised inside the atomic directory, so an output that does not read back as its source is never committed."""
+    if not verification["equal"]:
+        raise Infeasible("the imported checkpoint does not read back as the source: "
+                         + "; ".join(verification["differences"][:5]), where=str(dst),
+                         hint="Nothing was committed. This is a bug in reshard; please report it.")
 
 
 def _tied_fqns(tied: list[list[str]], srcs: list[_Src]) -> list[list[str]]:

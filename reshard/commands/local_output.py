@@ -9,12 +9,13 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard.commands.plan import Plan, TensorPlan
+from reshard.commands.plan import KeyAction, Plan, TensorPlan
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
@@ -113,143 +114,233 @@ def _transformed(ix: CheckpointIndex, t: "TensorPlan") -> _Collector:
     return c
 
 
+@dataclass
+class _HeldTensor:
+    """A tensor of the output and the box each rank that holds it keeps locally."""
+
+    plan: "TensorPlan"
+    holders: dict[int, Box]
+
+
+@dataclass
+class _HeldObject:
+    """A non-tensor key of the output and the ranks whose objects file holds it (None: the shared file)."""
+
+    key: str
+    action: "KeyAction"
+    ranks: list[int] | None
+
+
 def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, progress: Any = None) -> dict[str, Any]:
-    """Write ``plan``'s target state from ``ix`` into ``directory`` in the local format; return a summary."""
-    from safetensors.torch import save_file
+    """Write ``plan``'s target state from ``ix`` into ``directory`` in the local format; return a summary.
 
-    from reshard.commands.inspect import bitwise_equal
-
+    One rank's file at a time, so memory is bounded by one rank's state (plus the transform cache).
+    """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    topo = plan.target
-    world = topo.world_size
-    actions = {a.key: a for a in plan.keys}
+    world = plan.target.world_size
+    _check_tied_drops(plan, ix)
+    tensors, index_tensors = _held_tensors(plan)
+    objects = _held_objects(plan, {h.plan.key for h in tensors})
+    pieces = _Pieces(plan, ix, tensors)
+    ranks: dict[str, Any] = {}
+    for rank in range(world):
+        ranks[str(rank)] = _write_rank_tensors(out, rank, world, tensors, pieces, index_tensors)
+        ranks[str(rank)].update(_write_rank_objects(out, rank, plan, ix, objects))
+        _advance(progress, rank, world, len(plan.keys))
+    pieces.clear()
+    shared = _object_values(plan, ix, [o for o in objects if o.ranks is None])
+    shared_bytes = _save_objects(out / SHARED_OBJECTS, shared) if shared else 0
+    object_files = {"shared": SHARED_OBJECTS if shared else None,
+                    **{r: info["objects_file"] for r, info in ranks.items() if "objects_file" in info}}
+    index_objects = _index_objects(objects, world)
+    (out / INDEX_FILE).write_text(_index_json(_index(plan, object_files, index_tensors, index_objects)))
+    total_bytes = sum(info["bytes"] + info.get("objects_bytes", 0) for info in ranks.values()) + shared_bytes
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world, "index": INDEX_FILE,
+            "ranks": ranks, "shared_objects": len(shared), "shared_objects_file": object_files["shared"],
+            "tensor_keys": len(index_tensors), "object_keys": len(index_objects), "bytes": total_bytes}
 
-    # tied copies that the plan drops must really be equal (as the DCP writer checks)
+
+def _check_tied_drops(plan: "Plan", ix: CheckpointIndex) -> None:
+    """Tied copies that the plan drops must really be equal (as the DCP writer checks)."""
+    from reshard.commands.inspect import bitwise_equal
+
     for key, equal_to in plan.checks.items():
         if not bitwise_equal(ix, key, equal_to):
             raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ, so dropping one would lose state",
                              where=str(ix.root), hint="Inspect the source: tied weights and their optimizer state must be equal.")
 
-    # ------------------------------------------------------------------ who holds what
-    tensors: list[tuple["TensorPlan", dict[int, Box]]] = []
-    index_tensors: dict[str, Any] = {}
-    tensor_keys = set()
+
+def _held_tensors(plan: "Plan") -> tuple[list[_HeldTensor], dict[str, Any]]:
+    """Every tensor the plan keeps, with its holders, and its entry of the index (in the plan's order)."""
+    actions = {a.key: a for a in plan.keys}
+    held: list[_HeldTensor] = []
+    index: dict[str, Any] = {}
     for t in plan.tensors:
         a = actions.get(t.key)
         if a is not None and a.action == "dropped":
             continue
-        holders = _tensor_holders(t, a, topo)
-        writers = sorted({rk for rk, _, _ in t.chunks})
-        for rk, offs, sizes in t.chunks:
-            if holders.get(rk) != Box(tuple(offs), tuple(sizes)):
-                raise Infeasible(f"tensor '{t.key}': the plan's writer rank {rk} writes {list(offs)}+{list(sizes)} "
-                                 f"but holds {holders.get(rk)} locally", hint="This is a bug in reshard; please report it.")
-        tensors.append((t, holders))
-        tensor_keys.add(t.key)
-        index_tensors[t.key] = {"global_shape": list(t.shape), "dtype": t.dtype,
-                                "placement": _normalized(t.placement).describe(),
-                                "writers": writers,
-                                "ranks": {str(r): {"offsets": list(b.offsets), "sizes": list(b.sizes)}
-                                          for r, b in sorted(holders.items())}}
+        holders = _checked_holders(t, a, plan.target)
+        held.append(_HeldTensor(t, holders))
+        index[t.key] = _tensor_index_entry(t, holders)
+    return held, index
 
-    objects: list[tuple[str, Any, list[int] | None]] = []  # (key, action, ranks or None = shared)
+
+def _checked_holders(t: "TensorPlan", action, topo) -> dict[int, Box]:
+    """The tensor's holders, proven to agree with the plan: each writer rank writes exactly the box it holds."""
+    holders = _tensor_holders(t, action, topo)
+    for rk, offs, sizes in t.chunks:
+        if holders.get(rk) != Box(tuple(offs), tuple(sizes)):
+            raise Infeasible(f"tensor '{t.key}': the plan's writer rank {rk} writes {list(offs)}+{list(sizes)} "
+                             f"but holds {holders.get(rk)} locally", hint="This is a bug in reshard; please report it.")
+    return holders
+
+
+def _tensor_index_entry(t: "TensorPlan", holders: dict[int, Box]) -> dict[str, Any]:
+    """The index's line for one tensor (its dtype is set again from the bytes actually written)."""
+    return {"global_shape": list(t.shape), "dtype": t.dtype,
+            "placement": _normalized(t.placement).describe(),
+            "writers": sorted({rk for rk, _, _ in t.chunks}),
+            "ranks": {str(r): {"offsets": list(b.offsets), "sizes": list(b.sizes)}
+                      for r, b in sorted(holders.items())}}
+
+
+def _held_objects(plan: "Plan", tensor_keys: set[str]) -> list[_HeldObject]:
+    """Every non-tensor key the plan keeps and where it goes: per-rank state to its ranks, the rest shared."""
+    world = plan.target.world_size
+    objects: list[_HeldObject] = []
     for a in plan.keys:
         if a.action == "dropped" or a.key in tensor_keys:
             continue
-        holders = _per_rank_holders(a.key, a.role, a.rank, topo)
+        holders = _per_rank_holders(a.key, a.role, a.rank, plan.target)
         if holders is not None and not holders:  # per-rank state of no target rank: keep it with its owner
             holders = [a.rank if a.rank is not None and 0 <= a.rank < world else 0]
-        objects.append((a.key, a, holders))
+        objects.append(_HeldObject(a.key, a, holders))
+    return objects
 
-    last_use: dict[str, int] = {}
-    for t, holders in tensors:
-        if (t.transform or t.copy_from) and holders:
-            last_use[t.key] = max(holders)
-    cache: dict[str, _Collector] = {}
-    cached_bytes = 0
 
-    def local_tensor(t: "TensorPlan", box: Box, rank: int) -> torch.Tensor:
-        nonlocal cached_bytes
-        if t.key in plan.new_values:
-            v = plan.new_values[t.key]
+class _Pieces:
+    """Each tensor's local piece for a rank: a new value sliced, a source box read, or a transformed tensor.
+
+    A transformed tensor (or tied copy) is computed whole once; it is kept, up to
+    ``TRANSFORM_CACHE_BYTES`` in all, until the last rank that holds it has taken its piece,
+    and recomputed per rank past that bound.
+    """
+
+    def __init__(self, plan: "Plan", ix: CheckpointIndex, tensors: list[_HeldTensor]) -> None:
+        self.plan = plan
+        self.ix = ix
+        self.last_use = {h.plan.key: max(h.holders) for h in tensors
+                         if (h.plan.transform or h.plan.copy_from) and h.holders}
+        self.cache: dict[str, _Collector] = {}
+        self.cached_bytes = 0
+
+    def piece(self, t: "TensorPlan", box: Box, rank: int) -> torch.Tensor:
+        if t.key in self.plan.new_values:
+            v = self.plan.new_values[t.key]
             return (v[box.slices()] if v.dim() else v).contiguous().clone()
         if t.transform or t.copy_from:
-            c = cache.get(t.key)
-            if c is None:
-                c = _transformed(ix, t)
-                if cached_bytes + c.nbytes <= TRANSFORM_CACHE_BYTES and last_use[t.key] > rank:
-                    cache[t.key] = c
-                    cached_bytes += c.nbytes
-            x = c.box(box, getattr(torch, t.dtype) if t.dtype else c.chunks[0][1].dtype).clone()
-            if last_use[t.key] == rank and t.key in cache:
-                cached_bytes -= cache.pop(t.key).nbytes
-            return x
-        return ix.read_box(t.key, box).contiguous()
+            return self._transformed_piece(t, box, rank)
+        return self.ix.read_box(t.key, box).contiguous()
 
-    # ------------------------------------------------------------------ one rank at a time
-    per_rank_info: dict[str, Any] = {}
-    total_bytes = 0
-    n_keys = len(plan.keys)
-    obj_files: dict[str, Any] = {"shared": None}
-    for rank in range(world):
-        local: dict[str, torch.Tensor] = {}
-        for t, holders in tensors:
-            box = holders.get(rank)
-            if box is None:
-                continue
-            x = local_tensor(t, box, rank)
-            if t.dtype and dtype_name(x.dtype) != t.dtype:
-                raise Infeasible(f"tensor '{t.key}' is {x.dtype} but the plan says {t.dtype}",
-                                 hint="This is a bug in reshard; please report it.")
-            if tuple(x.shape) != box.sizes:
-                raise Infeasible(f"tensor '{t.key}': local piece {tuple(x.shape)}, box {list(box.sizes)}",
-                                 hint="This is a bug in reshard; please report it.")
-            index_tensors[t.key]["dtype"] = dtype_name(x.dtype)
-            local[t.key] = x
-        name = rank_file(rank, world)
-        save_file(local, str(out / name), metadata={"reshard": "local", "rank": str(rank), "world_size": str(world)})
-        sort_header_metadata(out / name)  # safetensors writes metadata in hash-map order: sorted, reproducible
-        _chmod_like_umask(out / name)  # safetensors creates its files 0600
-        nbytes = (out / name).stat().st_size
-        total_bytes += nbytes
-        per_rank_info[str(rank)] = {"file": name, "tensors": len(local), "bytes": nbytes}
-        del local
-        mine = {k: a for k, a, hs in objects if hs is not None and rank in hs}
-        if mine:
-            fname = rank_objects_file(rank)
-            nb = _save_objects(out / fname, {k: _object_value(plan, ix, a) for k, a in mine.items()})
-            per_rank_info[str(rank)].update(objects=len(mine), objects_file=fname, objects_bytes=nb)
-            obj_files[str(rank)] = fname
-            total_bytes += nb
-        if progress is not None:
-            step = (rank + 1) * n_keys // world - rank * n_keys // world
-            if step:
-                progress.update(step)
-    cache.clear()
+    def _transformed_piece(self, t: "TensorPlan", box: Box, rank: int) -> torch.Tensor:
+        c = self.cache.get(t.key)
+        if c is None:
+            c = _transformed(self.ix, t)
+            if self.cached_bytes + c.nbytes <= TRANSFORM_CACHE_BYTES and self.last_use[t.key] > rank:
+                self.cache[t.key] = c
+                self.cached_bytes += c.nbytes
+        x = c.box(box, getattr(torch, t.dtype) if t.dtype else c.chunks[0][1].dtype).clone()
+        if self.last_use[t.key] == rank and t.key in self.cache:
+            self.cached_bytes -= self.cache.pop(t.key).nbytes
+        return x
 
-    shared = {k: a for k, a, hs in objects if hs is None}
-    if shared:
-        nb = _save_objects(out / SHARED_OBJECTS, {k: _object_value(plan, ix, a) for k, a in shared.items()})
-        obj_files["shared"] = SHARED_OBJECTS
-        total_bytes += nb
+    def clear(self) -> None:
+        self.cache.clear()
 
-    index_objects: dict[str, Any] = {}
-    for k, a, hs in objects:
-        if hs is None:
-            index_objects[k] = {"rank": "all", "file": SHARED_OBJECTS, "ranks": list(range(world))}
+
+def _rank_tensors(rank: int, tensors: list[_HeldTensor], pieces: _Pieces) -> dict[str, torch.Tensor]:
+    """The pieces rank ``rank`` holds, each checked against the plan's dtype and local box."""
+    local: dict[str, torch.Tensor] = {}
+    for h in tensors:
+        t, box = h.plan, h.holders.get(rank)
+        if box is None:
+            continue
+        x = pieces.piece(t, box, rank)
+        if t.dtype and dtype_name(x.dtype) != t.dtype:
+            raise Infeasible(f"tensor '{t.key}' is {x.dtype} but the plan says {t.dtype}",
+                             hint="This is a bug in reshard; please report it.")
+        if tuple(x.shape) != box.sizes:
+            raise Infeasible(f"tensor '{t.key}': local piece {tuple(x.shape)}, box {list(box.sizes)}",
+                             hint="This is a bug in reshard; please report it.")
+        local[t.key] = x
+    return local
+
+
+def _write_rank_tensors(out: Path, rank: int, world: int, tensors: list[_HeldTensor], pieces: _Pieces,
+                        index_tensors: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s safetensors file; its tensors' dtypes go to the index. Returns the rank's summary entry."""
+    from safetensors.torch import save_file
+
+    local = _rank_tensors(rank, tensors, pieces)
+    for key, x in local.items():
+        index_tensors[key]["dtype"] = dtype_name(x.dtype)
+    name = rank_file(rank, world)
+    save_file(local, str(out / name), metadata={"reshard": "local", "rank": str(rank), "world_size": str(world)})
+    sort_header_metadata(out / name)  # safetensors writes metadata in hash-map order: sorted, reproducible
+    _chmod_like_umask(out / name)  # safetensors creates its files 0600
+    return {"file": name, "tensors": len(local), "bytes": (out / name).stat().st_size}
+
+
+def _write_rank_objects(out: Path, rank: int, plan: "Plan", ix: CheckpointIndex,
+                        objects: list[_HeldObject]) -> dict[str, Any]:
+    """Rank ``rank``'s objects file if it holds per-rank objects; returns what its summary entry gains."""
+    mine = [o for o in objects if o.ranks is not None and rank in o.ranks]
+    if not mine:
+        return {}
+    fname = rank_objects_file(rank)
+    values = _object_values(plan, ix, mine)
+    nb = _save_objects(out / fname, values)
+    return {"objects": len(values), "objects_file": fname, "objects_bytes": nb}
+
+
+def _object_values(plan: "Plan", ix: CheckpointIndex, objects: list[_HeldObject]) -> dict[str, Any]:
+    """Key -> the value an objects file holds for it (a key named twice: its last action)."""
+    actions = {o.key: o.action for o in objects}
+    return {k: _object_value(plan, ix, a) for k, a in actions.items()}
+
+
+def _advance(progress: Any, rank: int, world: int, n_keys: int) -> None:
+    """Progress counts keys: each rank's file advances it by its share of them."""
+    if progress is None:
+        return
+    step = (rank + 1) * n_keys // world - rank * n_keys // world
+    if step:
+        progress.update(step)
+
+
+def _index_objects(objects: list[_HeldObject], world: int) -> dict[str, Any]:
+    """The index's line for each object: the file that holds it and the ranks that load it."""
+    index: dict[str, Any] = {}
+    for o in objects:
+        if o.ranks is None:
+            index[o.key] = {"rank": "all", "file": SHARED_OBJECTS, "ranks": list(range(world))}
         else:
+            a, hs = o.action, o.ranks
             owner = a.rank if a.rank is not None and a.rank in hs else (hs[0] if hs else 0)
-            index_objects[k] = {"rank": owner, "file": rank_objects_file(owner), "ranks": sorted(hs)}
-    index = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world,
-             "topology": topo.to_dict(), "plan_fingerprint": plan.fingerprint(),
-             "files": {str(r): rank_file(r, world) for r in range(world)},
-             "object_files": obj_files,
-             "tensors": index_tensors, "objects": index_objects}
-    (out / INDEX_FILE).write_text(_index_json(index))
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world, "index": INDEX_FILE,
-            "ranks": per_rank_info, "shared_objects": len(shared), "shared_objects_file": obj_files["shared"],
-            "tensor_keys": len(index_tensors), "object_keys": len(index_objects), "bytes": total_bytes}
+            index[o.key] = {"rank": owner, "file": rank_objects_file(owner), "ranks": sorted(hs)}
+    return index
+
+
+def _index(plan: "Plan", object_files: dict[str, Any], index_tensors: dict[str, Any],
+           index_objects: dict[str, Any]) -> dict[str, Any]:
+    """``local-index.json``: the layout, the plan it came from, and where every key is."""
+    world = plan.target.world_size
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world,
+            "topology": plan.target.to_dict(), "plan_fingerprint": plan.fingerprint(),
+            "files": {str(r): rank_file(r, world) for r in range(world)},
+            "object_files": object_files,
+            "tensors": index_tensors, "objects": index_objects}
 
 
 def _index_json(index: dict[str, Any]) -> str:

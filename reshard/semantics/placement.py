@@ -42,34 +42,84 @@ def needs_rules(source: Topology, target: Topology) -> bool:
     return any(getattr(t, d) > 1 for t in (source, target) for d in ("tp", "pp"))
 
 
+@dataclass
+class _Stages:
+    """The target's pipeline cut: ``pp`` stages over ``num_layers`` layers, evenly or as ``--pp-stages`` gives them."""
+
+    pp: int
+    num_layers: int | None
+    explicit: list[tuple[int, int]] | None
+
+    def of(self, fqn: str, rules: ModelRules) -> int | None:
+        """The stage holding parameter ``fqn`` (None: no rule places it)."""
+        return stage_of(fqn, rules, self.pp, self.num_layers or 1, self.explicit)
+
+
 def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *,
            rules_file: str | None = None, model_config: dict[str, Any] | None = None,
            pp_stages: str | None = None) -> Geometry:
-    params = {r.param: k for k, r in cls.roles.items() if r.role == "parameter" and r.param}
-    if not needs_rules(source, target):
-        by_key = {}
-        for k, e in ix.entries.items():
-            if not e.is_tensor:
-                continue
-            role = cls.roles[k].role
-            pl = Placement(dp_shard=bool(role in SHARDED_ROLES and e.shape))
-            by_key[k] = TensorGeometry(pl if pl.dp_shard else Placement.replicated(), e.shape)
-        return Geometry(by_key, None)
+    """Every tensor's target placement and shape, what makes the target infeasible, and what changes numerically.
 
+    Checks run in the order a user fixes them: rule coverage, tp divisibility, pipeline stages,
+    then each tensor (vocab padding); tied copies and numerics follow from the result.
+    """
+    params = _parameters(cls)
+    if not needs_rules(source, target):
+        return _data_parallel(ix, cls)
     model = mdict.get("model") or {}
     rules = select(sorted(params), family=model.get("family"), rules_file=rules_file)
+    config = _config(model, model_config)
+    g = Geometry({}, rules)
+    _check_coverage(rules, params)
+    g.reasons += _tp_reasons(rules, params, config, source, target)
+    stages = _target_stages(rules, params, config, target, pp_stages)
+    g.reasons += _pp_reasons(stages, bool(pp_stages))
+    _check_staged(rules, params, stages)
+    g.stage_map = _stage_map(rules, params, stages)
+    for k, e in ix.entries.items():
+        if e.is_tensor:
+            g.by_key[k] = _tensor_geometry(k, e, cls.roles[k], rules, config, source, target, stages)
+    _tie_copies(g, rules, cls, params, model.get("tied"), target)
+    g.numerics = _numerics(source, target, g.by_key)
+    return g
+
+
+def _parameters(cls) -> dict[str, str]:
+    """Parameter FQN -> its model key."""
+    return {r.param: k for k, r in cls.roles.items() if r.role == "parameter" and r.param}
+
+
+def _data_parallel(ix, cls) -> Geometry:
+    """Pure data-parallel changes need no rules: parameters and moments FSDP-sharded on dim 0, the rest replicated."""
+    by_key = {}
+    for k, e in ix.entries.items():
+        if not e.is_tensor:
+            continue
+        role = cls.roles[k].role
+        pl = Placement(dp_shard=bool(role in SHARDED_ROLES and e.shape))
+        by_key[k] = TensorGeometry(pl if pl.dp_shard else Placement.replicated(), e.shape)
+    return Geometry(by_key, None)
+
+
+def _config(model: dict[str, Any], model_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's model configuration, overridden by the command line's."""
     config = dict(model.get("config") or {})
     config.update(model_config or {})
-    g = Geometry({}, rules)
+    return config
 
-    # ------------------------------------------------------------- coverage: no default placement
+
+def _check_coverage(rules: ModelRules, params: dict[str, str]) -> None:
+    """No default placement: every parameter must match a rule."""
     uncovered = sorted(p for p in params if rules.rule_for(p) is None)
     if uncovered:
         raise BadInput(f"{len(uncovered)} parameters match no partition rule of '{rules.family}': "
                        + ", ".join(uncovered[:10]) + (" ..." if len(uncovered) > 10 else ""),
                        where=rules.source, hint="Add a rule for each (formats/models/*.toml format) and pass --rules FILE.")
 
-    # ------------------------------------------------------------- divisibility on the target
+
+def _tp_reasons(rules: ModelRules, params: dict[str, str], config: dict[str, Any],
+                source: Topology, target: Topology) -> list[str]:
+    """Why the target's tp does not divide the sizes the rules name; a source tp that does not is an error."""
     checks: dict[str, int] = {}
     for p in params:
         for expr in rules.rule_for(p).divisible:  # type: ignore[union-attr]
@@ -77,79 +127,122 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         rule = rules.rule_for(p)
         for part in rule.parts:  # type: ignore[union-attr]
             checks[part.size] = evaluate(part.size, config)
+    reasons = []
     bad = {e: v for e, v in checks.items() if v % target.tp}
     if bad:
-        g.reasons.append(f"tp={target.tp} does not divide " + ", ".join(f"{e} = {v}" for e, v in bad.items())
-                         + f"; nearest feasible tp: {nearest_degrees(list(checks.values()), target.tp)}")
+        reasons.append(f"tp={target.tp} does not divide " + ", ".join(f"{e} = {v}" for e, v in bad.items())
+                       + f"; nearest feasible tp: {nearest_degrees(list(checks.values()), target.tp)}")
     bad_src = {e: v for e, v in checks.items() if v % source.tp}
     if bad_src:
         raise BadInput(f"the source tp={source.tp} does not divide " + ", ".join(f"{e} = {v}" for e, v in bad_src.items()),
                        hint="The source topology or the model configuration is wrong; check the manifest or pass --from.")
+    return reasons
 
-    # ------------------------------------------------------------- pipeline stages
-    num_layers = None
-    if rules.pipeline.layer is not None:
-        layers = [int(m.group("layer")) for p in params if (m := rules.pipeline.layer.match(p))]
-        counted = max(layers) + 1 if layers else 0
-        num_layers = config.get(rules.pipeline.num_layers or "", counted) if rules.pipeline.num_layers else counted
-        if not isinstance(num_layers, int):
-            num_layers = counted
-    stages: list[tuple[int, int]] | None = None
-    if target.pp > 1:
-        if pp_stages:
-            stages = parse_stages(pp_stages, num_layers or 0, target.pp)
-        elif not num_layers or num_layers % target.pp:
-            g.reasons.append(f"pp={target.pp} does not divide the {num_layers} layers; nearest feasible pp: "
-                             f"{nearest_degrees([num_layers or 1], target.pp)} (or give an explicit --pp-stages)")
-        unstaged = sorted(p for p in params if stage_of(p, rules, target.pp, num_layers or 1, stages) is None)
-        if unstaged:
-            raise BadInput(f"{len(unstaged)} parameters have no pipeline stage rule: " + ", ".join(unstaged[:10]),
-                           where=rules.source, hint="Add them to [pipeline] first/last or the layer pattern.")
-    if num_layers:
-        split = stages or even_stages(num_layers, target.pp)
-        g.stage_map = {"num_layers": num_layers, "split": "explicit" if stages else "even", "stages": [
-            {"stage": s, "layers": list(split[s]),
-             "holds": [p for p in sorted(params) if (stage_of(p, rules, target.pp, num_layers, stages) == s
-                                                    and not (rules.pipeline.layer and rules.pipeline.layer.match(p)))]}
-            for s in range(target.pp)]}
 
-    # ------------------------------------------------------------- per tensor
+def _num_layers(rules: ModelRules, params: dict[str, str], config: dict[str, Any]) -> int | None:
+    """The model's layer count: the configuration's if the rules name it (and it is an int), else counted from names."""
+    if rules.pipeline.layer is None:
+        return None
+    layers = [int(m.group("layer")) for p in params if (m := rules.pipeline.layer.match(p))]
+    counted = max(layers) + 1 if layers else 0
+    num_layers = config.get(rules.pipeline.num_layers or "", counted) if rules.pipeline.num_layers else counted
+    return num_layers if isinstance(num_layers, int) else counted
+
+
+def _target_stages(rules: ModelRules, params: dict[str, str], config: dict[str, Any], target: Topology,
+                   pp_stages: str | None) -> _Stages:
+    """The target's pipeline cut; an explicit ``--pp-stages`` is parsed (and checked) only when pp > 1."""
+    num_layers = _num_layers(rules, params, config)
+    explicit = parse_stages(pp_stages, num_layers or 0, target.pp) if target.pp > 1 and pp_stages else None
+    return _Stages(target.pp, num_layers, explicit)
+
+
+def _pp_reasons(stages: _Stages, explicit: bool) -> list[str]:
+    """Why an even cut cannot work: pp does not divide the layers (an explicit cut was checked when parsed)."""
+    if stages.pp <= 1 or explicit or (stages.num_layers and not stages.num_layers % stages.pp):
+        return []
+    return [f"pp={stages.pp} does not divide the {stages.num_layers} layers; nearest feasible pp: "
+            f"{nearest_degrees([stages.num_layers or 1], stages.pp)} (or give an explicit --pp-stages)"]
+
+
+def _check_staged(rules: ModelRules, params: dict[str, str], stages: _Stages) -> None:
+    """With pp > 1 every parameter needs a stage: no default placement."""
+    if stages.pp <= 1:
+        return
+    unstaged = sorted(p for p in params if stages.of(p, rules) is None)
+    if unstaged:
+        raise BadInput(f"{len(unstaged)} parameters have no pipeline stage rule: " + ", ".join(unstaged[:10]),
+                       where=rules.source, hint="Add them to [pipeline] first/last or the layer pattern.")
+
+
+def _stage_map(rules: ModelRules, params: dict[str, str], stages: _Stages) -> dict[str, Any] | None:
+    """For the plan's report: each stage's layers and the non-layer parameters it holds (None: no layers known)."""
+    if not stages.num_layers:
+        return None
+    split = stages.explicit or even_stages(stages.num_layers, stages.pp)
+    return {"num_layers": stages.num_layers, "split": "explicit" if stages.explicit else "even", "stages": [
+        {"stage": s, "layers": list(split[s]),
+         "holds": [p for p in sorted(params) if (stages.of(p, rules) == s
+                                                and not (rules.pipeline.layer and rules.pipeline.layer.match(p)))]}
+        for s in range(stages.pp)]}
+
+
+def _tensor_geometry(k: str, e, r, rules: ModelRules, config: dict[str, Any], source: Topology, target: Topology,
+                     stages: _Stages) -> TensorGeometry:
+    """One tensor's placement, target shape and transform, from the rule of the parameter it belongs to."""
+    fqn = r.param if r.role in ("parameter", "optimizer_moment", "optimizer_step") else None
+    rule = rules.rule_for(fqn) if fqn else None
+    stage = stages.of(fqn, rules) if (fqn and target.pp > 1) else None
+    if rule is None or r.role == "optimizer_step" or not e.shape:
+        return TensorGeometry(Placement.replicated(stage), e.shape)
+    tp_dim = rule.dim if rule.tp in ("shard", "fused") else None
+    shape = tuple(e.shape)
+    transform = _reinterleave(rule, config, source, target)
+    if rule.vocab is not None:
+        repad = _repad(k, shape, rule, r.role, config, source, target)
+        if repad is not None:
+            transform = repad
+            s_ = list(shape)
+            s_[rule.dim] = repad["to_rows"]
+            shape = tuple(s_)
+    return TensorGeometry(Placement(dp_shard=True, tp_dim=tp_dim, stage=stage), shape, transform)
+
+
+def _reinterleave(rule, config: dict[str, Any], source: Topology, target: Topology) -> dict[str, Any] | None:
+    """A fused tensor (e.g. QKV) whose parts are interleaved per tp rank must be re-interleaved when tp changes."""
+    if rule.tp != "fused" or source.tp == target.tp:
+        return None
+    parts = [evaluate(p.size, config) for p in rule.parts]
+    return {"kind": "reinterleave", "dim": rule.dim, "parts": parts, "from_tp": source.tp, "to_tp": target.tp}
+
+
+def _repad(k: str, shape: tuple[int, ...], rule, role: str, config: dict[str, Any], source: Topology,
+           target: Topology) -> dict[str, Any] | None:
+    """A vocabulary padded to a multiple of tp gets other padding rows on the target (None: the same rows)."""
+    size, src_rows = padded_vocab(rule.vocab, config, source.tp)
+    _, dst_rows = padded_vocab(rule.vocab, config, target.tp)
+    if shape[rule.dim] != src_rows:
+        raise BadInput(f"'{k}' has {shape[rule.dim]} rows, the rules expect vocab {size} padded to {src_rows} at tp={source.tp}",
+                       where=k, hint="Check vocab_size / vocab_multiple in the model configuration.")
+    if dst_rows == src_rows:
+        return None
+    fill = rule.vocab.fill if role == "parameter" else 0.0
+    return {"kind": "repad", "dim": rule.dim, "vocab": size, "from_rows": src_rows, "to_rows": dst_rows, "fill": fill}
+
+
+def _moments_of(cls) -> dict[str, list[str]]:
+    """Parameter FQN -> the keys of its optimizer state (moments and step)."""
     moments_of: dict[str, list[str]] = {}
     for k, r in cls.roles.items():
         if r.role in ("optimizer_moment", "optimizer_step") and r.param:
             moments_of.setdefault(r.param, []).append(k)
-    for k, e in ix.entries.items():
-        if not e.is_tensor:
-            continue
-        r = cls.roles[k]
-        fqn = r.param if r.role in ("parameter", "optimizer_moment", "optimizer_step") else None
-        rule = rules.rule_for(fqn) if fqn else None
-        stage = stage_of(fqn, rules, target.pp, num_layers or 1, stages) if (fqn and target.pp > 1) else None
-        if rule is None or r.role == "optimizer_step" or not e.shape:
-            g.by_key[k] = TensorGeometry(Placement.replicated(stage), e.shape)
-            continue
-        tp_dim = rule.dim if rule.tp in ("shard", "fused") else None
-        shape = tuple(e.shape)
-        transform = None
-        if rule.tp == "fused" and source.tp != target.tp:
-            parts = [evaluate(p.size, config) for p in rule.parts]
-            transform = {"kind": "reinterleave", "dim": rule.dim, "parts": parts, "from_tp": source.tp, "to_tp": target.tp}
-        if rule.vocab is not None:
-            size, src_rows = padded_vocab(rule.vocab, config, source.tp)
-            _, dst_rows = padded_vocab(rule.vocab, config, target.tp)
-            if shape[rule.dim] != src_rows:
-                raise BadInput(f"'{k}' has {shape[rule.dim]} rows, the rules expect vocab {size} padded to {src_rows} at tp={source.tp}",
-                               where=k, hint="Check vocab_size / vocab_multiple in the model configuration.")
-            if dst_rows != src_rows:
-                fill = rule.vocab.fill if r.role == "parameter" else 0.0
-                transform = {"kind": "repad", "dim": rule.dim, "vocab": size, "from_rows": src_rows, "to_rows": dst_rows, "fill": fill}
-                s_ = list(shape)
-                s_[rule.dim] = dst_rows
-                shape = tuple(s_)
-        g.by_key[k] = TensorGeometry(Placement(dp_shard=True, tp_dim=tp_dim, stage=stage), shape, transform)
+    return moments_of
 
-    # ------------------------------------------------------------- tied copies across stages
-    declared = {tuple(t) for t in (model.get("tied") or [])}
+
+def _tie_copies(g: Geometry, rules: ModelRules, cls, params: dict[str, str], tied: list | None, target: Topology) -> None:
+    """Record the model's declared ties the rules allow, and what happens to the tied copy's state on the target."""
+    moments_of = _moments_of(cls)
+    declared = {tuple(t) for t in (tied or [])}
     for a, b in rules.pipeline.tied:
         # The rules say which copies a model family may tie; the manifest says whether this model does.
         if a not in params or b not in params or ((a, b) not in declared and (b, a) not in declared):
@@ -159,31 +252,41 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
             g.same_storage.add(params[b])
         elif moments_of.get(a):
             g.extra_trainable.add(b)
-        ma, mb = sorted(moments_of.get(a, [])), sorted(moments_of.get(b, []))
-        # Flattened per-parameter param groups (`...param_groups.<fqn>.<hyper>`) follow the state.
-        ga = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{a}." in k)
-        gb = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{b}." in k)
-        if target.pp > 1 and ma and not mb:
-            for key in ma:
-                new = key.replace(a, b, 1)
-                g.tied_actions[new] = ("added", f"tied copy of {a} on the last stage: its optimizer state is a copy of {a}'s", key)
-            if not gb:
-                for key in ga:
-                    g.tied_actions[key.replace(f".{a}.", f".{b}.", 1)] = (
-                        "added", f"tied copy of {a} on the last stage: its param group is a copy of {a}'s", key)
-        elif target.pp == 1 and ma and mb:
-            for key in mb:
-                g.tied_actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, its state equals {a}'s (checked on convert)",
-                                       key.replace(b, a, 1))
-            for key in gb:
-                g.tied_actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, one param group", None)
+        g.tied_actions.update(_tied_actions(a, b, cls, moments_of, target.pp))
 
-    # ------------------------------------------------------------- numerics
+
+def _tied_actions(a: str, b: str, cls, moments_of: dict[str, list[str]], pp: int) -> dict[str, tuple[str, str, str | None]]:
+    """The copy ``b`` of ``a``: on separate stages its state is added (a copy of ``a``'s), on one stage dropped."""
+    actions: dict[str, tuple[str, str, str | None]] = {}
+    ma, mb = sorted(moments_of.get(a, [])), sorted(moments_of.get(b, []))
+    # Flattened per-parameter param groups (`...param_groups.<fqn>.<hyper>`) follow the state.
+    ga = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{a}." in k)
+    gb = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{b}." in k)
+    if pp > 1 and ma and not mb:
+        for key in ma:
+            new = key.replace(a, b, 1)
+            actions[new] = ("added", f"tied copy of {a} on the last stage: its optimizer state is a copy of {a}'s", key)
+        if not gb:
+            for key in ga:
+                actions[key.replace(f".{a}.", f".{b}.", 1)] = (
+                    "added", f"tied copy of {a} on the last stage: its param group is a copy of {a}'s", key)
+    elif pp == 1 and ma and mb:
+        for key in mb:
+            actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, its state equals {a}'s (checked on convert)",
+                            key.replace(b, a, 1))
+        for key in gb:
+            actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, one param group", None)
+    return actions
+
+
+def _numerics(source: Topology, target: Topology, by_key: dict[str, TensorGeometry]) -> list[str]:
+    """What changes numerically (not what breaks): partial-sum order, padding logits, micro-batch order."""
+    numerics = []
     if source.tp != target.tp:
-        g.numerics.append(f"tensor parallel {source.tp} -> {target.tp}: matmul partial sums and all-reduce order change; "
-                          "outputs match to fp rounding, not bitwise")
-        if any(t.transform and t.transform["kind"] == "repad" for t in g.by_key.values()):
-            g.numerics.append("padded vocabulary rows change: the softmax sums over a different number of padding logits")
+        numerics.append(f"tensor parallel {source.tp} -> {target.tp}: matmul partial sums and all-reduce order change; "
+                        "outputs match to fp rounding, not bitwise")
+        if any(t.transform and t.transform["kind"] == "repad" for t in by_key.values()):
+            numerics.append("padded vocabulary rows change: the softmax sums over a different number of padding logits")
     if source.pp != target.pp:
-        g.numerics.append(f"pipeline {source.pp} -> {target.pp} stages: micro-batch execution order changes (same math)")
-    return g
+        numerics.append(f"pipeline {source.pp} -> {target.pp} stages: micro-batch execution order changes (same math)")
+    return numerics
