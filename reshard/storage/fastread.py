@@ -78,11 +78,11 @@ class _Unusual(Exception):
     """Internal: the item is not the simple layout this module handles (caller falls back)."""
 
 
-class _Window(io.RawIOBase):
-    """Read-only view of ``[offset, offset + length)`` of an open file descriptor (positional reads)."""
+class _Seekable(io.RawIOBase):
+    """A read-only, seekable file of ``_len`` bytes; subclasses say where the bytes come from (``readinto``)."""
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self._fd, self._base, self._len, self._pos = fd, offset, length, 0
+    _len: int
+    _pos: int
 
     def readable(self) -> bool:
         return True
@@ -106,6 +106,13 @@ class _Window(io.RawIOBase):
             raise OSError("seek before the start of the item")
         self._pos = new
         return new
+
+
+class _Window(_Seekable):
+    """Read-only view of ``[offset, offset + length)`` of an open file descriptor (positional reads)."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self._fd, self._base, self._len, self._pos = fd, offset, length, 0
 
     def readinto(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
@@ -347,28 +354,12 @@ class CrcStatus:
         return "unrecorded" if self.unrecorded else "checked"
 
 
-class _MemoryWindow(io.RawIOBase):
+class _MemoryWindow(_Seekable):
     """A read-only, seekable file over a buffer (no copy of the buffer; reads copy what they return)."""
 
     def __init__(self, data: Any):
         self._mv = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        new = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._mv) + pos
-        if new < 0:
-            raise OSError("seek before the start of the item")
-        self._pos = new
-        return new
+        self._len, self._pos = len(self._mv), 0
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
