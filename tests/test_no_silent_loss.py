@@ -7,6 +7,7 @@ key, before anything is committed.
 """
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from pathlib import Path
@@ -35,6 +36,8 @@ def _every_role_state() -> dict:
         "rng": {"rank_0": train_rng.capture()},                                      # rng (per rank)
         "data": {"sampler": {"cursor": 56, "seed": 0, "epoch": 0}},                  # data (global cursor)
         "trainer": {"step": 7, "tokens_seen": 448, "samples_seen": 56, "micro_step": 0},  # counter
+        "config": {"lr": 0.01, "model": {"dim": 4, "name": "tiny"}},               # config (generic role)
+        "extra": {"blob": io.BytesIO(b"user bytes"), "raw": b"\x00\x01"},          # blob (generic role)
     }
 
 

@@ -19,6 +19,7 @@ from reshard.semantics.conventions import Classification, KeyRole, classify, kno
 from reshard.errors import ReshardError
 from reshard.model.checkpoint import Finding
 from reshard.storage.index import CheckpointIndex
+from reshard.storage import sidecars
 from reshard.storage.local_format import open_any
 
 JSON_VERSION = 1
@@ -82,17 +83,19 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
 
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
     params = _parameters(cls.roles)
-    topo = _topology(ix, mdict, params, from_spec, findings)
+    topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings)
     by_role = _contents_by_role(ix, cls.roles)
-    counters = _read_scalars(ix, _present_counters(ix, cls) if can_read else {}, findings)
-    opt, step_values = _optimizer_health(ix, cls.roles, params, mdict, can_read, findings)
+    counter_keys = _present_counters(ix, cls)
+    counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
+    opt, step_values = _optimizer_health(ix, cls.roles, params, mdict, can_read, findings, cls.buffer_names())
     per_rank = _per_rank_state(cls.roles, topo, findings)
-    step, step_source = _global_step(mdict, counters, step_values, cls, findings)
+    step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings)
     _check_accumulation(mdict.get("accumulation"), findings)
     _check_unknown_keys(cls, findings)
 
     report = _report(root, ix, cls, manifest, mdict, topo, deep=deep, step=step, step_source=step_source,
                      by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
+    report["sidecars"] = sidecars.inspect_section(ix)  # every other file of the directory (reshard.storage.sidecars)
     return Inspection(ix, cls, manifest, topo, report)
 
 
@@ -121,21 +124,39 @@ def _parameters(roles: dict[str, KeyRole]) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- topology
 
-def _topology(ix: Any, mdict: dict[str, Any], params: dict[str, str], from_spec: str | None,
+def _geometry_keys(roles: dict[str, KeyRole], params: dict[str, str]) -> list[str]:
+    """The keys whose chunks show the layout: the parameters, else (optimizer-only) the moments.
+
+    An optimizer moment is cut exactly like its parameter, so a checkpoint that holds only the
+    optimizer (HF Accelerate writes model and optimizer to separate folders) shows the same layout.
+    """
+    if params:
+        return list(params.values())
+    return [k for k, r in roles.items() if r.role == "optimizer_moment"]
+
+
+def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | None,
               findings: list[Finding]) -> topo_mod.Topology:
     """The source layout: given by the user, else recorded in the manifest, else inferred from the chunks.
 
     A given or recorded layout is checked against the ranks that wrote data files, since a
-    wrong world size would misplace every per-rank state.
+    wrong world size would misplace every per-rank state. An inferred layout the chunks cannot
+    pin down is a warning that lists the candidates and asks for ``--from``.
     """
     if from_spec:
         topo = topo_mod.parse_spec(from_spec, source="given")
     elif mdict.get("topology"):
         topo = topo_mod.from_manifest(mdict["topology"])
     else:
+        writer_of = getattr(ix, "writer_of", lambda _f: None)
         topo = topo_mod.infer(
-            ((ix.entries[k].shape, [(c.box.offsets, c.box.sizes) for c in ix.entries[k].chunks]) for k in params.values()),
+            ((ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
+                                    for c in ix.entries[k].chunks]) for k in keys),
             ix.writer_ranks())
+        if topo.ambiguous:
+            findings.append(Finding("warning", "topology_ambiguous",
+                                    "the chunks admit several source layouts: " + ", ".join(topo.alternatives)
+                                    + "; pass --from with the one the run used (e.g. --from " + topo.alternatives[0] + ")"))
     writers = ix.writer_ranks()
     if writers and max(writers) >= topo.world_size and topo.source != "inferred":
         findings.append(Finding("inconsistent", "topology_mismatch",
@@ -160,7 +181,7 @@ def _contents_by_role(ix: Any, roles: dict[str, KeyRole]) -> dict[str, dict[str,
 
 def _present_counters(ix: Any, cls: Classification) -> dict[str, str]:
     """The convention's counters (step, tokens seen, ...) that this checkpoint actually saved."""
-    return {name: key for name, key in cls.convention.counters.items() if key in ix.entries}
+    return cls.counter_keys(ix.entries)
 
 
 def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dict[str, Any]:
@@ -177,19 +198,117 @@ def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dic
 # ---------------------------------------------------------------------------- optimizer health
 
 def _optimizer_health(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], mdict: dict[str, Any],
-                      can_read: bool, findings: list[Finding]) -> tuple[dict[str, Any], list[Any]]:
+                      can_read: bool, findings: list[Finding],
+                      cls_buffer_names: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
     """The report's "optimizer" section, and the distinct step counter values (the step check needs them)."""
     moments, steps = _optimizer_keys(roles)
     moment_names = sorted({n for m in moments.values() for n in m})
+    buffer_names = cls_buffer_names
     opt: dict[str, Any] = {"moment_names": moment_names, "parameters": len(params),
                            "with_moments": sum(1 for p in params if p in moments)}
     opt["step_counters"], distinct = _step_counters(ix, steps, can_read, findings)
+    buffers = _buffers(ix, roles, params, moments, buffer_names, can_read, findings) if moment_names else {}
+    opt["buffers"] = {p: buffers[p] for p in sorted(buffers)}
     tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings)
+    tied += _ties_by_equality(ix, params, moments, buffers, tied_members, can_read, findings) if moment_names else []
     opt["tied"] = tied
-    missing, shape_bad = _moment_coverage(ix, params, moments, moment_names, tied, tied_members, findings)
+    trainable = {p: k for p, k in params.items() if p not in buffers}
+    if not params and moments:
+        findings.append(Finding("info", "optimizer_only",
+                                f"optimizer-only checkpoint: moments for {len(moments)} parameters and no model entries; "
+                                "the layout is read from the moments' geometry"))
+        missing, shape_bad = [], []
+    else:
+        missing, shape_bad = _moment_coverage(ix, trainable, moments, moment_names, tied, tied_members, findings)
     opt["missing_moments"] = missing
     opt["shape_mismatches"] = shape_bad
     return opt, distinct
+
+
+def _buffers(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], moments: dict[str, dict[str, str]],
+             buffer_names: tuple[str, ...], can_read: bool, findings: list[Finding]) -> dict[str, str]:
+    """Model entries that are not trainable, each with the fact that shows it; they expect no moments.
+
+    Facts, in order: the entry holds optimizer moments (then it is trainable, whatever its name);
+    an integer dtype (no optimizer steps integers); the optimizer's param groups list parameter
+    names and this one is not among them; a running statistic by name (BatchNorm's running_mean).
+    """
+    listed = _param_group_names(ix, roles, can_read, findings)
+    out: dict[str, str] = {}
+    for p, k in params.items():
+        if p in moments:
+            continue
+        e = ix.entries[k]
+        if e.dtype is not None and not (e.dtype.is_floating_point or e.dtype.is_complex):
+            out[p] = f"integer dtype {e.dtype_name}"
+        elif listed is not None and p not in listed:
+            out[p] = "not listed in the optimizer's param groups"
+        elif p.rsplit(".", 1)[-1] in buffer_names:
+            out[p] = "running statistic (buffer)"
+    return out
+
+
+def _param_group_names(ix: Any, roles: dict[str, KeyRole], can_read: bool,
+                       findings: list[Finding]) -> set[str] | None:
+    """Parameter names the optimizer's param groups list (get_state_dict writes names), or None if they list none."""
+    keys = sorted(k for k, r in roles.items() if r.role == "param_group" and ix.entries[k].kind == "object")
+    if not can_read or not keys:
+        return None
+    names: set[str] = set()
+    for k in keys:
+        if not (k.endswith(".params") or k.endswith("param_groups") or ".params." in k):
+            continue
+        try:
+            _collect_param_names(ix.read_object(k), names, under_params=k.endswith(".params") or ".params." in k)
+        except ReshardError as exc:
+            findings.append(Finding("error", "unreadable_item", exc.message, keys=(k,)))
+            return None
+    return names or None
+
+
+def _collect_param_names(value: Any, out: set[str], *, under_params: bool) -> None:
+    """Strings found under a ``params`` list (of one param group, or of all of them)."""
+    if isinstance(value, dict):
+        for key, v in value.items():
+            _collect_param_names(v, out, under_params=under_params or key == "params")
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_param_names(v, out, under_params=under_params)
+    elif under_params and isinstance(value, str):
+        out.add(value)
+
+
+def _ties_by_equality(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], buffers: dict[str, str],
+                      tied_members: set[str], can_read: bool, findings: list[Finding]) -> list[dict[str, Any]]:
+    """Ties shown by the bytes: a trainable entry without moments, bitwise equal to one with moments.
+
+    Tied weights are one tensor saved under two names, and the optimizer keeps its moments under
+    one of them; equal shape, dtype and bytes is the evidence, listed in the record.
+    """
+    if not can_read:
+        return []
+    records: list[dict[str, Any]] = []
+    with_moments = [p for p in params if p in moments]
+    for p, k in params.items():
+        if p in moments or p in buffers or p in tied_members:
+            continue
+        e = ix.entries[k]
+        for q in with_moments:
+            eq_ = ix.entries[params[q]]
+            if eq_.shape != e.shape or eq_.dtype != e.dtype:
+                continue
+            try:
+                equal = bitwise_equal(ix, k, params[q])
+            except ReshardError as exc:
+                findings.append(Finding("error", "unreadable_item", exc.message, keys=(k, params[q])))
+                return records
+            if equal:
+                records.append({"names": [q, p], "source": "equal bytes", "equal": True,
+                                "evidence": f"'{p}' has no optimizer moments and is bitwise equal to '{q}' "
+                                            f"(shape {list(e.shape or ())}, {e.dtype_name}), which carries them"})
+                tied_members.update((p, q))
+                break
+    return records
 
 
 def _optimizer_keys(roles: dict[str, KeyRole]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
@@ -357,7 +476,7 @@ def _per_rank_state(roles: dict[str, KeyRole], topo: topo_mod.Topology, findings
 
 # ---------------------------------------------------------------------------- identity and problems
 
-def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list[Any], cls: Classification,
+def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list[Any], counter_keys: dict[str, str],
                  findings: list[Finding]) -> tuple[Any, str | None]:
     """The global step and where it came from: the manifest, else a counter, else the optimizer's step.
 
@@ -374,7 +493,7 @@ def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list
                                 f"global step {step} ({step_source}) but optimizer step counters say {distinct[0]}"))
     if "step" in counters and mdict.get("step") is not None and counters["step"] != mdict["step"]:
         findings.append(Finding("inconsistent", "step_mismatch",
-                                f"manifest step {mdict['step']} but counter '{cls.convention.counters['step']}' says {counters['step']}"))
+                                f"manifest step {mdict['step']} but counter '{counter_keys['step']}' says {counters['step']}"))
     return step, step_source
 
 
@@ -423,7 +542,8 @@ def _report(root: Path, ix: Any, cls: Classification, manifest: Any, mdict: dict
         "lineage": mdict.get("lineage", []),
         "manifest": manifest is not None,
         "dcp_version": ix.version,
-        "convention": {"name": cls.convention.name, "candidates": [{"name": n, "unknown": u} for n, u in cls.candidates]},
+        "convention": {"name": cls.convention.name, "composed": cls.conventions_used(),
+                       "candidates": [{"name": n, "unknown": u} for n, u in cls.candidates]},
         "entries": len(ix.entries),
         "items": ix.item_count(),
         "files": len(ix.file_sizes),

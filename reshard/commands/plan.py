@@ -26,6 +26,7 @@ from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
 from reshard.model.topology import Topology, parse_spec
+from reshard.storage import sidecars
 
 PLAN_VERSION = 1
 SHARDED_ROLES = ("parameter", "optimizer_moment")
@@ -195,6 +196,9 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     reduced = _reduce(options, keys.tensors, keys.actions, ix)
     memory = _memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
     verdict = _plan_verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
+    verdict["kept"] = _kept(r, cls, sdec, ddec, rdec, acc_out, reduced)
+    verdict["warm_start_of"] = [facet for facet, v in verdict["kept"].items()
+                                if v["status"] in ("lost", "absent") and facet in WARM_FACETS]
 
     return Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
@@ -209,6 +213,11 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
         first = next((p for p in r["problems"] if p["severity"] == "error"), {"message": "incomplete", "file": None})
         raise BadInput(f"the source checkpoint is incomplete: {first['message']}", where=str(src),
                        hint="Run `reshard inspect` for the full list; convert only a complete checkpoint.")
+    if ins.topology.ambiguous:
+        alts = ins.topology.alternatives
+        raise BadInput("the source layout is ambiguous: its chunks fit " + ", ".join(alts)
+                       + "; reshard does not record a guess as the run's layout", where=str(src),
+                       hint=f"Pass --from with the layout the run used, e.g. --from {alts[0]}.")
     return ins
 
 
@@ -476,7 +485,8 @@ def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, c
     return {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
             "tokens_seen": r.get("tokens_seen"),
             "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
-            "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"]}
+            "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"],
+            **sidecars.plan_source(r)}  # the files carried beside the DCP part (reshard.storage.sidecars)
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -591,6 +601,52 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storag
     totals = [p["total"] for p in per_rank]
     return {"per_rank": per_rank, "max": max(totals) if totals else 0, "min": min(totals) if totals else 0,
             "note": "gradients assume the parameter dtype; activations and communication buffers are not included"}
+
+
+# Facets whose loss makes the resumed run a warm start (RNG and the schedule are rewritten or
+# rebuilt by the trainer; losing them changes the run's noise, not what it has learned or seen).
+WARM_FACETS = ("optimizer_state", "data_position")
+
+
+def _kept(r: dict[str, Any], cls: Any, sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision,
+          rdec: rng_mod.RngDecision, acc_out: dict[str, Any], reduced: list[str]) -> dict[str, dict[str, str]]:
+    """For each part of the training state: carried, rewritten, lost, or absent from the source, and why.
+
+    This is the verdict's detail: "warm start" alone does not say that every Adam moment was
+    carried bitwise and only the data order is new, and that difference matters to the user.
+    """
+    def rec(status: str, note: str) -> dict[str, str]:
+        return {"status": status, "note": note}
+
+    opt = r["optimizer"]
+    if reduced and any("optim" in x for x in reduced):
+        optimizer = rec("lost", "; ".join(reduced))
+    elif opt["moment_names"]:
+        optimizer = rec("carried", f"{', '.join(opt['moment_names'])} for {opt['with_moments']} parameters, bitwise")
+    else:
+        optimizer = rec("absent", "no optimizer moments in the source: the optimizer starts fresh")
+    sched_keys = [x.key for x in cls.roles.values() if x.role == "scheduler"]
+    if sdec is not None and sdec.policy in ("steps", "tokens"):
+        schedule = rec("rewritten", sdec.note)
+    elif sched_keys:
+        schedule = rec("carried", f"{len(sched_keys)} scheduler keys unchanged" + (f"; {sdec.note}" if sdec and sdec.note else ""))
+    else:
+        schedule = rec("absent", "no scheduler state in the source: the trainer rebuilds its schedule from the step")
+    if ddec.kind == "none":
+        data = rec("absent", ddec.note)
+    elif not ddec.continuity:
+        data = rec("lost", ddec.note)
+    else:
+        data = rec("rewritten" if ddec.writes or ddec.rewritten or ddec.policy == "translate" else "carried", ddec.note)
+    if rdec is None or rdec.policy == "none":
+        rng = rec("absent", (rdec.note if rdec is not None else "") or "no RNG state in the source")
+    elif rdec.policy == "drop":
+        rng = rec("lost", rdec.note)
+    else:
+        rng = rec("carried" if rdec.streams_kept else "rewritten", rdec.note)
+    accumulation = rec("carried" if acc_out.get("ok") else "lost", acc_out.get("note", ""))
+    return {"optimizer_state": optimizer, "lr_schedule": schedule, "data_position": data, "rng": rng,
+            "accumulation_phase": accumulation}
 
 
 def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, Any]:

@@ -18,7 +18,9 @@ def _topo(t: dict[str, Any]) -> mf.Topology:
 def new_experiment_id(old: str | None, plan: Plan) -> str:
     """Deterministic, so that re-running the same conversion writes the same bytes."""
     h = hashlib.sha256(f"{old}:{plan.fingerprint()}".encode()).hexdigest()[:8]
-    return f"{old or 'run'}-warm-{h}"
+    what = {"optimizer_state": "optim", "data_position": "data"}
+    scope = "-".join(what[f] for f in plan.verdict.get("warm_start_of", ()) if f in what)
+    return f"{old or 'run'}-warm-{scope + '-' if scope else ''}{h}"  # e.g. run-warm-data-1a2b3c4d: only the data order is new
 
 
 def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.Manifest:

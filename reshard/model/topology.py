@@ -28,6 +28,13 @@ class Topology:
     tp: int = 1
     source: str = "given"  # "manifest" | "inferred" | "given"
     evidence: tuple[str, ...] = field(default=(), compare=False)
+    # Inferred layouts the chunk geometry cannot tell apart (spec strings, this one first). A
+    # non-empty tuple means "ambiguous": commands ask for --from rather than record a guess.
+    alternatives: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def ambiguous(self) -> bool:
+        return len(self.alternatives) > 1
 
     @property
     def world_size(self) -> int:
@@ -51,6 +58,9 @@ class Topology:
         d["source"] = self.source
         if self.evidence:
             d["evidence"] = list(self.evidence)
+        if self.ambiguous:
+            d["ambiguous"] = True
+            d["alternatives"] = list(self.alternatives)
         return d
 
     def with_source(self, source: str, evidence: Iterable[str] = ()) -> "Topology":
@@ -91,39 +101,54 @@ def from_manifest(topo: dict[str, Any]) -> Topology:
     return Topology(**degrees, source="manifest")
 
 
-def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]],
-          writer_ranks: list[int]) -> Topology:
-    """Infer a layout from how parameter tensors were cut.
+Chunk = tuple  # (offsets, sizes) or (offsets, sizes, writer rank or None)
+
+
+def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ranks: list[int]) -> Topology:
+    """Infer a layout from how parameter tensors were cut, and by whom.
 
     FSDP2 cuts dim 0 into ``dp_shard`` pieces; tensor parallelism adds cuts along the dim a
     layer is parallel in. We count distinct cut positions per dim over all parameters: the
     largest number of dim-0 pieces of a tensor whose other dims are whole is the FSDP
     degree; cuts along dim >= 1 indicate TP. The number of writer files bounds the world.
-    Replicated dims (dp_replicate, and pp for stage-local tensors) leave no trace in chunk
-    geometry; they are reported as 1 with that caveat.
+
+    When there are more writers than distinct shards, the rest are replicas (dp_replicate,
+    HSDP) or pipeline stages. The writers tell them apart: DCP writes each replicated chunk
+    once, spread over the ranks that hold it, so a dim-0 piece ``i`` written by ranks
+    ``i, i + S, i + 2S ...`` (S = dp_shard) shows replica groups. If the replicas left no such
+    trace (DCP may put every replicated chunk on the lowest rank), the layout is ambiguous:
+    the candidates are listed and none is presented as fact.
     """
     dim0 = Counter()
     tp_cuts = Counter()
     n = 0
+    piece_writers: list[dict[int, set[int]]] = []  # per whole-in-other-dims tensor: piece index -> writers
     for shape, chunks in param_chunks:
         n += 1
         if not shape:
             continue
         starts = [set() for _ in shape]
-        for offsets, sizes in chunks:
+        for c in chunks:
+            offsets, sizes = c[0], c[1]
             if all(s > 0 for s in sizes):
                 for d, o in enumerate(offsets):
                     starts[d].add(o)
         pieces = [len(s) for s in starts]
         if all(p == 1 for p in pieces[1:]):
             dim0[pieces[0]] += 1
+            order = sorted(starts[0])
+            pw: dict[int, set[int]] = {}
+            for c in chunks:
+                if len(c) > 2 and c[2] is not None and all(s > 0 for s in c[1]):
+                    pw.setdefault(order.index(c[0][0]), set()).add(c[2])
+            piece_writers.append(pw)
         for d in range(1, len(shape)):
             if pieces[d] > 1:
                 tp_cuts[pieces[d]] += 1
     tp = max(tp_cuts) if tp_cuts else 1
     shard = max(dim0) if dim0 else 1
     world = len(writer_ranks) or 1
-    evidence = [f"{n} parameter tensors examined", f"{world} writer rank(s) from data file names"]
+    evidence = [f"{n} tensors examined", f"{world} writer rank(s) from data file names"]
     if dim0:
         evidence.append(f"dim-0 pieces per tensor: {dict(sorted(dim0.items()))}")
     if tp_cuts:
@@ -131,6 +156,31 @@ def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[tuple[tuple[int, ..
     if tp > 1 and world % tp == 0 and shard * tp != world:
         # With 2-D (FSDP x TP) the dim-0 pieces seen on column-parallel weights are dp*tp.
         shard = max(1, world // tp)
-    if shard * tp < world:
-        evidence.append(f"{world} writers but only {shard * tp} distinct shards: the rest may be replicas (dp_replicate) or pipeline stages")
-    return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
+    if shard * tp >= world:
+        return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
+    return _more_writers_than_shards(shard, tp, world, writer_ranks, piece_writers, evidence)
+
+
+def _more_writers_than_shards(shard: int, tp: int, world: int, writer_ranks: list[int],
+                              piece_writers: list[dict[int, set[int]]], evidence: list[str]) -> Topology:
+    """Replicas shown by who wrote which piece, or an ambiguous answer listing the layouts that fit."""
+    extra = world // (shard * tp) if world % (shard * tp) == 0 else 0
+    writers_seen = {w for pw in piece_writers for ws in pw.values() for w in ws}
+    replica_trace = (tp == 1 and extra > 1 and any(w >= shard for w in writers_seen)
+                     and all(w % shard == i for pw in piece_writers for i, ws in pw.items() for w in ws))
+    if replica_trace:
+        evidence.append(f"each dim-0 piece i is written by ranks congruent to i mod {shard}, some beyond the first "
+                        f"{shard}: {extra} replicas of {shard} shards (HSDP / DDP)")
+        return Topology(dp_replicate=extra, dp_shard=shard, source="inferred", evidence=tuple(evidence))
+    evidence.append(f"{world} writers but only {shard * tp} distinct shards: the rest are replicas (dp_replicate) "
+                    "or pipeline stages, which the chunks do not tell apart")
+    base = Topology(dp_shard=shard, tp=tp)
+    alternatives = [base.spec()]
+    if extra > 1:
+        alternatives = [Topology(dp_replicate=extra, dp_shard=shard, tp=tp).spec(),
+                        Topology(pp=extra, dp_shard=shard, tp=tp).spec(), base.spec()]
+    if len(alternatives) == 1:
+        return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
+    # Degrees of the first candidate (its world size matches the writers), flagged ambiguous.
+    first = parse_spec(alternatives[0])
+    return Topology(**first.degrees(), source="inferred", evidence=tuple(evidence), alternatives=tuple(alternatives))

@@ -24,6 +24,9 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
     ]
+    if v.get("kept"):
+        lines += ["## What was kept", "", "| state | status | note |", "|---|---|---|"]
+        lines += [f"| {facet.replace('_', ' ')} | {k['status']} | {k['note']} |" for facet, k in v["kept"].items()] + [""]
     if v["warm_start_reasons"] or v["changes"]:
         lines += ["## What changes", ""] + [f"- {c}" for c in v["warm_start_reasons"] + v["changes"]] + [""]
     b = p["batch"]

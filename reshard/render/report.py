@@ -164,7 +164,12 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
             out.append(f"  {tp['key']:<52}{str(tp['shape']):<16}{tp['placement']:<36}{locs}{flag}")
     v = p["verdict"]
     out.append("")
-    out.append(f"verdict     {v['kind'].replace('_', ' ').upper()}")
+    kind = v['kind'].replace('_', ' ').upper()
+    if v.get("warm_start_of") and v["kind"] == "warm_start":
+        kind += " of the " + " and ".join(f.replace("_", " ") for f in v["warm_start_of"]) + " only"
+    out.append(f"verdict     {kind}")
+    for facet, k in (v.get("kept") or {}).items():
+        out.append(f"  {facet.replace('_', ' '):<19}{k['status']:<10}{k['note']}")
     for r_ in p["reasons"]:
         out.append(f"  infeasible: {r_}")
     for w in v["warm_start_reasons"]:

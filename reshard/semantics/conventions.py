@@ -4,6 +4,13 @@ A trainer's state dict is a flat namespace; what a key *means* (a parameter, one
 moments, a per-rank RNG state, the data cursor) is a convention of the trainer that wrote it.
 Conventions are data, not code, so a new trainer layout is a new TOML file. Keys no rule
 covers get the role ``unknown`` and are always listed: an unknown key is never hidden.
+
+Conventions compose. Real checkpoints mix namespaces: a `get_state_dict` model, a
+torchtitan-style `lr_scheduler`, a user's `step`. One convention is chosen as the primary
+(it explains the model and the optimizer); a key it leaves unknown is offered to the other
+conventions' rules (except their catch-alls, which only a primary may use) and last to the
+generic roles of `generic.toml` (scheduler, counters, config, blobs). Each key records the
+convention that classified it, so the report can say who explained what.
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ ROLES = (
     "rng",               # random number generator state
     "data",              # data position (sampler / dataloader state)
     "counter",           # trainer counters (global step, tokens seen, micro step)
+    "config",            # configuration objects saved beside the state (`config.*`, `args.*`)
+    "blob",              # opaque user bytes (bytes, io.BytesIO): carried and compared by their bytes
     "other",             # recognised by a convention but carrying none of the above
     "unknown",           # no rule matched: reported, never hidden
 )
@@ -38,6 +47,7 @@ class Rule:
     role: str
     kind: str | None = None  # "tensor" | "object" | None (either)
     per_rank: bool = False
+    catch_all: bool = False  # used only when its convention is the primary one (see the module doc)
 
 
 @dataclass
@@ -50,11 +60,16 @@ class Convention:
     markers: list[re.Pattern[str]]
     rules: list[Rule]
     moment_names: tuple[str, ...] = ()
-    counters: dict[str, str] = field(default_factory=dict)
+    counters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # counter name -> keys, first present wins
     source: str = ""
+    generic: bool = False  # generic roles: never the primary convention, always composed last
+    buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
 
-    def classify(self, key: str, kind: str) -> "KeyRole":
+    def classify(self, key: str, kind: str, *, composed: bool = False) -> "KeyRole":
+        """The first rule that matches; ``composed`` skips catch-all rules (this is not the primary)."""
         for rule in self.rules:
+            if composed and rule.catch_all:
+                continue
             if rule.kind is not None and rule.kind != kind:
                 continue
             m = rule.pattern.match(key)
@@ -63,7 +78,8 @@ class Convention:
             groups = m.groupdict()
             rank = groups.get("rank")
             return KeyRole(key, rule.role, param=groups.get("param"), name=groups.get("name"),
-                           rank=int(rank) if rank is not None else None, per_rank=rule.per_rank)
+                           rank=int(rank) if rank is not None else None, per_rank=rule.per_rank,
+                           convention=self.name)
         return KeyRole(key, "unknown")
 
 
@@ -75,16 +91,42 @@ class KeyRole:
     name: str | None = None    # moment or counter name
     rank: int | None = None    # for per-rank state
     per_rank: bool = False
+    convention: str | None = None  # the convention whose rule classified the key
 
 
 @dataclass
 class Classification:
-    convention: Convention
+    convention: Convention  # the primary convention
     roles: dict[str, KeyRole]
     candidates: list[tuple[str, int]]  # (convention name, unknown count), best first
+    composed: tuple[Convention, ...] = ()  # the others, in the order their rules were offered keys
 
     def by_role(self, role: str) -> list[KeyRole]:
         return [r for r in self.roles.values() if r.role == role]
+
+    def conventions_used(self) -> dict[str, int]:
+        """Convention name -> how many keys it classified (the primary first)."""
+        used: dict[str, int] = {}
+        for r in self.roles.values():
+            if r.convention:
+                used[r.convention] = used.get(r.convention, 0) + 1
+        order = [self.convention.name] + [c.name for c in self.composed]
+        return {n: used[n] for n in order if n in used}
+
+    def counter_keys(self, present: Iterable[str]) -> dict[str, str]:
+        """Counter name -> the key holding it: the primary's counters, then the composed ones' for names still missing."""
+        have = set(present)
+        out: dict[str, str] = {}
+        for conv in (self.convention, *self.composed):
+            for name, keys in conv.counters.items():
+                if name not in out:
+                    hit = next((k for k in keys if k in have), None)
+                    if hit is not None:
+                        out[name] = hit
+        return out
+
+    def buffer_names(self) -> tuple[str, ...]:
+        return tuple(n for c in (self.convention, *self.composed) for n in c.buffer_names)
 
     @property
     def unknown(self) -> list[str]:
@@ -99,12 +141,16 @@ def _load(path: Path) -> Convention:
         for r in spec.get("rule", []):
             if r["role"] not in ROLES:
                 raise ValueError(f"unknown role '{r['role']}'")
-            rules.append(Rule(re.compile(r["match"]), r["role"], r.get("kind"), bool(r.get("per_rank", False))))
+            rules.append(Rule(re.compile(r["match"]), r["role"], r.get("kind"), bool(r.get("per_rank", False)),
+                              bool(r.get("catch_all", False))))
+        counters = {n: (v,) if isinstance(v, str) else tuple(str(x) for x in v)
+                    for n, v in spec.get("counters", {}).items()}
         return Convention(
             name=spec["name"], description=spec.get("description", ""), priority=int(spec.get("priority", 0)),
             markers=[re.compile(m) for m in spec.get("markers", [])], rules=rules,
             moment_names=tuple(spec.get("optimizer", {}).get("moment_names", ())),
-            counters=dict(spec.get("counters", {})), source=str(path),
+            counters=counters, source=str(path), generic=bool(spec.get("generic", False)),
+            buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
         )
     except (KeyError, ValueError, re.error, tomllib.TOMLDecodeError) as exc:
         raise BadInput(f"invalid convention file: {exc}", where=str(path)) from None
@@ -124,20 +170,28 @@ def get_convention(name: str) -> Convention:
 
 
 def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> Classification:
-    """Classify (key, kind) pairs with the convention that explains them best.
+    """Classify (key, kind) pairs: the primary convention that explains them best, composed with the rest.
 
-    Best = some marker present, then fewest unknown keys, then most markers, then priority. ``prefer``
-    (from a manifest's ``key_convention``) wins outright when it names a known convention.
+    Best primary = some marker present, then fewest keys unknown after composition, then fewest
+    optimizer entries naming no parameter (a convention that reads the model under the wrong
+    prefix leaves every moment an orphan), then most markers, then priority. ``prefer`` (from a
+    manifest's ``key_convention``) wins outright when it names a known convention.
     """
     keys = list(keys)
+    convs = [c for c in builtin_conventions() if not c.generic]
+    generic = [c for c in builtin_conventions() if c.generic]
     scored = []
-    for conv in builtin_conventions():
-        roles = {k: conv.classify(k, kind) for k, kind in keys}
+    for conv in convs:
+        others = tuple(c for c in convs if c is not conv) + tuple(generic)
+        roles = {k: _classify_key(k, kind, conv, others) for k, kind in keys}
         unknown = sum(1 for r in roles.values() if r.role == "unknown")
+        params = {r.param for r in roles.values() if r.role == "parameter"}
+        orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
+                      and params and r.param not in params)
         markers = sum(1 for m in conv.markers if any(m.search(k) for k, _ in keys))
         # A convention whose markers appear at all beats one whose markers are absent:
         # torchtitan's catch-all "top-level tensor = parameter" must not claim foreign layouts.
-        scored.append(((markers == 0, unknown, -markers, -conv.priority), conv, roles, unknown))
+        scored.append(((markers == 0, unknown, orphans, -markers, -conv.priority), conv, roles, unknown, others))
     scored.sort(key=lambda s: s[0])
     if prefer:
         for s in scored:
@@ -145,8 +199,18 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> C
                 scored.remove(s)
                 scored.insert(0, s)
                 break
-    _, conv, roles, _ = scored[0]
-    return Classification(conv, roles, [(s[1].name, s[3]) for s in scored])
+    _, conv, roles, _, others = scored[0]
+    return Classification(conv, roles, [(s[1].name, s[3]) for s in scored], others)
+
+
+def _classify_key(key: str, kind: str, primary: Convention, others: tuple[Convention, ...]) -> KeyRole:
+    """The primary's rules (catch-alls included), then each other convention's non-catch-all rules."""
+    r = primary.classify(key, kind)
+    for conv in others:
+        if r.role != "unknown":
+            break
+        r = conv.classify(key, kind, composed=True)
+    return r
 
 
 @lru_cache(maxsize=1)

@@ -155,6 +155,9 @@ def _decode(md: Any, where: str) -> RawMetadata:
         if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
             raise _bad(where, f"storage of '{fqn}' has invalid transforms")
         locations[(fqn, offsets)] = ItemLocation(rel, o, n, tuple(tds))
+    # `all_local_plans` (Megatron-Core's torch_dist save stores every rank's SavePlan here) is
+    # unpickled as inert records and deliberately ignored: a plan says what a rank meant to
+    # write, `state_dict_metadata` and `storage_data` what was written, and only they are evidence.
     planner = md.get("planner_data")
     paths: dict[str, tuple] = {}
     if isinstance(planner, dict):
@@ -392,7 +395,10 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
     check_cost(item_pickle(data, key=key, where=where), where=where, what=f"the pickle of item '{key}'")
     try:
         try:
-            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            # io.BytesIO is a user blob DCP pickles (`dcp.save({"blob": io.BytesIO(...)})`): its
+            # pickle builds a bytes buffer and nothing else, so object items may hold one.
+            with torch.serialization.safe_globals([] if tensor else [io.BytesIO]):
+                obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             msg = str(exc)
             if not _is_unsafe_global(msg) and not (trust_pickle and not tensor):

@@ -146,6 +146,11 @@ class CheckpointIndex(EntryQueries):
         """Data files present in the directory (whether or not the metadata names them)."""
         return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
 
+    def writer_of(self, file: str) -> int | None:
+        """The rank that wrote a data file, from DCP's `__{rank}_{n}.distcp` naming (None for other names)."""
+        m = RANK_FILE.match(file)
+        return int(m.group(1)) if m else None
+
     def writer_ranks(self) -> list[int]:
         """Ranks that wrote data files, from DCP's `__{rank}_{n}.distcp` naming."""
         ranks = set()
