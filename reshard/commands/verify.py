@@ -112,6 +112,7 @@ of A (a tensor chunk or an object), so ``CheckpointIndex.open(a).item_count()`` 
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import reprlib
@@ -405,6 +406,21 @@ def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return bool(torch.equal(_bits(x), _bits(y)))
 
 
+def blob_difference(x: io.BytesIO, y: io.BytesIO, where: str) -> str | None:
+    """Two ``io.BytesIO`` blobs compared by their contents, then their position; None when the same."""
+    import numpy as np
+
+    bx, by = x.getvalue(), y.getvalue()
+    if len(bx) != len(by):
+        return f"{where}: BytesIO of {len(bx):,} bytes in A, {len(by):,} bytes in B"
+    if bx != by:
+        first = int(np.flatnonzero(np.frombuffer(bx, np.uint8) != np.frombuffer(by, np.uint8))[0])
+        return f"{where}: BytesIO contents differ (first at byte {first:,})"
+    if x.tell() != y.tell():
+        return f"{where}: BytesIO position {x.tell()} in A, {y.tell()} in B"
+    return None
+
+
 def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | None:
     """The first difference between two objects, bit for bit, as a short line; None when identical.
 
@@ -420,6 +436,9 @@ def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | 
       insertion order is not compared) and then values recursively; **lists and tuples** by
       length and element; **sets** by their elements' exact forms;
     * ``str``, ``bytes``, ``int``, ``bool``, ``None`` by ``==`` once the types match;
+    * **blobs** (``io.BytesIO``, which a trainer hands to DCP for opaque state) by their bytes
+      (``getvalue()``) and then their read position: a BytesIO has no value equality of its
+      own (``==`` is identity, so two loads of one item would always "differ");
     * anything else (the safe loader's inert stand-ins): ``==`` when it answers a bool, else
       the ``repr``.
 
@@ -469,6 +488,8 @@ def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | 
         return None if x.tobytes() == y.tobytes() else f"{where}: array values differ (bitwise)"
     if isinstance(x, np.generic):
         return None if (x.dtype, x.tobytes()) == (y.dtype, y.tobytes()) else f"{where}: {x!r} in A, {y!r} in B"
+    if isinstance(x, io.BytesIO):
+        return blob_difference(x, y, where)
     try:
         res = x == y
         same = res if isinstance(res, bool) else repr(x) == repr(y)
