@@ -87,7 +87,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     by_role = _contents_by_role(ix, cls.roles)
     counter_keys = _present_counters(ix, cls)
     counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
-    opt, step_values = _optimizer_health(ix, cls.roles, params, mdict, can_read, findings, cls.buffer_names())
+    opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings)
     per_rank = _per_rank_state(cls.roles, topo, findings)
     step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings)
     _check_accumulation(mdict.get("accumulation"), findings)
@@ -197,32 +197,68 @@ def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dic
 
 # ---------------------------------------------------------------------------- optimizer health
 
-def _optimizer_health(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], mdict: dict[str, Any],
-                      can_read: bool, findings: list[Finding],
-                      cls_buffer_names: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Any]]:
+def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdict: dict[str, Any],
+                      can_read: bool, findings: list[Finding]) -> tuple[dict[str, Any], list[Any]]:
     """The report's "optimizer" section, and the distinct step counter values (the step check needs them)."""
+    roles = cls.roles
     moments, steps = _optimizer_keys(roles)
     moment_names = sorted({n for m in moments.values() for n in m})
-    buffer_names = cls_buffer_names
+    buffer_names = cls.buffer_names()
     opt: dict[str, Any] = {"moment_names": moment_names, "parameters": len(params),
                            "with_moments": sum(1 for p in params if p in moments)}
     opt["step_counters"], distinct = _step_counters(ix, steps, can_read, findings)
-    buffers = _buffers(ix, roles, params, moments, buffer_names, can_read, findings) if moment_names else {}
+    opt["fused"] = _fused_entries(ix, cls, params, moments)
+    covered = {q for r in opt["fused"] for q in r["parts"]}  # model entries whose moments a fused entry holds
+    fused_names = {r["optimizer"] for r in opt["fused"]}
+    opt["with_moments"] += len(covered)
+    unfused = {p: k for p, k in params.items() if p not in covered}
+    buffers = _buffers(ix, roles, unfused, moments, buffer_names, can_read, findings) if moment_names else {}
     opt["buffers"] = {p: buffers[p] for p in sorted(buffers)}
     tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings)
-    tied += _ties_by_equality(ix, params, moments, buffers, tied_members, can_read, findings) if moment_names else []
+    tied += _ties_by_equality(ix, unfused, moments, buffers, tied_members, can_read, findings) if moment_names else []
     opt["tied"] = tied
-    trainable = {p: k for p, k in params.items() if p not in buffers}
+    trainable = {p: k for p, k in unfused.items() if p not in buffers}
     if not params and moments:
         findings.append(Finding("info", "optimizer_only",
                                 f"optimizer-only checkpoint: moments for {len(moments)} parameters and no model entries; "
                                 "the layout is read from the moments' geometry"))
         missing, shape_bad = [], []
     else:
-        missing, shape_bad = _moment_coverage(ix, trainable, moments, moment_names, tied, tied_members, findings)
+        missing, shape_bad = _moment_coverage(ix, trainable, {p: m for p, m in moments.items() if p not in fused_names},
+                                              moment_names, tied, tied_members, findings)
     opt["missing_moments"] = missing
     opt["shape_mismatches"] = shape_bad
     return opt, distinct
+
+
+def _fused_entries(ix: Any, cls: Classification, params: dict[str, str],
+                   moments: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """Optimizer entries of a fused parameter whose model copy is saved split, checked by geometry.
+
+    The parts' sizes along the fused dim must add up to the optimizer entry's, the other dims
+    equal; then the parts count as carrying the entry's moments and the entry is not an orphan. The moments are carried as they are: a DP change reshards them
+    along their own dim 0, as the fused parameter is.
+    """
+    records: list[dict[str, Any]] = []
+    for p in sorted(moments):
+        if p in params:
+            continue
+        hit = cls.fused_parts(p)
+        if hit is None:
+            continue
+        parts, f = hit
+        if not all(q in params for q in parts):
+            continue
+        some = ix.entries[next(iter(moments[p].values()))]
+        shapes = [ix.entries[params[q]].shape or () for q in parts]
+        ok = some.shape is not None and all(len(sh) == len(some.shape) for sh in shapes) \
+            and sum(sh[f.dim] for sh in shapes) == some.shape[f.dim] \
+            and all(sh[d] == some.shape[d] for sh in shapes for d in range(len(sh)) if d != f.dim)
+        if not ok:
+            continue
+        records.append({"optimizer": p, "parts": list(parts), "dim": f.dim, "layout": f.layout,
+                        "evidence": f"{' + '.join(str(list(sh)) for sh in shapes)} along dim {f.dim} = {list(some.shape)}"})
+    return records
 
 
 def _buffers(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], moments: dict[str, dict[str, str]],

@@ -63,6 +63,7 @@ class Convention:
     counters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # counter name -> keys, first present wins
     source: str = ""
     generic: bool = False  # generic roles: never the primary convention, always composed last
+    fused: tuple["FusedEntry", ...] = ()  # optimizer entries of a fused parameter saved split in the model
     buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
 
     def classify(self, key: str, kind: str, *, composed: bool = False) -> "KeyRole":
@@ -81,6 +82,27 @@ class Convention:
                            rank=int(rank) if rank is not None else None, per_rank=rule.per_rank,
                            convention=self.name)
         return KeyRole(key, "unknown")
+
+
+@dataclass(frozen=True)
+class FusedEntry:
+    """An optimizer entry keyed by a fused parameter whose model copy is saved split.
+
+    torchtitan 0.3.0's FusedQKVLinear trains one ``wqkv`` parameter but its state-dict hook
+    saves ``wq``/``wk``/``wv``: the moments stay keyed ``wqkv``. ``parts`` are templates over
+    the groups of ``optimizer``; their sizes along ``dim`` add up to the fused entry's.
+    """
+
+    optimizer: re.Pattern[str]
+    parts: tuple[str, ...]
+    dim: int = 0
+    layout: str = ""
+
+    def parts_of(self, param: str) -> tuple[str, ...] | None:
+        m = self.optimizer.match(param)
+        if m is None:
+            return None
+        return tuple(t.format(**m.groupdict()) for t in self.parts)
 
 
 @dataclass(frozen=True)
@@ -125,6 +147,15 @@ class Classification:
                         out[name] = hit
         return out
 
+    def fused_parts(self, param: str) -> tuple[tuple[str, ...], "FusedEntry"] | None:
+        """The model entries an optimizer entry ``param`` fuses, by the first convention that declares it."""
+        for conv in (self.convention, *self.composed):
+            for f in conv.fused:
+                parts = f.parts_of(param)
+                if parts is not None:
+                    return parts, f
+        return None
+
     def buffer_names(self) -> tuple[str, ...]:
         return tuple(n for c in (self.convention, *self.composed) for n in c.buffer_names)
 
@@ -151,6 +182,8 @@ def _load(path: Path) -> Convention:
             moment_names=tuple(spec.get("optimizer", {}).get("moment_names", ())),
             counters=counters, source=str(path), generic=bool(spec.get("generic", False)),
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
+            fused=tuple(FusedEntry(re.compile(f["optimizer"]), tuple(f["parts"]), int(f.get("dim", 0)),
+                                   str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )
     except (KeyError, ValueError, re.error, tomllib.TOMLDecodeError) as exc:
         raise BadInput(f"invalid convention file: {exc}", where=str(path)) from None
