@@ -1,8 +1,10 @@
 """Megatron-Core ``dist_checkpointing`` (torch_dist backend, megatron-core 0.16.1): inspect, plan,
 convert to another DP degree, and Megatron's own ``dist_checkpointing.load`` of the output.
 
-The source is written ONCE per module by ``tests/writers/megatron_run.py`` under
-``torch.distributed.run --nproc-per-node 4``: ``parallel_state.initialize_model_parallel`` with
+The source is written ONCE per module by ``tests/writers/megatron_run.py`` on 4 gloo ranks
+(forked by ``torch.multiprocessing`` after importing megatron.core once, which costs 15-30 s of
+CPU per interpreter; the writer runs the same under ``torch.distributed.run --nproc-per-node 4``):
+``parallel_state.initialize_model_parallel`` with
 tensor parallel 2 and data parallel 2, a tiny ``GPTModel`` from ``get_gpt_layer_local_spec``
 (2 layers, hidden 32, 4 heads, vocab 64), two steps of Adam, and
 ``dist_checkpointing.save(model.sharded_state_dict() + optimizer, sharded_strategy=torch_dist)``,
@@ -62,10 +64,9 @@ TARGET = "tp=2"                  # dp 2 -> 1, same TP: world size 2
 SIDECARS = ("common.pt", "metadata.json")
 
 
-def _torchrun(mode: str, ckpt: Path, ref: Path, nproc: int) -> subprocess.CompletedProcess:
+def _ranks(mode: str, ckpt: Path, ref: Path, nproc: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", SOURCE_DATE_EPOCH="1700000000")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WRITER), mode, str(ckpt), str(ref), "--tp", "2"]
+    cmd = [sys.executable, str(WRITER), mode, str(ckpt), str(ref), "--tp", "2", "--nproc", str(nproc)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -79,7 +80,7 @@ def megatron_ckpt(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, reference) written by Megatron at tp 2 x dp 2 on 4 gloo ranks."""
     base = tmp_path_factory.mktemp("megatron")
     ckpt, ref = base / "ckpt", base / "ref"
-    r = _torchrun("save", ckpt, ref, nproc=4)
+    r = _ranks("save", ckpt, ref, nproc=4)
     assert r.returncode == 0, _tail(r)
     return ckpt, ref
 
@@ -249,6 +250,6 @@ def test_megatron_loads_output_at_new_dp_bitwise(megatron_ckpt, converted):
     """Megatron's own dist_checkpointing.load at world size 2 (tp 2, dp 1): every tensor bitwise equal."""
     out, code, stdout, stderr = converted
     assert code == 0, stderr or stdout
-    r = _torchrun("load", out, megatron_ckpt[1], nproc=2)
+    r = _ranks("load", out, megatron_ckpt[1], nproc=2)
     assert r.returncode == 0, _tail(r)
     assert r.stdout.count("bitwise equal") == 2, r.stdout
