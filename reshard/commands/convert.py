@@ -59,7 +59,7 @@ from reshard.storage.index import CheckpointIndex
 from reshard.commands.space import estimate_output_bytes
 from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
-from reshard.storage import archive, fastread
+from reshard.storage import archive, fastread, sidecars
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.semantics.transforms import write_transformed
@@ -147,6 +147,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             w.finish(sync_data=False)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
+        carried = carry_sidecars(plan, ix, src, tmp)
         # The disk writes the data back while the output is verified (both in the page
         # cache); the commit waits for it and then fsyncs the whole directory anyway.
         syncer = _Syncer(sorted(tmp.glob("*.distcp")))
@@ -161,9 +162,19 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             syncer.join()
         verification["b"] = str(dst)  # what was verified is what appears at dst
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
+        report["sidecars"] = carried
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the converted checkpoint")
     return report
+
+
+def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> list[dict[str, Any]]:
+    """Every sidecar the plan listed, copied byte-identical into the output before it is committed.
+
+    A trainer's own files beside the DCP part (Lightning's `meta.pt`, ...) are data: dropping
+    them would leave an output the trainer cannot load (`reshard.storage.sidecars`).
+    """
+    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"))
 
 
 class PieceLedger(splice.SourceLedger):
@@ -505,6 +516,7 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
     started = _time.time()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         info = write_local(plan, ix, tmp, progress=progress)
+        carried = carry_sidecars(plan, ix, src, tmp)
         manifest = output_manifest(plan, source_manifest(src), time=now_text())
         write_manifest(tmp, manifest)
         fault_point("manifest")
@@ -515,6 +527,7 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
         report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
         report["bytes_written"] = sum(report["files"].values())
         report["local"] = info
+        report["sidecars"] = carried
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the local output")
     return report

@@ -233,6 +233,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
                     merged.update(s["checksums"])
                 w.adopt(merged)
                 w.finish()
+                carried = ex.carry_sidecars(plan, ix, src, tmp)
                 manifest = output_manifest(plan, ex.source_manifest(src), time=stamp)
                 manifest.integrity = ex.integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
                 write_manifest(tmp, manifest)  # verification reads the step and cursor from it
@@ -265,6 +266,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
             verification["storages_checked_across_workers"] = split_checked
         report = ex.build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["workers"] = world
+        report["sidecars"] = carried
         ex.write_reports(tmp, report)
         ex.refuse_if_different(verification, dst, "the converted checkpoint")
     return report
