@@ -212,11 +212,14 @@ def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdic
     fused_names = {r["optimizer"] for r in opt["fused"]}
     opt["with_moments"] += len(covered)
     unfused = {p: k for p, k in params.items() if p not in covered}
-    buffers = _buffers(ix, roles, unfused, moments, buffer_names, can_read, findings) if moment_names else {}
-    opt["buffers"] = {p: buffers[p] for p in sorted(buffers)}
     tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings)
-    tied += _ties_by_equality(ix, unfused, moments, buffers, tied_members, can_read, findings) if moment_names else []
+    # A tie is checked before the param-groups fact: the optimizer lists a tied tensor under one name only.
+    by_kind = _buffers(ix, roles, unfused, moments, buffer_names, False, findings) if moment_names else {}
+    tied += _ties_by_equality(ix, unfused, moments, by_kind, tied_members, can_read, findings) if moment_names else []
     opt["tied"] = tied
+    buffers = _buffers(ix, roles, {p: k for p, k in unfused.items() if p not in tied_members}, moments, buffer_names,
+                       can_read, findings) if moment_names else {}
+    opt["buffers"] = {p: buffers[p] for p in sorted(buffers)}
     trainable = {p: k for p, k in unfused.items() if p not in buffers}
     if not params and moments:
         findings.append(Finding("info", "optimizer_only",

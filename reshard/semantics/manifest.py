@@ -22,6 +22,7 @@ from typing import Any
 
 from reshard import safefs
 from reshard.errors import BadInput
+from reshard.semantics.conventions import builtin_conventions
 
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a real manifest is a few KiB; its lineage grows by ~1 KiB per transition
@@ -29,7 +30,13 @@ FORMAT = "reshard-manifest"
 FORMAT_VERSION = 1
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-KEY_CONVENTIONS = ("reshard", "torchtitan", "torch-get-state-dict")
+def key_conventions() -> tuple[str, ...]:
+    """Names a manifest's ``key_convention`` may take: every primary convention in formats/conventions/.
+
+    Read from the convention files, not listed here, so that a new convention file is a name a
+    manifest (and reshard's own output manifest) can record.
+    """
+    return tuple(sorted(c.name for c in builtin_conventions() if not c.generic))
 RNG_POLICIES = ("per-rank", "offset", "none")
 CONTINUITY = ("continuation", "warm_start")
 LINEAGE_EVENTS = ("created", "transition", "import")
@@ -404,7 +411,7 @@ class Manifest:
     tokens_seen: int | None
     samples_seen: int | None
     key_convention: str
-    """How state-dict keys are laid out: "reshard", "torchtitan" or "torch-get-state-dict"."""
+    """How state-dict keys are laid out: the name of a convention in formats/conventions/."""
     topology: Topology
     batch: Batch
     accumulation: Accumulation
@@ -458,7 +465,7 @@ class Manifest:
             step=_get(d, "step", "step", ctx, int, nullable=True),
             tokens_seen=_get(d, "tokens_seen", "tokens_seen", ctx, int, nullable=True),
             samples_seen=_get(d, "samples_seen", "samples_seen", ctx, int, nullable=True),
-            key_convention=_get(d, "key_convention", "key_convention", ctx, str, choices=KEY_CONVENTIONS),
+            key_convention=_get(d, "key_convention", "key_convention", ctx, str, choices=key_conventions()),
             topology=Topology.from_dict(_get(d, "topology", "topology", ctx, dict), "topology", ctx),
             batch=Batch.from_dict(_get(d, "batch", "batch", ctx, dict), "batch", ctx),
             accumulation=Accumulation.from_dict(_get(d, "accumulation", "accumulation", ctx, dict), "accumulation", ctx),
