@@ -44,6 +44,7 @@ LAYERS = 2
 HEADS = 4
 VOCAB = 64
 SEQ = 16
+STEPS = 2  # optimizer steps taken before the save; Megatron-LM saves the same number as `iteration`
 
 
 def cpu_shims() -> None:
@@ -105,7 +106,7 @@ def sharded_state(model: torch.nn.Module, opt: torch.optim.Adam) -> dict:
     if steps:
         osd["state"]["common_step"] = next(iter(osd["state"].values()))["step"] if False else torch.tensor(steps.pop())
     del make_sharded_optimizer_tensor
-    return {"model": model_sd, "optimizer": osd, "iteration": 3, "checkpoint_version": 3.0}
+    return {"model": model_sd, "optimizer": osd, "iteration": STEPS, "checkpoint_version": 3.0}
 
 
 def flat_sharded(sd: dict, prefix: str = "") -> dict:
@@ -128,7 +129,7 @@ def save(ckpt: Path, ref: Path, tp: int) -> None:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     model = build(tp)
-    opt = optimizer_for(model, steps=2)
+    opt = optimizer_for(model, steps=STEPS)
     sd = sharded_state(model, opt)
     rank = dist.get_rank()
     ref.mkdir(parents=True, exist_ok=True)
@@ -171,10 +172,10 @@ def load(ckpt: Path, ref: Path, tp: int) -> None:
         if have.dtype != want.dtype or have.shape != want.shape or not torch.equal(
                 have.view(torch.uint8) if have.is_floating_point() else have, want.view(torch.uint8) if want.is_floating_point() else want):
             bad.append(path)
-    if loaded.get("iteration") != 3:  # common.pt, read by Megatron's common strategy
+    if loaded.get("iteration") != STEPS:  # common.pt, read by Megatron's common strategy
         bad.append(f"iteration={loaded.get('iteration')!r}")
     common_step = loaded.get("optimizer", {}).get("state", {}).get("common_step")
-    if not (isinstance(common_step, torch.Tensor) and common_step.item() == 2.0):
+    if not (isinstance(common_step, torch.Tensor) and common_step.item() == float(STEPS)):
         bad.append(f"optimizer.state.common_step={common_step!r}")
     if bad:
         print(f"rank {dist.get_rank()}: DIFFERENT {bad}", flush=True)
