@@ -83,7 +83,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
 
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
     params = _parameters(cls.roles)
-    topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings)
+    topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings, cls)
     by_role = _contents_by_role(ix, cls.roles)
     counter_keys = _present_counters(ix, cls)
     counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
@@ -136,7 +136,7 @@ def _geometry_keys(roles: dict[str, KeyRole], params: dict[str, str]) -> list[st
 
 
 def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | None,
-              findings: list[Finding]) -> topo_mod.Topology:
+              findings: list[Finding], cls: Classification) -> topo_mod.Topology:
     """The source layout: given by the user, else recorded in the manifest, else inferred from the chunks.
 
     A given or recorded layout is checked against the ranks that wrote data files, since a
@@ -153,6 +153,8 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
             ((ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
                                     for c in ix.entries[k].chunks]) for k in keys),
             ix.writer_ranks())
+        if not cls.convention.stores_replicas:
+            topo = topo_mod.replicas_not_stored(topo, cls.convention.name)
         if topo.ambiguous:
             findings.append(Finding("warning", "topology_ambiguous",
                                     "the chunks admit several source layouts: " + ", ".join(topo.alternatives)

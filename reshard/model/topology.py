@@ -161,6 +161,20 @@ def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ra
     return _more_writers_than_shards(shard, tp, world, writer_ranks, piece_writers, evidence)
 
 
+def replicas_not_stored(topo: Topology, writer: str) -> Topology:
+    """An inferred layout from a writer that saves one replica only: its dp degree is unknown, so it is ambiguous.
+
+    The shards and TP cuts seen are kept; the candidates say that any ``dp_replicate`` fits.
+    """
+    if topo.dp_replicate > 1 or topo.source != "inferred":
+        return topo
+    spec = topo.spec()
+    return Topology(**topo.degrees(), source="inferred",
+                    evidence=topo.evidence + (f"{writer} saves each replicated chunk from one replica only: "
+                                              "the data-parallel replicas leave no trace in the checkpoint",),
+                    alternatives=(spec, f"dp_replicate=N,{spec}" if spec != "dp=1" else "dp_replicate=N"))
+
+
 def _more_writers_than_shards(shard: int, tp: int, world: int, writer_ranks: list[int],
                               piece_writers: list[dict[int, set[int]]], evidence: list[str]) -> Topology:
     """Replicas shown by who wrote which piece, or an ambiguous answer listing the layouts that fit."""

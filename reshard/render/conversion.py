@@ -24,6 +24,10 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
     ]
+    if r.get("sidecars"):
+        lines += ["## Files beside the data (sidecars)", "", "| file | bytes | format | policy | writer |", "|---|---|---|---|---|"]
+        lines += [f"| `{s['name']}` | {s['size']} | {s['format']} | {s['policy']} | {s.get('writer') or '-'} |"
+                  for s in r["sidecars"]] + [""]
     if v.get("kept"):
         lines += ["## What was kept", "", "| state | status | note |", "|---|---|---|"]
         lines += [f"| {facet.replace('_', ' ')} | {k['status']} | {k['note']} |" for facet, k in v["kept"].items()] + [""]

@@ -19,6 +19,12 @@ def _topo_line(t: dict[str, Any]) -> str:
     return f"{', '.join(dims)} (world size {t.get('world_size')}, {t.get('source')})"
 
 
+def sidecar_lines(entries: list[dict[str, Any]], *, verb: str) -> list[str]:
+    """One line per file beside the DCP data (``verb``: what happened to it), so none goes unmentioned."""
+    return [f"sidecar     {s['name']} ({s['size']:,} B, {s['format']}, {s['policy']}): {verb}; {s.get('writer') or 'unknown writer'}"
+            for s in entries]
+
+
 def render_inspect(r: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = "complete" if r["complete"] else "INCOMPLETE"
@@ -71,6 +77,14 @@ def render_inspect(r: dict[str, Any]) -> str:
             out.append(f"per-rank    {role}: keyed per rank, ranks {_ranges(info['ranks'])}{miss}")
         else:
             out.append(f"per-rank    {role}: one shared copy ({info['keys']} keys)")
+    out += sidecar_lines(r.get("sidecars") or [], verb="listed")
+    fused = o.get("fused") or []
+    if fused:
+        out.append(f"fused       {len(fused)} optimizer entries of fused parameters mapped to their saved parts "
+                   f"(e.g. {fused[0]['optimizer']} = {' + '.join(fused[0]['parts'])})")
+    if o.get("buffers"):
+        out.append(f"buffers     {len(o['buffers'])} entries expect no moments: "
+                   + ", ".join(f"{b} ({why})" for b, why in list(o["buffers"].items())[:4]) + (" ..." if len(o["buffers"]) > 4 else ""))
     if r["unknown_keys"]:
         out.append(f"unknown     {len(r['unknown_keys'])} keys: " + ", ".join(r["unknown_keys"][:8]) + (" ..." if len(r["unknown_keys"]) > 8 else ""))
     if r["problems"]:
@@ -176,6 +190,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"  warm start: {w}")
     for c in v["changes"]:
         out.append(f"  change: {c}")
+    out += sidecar_lines(p["source"].get("sidecars") or [], verb="carried byte-identical")
     out.append(f"fingerprint {p['fingerprint']}")
     return "\n".join(out)
 
@@ -190,4 +205,4 @@ def render_convert(r: dict[str, Any]) -> str:
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + sidecar_lines(r.get("sidecars") or [], verb="carried byte-identical"))

@@ -64,6 +64,9 @@ class Convention:
     source: str = ""
     generic: bool = False  # generic roles: never the primary convention, always composed last
     fused: tuple["FusedEntry", ...] = ()  # optimizer entries of a fused parameter saved split in the model
+    # False when the writer saves each replicated chunk from one replica only (Megatron's
+    # replica_id 0): the chunks then say nothing of the data-parallel degree.
+    stores_replicas: bool = True
     buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
 
     def classify(self, key: str, kind: str, *, composed: bool = False) -> "KeyRole":
@@ -182,6 +185,7 @@ def _load(path: Path) -> Convention:
             moment_names=tuple(spec.get("optimizer", {}).get("moment_names", ())),
             counters=counters, source=str(path), generic=bool(spec.get("generic", False)),
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
+            stores_replicas=bool(spec.get("topology", {}).get("stores_replicas", True)),
             fused=tuple(FusedEntry(re.compile(f["optimizer"]), tuple(f["parts"]), int(f.get("dim", 0)),
                                    str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )

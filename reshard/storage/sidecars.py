@@ -332,15 +332,6 @@ def _copy(src: Path, dst: Path, *, root: Path, slab: int = 8 << 20) -> str:
         os.close(fd)
 
 
-def report_lines(entries: list[dict[str, Any]], *, verb: str = "carried") -> list[str]:
-    """One line per sidecar for text reports (``verb``: what happened to it)."""
-    lines = []
-    for s in entries:
-        what = s.get("writer") or "unknown writer"
-        lines.append(f"sidecar     {s['name']} ({s['size']:,} B, {s['format']}, {s['policy']}): {verb}; {what}")
-    return lines
-
-
 def plan_source(inspect_report: dict[str, Any]) -> dict[str, Any]:
     """The plan's ``source`` entry for sidecars: ``{"sidecars": [...]}``, or nothing when there are none
     (so plans of checkpoints without sidecars keep their fingerprints)."""
