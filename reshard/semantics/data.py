@@ -7,12 +7,20 @@ world size skips (growing) or repeats (shrinking) samples, and states of vanishe
 silently lost (torchtitan #811). They are translated only through a known elastic form
 (`formats/data_states.toml`) and only when the user asks (`--data-policy translate`), since
 opening them means unpickling; otherwise the conversion is refused and the choices listed.
+
+A trainer whose per-rank states cannot follow has to be told not to load them, or its own
+load fails (torchtitan: DCP finds no `dataloader.dp_rank_<k>` for a new rank, or the loader
+asserts the old dp degree). What to tell it comes from the convention that owns the keys
+(`[data]` in formats/conventions/*.toml: the keys it covers, the setting, whether its
+states have a known elastic form); every decision and refusal names that setting, and
+`restart-epoch`/`translate` are not offered where the convention says the state has no form.
 """
 from __future__ import annotations
 
 import copy
 import io
 import pickle
+import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -39,11 +47,52 @@ class DataDecision:
     writes: dict[str, Any] = field(default_factory=dict)
     rewritten: dict[str, str] = field(default_factory=dict)  # source key -> why
     dropped: dict[str, str] = field(default_factory=dict)    # source key -> why
+    trainer_must: str = ""  # what the trainer must be told to load the output (empty: nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "policy": self.policy, "form": self.form, "cursor_before": self.cursor_before,
                 "cursor_after": self.cursor_after, "repeated": self.repeated, "skipped": self.skipped,
-                "continuity": self.continuity, "note": self.note, "new_keys": sorted(self.writes)}
+                "continuity": self.continuity, "note": self.note, "new_keys": sorted(self.writes),
+                "trainer_must": self.trainer_must}
+
+
+@dataclass(frozen=True)
+class TrainerDataSetting:
+    """A convention's word on its per-rank data states (`[data]` in formats/conventions/<name>.toml)."""
+
+    convention: str
+    trainer: str
+    keys: re.Pattern[str]
+    exclude_setting: str       # what the trainer must be told when the states are not written
+    elastic: bool              # False: no known elastic form, translate/restart-epoch are not offered
+    why: str
+
+    def instruction(self) -> str:
+        return (f"tell {self.trainer} not to load data-loader state: {self.exclude_setting} "
+                f"(its load of this checkpoint fails otherwise)")
+
+
+@lru_cache(maxsize=1)
+def trainer_data_settings() -> tuple[TrainerDataSetting, ...]:
+    out = []
+    for path in sorted((formats_root() / "conventions").glob("*.toml")):
+        with open(path, "rb") as f:
+            spec = tomllib.load(f)
+        d = spec.get("data")
+        if not isinstance(d, dict) or "per_rank_keys" not in d:
+            continue
+        out.append(TrainerDataSetting(convention=str(spec.get("name", path.stem)), trainer=str(d.get("trainer", spec.get("name", path.stem))),
+                                      keys=re.compile(d["per_rank_keys"]), exclude_setting=str(d.get("exclude_setting", "")),
+                                      elastic=bool(d.get("elastic", True)), why=str(d.get("why", ""))))
+    return tuple(out)
+
+
+def setting_for(keys: list[str]) -> TrainerDataSetting | None:
+    """The convention whose `[data].per_rank_keys` covers every one of these per-rank keys."""
+    for s in trainer_data_settings():
+        if keys and all(s.keys.match(k) for k in keys):
+            return s
+    return None
 
 
 class _BuiltinsOnly(pickle.Unpickler):
@@ -146,9 +195,17 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
     keys = sorted(k for k, _ in per_rank.values())
     if source_dp == target_dp and policy in (None, "translate"):
         return DataDecision("per_rank", "carry", note="data-parallel width unchanged: per-rank states carried to the same ranks")
+    setting = setting_for(keys)
+    what = f"per-rank data-loader state ({', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''})"
     if policy is None:
+        if setting is not None and not setting.elastic:
+            raise BadInput(
+                f"{what} cannot follow a change of data-parallel width {source_dp} -> {target_dp}: {setting.why}",
+                hint=f"Choose --data-policy drop (no data position: a warm start for data), then {setting.instruction()}. "
+                "translate and restart-epoch are not offered: they need a state of a known elastic form "
+                "(formats/data_states.toml), which this trainer's own loader state is not.")
         raise BadInput(
-            f"per-rank data-loader state ({', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}) cannot follow a change of "
+            f"{what} cannot follow a change of "
             f"data-parallel width {source_dp} -> {target_dp} as is: replaying local positions skips or repeats samples, and "
             "states of vanished ranks would be lost",
             hint="Choose --data-policy translate (use a known elastic form of the state), restart-epoch (start the epoch "
@@ -157,8 +214,10 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
         raise BadInput(f"unknown --data-policy '{policy}'", hint="Use translate, restart-epoch or drop.")
     world_keys = {k: v for k, v in shared.items()}
     if policy == "drop":
-        d = DataDecision("per_rank", "drop", continuity=False, repeated=None, skipped=None,
-                         note="data position dropped: the trainer must not load data-loader state; which samples repeat or are skipped is unknown")
+        must = setting.instruction() if setting is not None and setting.exclude_setting else ""
+        d = DataDecision("per_rank", "drop", continuity=False, repeated=None, skipped=None, trainer_must=must,
+                         note="data position dropped: " + (must if must else "the trainer must not load data-loader state")
+                         + "; which samples repeat or are skipped is unknown")
         for _, (k, _) in per_rank.items():
             d.dropped[k] = "--data-policy drop"
         for k in world_keys:
@@ -173,6 +232,9 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
         raise BadInput(f"per-rank data state missing for dp ranks {missing}", where=keys[0],
                        hint="The checkpoint lost state (was per-rank state saved under a shared key?); use --data-policy drop.")
     matched = _match_form(states)
+    if matched is None and setting is not None and not setting.elastic:
+        raise BadInput(f"--data-policy {policy} is not available for {what}: {setting.why}", where=keys[0],
+                       hint=f"Use --data-policy drop, then {setting.instruction()}.")
     if matched is None:
         raise BadInput("per-rank data states match no known elastic form (formats/data_states.toml)", where=keys[0],
                        hint="Use --data-policy restart-epoch or drop, or describe the form in formats/data_states.toml.")
