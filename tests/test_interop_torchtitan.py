@@ -158,6 +158,10 @@ def test_plan_refuses_per_rank_data_and_names_the_setting(titan):
 
 @pytest.mark.parametrize("policy", ["restart-epoch", "translate"])
 def test_restart_epoch_and_translate_are_not_offered(titan, policy):
+    """Refused with the setting named. The real state (StatefulDataLoader over a Stateful dataset:
+    ``_num_yielded``/``samples_yielded`` counters, equal on both ranks, plus ``dataset_state.sample_idx``)
+    once matched the ``strided-count`` form on its counters and "translated" 2 -> 1 with continuity
+    claimed, while torchtitan resumes from ``dataset_state`` and would have repeated samples."""
     code, out, err = cli(["plan", _step(titan["unfused"]), "--to", "dp=1", "--data-policy", policy])
     assert code == 2, out + err
     assert "not available" in out + err and EXCLUDE in out + err

@@ -149,10 +149,29 @@ def _set(obj: Any, path: tuple, value: Any) -> None:
     obj[path[-1]] = value
 
 
+# Fields that hold a dataset's OWN position (torchdata's StatefulDataLoader over a Stateful
+# IterableDataset keeps it in `dataset_state`, or `fetcher_state.dataset_iter_state`). The
+# sampler counters beside them are then not the position: torchtitan's per-rank dataset
+# (split by node) resumes from `dataset_state.sample_idx` whatever the counters say, so a
+# form matched on the counters would claim continuity and repeat samples. No form describes
+# such a state.
+DATASET_POSITION_FIELDS = ("dataset_state", "dataset_iter_state")
+
+
+def _holds_dataset_position(flat: dict[tuple, Any]) -> bool:
+    return any(v is not None and any(p in DATASET_POSITION_FIELDS for p in path) for path, v in flat.items())
+
+
 def _match_form(states: dict[int, Any]) -> tuple[dict[str, Any], dict[str, list[tuple]]] | None:
-    """The first form whose masked fields explain every difference between ranks."""
+    """The first form whose masked fields explain every difference between ranks.
+
+    None when a state holds its dataset's own position (DATASET_POSITION_FIELDS): no form can
+    say what that position means on another world size.
+    """
     ranks = sorted(states)
     flat = {r: dict(_paths(states[r])) for r in ranks}
+    if any(_holds_dataset_position(flat[r]) for r in ranks):
+        return None
     for form in forms():
         roles: dict[str, list[tuple]] = {"rank": [], "world": [], "cursor": [], "count": []}
         for path in flat[ranks[0]]:
