@@ -87,6 +87,10 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     by_role = _contents_by_role(ix, cls.roles)
     counter_keys = _present_counters(ix, cls)
     counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
+    side = sidecars.inspect_section(ix)  # every other file of the directory (reshard.storage.sidecars)
+    for name, (where, value) in sidecars.counters_from(side).items():
+        if name not in counters:  # a trainer that keeps its step beside the DCP data (Megatron's common.pt)
+            counters[name], counter_keys[name] = value, where
     opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings)
     per_rank = _per_rank_state(cls.roles, topo, findings)
     step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings)
@@ -95,7 +99,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
 
     report = _report(root, ix, cls, manifest, mdict, topo, deep=deep, step=step, step_source=step_source,
                      by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
-    report["sidecars"] = sidecars.inspect_section(ix)  # every other file of the directory (reshard.storage.sidecars)
+    report["sidecars"] = side
     return Inspection(ix, cls, manifest, topo, report)
 
 

@@ -16,7 +16,10 @@ def to_json(report: dict[str, Any]) -> str:
 
 def _topo_line(t: dict[str, Any]) -> str:
     dims = [f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1] or ["dp=1"]
-    return f"{', '.join(dims)} (world size {t.get('world_size')}, {t.get('source')})"
+    line = f"{', '.join(dims)} (world size {t.get('world_size')}, {t.get('source')})"
+    if t.get("ambiguous"):
+        line = f"AMBIGUOUS: one of {' | '.join(t['alternatives'])}; pass --from (shown: {line})"
+    return line
 
 
 def sidecar_lines(entries: list[dict[str, Any]], *, verb: str) -> list[str]:

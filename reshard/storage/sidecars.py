@@ -62,6 +62,7 @@ class SidecarRule:
     per_rank: bool = False
     note: str = ""
     rewriter: str | None = None
+    counters: tuple[tuple[str, str], ...] = ()  # (counter name, top-level key of the content), e.g. ("step", "iteration")
 
 
 @dataclass
@@ -97,7 +98,8 @@ def sidecar_rules() -> tuple[SidecarRule, ...]:
         rules = []
         for r in spec.get("sidecar", []):
             rule = SidecarRule(str(r["pattern"]), str(r["format"]), str(r["writer"]), str(r["policy"]),
-                               bool(r.get("per_rank", False)), str(r.get("note", "")), r.get("rewriter"))
+                               bool(r.get("per_rank", False)), str(r.get("note", "")), r.get("rewriter"),
+                               tuple((str(k), str(v)) for k, v in r.get("counters", {}).items()))
             if rule.format not in FORMATS:
                 raise ValueError(f"sidecar '{rule.pattern}': unknown format '{rule.format}' (known: {', '.join(FORMATS)})")
             if rule.policy not in POLICIES:
@@ -337,3 +339,22 @@ def plan_source(inspect_report: dict[str, Any]) -> dict[str, Any]:
     (so plans of checkpoints without sidecars keep their fingerprints)."""
     entries = plan_entries(inspect_report.get("sidecars"))
     return {"sidecars": entries} if entries else {}
+
+
+def counters_from(section: list[dict[str, Any]]) -> dict[str, tuple[str, int]]:
+    """Counter name -> (where, value) from sidecars whose entry names counters (Megatron's ``iteration``).
+
+    Only integers read from a safely loaded sidecar count; the trainer keeps its step there
+    when the DCP part has none.
+    """
+    out: dict[str, tuple[str, int]] = {}
+    for s in section:
+        rule = rule_for(s["name"])
+        content = s.get("content")
+        if rule is None or not s.get("read") or not isinstance(content, dict):
+            continue
+        for name, key in rule.counters:
+            v = content.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and name not in out:
+                out[name] = (f"{s['name']}:{key}", v)
+    return out
