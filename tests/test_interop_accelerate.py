@@ -29,7 +29,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("accelerate")
+from conftest import require_packages  # noqa: E402
+
+require_packages("accelerate")  # found, not imported: see conftest
 
 import torch  # noqa: E402
 

@@ -26,7 +26,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("lightning_fabric")
+from conftest import require_packages  # noqa: E402
+
+require_packages("lightning_fabric")  # found, not imported: see conftest
 
 import torch  # noqa: E402
 

@@ -48,8 +48,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("torchdata")
+from conftest import require_packages  # noqa: E402
+
+require_packages("torchtitan", "torchdata", "triton")  # found, not imported: see conftest
 
 from tests.conftest import cli  # noqa: E402
 
