@@ -189,7 +189,7 @@ def _invert(rule: RenameRule, where: str) -> RenameRule:
         unescaped.append(re.sub(r"\\(.)", r"\1", lit))
     # the replacement: literal text and group references, each group used exactly once
     rep = rule.replace
-    out_pat, pieces, used, pos = "", [], [], 0
+    out_pat, used, pos = "", [], 0
     for m in _REF.finditer(rep):
         ref = m.group(1) or m.group(2)
         idx = int(ref) - 1 if ref.isdigit() else next((i for i, (n, _) in enumerate(groups) if n == ref), -1)

@@ -66,7 +66,7 @@ def draw_text(img: np.ndarray, x: int, y: int, s: str, color=BLACK, scale: int =
         glyph = _FONT.get(ch.upper(), _FONT["?"])
         if scale > 1:
             glyph = np.kron(glyph, np.ones((scale, scale), dtype=bool))
-        gx, h, w = x + 6 * scale * i, glyph.shape[0], glyph.shape[1]
+        gx = x + 6 * scale * i
         ys, xs = np.nonzero(glyph)
         ys, xs = ys + y, xs + gx
         ok = (ys >= 0) & (ys < img.shape[0]) & (xs >= 0) & (xs < img.shape[1])

@@ -53,7 +53,6 @@ import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
