@@ -76,6 +76,37 @@ def require_packages(*names: str) -> None:
                     allow_module_level=True)
 
 
+def run_torchrun(script: Path, nproc: int, *args: str | Path) -> None:
+    """Run a writer script of tests/writers/ under torchrun; a failure shows the script's own output."""
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *map(str, args)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+def assert_bitwise_equal(a, b, where: str = "") -> None:
+    """Same structure, same python values, tensors equal bit for bit (dtype and shape included)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     """Run the CLI in-process; return (exit code, stdout, stderr)."""
     from reshard.cli import main

@@ -21,15 +21,11 @@ CPU substitutions (tests/writers/accelerate_run.py says more):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from conftest import require_packages  # noqa: E402
+from conftest import assert_bitwise_equal, require_packages, run_torchrun  # noqa: E402
 
 require_packages("accelerate")  # found, not imported: see conftest
 
@@ -44,29 +40,7 @@ MODEL_DIR, OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"
 
 
 def torchrun(nproc: int, *args: str | Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WRITER), *map(str, args)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-
-
-def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
-    """Same structure, same python values, tensors equal bit for bit (dtype and shape included)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(map(str, a)), sorted(map(str, b)))
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
+    run_torchrun(WRITER, nproc, *args)
 
 
 @pytest.fixture(scope="module")
