@@ -55,10 +55,11 @@ def inspect(
 
 
 def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-             rules=None, model_config=None, pp_stages=None, dtype=None, only=None):
+             rules=None, model_config=None, pp_stages=None, dtype=None, only=None, source_recipe=None):
     from reshard.errors import BadInput
     from reshard.commands.plan import Options
 
+    source_mb, source_ga, source_sl = source_recipe or (None, None, None)  # --source-*: what a manifest would say
     config = {}
     for item in model_config or []:
         name, sep, value = item.partition("=")
@@ -71,13 +72,17 @@ def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy,
     return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
                    data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
                    rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages,
-                   dtype=dtype, only=only)
+                   dtype=dtype, only=only, source_micro_batch=source_mb, source_grad_accum=source_ga,
+                   source_seq_len=source_sl)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
 _FROM = typer.Option(None, "--from", help="Override the source topology.")
 _MB = typer.Option(None, "--micro-batch", help="Target micro-batch (default: the source's).")
 _GA = typer.Option(None, "--grad-accum", help="Target accumulation (default: what keeps the global batch).")
+_SMB = typer.Option(None, "--source-micro-batch", help="The source run's micro-batch, when no manifest records it.")
+_SGA = typer.Option(None, "--source-grad-accum", help="The source run's accumulation, when no manifest records it.")
+_SSL = typer.Option(None, "--source-seq-len", help="The source run's tokens per sample (for --schedule tokens from a token counter).")
 _SCHED = typer.Option(None, "--schedule", help="steps|tokens: how the LR schedule maps when the global batch changes.")
 _DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop for per-rank data-loader state.")
 _RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
@@ -92,6 +97,7 @@ _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pip
 def plan(
     ckpt: Path = typer.Argument(..., help="Source DCP checkpoint."),
     to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
@@ -107,7 +113,8 @@ def plan(
     from reshard.render.report import render_plan, to_json
 
     p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                                 rules, model_config, pp_stages))
+                                 rules, model_config, pp_stages,
+                                 source_recipe=(source_micro_batch, source_grad_accum, source_seq_len)))
     d = p.to_dict(tensors=json_out or verbose)
     if dst is not None:
         from reshard.commands.space import space_check
@@ -125,6 +132,7 @@ def convert(
     dst: Path = typer.Argument(..., help="Destination directory (appears atomically)."),
     to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
@@ -166,7 +174,8 @@ def convert(
         raise BadInput("convert needs --to SPEC or --plan PLAN.json")
     else:
         opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                        rules, model_config, pp_stages, dtype, only)
+                        rules, model_config, pp_stages, dtype, only,
+                        source_recipe=(source_micro_batch, source_grad_accum, source_seq_len))
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers

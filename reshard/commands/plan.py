@@ -40,6 +40,10 @@ class Options:
     from_spec: str | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None
+    # The source's batch recipe, for a source whose manifest does not say it (`_source_recipe`).
+    source_micro_batch: int | None = None
+    source_grad_accum: int | None = None
+    source_seq_len: int | None = None
     schedule: str | None = None
     data_policy: str | None = None
     rng_policy: str | None = None
@@ -265,15 +269,63 @@ def _accumulation(r: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
 
 def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
                   reasons: list[str]) -> batch_mod.BatchDecision:
-    """The target's micro-batch and accumulation, chosen to keep the global batch (when the source's is known)."""
+    """The target's micro-batch and accumulation, chosen to keep the global batch (when the source's is known).
+
+    The source's recipe is the manifest's, or the `--source-*` flags' when no manifest says it
+    (`_source_recipe`); with neither, the global batch cannot be checked.
+    """
     before = None
-    b = r.get("batch")
-    if b and b.get("micro_batch") and b.get("grad_accum"):
+    b = _source_recipe(r, options)
+    if b.get("micro_batch") and b.get("grad_accum"):
         before = batch_mod.Recipe(int(b["micro_batch"]), int(b["grad_accum"]), source_topo.dp)
     bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
+    filled = {flag: v for flag, v in _recipe_flags(options).items() if not (r.get("batch") or {}).get(_FIELD_OF[flag])}
+    if before is not None and not bdec.note and filled:
+        bdec.note = ("source recipe from " + " ".join(f"{flag} {v}" for flag, v in filled.items())
+                     + " (no manifest records it)")
     if not bdec.feasible:
         reasons.append("batch recipe: " + bdec.note)
     return bdec
+
+
+_SOURCE_RECIPE_FLAGS = {"micro_batch": "--source-micro-batch", "grad_accum": "--source-grad-accum",
+                        "seq_len": "--source-seq-len"}
+_FIELD_OF = {flag: field for field, flag in _SOURCE_RECIPE_FLAGS.items()}
+
+
+def _recipe_flags(options: Options) -> dict[str, int]:
+    """The `--source-*` flags given, by flag name."""
+    return {flag: getattr(options, "source_" + field) for field, flag in _SOURCE_RECIPE_FLAGS.items()
+            if getattr(options, "source_" + field) is not None}
+
+
+def _source_recipe(r: dict[str, Any], options: Options) -> dict[str, Any]:
+    """The source's batch recipe: the manifest's fields, completed by the `--source-*` flags.
+
+    The flags say what a manifest would; they never overrule one. A flag that disagrees with
+    the manifest is refused (one of them is wrong, and reshard cannot tell which), and so is
+    half a recipe (a micro-batch without its accumulation cannot give the global batch).
+    """
+    recorded = dict(r.get("batch") or {})
+    out = dict(recorded)
+    for field, flag in _SOURCE_RECIPE_FLAGS.items():
+        given = getattr(options, "source_" + field)
+        if given is None:
+            continue
+        if given < 1:
+            raise BadInput(f"{flag} must be a positive integer, got {given}")
+        if recorded.get(field) is not None and int(recorded[field]) != given:
+            raise BadInput(f"{flag} {given} disagrees with the source manifest's batch.{field} {recorded[field]}",
+                           where=str(Path(r["path"]) / "manifest.json"),
+                           hint=f"Drop {flag} (the manifest's value is used), or correct the manifest if it is wrong.")
+        out[field] = given
+    flags = _recipe_flags(options)
+    if flags and bool(out.get("micro_batch")) != bool(out.get("grad_accum")):
+        missing = "--source-grad-accum" if out.get("micro_batch") else "--source-micro-batch"
+        raise BadInput(f"half a source batch recipe: {missing} is not given and the source does not record it",
+                       where=str(r["path"]),
+                       hint=f"Pass {missing} too: the global batch is micro-batch x accumulation x dp.")
+    return out
 
 
 def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec: batch_mod.BatchDecision,
@@ -285,8 +337,12 @@ def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec:
             sched_keys[k] = ix.read_object(k)
     if not bdec.feasible:
         return None
+    samples_seen = mdict.get("samples_seen")
+    seq_len = _source_recipe(r, options).get("seq_len")
+    if samples_seen is None and r.get("tokens_seen") is not None and seq_len:
+        samples_seen = int(r["tokens_seen"]) // int(seq_len)  # a token counter and --source-seq-len: samples
     return schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=r.get("step"),
-                               samples_seen=mdict.get("samples_seen"),
+                               samples_seen=samples_seen,
                                new_global_batch=bdec.after.global_batch if bdec.after else None,
                                position_keys=sched_keys)
 

@@ -29,10 +29,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
     kind = "warm_start" if plan.verdict["kind"] == "warm_start" else "continuation"
     old_id = src.get("experiment_id")
     exp_id = new_experiment_id(old_id, plan) if kind == "warm_start" or old_id is None else old_id
-    after = plan.batch.after
-    batch = src.get("batch") or {"micro_batch": None, "grad_accum": None, "seq_len": None, "global_batch": None}
-    if after is not None:
-        batch = {**batch, "micro_batch": after.micro_batch, "grad_accum": after.grad_accum, "global_batch": after.global_batch}
+    batch = _batch(plan, src)
     data = dict(src.get("data") or {"sampler": "unknown", "seed": 0, "epoch": 0, "cursor": 0, "dataset_len": 0,
                                     "order": "unknown (source had no manifest)"})
     if plan.data is not None and plan.data.cursor_after is not None:
@@ -82,6 +79,22 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "writer": {"tool": f"reshard {__version__}", "torch": _torch_version(), "time": time},
     }
     return mf.Manifest.from_dict(d, source="<output manifest>")
+
+
+def _batch(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
+    """The target recipe, so that a second conversion of the output knows it without flags.
+
+    A source without a manifest had its recipe from `--source-*` (the plan refused flags that
+    disagree with a manifest): the sequence length does not change with the layout, so it is
+    the source's; micro-batch, accumulation and global batch are the plan's target recipe.
+    """
+    batch = dict(src.get("batch") or {"micro_batch": None, "grad_accum": None, "seq_len": None, "global_batch": None})
+    if batch.get("seq_len") is None and plan.options.source_seq_len is not None:
+        batch["seq_len"] = plan.options.source_seq_len
+    after = plan.batch.after
+    if after is not None:
+        batch.update(micro_batch=after.micro_batch, grad_accum=after.grad_accum, global_batch=after.global_batch)
+    return batch
 
 
 def _torch_version() -> str:
