@@ -71,6 +71,7 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
     config = _config(model, model_config)
     g = Geometry({}, rules)
     _check_coverage(rules, params)
+    _check_rules_match_cuts(ix, rules, params, source)
     g.reasons += _tp_reasons(rules, params, config, source, target)
     stages = _target_stages(rules, params, config, target, pp_stages)
     g.reasons += _pp_reasons(stages, bool(pp_stages))
@@ -115,6 +116,41 @@ def _check_coverage(rules: ModelRules, params: dict[str, str]) -> None:
         raise BadInput(f"{len(uncovered)} parameters match no partition rule of '{rules.family}': "
                        + ", ".join(uncovered[:10]) + (" ..." if len(uncovered) > 10 else ""),
                        where=rules.source, hint="Add a rule for each (formats/models/*.toml format) and pass --rules FILE.")
+
+
+def _check_rules_match_cuts(ix, rules: ModelRules, params: dict[str, str], source: Topology) -> None:
+    """A rule that contradicts the checkpoint's own cut is an error naming the tensor and both dims.
+
+    The source's chunk boxes show where its TP cut lies: with ``tp > 1``, a parameter whose
+    chunks start at more than one offset along a dim >= 1 is cut along that dim (dim 0 is
+    also FSDP's cut, so it says nothing about TP; a stacked layer axis is dim 0 too). A rule
+    that shards along another dim, or replicates the tensor, would place every value on the
+    wrong rank and the conversion would write a checkpoint that loads and is wrong. A rule
+    dim outside the tensor's rank is refused for the same reason, whatever the tp. A
+    parameter stored whole (one chunk, e.g. saved Replicate) is consistent with any rule.
+    """
+    for fqn, key in sorted(params.items()):
+        rule, e = rules.rule_for(fqn), ix.entries.get(key)
+        if rule is None or e is None or not e.is_tensor or not e.shape:
+            continue
+        ndim = len(e.shape)
+        where = f"{rules.source}, rule '{rule.pattern}'"
+        if rule.tp != "replicate" and not 0 <= rule.dim < ndim:
+            raise BadInput(f"the partition rule of '{key}' cuts dim {rule.dim}, but the tensor has {ndim} dims "
+                           f"(shape {list(e.shape)}).", where=where,
+                           hint="Fix the rule's dim (column-parallel: the output dim, row-parallel: the input dim) "
+                                "or pass --rules with the right family.")
+        if source.tp <= 1:
+            continue
+        cut = [d for d in range(1, ndim) if len({c.box.offsets[d] for c in e.chunks}) > 1]
+        if not cut or (rule.tp != "replicate" and cut == [rule.dim]):
+            continue
+        said = "replicate (no cut)" if rule.tp == "replicate" else f"{rule.tp} along dim {rule.dim}"
+        stored = " and ".join(f"dim {d}" for d in cut)
+        raise BadInput(f"the partition rule of '{key}' says {said}, but the checkpoint's own chunks cut it along "
+                       f"{stored} (tp={source.tp}): converting with this rule would put its values on the wrong ranks.",
+                       where=where, hint=f"Fix the rule (tp = \"shard\", dim = {cut[0]}) or pass --rules with the "
+                                         "family that wrote this checkpoint.")
 
 
 def _tp_reasons(rules: ModelRules, params: dict[str, str], config: dict[str, Any],

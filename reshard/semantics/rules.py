@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import operator
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -70,9 +72,45 @@ class ModelRules:
         return None
 
 
-def _load(path: Path) -> ModelRules:
+MAX_RULES_BYTES = 1 << 20  # a rules TOML is a few kB; anything far larger is not one
+
+
+_FILE_HINT = "Pass a path to a partition rules TOML (formats/models/*.toml format)."
+
+
+def _read(path: Path, way_out: str = _FILE_HINT) -> str:
+    """A rules file's text; a missing path, a directory, a FIFO or device, or an unreadable file is a BadInput.
+
+    Checked with stat before opening, so that a FIFO never blocks the run and an oversized
+    file is never read whole.
+    """
     try:
-        spec = tomllib.loads(Path(path).read_text())
+        st = path.stat()
+    except OSError as exc:
+        raise BadInput(f"the partition rules file cannot be opened ({exc.strerror or exc}).", where=str(path),
+                       hint=way_out) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise BadInput(f"the partition rules path is {kind}.", where=str(path), hint=way_out)
+    if st.st_size > MAX_RULES_BYTES:
+        raise BadInput(f"the partition rules file is {st.st_size} bytes, larger than {MAX_RULES_BYTES}: not a rules TOML.",
+                       where=str(path), hint=way_out)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"the partition rules file cannot be read ({exc.strerror or exc}).", where=str(path),
+                       hint=way_out) from None
+    except UnicodeDecodeError:
+        raise BadInput("the partition rules file is not UTF-8 text (TOML).", where=str(path), hint=way_out) from None
+
+
+def _load(path: Path, way_out: str = _FILE_HINT) -> ModelRules:
+    path = Path(path)
+    text = _read(path, way_out)
+    try:
+        spec = tomllib.loads(text)
+        if not isinstance(spec.get("family"), str) or not spec["family"]:
+            raise ValueError("'family' must be a non-empty string naming the model family")
         params = []
         for p in spec.get("param", []):
             if p["tp"] not in ("replicate", "shard", "fused"):
@@ -105,10 +143,49 @@ def builtin_rules() -> tuple[ModelRules, ...]:
     return tuple(_load(p) for p in sorted((formats_root() / "models").glob("*.toml")) if p.name != "ties.toml")
 
 
+def shipped_families() -> list[str]:
+    """The family names of the rules shipped in formats/models/ (what ``--rules NAME`` accepts)."""
+    return sorted(r.family for r in builtin_rules())
+
+
+def shipped(family: str) -> ModelRules | None:
+    """The shipped rules of ``family`` (None: no shipped family has that name)."""
+    return next((r for r in builtin_rules() if r.family == family), None)
+
+
+def load_rules(name_or_path: str | Path) -> ModelRules:
+    """``--rules NAME|FILE``: a shipped family by name, else a rules TOML at that path.
+
+    A bare name (no path separator) equal to a shipped family is that family even if a file
+    of the same name sits in the working directory (write ``./NAME`` for the file): the
+    same option then means the same rules wherever the command runs. A value that is
+    neither a family nor an existing path is an error listing the families, since a user
+    who types ``--rules llama`` most likely meant one of them.
+    """
+    text = str(name_or_path)
+    bare = not any(sep and sep in text for sep in (os.sep, os.altsep))
+    if bare:
+        found = shipped(text)
+        if found is not None:
+            return found
+    families = shipped_families()
+    way_out = (f"Pass a shipped family name ({', '.join(families)}) or a path to a partition rules TOML "
+               "(formats/models/*.toml format).")
+    path = Path(text)
+    if not os.path.lexists(path):
+        if not bare or text.endswith(".toml"):
+            raise BadInput("no partition rules file at this path.", where=text, hint=way_out)
+        close = [f for f in families if text in f or f in text]
+        raise BadInput(f"--rules '{text}' is neither a shipped model family nor an existing file; the shipped "
+                       f"families are {', '.join(families)}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                       + ".", hint="Pass one of those names, or a path to a partition rules TOML (formats/models/*.toml format).")
+    return _load(path, way_out)
+
+
 def select(params: list[str], *, family: str | None = None, rules_file: str | Path | None = None) -> ModelRules:
-    """The rules for a checkpoint: a user file, the manifest's family, or the family whose markers match."""
+    """The rules for a checkpoint: ``--rules`` (a family name or a file), the manifest's family, or the family whose markers match."""
     if rules_file:
-        return _load(Path(rules_file))
+        return load_rules(rules_file)
     known = builtin_rules()
     if family:
         for r in known:
