@@ -88,7 +88,7 @@ _DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop f
 _RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
 _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the manifest's).")
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
-_RULES = typer.Option(None, "--rules", help="Partition rules file (formats/models/*.toml format) for TP/PP changes.")
+_RULES = typer.Option(None, "--rules", help="Partition rules for TP/PP changes: a shipped family (llama-torchtitan, llama-fused, megatron-gpt, reference-gpt) or a rules TOML file.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
 

@@ -104,6 +104,8 @@ def test_convert_accepts_a_family_name(titan_tp2, tmp_path, capsys):
     assert code == 0, err
     report = json.loads((dst / "reshard-report.json").read_text())
     assert report["plan"]["rules"] == "llama-torchtitan"
+    code, out, err = run_cli(["verify", titan_tp2, dst], capsys)  # the lineage names the family, not a file
+    assert code == 0, out + err
 
 
 def test_an_unknown_name_lists_the_shipped_families(titan_tp2, tmp_path, capsys):

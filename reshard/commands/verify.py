@@ -124,6 +124,7 @@ from typing import Any
 
 import torch
 
+from reshard.semantics import rules as rules_mod
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.checkpoint import Entry
 from reshard.storage.index import CheckpointIndex
@@ -624,7 +625,12 @@ def _recorded_options(d: Any) -> Options | str:
 
 
 def _rules_file_problem(rules: str) -> str | None:
-    """A rules file a lineage names is read only if it is a small regular file (no FIFO, device, ...)."""
+    """A rules file a lineage names is read only if it is a small regular file (no FIFO, device, ...).
+
+    A shipped family's name (``--rules llama-torchtitan``) names no file: it is read from reshard's own data.
+    """
+    if "/" not in rules and os.sep not in rules and rules_mod.shipped(rules) is not None:
+        return None
     try:
         st = os.stat(rules)
     except OSError as exc:

@@ -211,7 +211,9 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> C
 
     Best primary = some marker present, then fewest keys unknown after composition, then fewest
     optimizer entries naming no parameter (a convention that reads the model under the wrong
-    prefix leaves every moment an orphan), then most markers, then priority. ``prefer`` (from a
+    prefix leaves every moment an orphan) and fewest keys its catch-all claims from another
+    convention's own rules, then fewest keys lent by other conventions, then most markers,
+    then priority. ``prefer`` (from a
     manifest's ``key_convention``) wins outright when it names a known convention.
     """
     keys = list(keys)
@@ -226,9 +228,15 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> C
         orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
                       and params and r.param not in params)
         markers = sum(1 for m in conv.markers if any(m.search(k) for k, _ in keys))
-        # A convention whose markers appear at all beats one whose markers are absent:
-        # torchtitan's catch-all "top-level tensor = parameter" must not claim foreign layouts.
-        scored.append(((markers == 0, unknown, orphans, -markers, -conv.priority), conv, roles, unknown, others))
+        lent = sum(1 for r in roles.values() if r.convention not in (None, conv.name))
+        stolen = sum(1 for k, kind in keys if _caught_by_catch_all(conv, k, kind)
+                     and any(o.classify(k, kind, composed=True).role != "unknown" for o in others))
+        # A convention whose markers appear at all beats one whose markers are absent, and one
+        # whose catch-all claims keys another convention's own rules explain loses: torchtitan's
+        # "top-level tensor = parameter" must not claim a get_state_dict model and its moments.
+        # Among the rest, the one that explains most keys by its own rules is the primary.
+        scored.append(((markers == 0, unknown, stolen, orphans, lent, -markers, -conv.priority),
+                       conv, roles, unknown, others))
     scored.sort(key=lambda s: s[0])
     if prefer:
         for s in scored:
@@ -238,6 +246,14 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> C
                 break
     _, conv, roles, _, others = scored[0]
     return Classification(conv, roles, [(s[1].name, s[3]) for s in scored], others)
+
+
+def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
+    """Whether ``conv`` explains ``key`` only by a catch-all rule."""
+    for rule in conv.rules:
+        if (rule.kind is None or rule.kind == kind) and rule.pattern.match(key):
+            return rule.catch_all
+    return False
 
 
 def _classify_key(key: str, kind: str, primary: Convention, others: tuple[Convention, ...]) -> KeyRole:

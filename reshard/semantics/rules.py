@@ -195,7 +195,7 @@ def select(params: list[str], *, family: str | None = None, rules_file: str | Pa
     if scored and any(m.match(p) for m in scored[0].match_params for p in params):
         return scored[0]
     raise BadInput("no partition rules match this model's parameter names",
-                   hint="Pass --rules FILE (see formats/models/*.toml for the format).")
+                   hint="Pass --rules NAME (a shipped family: " + ", ".join(shipped_families()) + ") or --rules FILE (see formats/models/*.toml for the format).")
 
 
 # ------------------------------------------------------------------ config expressions

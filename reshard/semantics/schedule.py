@@ -50,7 +50,7 @@ def decide(*, batch_kept: bool | None, policy: str | None, step: int | None, sam
         return ScheduleDecision("steps", pos, pos, note="position kept in optimizer steps; each step now consumes a different number of samples")
     if samples_seen is None or not new_global_batch:
         raise BadInput("--schedule tokens needs the samples (or tokens) seen, which this checkpoint does not record",
-                       hint="Use --schedule steps, or a checkpoint with a manifest.")
+                       hint="Use --schedule steps, pass --source-seq-len N when the checkpoint counts tokens_seen, or use a checkpoint with a manifest.")
     new_pos = samples_seen // new_global_batch
     rewrites = {}
     for k, v in position_keys.items():
