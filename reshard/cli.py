@@ -34,6 +34,7 @@ def inspect(
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
+    convention: Optional[list[Path]] = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match."),
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
@@ -47,7 +48,11 @@ def inspect(
         from reshard.storage.index import CheckpointIndex
 
         bar = _progress(CheckpointIndex.open(ckpt).item_count(), "deep check")
-    result = inspect_checkpoint(ckpt, deep=deep, from_spec=from_spec, trust_pickle=trust_pickle, progress=bar)
+    from reshard.semantics.conventions import load_user_convention
+
+    user = tuple(load_user_convention(p).convention for p in convention or [])
+    result = inspect_checkpoint(ckpt, deep=deep, from_spec=from_spec, trust_pickle=trust_pickle, progress=bar,
+                                conventions=user)
     if bar is not None:
         bar.close()
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report))
@@ -55,9 +60,10 @@ def inspect(
 
 
 def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-             rules=None, model_config=None, pp_stages=None, dtype=None, only=None, source_recipe=None):
+             rules=None, model_config=None, pp_stages=None, dtype=None, only=None, source_recipe=None,
+             conventions=None, keep=None, drop=None):
     from reshard.errors import BadInput
-    from reshard.commands.plan import Options
+    from reshard.commands.plan import Options, convention_records
 
     source_mb, source_ga, source_sl = source_recipe or (None, None, None)  # --source-*: what a manifest would say
     config = {}
@@ -73,7 +79,8 @@ def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy,
                    data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
                    rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages,
                    dtype=dtype, only=only, source_micro_batch=source_mb, source_grad_accum=source_ga,
-                   source_seq_len=source_sl)
+                   source_seq_len=source_sl, conventions=convention_records(conventions or []),
+                   keep=list(keep) if keep else None, drop=list(drop) if drop else None)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
@@ -90,6 +97,9 @@ _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the 
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
 _RULES = typer.Option(None, "--rules", help="Partition rules for TP/PP changes: a shipped family (llama-torchtitan, llama-fused, megatron-gpt, reference-gpt) or a rules TOML file.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
+_CONV = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match; recorded by name and sha256.")
+_KEEP = typer.Option(None, "--keep", help="Carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
+_DROP = typer.Option(None, "--drop", help="Leave unknown keys matching this regex (on the flat key) out of the output (repeatable).")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
 
 
@@ -101,6 +111,7 @@ def plan(
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
+    convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
@@ -114,7 +125,8 @@ def plan(
 
     p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
                                  rules, model_config, pp_stages,
-                                 source_recipe=(source_micro_batch, source_grad_accum, source_seq_len)))
+                                 source_recipe=(source_micro_batch, source_grad_accum, source_seq_len),
+                                 conventions=convention, keep=keep, drop=drop))
     d = p.to_dict(tensors=json_out or verbose)
     if dst is not None:
         from reshard.commands.space import space_check
@@ -136,6 +148,7 @@ def convert(
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
+    convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
     output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
     only: Optional[str] = typer.Option(None, "--only", help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
@@ -175,7 +188,8 @@ def convert(
     else:
         opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
                         rules, model_config, pp_stages, dtype, only,
-                        source_recipe=(source_micro_batch, source_grad_accum, source_seq_len))
+                        source_recipe=(source_micro_batch, source_grad_accum, source_seq_len),
+                        conventions=convention, keep=keep, drop=drop)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from reshard.model import topology as topo_mod
-from reshard.semantics.conventions import Classification, KeyRole, classify, known_tied_pairs
+from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs
 from reshard.errors import ReshardError
 from reshard.model.checkpoint import Finding
 from reshard.storage.index import CheckpointIndex
@@ -67,8 +67,11 @@ def _scalar(v: Any) -> Any:
 
 
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
-                       trust_pickle: bool = False, progress: Any = None) -> Inspection:
+                       trust_pickle: bool = False, progress: Any = None,
+                       conventions: Sequence[Convention] = ()) -> Inspection:
     """Describe a checkpoint: each step below does one job and adds its problems to ``findings``.
+
+    ``conventions`` are the user's (``--convention FILE``), offered to classify before the shipped ones.
 
     The order of the steps is the order of the problems in the report, so it stays fixed.
     """
@@ -81,7 +84,8 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     if deep:
         _deep_check(ix, manifest, progress)
 
-    cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
+    cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"),
+                   user=tuple(conventions))
     params = _parameters(cls.roles)
     topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings, cls)
     by_role = _contents_by_role(ix, cls.roles)

@@ -8,11 +8,13 @@ states, scheduler position) are read through the safe reader.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -25,6 +27,7 @@ from reshard.semantics import batch as batch_mod
 from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
+from reshard.semantics.conventions import Classification, Convention, KeyRole, load_user_convention
 from reshard.model.topology import Topology, parse_spec
 from reshard.storage import sidecars
 
@@ -54,6 +57,11 @@ class Options:
     pp_stages: str | None = None
     dtype: str | None = None  # reduced copies: cast floating tensors (bf16, fp16, fp32)
     only: str | None = None   # reduced copies: "model" or "model+optim" (default: everything)
+    # --convention FILE: the user's key conventions, each {"file", "name", "sha256"} (the hash pins
+    # the bytes the plan read the keys with, so a recomputed plan reads them the same way or is refused)
+    conventions: list[dict[str, str]] | None = None
+    keep: list[str] | None = None  # --keep PATTERN: unknown keys carried unchanged (role "other")
+    drop: list[str] | None = None  # --drop PATTERN: unknown keys left out of the output
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -184,7 +192,8 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     this order, which is the order the plan lists them.
     """
     ins = _complete_inspection(src, options, inspection)
-    r, ix, cls = ins.report, ins.index, ins.classification
+    r, ix = ins.report, ins.index
+    cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
     source_topo, target = ins.topology, parse_spec(options.to)
     same_positions = source_topo.degrees() == target.degrees()
@@ -196,7 +205,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     sdec = _schedule(ix, cls, mdict, r, bdec, options)
     ddec = _data_position(ix, cls, mdict, source_topo, target, options)
     rdec = _rng(cls, mdict, r, source_topo, target, options, same_positions)
-    keys = _key_actions(ix, cls, mdict, geo, target, sdec, ddec, rdec, reasons)
+    keys = _key_actions(ix, cls, mdict, geo, target, sdec, ddec, rdec, reasons, chosen)
     reduced = _reduce(options, keys.tensors, keys.actions, ix)
     memory = _memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
     verdict = _plan_verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
@@ -222,9 +231,112 @@ def _inconsistencies(r: dict[str, Any]) -> list[str]:
             + "; run `reshard inspect` on it for the keys"]
 
 
+def convention_records(paths: Iterable[str | Path]) -> list[dict[str, str]] | None:
+    """``--convention FILE`` arguments as the plan options record them: file, name and sha256 of each."""
+    records = [load_user_convention(p).record() for p in paths]
+    names = [r["name"] for r in records]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise BadInput(f"two --convention files are both named '{dup}'",
+                       hint="Give each convention file a name of its own: a manifest records conventions by name.")
+    return records or None
+
+
+def user_conventions(options: Options) -> tuple[Convention, ...]:
+    """The conventions ``options.conventions`` records, read again and checked against their recorded hashes."""
+    out = []
+    for rec in options.conventions or []:
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(f), str) for f in ("file", "name", "sha256")):
+            raise BadInput(f"the plan options record a malformed convention {rec!r}",
+                           hint="Expected {\"file\", \"name\", \"sha256\"} per --convention file.")
+        uc = load_user_convention(rec["file"])
+        if uc.sha256 != rec["sha256"] or uc.convention.name != rec["name"]:
+            raise BadInput(f"the convention file no longer holds the convention '{rec['name']}' the plan read the keys "
+                           f"with (sha256 {rec['sha256'][:16]}, now {uc.sha256[:16]} named '{uc.convention.name}')",
+                           where=rec["file"],
+                           hint="Restore the file the plan was made with, or make the plan again with the new file.")
+        out.append(uc.convention)
+    return tuple(out)
+
+
+def _key_choices(options: Options) -> tuple[list[tuple[str, re.Pattern[str]]], list[tuple[str, re.Pattern[str]]]]:
+    """``--keep`` and ``--drop`` patterns compiled; a pattern that is not a regular expression is BadInput."""
+    out: list[list[tuple[str, re.Pattern[str]]]] = []
+    for flag, patterns in (("--keep", options.keep), ("--drop", options.drop)):
+        compiled = []
+        for pat in patterns or []:
+            try:
+                compiled.append((pat, re.compile(pat)))
+            except (re.error, TypeError) as exc:
+                raise BadInput(f"{flag} {pat!r} is not a regular expression ({exc})",
+                               hint=f"{flag} takes a Python regular expression matched against the flat key, "
+                                    "e.g. '^mystery$'.") from None
+        out.append(compiled)
+    return out[0], out[1]
+
+
+def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification, dict[str, tuple[str, str]]]:
+    """Apply ``--keep``/``--drop`` to the keys no convention explains.
+
+    They decide only unknown keys: a key a convention explains keeps the convention's role (a
+    pattern cannot drop a parameter by accident). A kept key becomes role ``other`` (carried
+    unchanged, replicated, in rank 0's file). Returns key -> (action, reason) for both.
+    A key matched by both is BadInput: the two choices contradict each other.
+    """
+    keep, drop = _key_choices(options)
+    if not keep and not drop:
+        return cls, {}
+    roles = dict(cls.roles)
+    chosen: dict[str, tuple[str, str]] = {}
+    for key in cls.unknown:
+        k = next((p for p, rx in keep if rx.search(key)), None)
+        d = next((p for p, rx in drop if rx.search(key)), None)
+        if k is not None and d is not None:
+            raise BadInput(f"key '{key}' matches both --keep {k!r} and --drop {d!r}",
+                           hint="Narrow one of the patterns so each unknown key gets one decision.")
+        if k is not None:
+            roles[key] = KeyRole(key, "other")
+            chosen[key] = ("carried", f"--keep {k}")
+        elif d is not None:
+            chosen[key] = ("dropped", f"--drop {d}")
+    return dataclasses.replace(cls, roles=roles), chosen
+
+
+def _check_recorded_conventions(manifest: Any, options: Options, src: str | Path) -> None:
+    """A ``--convention`` whose name the source's lineage records must be the file recorded there.
+
+    The manifest may name a user convention (`reshard.semantics.manifest.key_conventions`)
+    because its lineage records the name with the file's sha256: the same name with other
+    bytes would read the keys another way under the same name, so it is refused.
+    """
+    recorded: dict[str, str] = {}
+    for event in getattr(manifest, "lineage", None) or []:
+        opts = event.policies.get("options") if isinstance(event.policies, dict) else None
+        given = opts.get("conventions") if isinstance(opts, dict) else None
+        for c in given if isinstance(given, list) else []:
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("sha256"), str):
+                recorded[c["name"]] = c["sha256"]
+    for rec in options.conventions or []:
+        want = recorded.get(rec["name"])
+        if want is not None and want != rec["sha256"]:
+            raise BadInput(f"--convention {rec['file']} is named '{rec['name']}', but the source's lineage records "
+                           f"a convention of that name with other bytes (sha256 {want[:16]}, given "
+                           f"{rec['sha256'][:16]})", where=str(src),
+                           hint="Give the convention file the earlier conversion used, or give yours another name.")
+
+
 def _complete_inspection(src: str | Path, options: Options, inspection: Inspection | None) -> Inspection:
-    """The source's inspection (given, or made now); a plan of an incomplete checkpoint would lose data."""
-    ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle)
+    """The source's inspection (given, or made now); a plan of an incomplete checkpoint would lose data.
+
+    A given inspection classified the keys with the shipped conventions only: with
+    ``--convention`` files the source is inspected again, so that their rules decide.
+    """
+    user = user_conventions(options)
+    if user:
+        inspection = None
+    ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
+                                           conventions=user)
+    _check_recorded_conventions(ins.manifest, options, src)
     r = ins.report
     if not r["complete"]:
         first = next((p for p in r["problems"] if p["severity"] == "error"), {"message": "incomplete", "file": None})
@@ -403,14 +515,19 @@ class _Keys:
 
 def _key_actions(ix: Any, cls: Any, mdict: dict[str, Any], geo: placement_mod.Geometry, target: Topology,
                  sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision,
-                 reasons: list[str]) -> _Keys:
-    """Every source key's fate, in the source's key order, then the keys the target adds."""
+                 reasons: list[str], chosen: dict[str, tuple[str, str]] | None = None) -> _Keys:
+    """Every source key's fate, in the source's key order, then the keys the target adds.
+
+    ``chosen`` holds the user's decisions on unknown keys (``--keep``/``--drop``, `_chosen_roles`).
+    """
     keys = _Keys()
     rewrites = _rewrites(ix, sdec, ddec, rdec)
-    dropped = {**ddec.dropped, **rdec.dropped}
+    chosen = chosen or {}
+    dropped = {**ddec.dropped, **rdec.dropped, **{k: why for k, (a, why) in chosen.items() if a == "dropped"}}
+    kept = {k: why for k, (a, why) in chosen.items() if a == "carried"}
     for key, e in ix.entries.items():
         _plan_source_key(key, e, keys, cls=cls, geo=geo, target=target, rewrites=rewrites, dropped=dropped,
-                         reasons=reasons)
+                         reasons=reasons, kept=kept)
     _tied_checks(cls, mdict, geo, keys.checks)
     _add_tied_copies(ix, cls, geo, target, keys)
     _add_new_rank_state(ix, ddec, rdec, keys)
@@ -435,8 +552,13 @@ def _rewrites(ix: Any, sdec: schedule_mod.ScheduleDecision | None, ddec: data_mo
 
 
 def _plan_source_key(key: str, e: Any, keys: _Keys, *, cls: Any, geo: placement_mod.Geometry, target: Topology,
-                     rewrites: dict[str, tuple[str, Any]], dropped: dict[str, str], reasons: list[str]) -> None:
-    """One source key: dropped by a decision, rewritten, refused (unknown), a dropped tied copy, resharded or carried."""
+                     rewrites: dict[str, tuple[str, Any]], dropped: dict[str, str], reasons: list[str],
+                     kept: dict[str, str] | None = None) -> None:
+    """One source key: dropped by a decision, rewritten, refused (unknown), a dropped tied copy, resharded or carried.
+
+    An unknown key is refused unless the user decided it (``--keep`` puts it in ``kept``, now
+    role ``other``; ``--drop`` in ``dropped``): the error names every way to decide it.
+    """
     role = cls.roles[key].role
     if key in dropped:
         keys.actions.append(KeyAction(key, role, "dropped", dropped[key]))
@@ -450,7 +572,9 @@ def _plan_source_key(key: str, e: Any, keys: _Keys, *, cls: Any, geo: placement_
         return
     if role == "unknown":
         reasons.append(f"key '{key}' matches no rule of convention '{cls.convention.name}': reshard does not guess "
-                       "what it means (add a rule in formats/conventions/)")
+                       "what it means; give it a role with --convention FILE (a convention TOML whose rule matches "
+                       f"it), carry it unchanged with --keep PATTERN, or leave it out with --drop PATTERN "
+                       f"(e.g. --keep '^{re.escape(key)}$')")
         keys.actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
         return
     if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
@@ -459,12 +583,16 @@ def _plan_source_key(key: str, e: Any, keys: _Keys, *, cls: Any, geo: placement_
         if equal_to:
             keys.checks[key] = equal_to
         return
+    why_kept = (kept or {}).get(key)
     if e.is_tensor:
         tensor, action = _placed_tensor(key, role, e, geo.by_key[key], cls, target)
+        if why_kept:
+            action.reason = f"{why_kept} ({action.reason})"
         keys.tensors.append(tensor)
         keys.actions.append(action)
     else:
-        keys.actions.append(KeyAction(key, role, "carried", "object, unchanged", rank=_owner_rank(key, cls, target)))
+        keys.actions.append(KeyAction(key, role, "carried", why_kept or "object, unchanged",
+                                      rank=_owner_rank(key, cls, target)))
 
 
 def _placed_tensor(key: str, role: str, e: Any, tg: placement_mod.TensorGeometry, cls: Any,

@@ -14,12 +14,15 @@ convention that classified it, so the report can say who explained what.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
@@ -198,6 +201,59 @@ def builtin_conventions() -> tuple[Convention, ...]:
     return tuple(_load(p) for p in sorted((formats_root() / "conventions").glob("*.toml")))
 
 
+MAX_USER_CONVENTION_BYTES = 1 << 20  # a convention is a few KiB of rules
+
+
+@dataclass(frozen=True)
+class UserConvention:
+    """A convention file given on the command line (``--convention FILE``) and the hash of its bytes.
+
+    The hash is recorded with the plan options (and so in the lineage): a later run that names
+    the same file with other bytes is refused instead of reading the keys another way.
+    """
+
+    convention: Convention
+    path: str
+    sha256: str
+
+    def record(self) -> dict[str, str]:
+        return {"file": self.path, "name": self.convention.name, "sha256": self.sha256}
+
+
+def load_user_convention(path: str | Path) -> UserConvention:
+    """Read a user's convention TOML (the format of formats/conventions/*.toml).
+
+    Only a small regular UTF-8 file is read (no FIFO, device or directory: a path from a
+    lineage comes from elsewhere); its name must not be a shipped convention's, or a manifest
+    naming it would not say which of the two it means.
+    """
+    where = str(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise BadInput(f"cannot open the convention file ({exc.strerror or exc})", where=where,
+                       hint="Give --convention the path of a convention TOML (see formats/conventions/).") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput("the convention file is not a regular file", where=where)
+    if st.st_size > MAX_USER_CONVENTION_BYTES:
+        raise BadInput(f"the convention file is larger than {MAX_USER_CONVENTION_BYTES} bytes", where=where)
+    with open(path, "rb") as f:
+        data = f.read(MAX_USER_CONVENTION_BYTES + 1)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput("the convention file is not UTF-8 text", where=where) from None
+    conv = _load(Path(path))
+    if conv.generic:
+        raise BadInput("a --convention file cannot be generic (generic = true is reserved for generic.toml)",
+                       where=where, hint="Remove `generic = true`; its rules are offered to every key anyway.")
+    if any(c.name == conv.name for c in builtin_conventions()):
+        raise BadInput(f"the convention file is named '{conv.name}', the name of a shipped convention", where=where,
+                       hint="Give it a name of its own (`name = \"...\"`): a manifest records conventions by name.")
+    # the absolute path: the lineage records it, and verify may recompute from another directory
+    return UserConvention(conv, str(Path(path).resolve()), hashlib.sha256(data).hexdigest())
+
+
 def get_convention(name: str) -> Convention:
     for c in builtin_conventions():
         if c.name == name:
@@ -206,7 +262,8 @@ def get_convention(name: str) -> Convention:
                    hint="Known: " + ", ".join(c.name for c in builtin_conventions()) + ".")
 
 
-def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> Classification:
+def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
+             user: Sequence[Convention] = ()) -> Classification:
     """Classify (key, kind) pairs: the primary convention that explains them best, composed with the rest.
 
     Best primary = some marker present, then fewest keys unknown after composition, then fewest
@@ -215,14 +272,20 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None) -> C
     convention's own rules, then fewest keys lent by other conventions, then most markers,
     then priority. ``prefer`` (from a
     manifest's ``key_convention``) wins outright when it names a known convention.
+
+    ``user`` conventions (``--convention FILE``) are candidates for the primary like the shipped
+    ones, and their rules are offered every key *before* the primary's: a user who wrote a rule
+    for a key means that rule. Their catch-alls count only when one of them is the primary.
     """
     keys = list(keys)
-    convs = [c for c in builtin_conventions() if not c.generic]
+    shipped = [c for c in builtin_conventions() if not c.generic]
+    convs = list(user) + shipped
     generic = [c for c in builtin_conventions() if c.generic]
     scored = []
     for conv in convs:
-        others = tuple(c for c in convs if c is not conv) + tuple(generic)
-        roles = {k: _classify_key(k, kind, conv, others) for k, kind in keys}
+        first = tuple(c for c in user if c is not conv)
+        others = first + tuple(c for c in shipped if c is not conv) + tuple(generic)
+        roles = {k: _classify_key(k, kind, conv, others, first=len(first)) for k, kind in keys}
         unknown = sum(1 for r in roles.values() if r.role == "unknown")
         params = {r.param for r in roles.values() if r.role == "parameter"}
         orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
@@ -256,10 +319,18 @@ def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
     return False
 
 
-def _classify_key(key: str, kind: str, primary: Convention, others: tuple[Convention, ...]) -> KeyRole:
-    """The primary's rules (catch-alls included), then each other convention's non-catch-all rules."""
+def _classify_key(key: str, kind: str, primary: Convention, others: tuple[Convention, ...], *,
+                  first: int = 0) -> KeyRole:
+    """The first ``first`` others (user conventions), the primary's rules (catch-alls included), then the rest.
+
+    Every convention but the primary is asked without its catch-alls.
+    """
+    for conv in others[:first]:
+        r = conv.classify(key, kind, composed=True)
+        if r.role != "unknown":
+            return r
     r = primary.classify(key, kind)
-    for conv in others:
+    for conv in others[first:]:
         if r.role != "unknown":
             break
         r = conv.classify(key, kind, composed=True)

@@ -30,13 +30,31 @@ FORMAT = "reshard-manifest"
 FORMAT_VERSION = 1
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-def key_conventions() -> tuple[str, ...]:
+def key_conventions(lineage: Any = None) -> tuple[str, ...]:
     """Names a manifest's ``key_convention`` may take: every primary convention in formats/conventions/.
 
     Read from the convention files, not listed here, so that a new convention file is a name a
-    manifest (and reshard's own output manifest) can record.
+    manifest (and reshard's own output manifest) can record. A user's convention file
+    (``--convention FILE``) is a name too when the manifest's own ``lineage`` records it: a
+    conversion records in its plan options each file's name and sha256, so the name is
+    accepted exactly where a conversion used it, and reading the keys that way again needs the
+    same file (reshard.commands.plan refuses other bytes under a recorded name).
     """
-    return tuple(sorted(c.name for c in builtin_conventions() if not c.generic))
+    shipped = {c.name for c in builtin_conventions() if not c.generic}
+    return tuple(sorted(shipped | set(_recorded_user_conventions(lineage))))
+
+
+def _recorded_user_conventions(lineage: Any) -> list[str]:
+    """The user convention names a lineage's transitions record in their plan options (malformed entries: none)."""
+    names: list[str] = []
+    for event in lineage if isinstance(lineage, list) else []:
+        policies = event.get("policies") if isinstance(event, dict) else None
+        options = policies.get("options") if isinstance(policies, dict) else None
+        recorded = options.get("conventions") if isinstance(options, dict) else None
+        for c in recorded if isinstance(recorded, list) else []:
+            if isinstance(c, dict) and isinstance(c.get("name"), str):
+                names.append(c["name"])
+    return names
 RNG_POLICIES = ("per-rank", "offset", "none")
 CONTINUITY = ("continuation", "warm_start")
 LINEAGE_EVENTS = ("created", "transition", "import")
@@ -465,7 +483,7 @@ class Manifest:
             step=_get(d, "step", "step", ctx, int, nullable=True),
             tokens_seen=_get(d, "tokens_seen", "tokens_seen", ctx, int, nullable=True),
             samples_seen=_get(d, "samples_seen", "samples_seen", ctx, int, nullable=True),
-            key_convention=_get(d, "key_convention", "key_convention", ctx, str, choices=key_conventions()),
+            key_convention=_get(d, "key_convention", "key_convention", ctx, str, choices=key_conventions(lineage)),
             topology=Topology.from_dict(_get(d, "topology", "topology", ctx, dict), "topology", ctx),
             batch=Batch.from_dict(_get(d, "batch", "batch", ctx, dict), "batch", ctx),
             accumulation=Accumulation.from_dict(_get(d, "accumulation", "accumulation", ctx, dict), "accumulation", ctx),
