@@ -12,7 +12,7 @@ from typing import Any
 
 from reshard.errors import BadInput
 from reshard.model.layout import Placement
-from reshard.semantics.rules import ModelRules, evaluate, even_stages, nearest_degrees, padded_vocab, parse_stages, select, stage_of
+from reshard.semantics.rules import ConfigShape, ModelRules, evaluate, even_stages, names_in, nearest_degrees, padded_vocab, parse_stages, select, stage_of
 from reshard.model.topology import Topology
 
 SHARDED_ROLES = ("parameter", "optimizer_moment")
@@ -68,10 +68,11 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         return _data_parallel(ix, cls)
     model = mdict.get("model") or {}
     rules = select(sorted(params), family=model.get("family"), rules_file=rules_file)
-    config = _config(model, model_config)
     g = Geometry({}, rules)
     _check_coverage(rules, params)
     _check_rules_match_cuts(ix, rules, params, source)
+    config = _config(ix, rules, params, model, model_config)
+    _check_needed(ix, rules, params, config, source, target)
     g.reasons += _tp_reasons(rules, params, config, source, target)
     stages = _target_stages(rules, params, config, target, pp_stages)
     g.reasons += _pp_reasons(stages, bool(pp_stages))
@@ -102,11 +103,102 @@ def _data_parallel(ix, cls) -> Geometry:
     return Geometry(by_key, None)
 
 
-def _config(model: dict[str, Any], model_config: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest's model configuration, overridden by the command line's."""
-    config = dict(model.get("config") or {})
-    config.update(model_config or {})
+def _config(ix, rules: ModelRules, params: dict[str, str], model: dict[str, Any],
+            model_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's model configuration, overridden by the command line's, completed from the checkpoint's shapes.
+
+    A value the rules declare a tensor dimension (``[config.NAME] from = ..., axis = N``) is
+    read from the checkpoint when neither gives it, so nobody types a number the checkpoint
+    already holds. A given value that contradicts the shape is refused naming both: every
+    size computed from it (divisibility, fused parts) would be wrong, and silently.
+    """
+    cli = dict(model_config or {})
+    given = dict(model.get("config") or {})
+    given.update(cli)
+    config = dict(given)
+    for cs in rules.config_shapes:
+        read = _shape_value(ix, rules, params, cs)
+        if read is None:
+            continue
+        value, key, shape = read
+        if cs.name not in given:
+            config[cs.name] = value
+        elif given[cs.name] != value:
+            origin = f"--model-config {cs.name}={given[cs.name]}" if cs.name in cli \
+                else f"the manifest's model.config {cs.name} = {given[cs.name]}"
+            raise BadInput(f"{origin} contradicts the checkpoint: '{key}' has shape {list(shape)}, so "
+                           f"{cs.name} (its dim {cs.axis}, per the rules of '{rules.family}') is {value}.",
+                           where=str(getattr(ix, "root", "")) or rules.source,
+                           hint=f"Drop the value (it is read from the checkpoint) or pass --model-config "
+                                f"{cs.name}={value}; if the checkpoint is right and the rules are wrong, fix "
+                                f"[config.{cs.name}] in {rules.source}.")
     return config
+
+
+def _shape_value(ix, rules: ModelRules, params: dict[str, str], cs: ConfigShape) -> tuple[int, str, tuple] | None:
+    """(value, key, shape) of ``cs`` from the first parameter it names; None when the checkpoint has none.
+
+    Every matching parameter must agree (the layers of one model have one width); an axis
+    beyond a tensor's rank is a wrong rule, refused naming both.
+    """
+    found: tuple[int, str, tuple] | None = None
+    for fqn in sorted(params):
+        e = ix.entries.get(params[fqn]) if cs.source.match(fqn) else None
+        if e is None or not e.is_tensor or not e.shape:
+            continue
+        shape = tuple(e.shape)
+        if cs.axis >= len(shape):
+            raise BadInput(f"[config.{cs.name}] reads dim {cs.axis} of '{params[fqn]}', which has shape {list(shape)}.",
+                           where=rules.source, hint=f"Fix [config.{cs.name}] axis (0..{len(shape) - 1}) or pass "
+                                                    f"--model-config {cs.name}=N.")
+        if found is None:
+            found = (int(shape[cs.axis]), params[fqn], shape)
+        elif found[0] != shape[cs.axis]:
+            raise BadInput(f"[config.{cs.name}] reads dim {cs.axis}, but '{found[1]}' has {found[0]} there and "
+                           f"'{params[fqn]}' has {shape[cs.axis]}.", where=rules.source,
+                           hint=f"Narrow [config.{cs.name}] from to one tensor or pass --model-config {cs.name}=N.")
+    return found
+
+
+def _check_needed(ix, rules: ModelRules, params: dict[str, str], config: dict[str, Any], source: Topology,
+                  target: Topology) -> None:
+    """Every config value this change needs and nobody gave, asked for in one message.
+
+    Needed are only the values a check or a transform of this target evaluates: the
+    ``divisible`` sizes when the TP degree changes to one > 1, a fused rule's part sizes
+    (re-interleaving) and a vocab rule's size and multiple (re-padding) whenever it
+    changes. A TP degree that stays (``tp=2 -> tp=2``) needs none: the source already
+    divides whatever the rules name, and nothing is re-cut.
+    """
+    if source.tp == target.tp:
+        return
+    why: dict[str, list[str]] = {}
+
+    def need(exprs, reason: str) -> None:
+        for expr in exprs:
+            for n in names_in(expr):
+                if n not in config and reason not in why.setdefault(n, []):
+                    why[n].append(reason)
+
+    used = {id(rules.rule_for(p)) for p in params}
+    for rule in (r for _, r in rules.params if id(r) in used):  # in the rules' order: the message reads like the file
+        if target.tp > 1:
+            need(rule.divisible, f"tp={target.tp} must divide it")
+        if rule.tp == "fused":
+            need([x.size for x in rule.parts], "re-interleaving fused parts")
+        if rule.vocab is not None:
+            need([rule.vocab.size] + ([rule.vocab.multiple] if rule.vocab.multiple else []),
+                 f"re-padding the vocabulary from tp={source.tp} to tp={target.tp}")
+    if not why:
+        return
+    read = [cs.name for cs in rules.config_shapes if cs.name in config]
+    listed = "; ".join(f"{n} ({', '.join(r)})" for n, r in why.items())
+    example = " ".join(f"--model-config {n}=N" for n in why)
+    raise BadInput(f"tp={source.tp} -> tp={target.tp} needs {len(why)} model config value"
+                   f"{'s' if len(why) > 1 else ''} the checkpoint does not hold and nobody gave: {listed}"
+                   + (f" (read from the checkpoint's shapes: {', '.join(f'{n}={config[n]}' for n in read)})" if read else "")
+                   + ".", where=str(getattr(ix, "root", "")) or rules.source,
+                   hint=f"Pass them all at once: {example} (or record them in the manifest's model.config).")
 
 
 def _check_coverage(rules: ModelRules, params: dict[str, str]) -> None:
@@ -155,14 +247,20 @@ def _check_rules_match_cuts(ix, rules: ModelRules, params: dict[str, str], sourc
 
 def _tp_reasons(rules: ModelRules, params: dict[str, str], config: dict[str, Any],
                 source: Topology, target: Topology) -> list[str]:
-    """Why the target's tp does not divide the sizes the rules name; a source tp that does not is an error."""
+    """Why the target's tp does not divide the sizes the rules name; a source tp that does not is an error.
+
+    A TP degree that stays checks nothing (the source divides them). A size whose values
+    nobody gave is not checked: `_check_needed` has asked for every one the target needs,
+    so what is left is only the source's sanity check, not worth a question.
+    """
+    if source.tp == target.tp:
+        return []
     checks: dict[str, int] = {}
     for p in params:
-        for expr in rules.rule_for(p).divisible:  # type: ignore[union-attr]
-            checks[expr] = evaluate(expr, config)
         rule = rules.rule_for(p)
-        for part in rule.parts:  # type: ignore[union-attr]
-            checks[part.size] = evaluate(part.size, config)
+        for expr in list(rule.divisible) + [part.size for part in rule.parts]:  # type: ignore[union-attr]
+            if all(n in config for n in names_in(expr)):
+                checks[expr] = evaluate(expr, config)
     reasons = []
     bad = {e: v for e, v in checks.items() if v % target.tp}
     if bad:
@@ -254,7 +352,13 @@ def _reinterleave(rule, config: dict[str, Any], source: Topology, target: Topolo
 
 def _repad(k: str, shape: tuple[int, ...], rule, role: str, config: dict[str, Any], source: Topology,
            target: Topology) -> dict[str, Any] | None:
-    """A vocabulary padded to a multiple of tp gets other padding rows on the target (None: the same rows)."""
+    """A vocabulary padded to a multiple of tp gets other padding rows on the target (None: the same rows).
+
+    At an unchanged TP degree the rows stay; their sanity check runs only if the values are known.
+    """
+    if source.tp == target.tp and not all(n in config for n in names_in(rule.vocab.size)
+                                          + names_in(rule.vocab.multiple or "")):
+        return None
     size, src_rows = padded_vocab(rule.vocab, config, source.tp)
     _, dst_rows = padded_vocab(rule.vocab, config, target.tp)
     if shape[rule.dim] != src_rows:

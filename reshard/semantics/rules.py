@@ -47,6 +47,19 @@ class ParamRule:
     vocab: Vocab | None = None
 
 
+@dataclass(frozen=True)
+class ConfigShape:
+    """A model config value that is a tensor dimension: ``[config.NAME] from = REGEX, axis = N``.
+
+    Read from the checkpoint's (global) shape of the parameters whose FQN matches ``from``,
+    so the user never has to type a number the checkpoint already holds.
+    """
+
+    name: str
+    source: re.Pattern[str]
+    axis: int
+
+
 @dataclass
 class Pipeline:
     layer: re.Pattern[str] | None
@@ -64,6 +77,7 @@ class ModelRules:
     params: list[tuple[re.Pattern[str], ParamRule]]
     pipeline: Pipeline
     match_params: list[re.Pattern[str]] = field(default_factory=list)
+    config_shapes: list[ConfigShape] = field(default_factory=list)
 
     def rule_for(self, fqn: str) -> ParamRule | None:
         for pat, rule in self.params:
@@ -133,9 +147,22 @@ def _load(path: Path, way_out: str = _FILE_HINT) -> ModelRules:
             tied=[tuple(t) for t in pl.get("tied", [])],  # type: ignore[misc]
         )
         return ModelRules(spec["family"], spec.get("description", ""), str(path), params, pipeline,
-                          [re.compile(x) for x in spec.get("match_params", [])])
+                          [re.compile(x) for x in spec.get("match_params", [])], _config_shapes(spec.get("config", {})))
     except (KeyError, ValueError, TypeError, re.error, tomllib.TOMLDecodeError) as exc:
         raise BadInput(f"invalid partition rules: {exc}", where=str(path)) from None
+
+
+def _config_shapes(tables: Any) -> list[ConfigShape]:
+    """The ``[config.NAME]`` tables: each names the parameters (``from``, a regex) and the ``axis`` that is NAME."""
+    if not isinstance(tables, dict):
+        raise ValueError("[config] must be a table of [config.NAME] tables")
+    out = []
+    for name, t in tables.items():
+        if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("axis"), int) \
+                or isinstance(t.get("axis"), bool) or t["axis"] < 0:
+            raise ValueError(f"[config.{name}] needs from = '<parameter regex>' and axis = <dim >= 0>")
+        out.append(ConfigShape(name, re.compile(t["from"]), t["axis"]))
+    return out
 
 
 @lru_cache(maxsize=1)
@@ -227,6 +254,19 @@ def evaluate(expr: str, config: dict[str, Any]) -> int:
     except SyntaxError:
         raise BadInput(f"bad expression '{expr}' in partition rules") from None
     return ev(tree)
+
+
+def names_in(expr: str) -> list[str]:
+    """The config names an expression refers to, in order of appearance (a bad expression names none)."""
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return []
+    seen: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in seen:
+            seen.append(node.id)
+    return seen
 
 
 def padded_vocab(vocab: Vocab, config: dict[str, Any], tp: int) -> tuple[int, int]:
