@@ -197,7 +197,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
     source_topo, target = ins.topology, parse_spec(options.to)
     same_positions = source_topo.degrees() == target.degrees()
-    reasons: list[str] = _inconsistencies(r)
+    reasons: list[str] = []
 
     geo = _placements(ix, cls, mdict, source_topo, target, options, reasons)
     acc_out = _accumulation(r, reasons)
@@ -216,19 +216,6 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     return Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
-
-
-def _inconsistencies(r: dict[str, Any]) -> list[str]:
-    """An inconsistent source (inspect exit 1) is not converted: resharding it would carry the fault on.
-
-    Inspect calls nothing consistent inconsistent (buffers, ties by equal bytes, fused entries
-    and optimizer-only checkpoints are recognised), so what is left is a real problem.
-    """
-    bad = [p["message"] for p in r["problems"] if p["severity"] == "inconsistent"]
-    if not bad:
-        return []
-    return ["the source is inconsistent: " + "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-            + "; run `reshard inspect` on it for the keys"]
 
 
 def convention_records(paths: Iterable[str | Path]) -> list[dict[str, str]] | None:
