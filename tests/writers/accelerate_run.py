@@ -48,21 +48,15 @@ from accelerate.checkpointing import save_accelerator_state
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
 
+from torch_variants import MLP  # a sibling script: run as a script, tests/writers is on sys.path
+
 STEPS = 3
 LR = 1e-2
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class Net(nn.Module):
-    """Two linear layers; 10 output rows so 4 ranks shard unevenly (3, 3, 3, 1)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 12)
-        self.out = nn.Linear(12, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.inp(x)))
+# The model of the torch variants (same parameter names and shapes): one tiny model for both writers.
+Net = MLP
 
 
 def plugin() -> FullyShardedDataParallelPlugin:
