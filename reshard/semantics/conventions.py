@@ -281,19 +281,23 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
     shipped = [c for c in builtin_conventions() if not c.generic]
     convs = list(user) + shipped
     generic = [c for c in builtin_conventions() if c.generic]
+    # Each convention's answer for each key, with and without its catch-alls, asked once: the
+    # candidates below combine the same answers in different orders (keys x conventions, not x conventions^2).
+    full = {id(c): [c.classify(k, kind) for k, kind in keys] for c in convs}
+    comp = {id(c): [c.classify(k, kind, composed=True) for k, kind in keys] for c in convs + generic}
     scored = []
     for conv in convs:
         first = tuple(c for c in user if c is not conv)
         others = first + tuple(c for c in shipped if c is not conv) + tuple(generic)
-        roles = {k: _classify_key(k, kind, conv, others, first=len(first)) for k, kind in keys}
+        roles = {k: _classify_key(i, conv, others, len(first), full, comp) for i, (k, _kind) in enumerate(keys)}
         unknown = sum(1 for r in roles.values() if r.role == "unknown")
         params = {r.param for r in roles.values() if r.role == "parameter"}
         orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
                       and params and r.param not in params)
         markers = sum(1 for m in conv.markers if any(m.search(k) for k, _ in keys))
         lent = sum(1 for r in roles.values() if r.convention not in (None, conv.name))
-        stolen = sum(1 for k, kind in keys if _caught_by_catch_all(conv, k, kind)
-                     and any(o.classify(k, kind, composed=True).role != "unknown" for o in others))
+        stolen = sum(1 for i, (k, kind) in enumerate(keys) if _caught_by_catch_all(conv, k, kind)
+                     and any(comp[id(o)][i].role != "unknown" for o in others))
         # A convention whose markers appear at all beats one whose markers are absent, and one
         # whose catch-all claims keys another convention's own rules explain loses: torchtitan's
         # "top-level tensor = parameter" must not claim a get_state_dict model and its moments.
@@ -319,21 +323,22 @@ def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
     return False
 
 
-def _classify_key(key: str, kind: str, primary: Convention, others: tuple[Convention, ...], *,
-                  first: int = 0) -> KeyRole:
-    """The first ``first`` others (user conventions), the primary's rules (catch-alls included), then the rest.
+def _classify_key(i: int, primary: Convention, others: tuple[Convention, ...], first: int,
+                  full: dict[int, list[KeyRole]], comp: dict[int, list[KeyRole]]) -> KeyRole:
+    """Key ``i``: the first ``first`` others (user conventions), the primary's rules (catch-alls included), then the rest.
 
-    Every convention but the primary is asked without its catch-alls.
+    Every convention but the primary is asked without its catch-alls; ``full`` and ``comp`` hold
+    each convention's answers with and without them.
     """
     for conv in others[:first]:
-        r = conv.classify(key, kind, composed=True)
+        r = comp[id(conv)][i]
         if r.role != "unknown":
             return r
-    r = primary.classify(key, kind)
+    r = full[id(primary)][i]
     for conv in others[first:]:
         if r.role != "unknown":
             break
-        r = conv.classify(key, kind, composed=True)
+        r = comp[id(conv)][i]
     return r
 
 
