@@ -27,6 +27,13 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="item", disable=not sys.stderr.isatty(), leave=False)
 
 
+_PROFILE = typer.Option(None, "--profile", help="A profile TOML saying what this trainer's checkpoints mean (default: ./reshard.toml, else reshard.toml beside the checkpoint).")
+_NOPROF = typer.Option(False, "--no-profile", help="Read no reshard.toml found in the working directory or beside the checkpoint.")
+_TIE = typer.Option(None, "--tie", help="A=B: parameters A and B are one tensor saved under two names (repeatable), checked equal like a manifest's model.tied.")
+_TCFG = typer.Option(None, "--trainer-config", help="The trainer's own config (torchtitan's saved config JSON or job TOML): the source recipe and head counts.")
+_CONV = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match; recorded by name and sha256.")
+
+
 @app.command()
 def inspect(
     ckpt: Path = typer.Argument(..., help="DCP checkpoint directory."),
@@ -34,53 +41,46 @@ def inspect(
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
-    convention: Optional[list[Path]] = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match."),
+    convention: Optional[list[Path]] = _CONV, tie: Optional[list[str]] = _TIE,
+    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
     from reshard.commands.inspect import inspect_checkpoint
+    from reshard.commands.options import Given, build_options
+    from reshard.commands.plan import user_conventions
     from reshard.render.report import render_inspect, to_json
 
+    opts = build_options(Given(from_spec=from_spec, trust_pickle=trust_pickle,
+                               conventions=[str(p) for p in convention or []], ties=list(tie or []),
+                               profile=str(profile) if profile else None, no_profile=no_profile), ckpt)
     bar = None
     if deep:
         from reshard.storage.index import CheckpointIndex
 
         bar = _progress(CheckpointIndex.open(ckpt).item_count(), "deep check")
-    from reshard.semantics.conventions import load_user_convention
-
-    user = tuple(load_user_convention(p).convention for p in convention or [])
-    result = inspect_checkpoint(ckpt, deep=deep, from_spec=from_spec, trust_pickle=trust_pickle, progress=bar,
-                                conventions=user)
+    result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=trust_pickle, progress=bar,
+                                conventions=user_conventions(opts), ties=opts.ties)
     if bar is not None:
         bar.close()
+    if opts.profile is not None:
+        result.report["profile"] = opts.profile
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report))
     raise typer.Exit(result.exit_code)
 
 
-def _options(to: str, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-             rules=None, model_config=None, pp_stages=None, dtype=None, only=None, source_recipe=None,
-             conventions=None, keep=None, drop=None):
-    from reshard.errors import BadInput
-    from reshard.commands.plan import Options, convention_records
+def _options(ckpt: Path, to: Optional[str], **given) -> "Options":  # noqa: F821 - reshard.commands.plan.Options
+    """The plan options: these flags, completed by a profile and a trainer config (reshard.commands.options)."""
+    from reshard.commands.options import Given, build_options
 
-    source_mb, source_ga, source_sl = source_recipe or (None, None, None)  # --source-*: what a manifest would say
-    config = {}
-    for item in model_config or []:
-        name, sep, value = item.partition("=")
-        try:
-            config[name.strip()] = int(value)
-        except ValueError:
-            raise BadInput(f"--model-config expects name=integer, got '{item}'") from None
-        if not sep or not name.strip():
-            raise BadInput(f"--model-config expects name=integer, got '{item}'")
-    return Options(to=to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-                   data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle,
-                   rules=str(rules) if rules else None, model_config=config or None, pp_stages=pp_stages,
-                   dtype=dtype, only=only, source_micro_batch=source_mb, source_grad_accum=source_ga,
-                   source_seq_len=source_sl, conventions=convention_records(conventions or []),
-                   keep=list(keep) if keep else None, drop=list(drop) if drop else None)
+    for name in ("conventions", "model_config", "keep", "drop", "ties"):
+        given[name] = [str(v) for v in given.get(name) or []]
+    for name in ("rules", "profile", "trainer_config"):
+        if given.get(name) is not None:
+            given[name] = str(given[name])
+    return build_options(Given(to=to, **given), ckpt)
 
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
@@ -97,9 +97,9 @@ _SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the 
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
 _RULES = typer.Option(None, "--rules", help="Partition rules for TP/PP changes: a shipped family (llama-torchtitan, llama-fused, megatron-gpt, reference-gpt) or a rules TOML file.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
-_CONV = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match; recorded by name and sha256.")
-_KEEP = typer.Option(None, "--keep", help="Carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
-_DROP = typer.Option(None, "--drop", help="Leave unknown keys matching this regex (on the flat key) out of the output (repeatable).")
+_SGB = typer.Option(None, "--source-global-batch", help="The source run's global batch, when no manifest records it (the accumulation follows from the dp degree).")
+_KEEP = typer.Option(None, "--keep", help="PATTERN[=REASON]: carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
+_DROP = typer.Option(None, "--drop", help="PATTERN[=REASON]: leave unknown keys matching this regex (on the flat key) out of the output (repeatable); the reason is recorded.")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
 
 
@@ -112,6 +112,8 @@ def plan(
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
+    tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
+    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
@@ -123,10 +125,13 @@ def plan(
     from reshard.commands.plan import make_plan
     from reshard.render.report import render_plan, to_json
 
-    p = make_plan(ckpt, _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                                 rules, model_config, pp_stages,
-                                 source_recipe=(source_micro_batch, source_grad_accum, source_seq_len),
-                                 conventions=convention, keep=keep, drop=drop))
+    p = make_plan(ckpt, _options(
+        ckpt, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+        data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+        model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
+        source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
+        conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
+        trainer_config=trainer_config))
     d = p.to_dict(tensors=json_out or verbose)
     if dst is not None:
         from reshard.commands.space import space_check
@@ -149,6 +154,8 @@ def convert(
     seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
     rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
     convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
+    tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
+    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
     output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
     only: Optional[str] = typer.Option(None, "--only", help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
@@ -186,10 +193,13 @@ def convert(
     elif to is None:
         raise BadInput("convert needs --to SPEC or --plan PLAN.json")
     else:
-        opts = _options(to, from_spec, micro_batch, grad_accum, schedule, data_policy, rng_policy, seed, trust_pickle,
-                        rules, model_config, pp_stages, dtype, only,
-                        source_recipe=(source_micro_batch, source_grad_accum, source_seq_len),
-                        conventions=convention, keep=keep, drop=drop)
+        opts = _options(
+            src, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+            model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
+            source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
+            source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
+            profile=profile, no_profile=no_profile, trainer_config=trainer_config)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers

@@ -68,10 +68,11 @@ def _scalar(v: Any) -> Any:
 
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None,
-                       conventions: Sequence[Convention] = ()) -> Inspection:
+                       conventions: Sequence[Convention] = (), ties: Sequence[Sequence[str]] | None = None) -> Inspection:
     """Describe a checkpoint: each step below does one job and adds its problems to ``findings``.
 
-    ``conventions`` are the user's (``--convention FILE``), offered to classify before the shipped ones.
+    ``conventions`` are the user's (``--convention FILE``), offered to classify before the shipped ones;
+    ``ties`` the user's ``--tie A=B`` pairs, checked like a manifest's ``model.tied``.
 
     The order of the steps is the order of the problems in the report, so it stays fixed.
     """
@@ -95,7 +96,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     for name, (where, value) in sidecars.counters_from(side).items():
         if name not in counters:  # a trainer that keeps its step beside the DCP data (Megatron's common.pt)
             counters[name], counter_keys[name] = value, where
-    opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings)
+    opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings, user_ties=ties or ())
     per_rank = _per_rank_state(cls.roles, topo, findings)
     step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings)
     _check_accumulation(mdict.get("accumulation"), findings)
@@ -208,7 +209,8 @@ def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dic
 # ---------------------------------------------------------------------------- optimizer health
 
 def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdict: dict[str, Any],
-                      can_read: bool, findings: list[Finding]) -> tuple[dict[str, Any], list[Any]]:
+                      can_read: bool, findings: list[Finding],
+                      user_ties: Sequence[Sequence[str]] = ()) -> tuple[dict[str, Any], list[Any]]:
     """The report's "optimizer" section, and the distinct step counter values (the step check needs them)."""
     roles = cls.roles
     moments, steps = _optimizer_keys(roles)
@@ -222,7 +224,7 @@ def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdic
     fused_names = {r["optimizer"] for r in opt["fused"]}
     opt["with_moments"] += len(covered)
     unfused = {p: k for p, k in params.items() if p not in covered}
-    tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings)
+    tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings, user_ties)
     # A tie is checked before the param-groups fact: the optimizer lists a tied tensor under one name only.
     by_kind = _buffers(ix, roles, unfused, moments, buffer_names, False, findings) if moment_names else {}
     tied += _ties_by_equality(ix, unfused, moments, by_kind, tied_members, can_read, findings) if moment_names else []
@@ -390,10 +392,14 @@ def _step_counters(ix: Any, steps: dict[str, str], can_read: bool,
 
 
 def _tied_candidates(params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
-                     mdict: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
-    """Tied groups declared by the manifest, then known pairs where only one copy carries optimizer state."""
+                     mdict: dict[str, Any], user_ties: Sequence[Sequence[str]] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """Tied groups declared by the manifest or the user (``--tie``), then known pairs where only one copy has state."""
     declared = [tuple(t) for t in (mdict.get("model", {}) or {}).get("tied", []) or []]
     candidates = [(t, "manifest") for t in declared]
+    for t in user_ties:
+        if tuple(t) not in declared and tuple(reversed(t)) not in declared:
+            declared.append(tuple(t))
+            candidates.append((tuple(t), "user"))
     for a, b in known_tied_pairs():
         if (a, b) in declared or (b, a) in declared:
             continue
@@ -403,15 +409,15 @@ def _tied_candidates(params: dict[str, str], moments: dict[str, dict[str, str]],
 
 
 def _tied_weights(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
-                  mdict: dict[str, Any], can_read: bool,
-                  findings: list[Finding]) -> tuple[list[dict[str, Any]], set[str]]:
+                  mdict: dict[str, Any], can_read: bool, findings: list[Finding],
+                  user_ties: Sequence[Sequence[str]] = ()) -> tuple[list[dict[str, Any]], set[str]]:
     """One record per tied group (are the saved copies bitwise equal?), and the parameters known to be tied.
 
     Copies declared tied by the manifest must be equal; an inferred tie counts only once seen equal.
     """
     tied: list[dict[str, Any]] = []
     tied_members: set[str] = set()
-    for names, source in _tied_candidates(params, moments, moment_names, mdict):
+    for names, source in _tied_candidates(params, moments, moment_names, mdict, user_ties):
         present = [n for n in names if n in params]
         rec: dict[str, Any] = {"names": list(names), "source": source}
         if len(present) < 2:
@@ -426,9 +432,9 @@ def _tied_weights(ix: Any, params: dict[str, str], moments: dict[str, dict[str, 
                 findings.append(Finding("error", "unreadable_item", exc.message, keys=tuple(params[n] for n in present)))
                 eq = None
             rec["equal"] = eq
-            if eq or source == "manifest":
+            if eq or source in ("manifest", "user"):
                 tied_members.update(present)
-            if eq is False and source == "manifest":
+            if eq is False and source in ("manifest", "user"):
                 findings.append(Finding("inconsistent", "tied_differ",
                                         f"tied copies {' and '.join(present)} differ", keys=tuple(params[n] for n in present)))
         else:

@@ -62,6 +62,12 @@ class Options:
     conventions: list[dict[str, str]] | None = None
     keep: list[str] | None = None  # --keep PATTERN: unknown keys carried unchanged (role "other")
     drop: list[str] | None = None  # --drop PATTERN: unknown keys left out of the output
+    key_reasons: dict[str, str] | None = None  # keep/drop pattern -> the user's reason (`--drop P=WHY`, a profile)
+    source_global_batch: int | None = None  # a trainer config's global batch: the accumulation follows from the dp degree
+    ties: list[list[str]] | None = None  # --tie A=B: two parameter names of one tensor (like a manifest's model.tied)
+    # What a profile / a trainer config contributed: {"file", "sha256", "contributed": [option names], ...}
+    profile: dict[str, Any] | None = None
+    trainer_config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -194,7 +200,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     ins = _complete_inspection(src, options, inspection)
     r, ix = ins.report, ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
-    mdict = ins.manifest.to_dict() if ins.manifest is not None else {}
+    mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
     source_topo, target = ins.topology, parse_spec(options.to)
     same_positions = source_topo.degrees() == target.degrees()
     reasons: list[str] = []
@@ -218,6 +224,18 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
 
 
+def _with_user_ties(mdict: dict[str, Any], ties: list[list[str]] | None) -> dict[str, Any]:
+    """The manifest as the plan reads it: ``--tie`` pairs join its ``model.tied`` (checked the same way)."""
+    if not ties:
+        return mdict
+    out = dict(mdict)
+    model = dict(out.get("model") or {"family": "unknown", "config": {}, "tied": []})
+    have = [list(t) for t in model.get("tied") or []]
+    model["tied"] = have + [list(t) for t in ties if list(t) not in have and list(reversed(t)) not in have]
+    out["model"] = model
+    return out
+
+
 def convention_records(paths: Iterable[str | Path]) -> list[dict[str, str]] | None:
     """``--convention FILE`` arguments as the plan options record them: file, name and sha256 of each."""
     records = [load_user_convention(p).record() for p in paths]
@@ -236,7 +254,7 @@ def user_conventions(options: Options) -> tuple[Convention, ...]:
         if not isinstance(rec, dict) or not all(isinstance(rec.get(f), str) for f in ("file", "name", "sha256")):
             raise BadInput(f"the plan options record a malformed convention {rec!r}",
                            hint="Expected {\"file\", \"name\", \"sha256\"} per --convention file.")
-        uc = load_user_convention(rec["file"])
+        uc = load_user_convention(rec["file"], rec.get("table"))
         if uc.sha256 != rec["sha256"] or uc.convention.name != rec["name"]:
             raise BadInput(f"the convention file no longer holds the convention '{rec['name']}' the plan read the keys "
                            f"with (sha256 {rec['sha256'][:16]}, now {uc.sha256[:16]} named '{uc.convention.name}')",
@@ -281,11 +299,12 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
         if k is not None and d is not None:
             raise BadInput(f"key '{key}' matches both --keep {k!r} and --drop {d!r}",
                            hint="Narrow one of the patterns so each unknown key gets one decision.")
+        why = options.key_reasons or {}
         if k is not None:
             roles[key] = KeyRole(key, "other")
-            chosen[key] = ("carried", f"--keep {k}")
+            chosen[key] = ("carried", f"--keep {k}" + (f": {why[k]}" if why.get(k) else ""))
         elif d is not None:
-            chosen[key] = ("dropped", f"--drop {d}")
+            chosen[key] = ("dropped", f"--drop {d}" + (f": {why[d]}" if why.get(d) else ""))
     return dataclasses.replace(cls, roles=roles), chosen
 
 
@@ -319,10 +338,10 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
     ``--convention`` files the source is inspected again, so that their rules decide.
     """
     user = user_conventions(options)
-    if user:
+    if user or options.ties:
         inspection = None
     ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
-                                           conventions=user)
+                                           conventions=user, ties=options.ties)
     _check_recorded_conventions(ins.manifest, options, src)
     r = ins.report
     if not r["complete"]:
@@ -345,7 +364,7 @@ def _placements(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology,
     if source_topo.cp != target.cp:
         reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
     geo = placement_mod.decide(ix, cls, mdict, source_topo, target, rules_file=options.rules,
-                               model_config=options.model_config, pp_stages=options.pp_stages)
+                               model_config=options.model_config, pp_stages=options.pp_stages, ties=options.ties)
     reasons.extend(geo.reasons)
     return geo
 
@@ -374,13 +393,14 @@ def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, op
     (`_source_recipe`); with neither, the global batch cannot be checked.
     """
     before = None
-    b = _source_recipe(r, options)
+    b = _source_recipe(r, options, dp=source_topo.dp)
     if b.get("micro_batch") and b.get("grad_accum"):
         before = batch_mod.Recipe(int(b["micro_batch"]), int(b["grad_accum"]), source_topo.dp)
     bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
-    filled = {flag: v for flag, v in _recipe_flags(options).items() if not (r.get("batch") or {}).get(_FIELD_OF[flag])}
+    recorded = r.get("batch") or {}
+    filled = {origin: v for f, (v, origin) in _recipe_given(options).items() if recorded.get(f) is None}
     if before is not None and not bdec.note and filled:
-        bdec.note = ("source recipe from " + " ".join(f"{flag} {v}" for flag, v in filled.items())
+        bdec.note = ("source recipe from " + " ".join(f"{origin} {v}" for origin, v in filled.items())
                      + " (no manifest records it)")
     if not bdec.feasible:
         reasons.append("batch recipe: " + bdec.note)
@@ -388,38 +408,71 @@ def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, op
 
 
 _SOURCE_RECIPE_FLAGS = {"micro_batch": "--source-micro-batch", "grad_accum": "--source-grad-accum",
-                        "seq_len": "--source-seq-len"}
-_FIELD_OF = {flag: field for field, flag in _SOURCE_RECIPE_FLAGS.items()}
+                        "seq_len": "--source-seq-len", "global_batch": "--source-global-batch"}
 
 
-def _recipe_flags(options: Options) -> dict[str, int]:
-    """The `--source-*` flags given, by flag name."""
-    return {flag: getattr(options, "source_" + field) for field, flag in _SOURCE_RECIPE_FLAGS.items()
-            if getattr(options, "source_" + field) is not None}
+def _recipe_given(options: Options) -> dict[str, tuple[int, str]]:
+    """The source recipe fields the user gave, by field: (value, where it came from).
+
+    The origin is the flag, or the profile / trainer config file that contributed the value
+    (`reshard.commands.options` records which option each file filled).
+    """
+    out: dict[str, tuple[int, str]] = {}
+    for f, flag in _SOURCE_RECIPE_FLAGS.items():
+        value = getattr(options, "source_" + f)
+        if value is None:
+            continue
+        origin = flag
+        for rec_name, label in (("profile", "profile"), ("trainer_config", "trainer config")):
+            rec = getattr(options, rec_name)
+            if isinstance(rec, dict) and "source_" + f in (rec.get("contributed") or []):
+                origin = f"{label} {Path(str(rec.get('file'))).name} {f}"
+        out[f] = (value, origin)
+    return out
 
 
-def _source_recipe(r: dict[str, Any], options: Options) -> dict[str, Any]:
-    """The source's batch recipe: the manifest's fields, completed by the `--source-*` flags.
+def _from_file(origin: str) -> bool:
+    return not origin.startswith("--")
+
+
+def _source_recipe(r: dict[str, Any], options: Options, *, dp: int | None = None) -> dict[str, Any]:
+    """The source's batch recipe: the manifest's fields, completed by what the user gave.
 
     The flags say what a manifest would; they never overrule one. A flag that disagrees with
-    the manifest is refused (one of them is wrong, and reshard cannot tell which), and so is
-    half a recipe (a micro-batch without its accumulation cannot give the global batch).
+    the manifest is refused (one of them is wrong, and reshard cannot tell which); a profile
+    or trainer config describes the run in general, so where the manifest of this checkpoint
+    records a field (an output of an earlier conversion does) the manifest's value is used.
+    Half a recipe is refused (a micro-batch without its accumulation cannot give the global
+    batch). A global batch (a trainer config's) gives the accumulation with the source's dp
+    degree: global = micro-batch x accumulation x dp.
     """
     recorded = dict(r.get("batch") or {})
     out = dict(recorded)
-    for field, flag in _SOURCE_RECIPE_FLAGS.items():
-        given = getattr(options, "source_" + field)
-        if given is None:
-            continue
-        if given < 1:
-            raise BadInput(f"{flag} must be a positive integer, got {given}")
-        if recorded.get(field) is not None and int(recorded[field]) != given:
-            raise BadInput(f"{flag} {given} disagrees with the source manifest's batch.{field} {recorded[field]}",
+    given = _recipe_given(options)
+    for f, (value, origin) in given.items():
+        if value < 1:
+            raise BadInput(f"{origin} must be a positive integer, got {value}")
+        if recorded.get(f) is not None and int(recorded[f]) != value:
+            if _from_file(origin):
+                continue
+            raise BadInput(f"{origin} {value} disagrees with the source manifest's batch.{f} {recorded[f]}",
                            where=str(Path(r["path"]) / "manifest.json"),
-                           hint=f"Drop {flag} (the manifest's value is used), or correct the manifest if it is wrong.")
-        out[field] = given
-    flags = _recipe_flags(options)
-    if flags and bool(out.get("micro_batch")) != bool(out.get("grad_accum")):
+                           hint=f"Drop {origin} (the manifest's value is used), or correct the manifest if it is wrong.")
+        if recorded.get(f) is None:
+            out[f] = value
+    if dp and out.get("global_batch") and out.get("micro_batch"):
+        gb, mb = int(out["global_batch"]), int(out["micro_batch"])
+        if gb % (mb * dp):
+            raise BadInput(f"the source's global batch {gb} is not micro-batch {mb} x dp {dp} x a whole accumulation",
+                           where=given.get("global_batch", (0, str(r["path"])))[1],
+                           hint="Check the recipe: global batch = micro-batch x accumulation x dp.")
+        ga = gb // (mb * dp)
+        if out.get("grad_accum") is not None and int(out["grad_accum"]) != ga:
+            raise BadInput(f"the source's accumulation {out['grad_accum']} disagrees with its global batch {gb} = "
+                           f"micro-batch {mb} x dp {dp} x {ga}", where=str(r["path"]),
+                           hint="Give the global batch or the accumulation, not two that disagree.")
+        out["grad_accum"] = ga
+    if given and bool(out.get("micro_batch")) != bool(out.get("grad_accum") or out.get("global_batch")):
         missing = "--source-grad-accum" if out.get("micro_batch") else "--source-micro-batch"
         raise BadInput(f"half a source batch recipe: {missing} is not given and the source does not record it",
                        where=str(r["path"]),

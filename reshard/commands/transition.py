@@ -8,6 +8,7 @@ from typing import Any
 
 from reshard import __version__
 from reshard.semantics import manifest as mf
+from reshard.semantics.rules import shipped
 from reshard.commands.plan import Plan
 
 
@@ -69,7 +70,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "batch": batch,
         "accumulation": src.get("accumulation") or {"micro_step": 0, "in_flight_grads": False},
         "precision": _precision(src, plan),
-        "model": src.get("model") or {"family": "unknown", "config": {}, "tied": []},
+        "model": _model(plan, src),
         "optimizer": src.get("optimizer") or {"name": "unknown", "config": {}},
         "scheduler": sched,
         "data": data,
@@ -95,6 +96,27 @@ def _batch(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
     if after is not None:
         batch.update(micro_batch=after.micro_batch, grad_accum=after.grad_accum, global_batch=after.global_batch)
     return batch
+
+
+def _model(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
+    """The source's model section, with what the user said of the model (``--tie``, model config, rules).
+
+    Recorded so that a second conversion of the output needs neither the flags nor the
+    profile: the output's manifest says it. A manifest's own values stay; the user's fill in.
+    """
+    model = dict(src.get("model") or {"family": "unknown", "config": {}, "tied": []})
+    if model.get("family") in (None, "unknown") and plan.rules and shipped(plan.rules) is not None:
+        model["family"] = plan.rules  # a shipped family: a later plan selects the same rules by name
+    config = dict(model.get("config") or {})
+    for k, v in (plan.options.model_config or {}).items():
+        config.setdefault(k, v)
+    model["config"] = config
+    tied = [list(t) for t in model.get("tied") or []]
+    for t in plan.options.ties or []:
+        if list(t) not in tied and list(reversed(t)) not in tied:
+            tied.append(list(t))
+    model["tied"] = tied
+    return model
 
 
 def _torch_version() -> str:

@@ -22,7 +22,7 @@ import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
@@ -174,6 +174,14 @@ def _load(path: Path) -> Convention:
     try:
         with open(path, "rb") as f:
             spec = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"invalid convention file: {exc}", where=str(path)) from None
+    return _parse(spec, str(path))
+
+
+def _parse(spec: dict[str, Any], source: str) -> Convention:
+    """One convention from its TOML table (a whole convention file, or a profile's ``[convention]``)."""
+    try:
         rules = []
         for r in spec.get("rule", []):
             if r["role"] not in ROLES:
@@ -186,14 +194,15 @@ def _load(path: Path) -> Convention:
             name=spec["name"], description=spec.get("description", ""), priority=int(spec.get("priority", 0)),
             markers=[re.compile(m) for m in spec.get("markers", [])], rules=rules,
             moment_names=tuple(spec.get("optimizer", {}).get("moment_names", ())),
-            counters=counters, source=str(path), generic=bool(spec.get("generic", False)),
+            counters=counters, source=source, generic=bool(spec.get("generic", False)),
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
             stores_replicas=bool(spec.get("topology", {}).get("stores_replicas", True)),
             fused=tuple(FusedEntry(re.compile(f["optimizer"]), tuple(f["parts"]), int(f.get("dim", 0)),
                                    str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )
-    except (KeyError, ValueError, re.error, tomllib.TOMLDecodeError) as exc:
-        raise BadInput(f"invalid convention file: {exc}", where=str(path)) from None
+    except (KeyError, ValueError, TypeError, AttributeError, re.error) as exc:
+        raise BadInput(f"invalid convention: {type(exc).__name__} {exc}", where=source,
+                       hint="See formats/conventions/*.toml for the format: name, [[rule]] match/role.") from None
 
 
 @lru_cache(maxsize=1)
@@ -209,41 +218,66 @@ class UserConvention:
     """A convention file given on the command line (``--convention FILE``) and the hash of its bytes.
 
     The hash is recorded with the plan options (and so in the lineage): a later run that names
-    the same file with other bytes is refused instead of reading the keys another way.
+    the same file with other bytes is refused instead of reading the keys another way. A
+    profile's own ``[convention]`` table is one too, recorded with ``table``.
     """
 
     convention: Convention
     path: str
     sha256: str
+    table: str | None = None
 
     def record(self) -> dict[str, str]:
-        return {"file": self.path, "name": self.convention.name, "sha256": self.sha256}
+        rec = {"file": self.path, "name": self.convention.name, "sha256": self.sha256}
+        if self.table:
+            rec["table"] = self.table
+        return rec
 
 
-def load_user_convention(path: str | Path) -> UserConvention:
-    """Read a user's convention TOML (the format of formats/conventions/*.toml).
+def read_small_text(path: str | Path, what: str, *, limit: int = 1 << 20, hint: str | None = None) -> bytes:
+    """The bytes of a small regular UTF-8 file the user names (a convention, a profile, a trainer config).
 
-    Only a small regular UTF-8 file is read (no FIFO, device or directory: a path from a
-    lineage comes from elsewhere); its name must not be a shipped convention's, or a manifest
-    naming it would not say which of the two it means.
+    No FIFO, device or directory (a path from a lineage comes from elsewhere), a size cap,
+    and UTF-8 text; each failure is BadInput naming the file.
     """
     where = str(path)
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise BadInput(f"cannot open the convention file ({exc.strerror or exc})", where=where,
-                       hint="Give --convention the path of a convention TOML (see formats/conventions/).") from None
+        raise BadInput(f"cannot open the {what} ({exc.strerror or exc})", where=where, hint=hint) from None
     if not stat.S_ISREG(st.st_mode):
-        raise BadInput("the convention file is not a regular file", where=where)
-    if st.st_size > MAX_USER_CONVENTION_BYTES:
-        raise BadInput(f"the convention file is larger than {MAX_USER_CONVENTION_BYTES} bytes", where=where)
+        raise BadInput(f"the {what} is not a regular file", where=where)
+    if st.st_size > limit:
+        raise BadInput(f"the {what} is larger than {limit} bytes", where=where)
     with open(path, "rb") as f:
-        data = f.read(MAX_USER_CONVENTION_BYTES + 1)
+        data = f.read(limit + 1)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
-        raise BadInput("the convention file is not UTF-8 text", where=where) from None
-    conv = _load(Path(path))
+        raise BadInput(f"the {what} is not UTF-8 text", where=where) from None
+    return data
+
+
+def load_user_convention(path: str | Path, table: str | None = None) -> UserConvention:
+    """Read a user's convention TOML (the format of formats/conventions/*.toml), or one table of a file.
+
+    Its name must not be a shipped convention's, or a manifest naming it would not say which
+    of the two it means. ``table`` names the table holding the convention (a profile's
+    ``convention``); the hash is of the whole file either way.
+    """
+    where = str(path)
+    data = read_small_text(path, "convention file", limit=MAX_USER_CONVENTION_BYTES,
+                           hint="Give --convention the path of a convention TOML (see formats/conventions/).")
+    try:
+        spec = tomllib.loads(data.decode("utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"invalid convention file: {exc}", where=where) from None
+    if table is not None:
+        spec = spec.get(table)
+        if not isinstance(spec, dict):
+            raise BadInput(f"the file has no [{table}] table", where=where)
+        where = f"{where} [{table}]"
+    conv = _parse(spec, where)
     if conv.generic:
         raise BadInput("a --convention file cannot be generic (generic = true is reserved for generic.toml)",
                        where=where, hint="Remove `generic = true`; its rules are offered to every key anyway.")
@@ -251,7 +285,7 @@ def load_user_convention(path: str | Path) -> UserConvention:
         raise BadInput(f"the convention file is named '{conv.name}', the name of a shipped convention", where=where,
                        hint="Give it a name of its own (`name = \"...\"`): a manifest records conventions by name.")
     # the absolute path: the lineage records it, and verify may recompute from another directory
-    return UserConvention(conv, str(Path(path).resolve()), hashlib.sha256(data).hexdigest())
+    return UserConvention(conv, str(Path(path).resolve()), hashlib.sha256(data).hexdigest(), table)
 
 
 def get_convention(name: str) -> Convention:

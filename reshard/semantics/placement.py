@@ -57,7 +57,7 @@ class _Stages:
 
 def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *,
            rules_file: str | None = None, model_config: dict[str, Any] | None = None,
-           pp_stages: str | None = None) -> Geometry:
+           pp_stages: str | None = None, ties: list[list[str]] | None = None) -> Geometry:
     """Every tensor's target placement and shape, what makes the target infeasible, and what changes numerically.
 
     Checks run in the order a user fixes them: rule coverage, tp divisibility, pipeline stages,
@@ -81,7 +81,7 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
     for k, e in ix.entries.items():
         if e.is_tensor:
             g.by_key[k] = _tensor_geometry(k, e, cls.roles[k], rules, config, source, target, stages)
-    _tie_copies(g, rules, cls, params, model.get("tied"), target)
+    _tie_copies(g, rules, cls, params, model.get("tied"), target, user=ties or [])
     g.numerics = _numerics(source, target, g.by_key)
     return g
 
@@ -379,11 +379,15 @@ def _moments_of(cls) -> dict[str, list[str]]:
     return moments_of
 
 
-def _tie_copies(g: Geometry, rules: ModelRules, cls, params: dict[str, str], tied: list | None, target: Topology) -> None:
-    """Record the model's declared ties the rules allow, and what happens to the tied copy's state on the target."""
+def _tie_copies(g: Geometry, rules: ModelRules, cls, params: dict[str, str], tied: list | None, target: Topology,
+                user: list[list[str]] = ()) -> None:
+    """Record the model's declared ties the rules allow, and what happens to the tied copy's state on the target.
+
+    A ``--tie A=B`` of the user's counts as allowed too: the user says this model ties them.
+    """
     moments_of = _moments_of(cls)
-    declared = {tuple(t) for t in (tied or [])}
-    for a, b in rules.pipeline.tied:
+    declared = {tuple(t) for t in (tied or [])} | {tuple(t) for t in user}
+    for a, b in list(rules.pipeline.tied) + [tuple(t) for t in user if tuple(t) not in rules.pipeline.tied]:
         # The rules say which copies a model family may tie; the manifest says whether this model does.
         if a not in params or b not in params or ((a, b) not in declared and (b, a) not in declared):
             continue

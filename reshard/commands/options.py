@@ -1,0 +1,161 @@
+"""What the user said, from three places, as one `Options`: the command line, a profile, a trainer config.
+
+Precedence is per field: a flag on the command line wins over the profile (``reshard.toml``,
+`reshard.semantics.profile`), which wins over the trainer's own config (``--trainer-config``
+or the profile's ``trainer_config``, `reshard.semantics.trainer_config`). Lists (conventions,
+keep/drop patterns, ties) are joined, the command line's first, so its conventions are
+offered each key first.
+
+The options record what each file contributed and its sha256 (``profile``, ``trainer_config``):
+the plan options are part of the plan, of its fingerprint and of the lineage entry a
+conversion writes, so a report says where every fact came from, and `reshard verify`
+recomputes a plan from the recorded values without reading the files again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import BadInput
+from reshard.commands.plan import Options, convention_records
+from reshard.semantics import profile as profile_mod
+
+
+@dataclass
+class Given:
+    """The command line's values (None / empty: not given)."""
+
+    to: str | None = None
+    from_spec: str | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    schedule: str | None = None
+    data_policy: str | None = None
+    rng_policy: str | None = None
+    seed: int | None = None
+    trust_pickle: bool = False
+    rules: str | None = None
+    model_config: list[str] = field(default_factory=list)
+    pp_stages: str | None = None
+    dtype: str | None = None
+    only: str | None = None
+    source_micro_batch: int | None = None
+    source_grad_accum: int | None = None
+    source_seq_len: int | None = None
+    source_global_batch: int | None = None
+    conventions: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
+    drop: list[str] = field(default_factory=list)
+    ties: list[str] = field(default_factory=list)
+    profile: str | None = None
+    no_profile: bool = False
+    trainer_config: str | None = None
+
+
+def parse_model_config(items: list[str]) -> dict[str, int]:
+    """``--model-config name=integer`` (repeatable) as a dict."""
+    config: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            config[name.strip()] = int(value)
+        except ValueError:
+            raise BadInput(f"--model-config expects name=integer, got '{item}'") from None
+        if not sep or not name.strip():
+            raise BadInput(f"--model-config expects name=integer, got '{item}'")
+    return config
+
+
+def build_options(g: Given, ckpt: str | Path | None) -> Options:
+    """The plan options: the command line, completed by the profile and the trainer config."""
+    path = profile_mod.find_profile(ckpt, g.profile, enabled=not g.no_profile)
+    prof = profile_mod.load_profile(path) if path is not None else None
+    tc_path = g.trainer_config or (prof.trainer_config if prof else None)
+    tc = _trainer_config(tc_path) if tc_path else None
+    from_prof: list[str] = []
+    from_tc: list[str] = []
+
+    def pick(name: str, cli: Any, prof_value: Any, tc_value: Any = None) -> Any:
+        if cli is not None:
+            return cli
+        if prof_value is not None:
+            from_prof.append(name)
+            return prof_value
+        if tc_value is not None:
+            from_tc.append(name)
+            return tc_value
+        return None
+
+    recipe = prof.recipe if prof else {}
+    tc_recipe = _trainer_recipe(tc)
+    source = {opt: pick(opt, getattr(g, opt, None), recipe.get(f), tc_recipe.get(f))
+              for f, opt in profile_mod.RECIPE_FIELDS.items()}
+    config = _merged_config(parse_model_config(g.model_config), prof, tc, from_prof, from_tc)
+    conventions = convention_records(g.conventions) or []
+    if prof is not None and (prof.conventions or prof.inline_convention):
+        conventions += prof.convention_records()
+        from_prof.append("conventions")
+    _no_duplicate_names(conventions)
+    keep = [profile_mod.parse_choice(k, "--keep") for k in g.keep]
+    drop = [profile_mod.parse_choice(d, "--drop") for d in g.drop]
+    if prof is not None:
+        for name, mine, theirs in (("keep", keep, prof.keep), ("drop", drop, prof.drop)):
+            if theirs:
+                mine.extend(theirs)
+                from_prof.append(name)
+    ties = [profile_mod.parse_tie(t) for t in g.ties]
+    if prof is not None and prof.ties:
+        ties += [t for t in prof.ties if t not in ties]
+        from_prof.append("ties")
+    reasons = {c.pattern: c.reason for c in keep + drop if c.reason}
+    return Options(
+        to=g.to or "", from_spec=pick("from_spec", g.from_spec, prof.from_spec if prof else None),
+        micro_batch=g.micro_batch, grad_accum=g.grad_accum, schedule=g.schedule, data_policy=g.data_policy,
+        rng_policy=g.rng_policy, seed=g.seed, trust_pickle=g.trust_pickle,
+        rules=pick("rules", g.rules, prof.rules if prof else None), model_config=config or None,
+        pp_stages=g.pp_stages, dtype=g.dtype, only=g.only, conventions=conventions or None,
+        keep=[c.pattern for c in keep] or None, drop=[c.pattern for c in drop] or None,
+        key_reasons=reasons or None, ties=ties or None,
+        profile=_record(prof.file, prof.sha256, from_prof, name=prof.name) if prof else None,
+        trainer_config=_record(tc.file, tc.sha256, from_tc, kind=tc.kind) if tc else None,
+        **source)
+
+
+def _record(file: str, sha256: str, contributed: list[str], **extra: Any) -> dict[str, Any]:
+    return {"file": file, "sha256": sha256, **{k: v for k, v in extra.items() if v is not None},
+            "contributed": sorted(set(contributed))}
+
+
+def _merged_config(cli: dict[str, int], prof: Any, tc: Any, from_prof: list[str], from_tc: list[str]) -> dict[str, Any]:
+    """Model config values per name: the command line's, then the profile's, then the trainer config's."""
+    config = dict(cli)
+    for source, names in ((prof.model_config if prof else {}, from_prof), (tc.model_config if tc else {}, from_tc)):
+        for k, v in source.items():
+            if k not in config:
+                config[k] = v
+                names.append(f"model_config.{k}")
+    return config
+
+
+def _trainer_config(path: str | Path) -> Any:
+    from reshard.semantics.trainer_config import read_trainer_config
+
+    return read_trainer_config(path)
+
+
+def _trainer_recipe(tc: Any) -> dict[str, int]:
+    """The recipe fields a trainer config states (its accumulation may need the dp degree: see the plan)."""
+    if tc is None:
+        return {}
+    out = {"micro_batch": tc.micro_batch, "grad_accum": tc.grad_accum, "seq_len": tc.seq_len,
+           "global_batch": tc.global_batch}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _no_duplicate_names(records: list[dict[str, str]]) -> None:
+    names = [r["name"] for r in records]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise BadInput(f"two conventions (from --convention or the profile) are both named '{dup}'",
+                       hint="Give each convention a name of its own: a manifest records conventions by name.")
