@@ -220,6 +220,8 @@ class _Item:
     dtype: torch.dtype
     file: str = ""
     offset: int = 0     # within the shard's data section
+    src_shape: tuple[int, ...] | None = None        # the source's shape, when ``make`` changes it
+    make: Any = None    # source tensor -> exported tensor (``--format hf``: rows trimmed, declared transform)
 
     @property
     def nbytes(self) -> int:
@@ -357,9 +359,12 @@ def _assign_shards(items: list[_Item], max_shard_size: int, ext: str) -> list[li
 # ===================================================================================== writing
 def _read_cast(ix, it: _Item) -> torch.Tensor:
     t = ix.read_tensor(it.key)
-    if t.dtype != it.src_dtype or tuple(t.shape) != it.shape:
-        raise Infeasible(f"'{it.key}' reads as {t.dtype}{tuple(t.shape)}, expected {it.src_dtype}{list(it.shape)}",
+    src_shape = it.src_shape if it.src_shape is not None else it.shape
+    if t.dtype != it.src_dtype or tuple(t.shape) != src_shape:
+        raise Infeasible(f"'{it.key}' reads as {t.dtype}{tuple(t.shape)}, expected {it.src_dtype}{list(src_shape)}",
                          where=str(ix.root), hint="The checkpoint is corrupt.")
+    if it.make is not None:
+        t = it.make(t)
     if t.dtype != it.dtype:
         t = t.to(it.dtype)
     return t.contiguous()
@@ -445,8 +450,14 @@ def _header_metadata(ess: dict[str, Any], shard: list[_Item], copies: dict[str, 
 
 def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
-           overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
-    """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report."""
+           overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report.
+
+    ``fmt="hf"``: safetensors under the Hugging Face names of the model family's mapping
+    (``formats/hf/<family>.toml``, strict), the weights transformed as it declares, and a
+    ``config.json`` from the checkpoint's shapes plus ``model_config`` (``--model-config``) and the
+    manifest's ``model.config`` for what the shapes cannot tell (asked for once when missing).
+    """
     from reshard.semantics.conventions import classify
     from reshard.storage.atomic import atomic_directory, check_destination
     from reshard.storage.local_format import open_any
@@ -454,10 +465,18 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
 
     started = _time.time()
     src, dst = Path(src), Path(dst)
-    if fmt not in ("safetensors", "torch"):
-        raise BadInput(f"unknown export format '{fmt}'", hint="Use safetensors or torch.")
+    if fmt not in ("safetensors", "torch", "hf"):
+        raise BadInput(f"unknown export format '{fmt}'", hint="Use safetensors, torch or hf.")
     if only not in ("model", "model+optim"):
         raise BadInput(f"--only must be 'model' or 'model+optim', got '{only}'")
+    if fmt == "hf" and only != "model":
+        raise BadInput("--format hf exports model weights only (a transformers model has no optimizer state)",
+                       hint="Drop --only, or use --format safetensors --only model+optim.")
+    if fmt == "hf" and rename is not None:
+        raise BadInput("--format hf names every parameter by the family's mapping (formats/hf/); --rename does not apply",
+                       hint="Drop --rename, or use --format safetensors --rename FILE.")
+    if fmt != "hf" and model_config:
+        raise BadInput("--model-config is for --format hf (the values config.json needs)")
     out_dtype = _dtype_arg(dtype)
     max_shard = parse_size(max_shard_size)
     rules = RenameRules.load(rename) if rename is not None else None
@@ -474,21 +493,25 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     plan = _plan(ix, cls, mdict, only=only, dtype=out_dtype, rules=rules)
     if not plan.items:
         raise BadInput("the checkpoint holds no parameters to export", where=str(src))
-    ext = "safetensors" if fmt == "safetensors" else "pt"
+    hf = hf_plan(src, ix, cls, mdict, plan, model_config or {}, out_dtype) if fmt == "hf" else None
+    ext = "pt" if fmt == "torch" else "safetensors"
     shards = _assign_shards(plan.items, max_shard, ext)
     ess = _essentials(src, mdict, cls.convention.name, dtype=out_dtype, only=only, rules=rules, tied=plan.tied, fmt=fmt)
+    ess.update(_identity(src, mdict))
+    if hf is not None:
+        ess.update(hf_mapping=hf.mapping.describe(), hf_values=hf.values)
     total = sum(it.nbytes for it in plan.items)
 
-    needed = _estimate_bytes(shards, fmt, lambda s: _header_metadata(ess, s, plan.copies))
+    needed = _estimate_bytes(shards, "safetensors" if fmt == "hf" else fmt, lambda s: _header_metadata(ess, s, plan.copies))
     with _space_errors(dst, needed), atomic_directory(dst, overwrite=overwrite) as tmp:
         for shard in shards:
             if not shard:
                 continue
             path = tmp / shard[0].file
-            if fmt == "safetensors":
-                _write_safetensors_shard(ix, path, shard, _header_metadata(ess, shard, plan.copies), progress)
-            else:
+            if fmt == "torch":
                 _write_torch_shard(ix, path, shard, progress)
+            else:
+                _write_safetensors_shard(ix, path, shard, _header_metadata(ess, shard, plan.copies), progress)
         index = {"metadata": {"total_size": total,
                               "reshard": {**ess, "export_map": _export_map(plan.items, plan.copies)}},
                  "weight_map": {it.name: it.file for it in plan.items}}
@@ -499,7 +522,9 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             index_name = ST_INDEX
         if index_name:
             (tmp / index_name).write_text(json.dumps(index, indent=2) + "\n")
-        verification = _verify_export(ix, tmp, plan, fmt)
+        if hf is not None:
+            (tmp / HF_CONFIG).write_text(json.dumps(hf.config, indent=2) + "\n")
+        verification = _verify_export(ix, tmp, plan, "torch" if fmt == "torch" else "safetensors")
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         report = {
             "report_version": 1,
@@ -510,7 +535,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             "only": only,
             "rename": ess["rename"],
             "max_shard_size": max_shard,
-            "memory_bound": ("largest tensor (streamed)" if fmt == "safetensors" else "one shard (torch.save needs the dict)"),
+            "memory_bound": ("one shard (torch.save needs the dict)" if fmt == "torch" else "largest tensor (streamed)"),
             "essentials": {k: v for k, v in ess.items() if k not in ("tied",)},
             "shards": [s[0].file for s in shards if s],
             "index": index_name,
@@ -524,11 +549,130 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             # no wall time under SOURCE_DATE_EPOCH: reproducible outputs, as convert and import
             "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
         }
+        if hf is not None:
+            report["hf"] = {"mapping": hf.mapping.describe(), "config": HF_CONFIG, "values": hf.values,
+                            "values_from": hf.origin, "transforms": hf.transforms}
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         if not verification["equal"]:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
     return report
+
+
+def _identity(src: Path, mdict: dict[str, Any]) -> dict[str, Any]:
+    """Step and lineage as `reshard inspect` finds them (a checkpoint without a manifest still has a step).
+
+    The step comes from inspect's rules (manifest, counter or optimizer step counters), so an
+    export of a torchtitan checkpoint records ``train_state.step`` instead of null.
+    """
+    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.errors import ReshardError
+
+    try:
+        r = inspect_checkpoint(src).report
+    except ReshardError:
+        return {"step_source": None, "lineage": mdict.get("lineage") or []}
+    out: dict[str, Any] = {"step": r.get("step"), "step_source": r.get("step_source"),
+                           "lineage": r.get("lineage") or mdict.get("lineage") or []}
+    if out["step"] is None:
+        out["step"] = mdict.get("step")
+    if mdict.get("tokens_seen") is None and r.get("tokens_seen") is not None:
+        out["tokens_seen"] = r.get("tokens_seen")
+    return out
+
+
+# ===================================================================================== --format hf
+HF_CONFIG = "config.json"
+
+
+@dataclass
+class HfPlan:
+    """What ``--format hf`` adds to an export plan: the mapping, its values and the config.json they make."""
+
+    mapping: Any                      # reshard.semantics.hf.HfMapping
+    values: dict[str, Any]
+    origin: dict[str, str]            # value -> where it came from
+    config: dict[str, Any]
+    transforms: dict[str, str]        # exported name -> the transform applied (only names with one)
+    family: str = ""
+
+
+def _hf_given(mdict: dict[str, Any], cli: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    given: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for k, v in ((mdict.get("model") or {}).get("config") or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            given[k], origin[k] = v, "manifest model.config"
+    for k, v in cli.items():
+        given[k], origin[k] = v, "--model-config"
+    return given, origin
+
+
+def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: _Plan, model_config: dict[str, Any],
+            dtype: torch.dtype | None) -> HfPlan:
+    """Map ``plan`` (every parameter, ties written once) to the family's Hugging Face names and transforms, in place.
+
+    Public for `reshard verify SRC HF_EXPORT`, which re-derives the export from the source the same way.
+    Strict: a parameter the mapping does not name is refused, naming it; so is a tie the HF class
+    cannot express. ``model_config``: the values given on the command line (they win over the manifest).
+    """
+    from reshard.semantics.hf import mapping_for
+    from reshard.semantics.rules import select
+
+    params = {r.param: k for k, r in cls.roles.items() if r.role == "parameter" and r.param and ix.entries[k].is_tensor}
+    family = (mdict.get("model") or {}).get("family")
+    rules = select(sorted(params), family=family if isinstance(family, str) else None)
+    mapping = mapping_for(rules.family)
+    for fqn in sorted(params):
+        mapping.rule(fqn)  # strict: refuse the first unmapped parameter by name, before anything is read
+    given, origin = _hf_given(mdict, model_config)
+    shapes = {fqn: tuple(ix.entries[k].shape) for fqn, k in params.items()}
+    values = mapping.values(shapes, given, where=str(src))
+    for k in values:
+        origin.setdefault(k, "checkpoint shapes" if k not in mapping.defaults and k not in mapping.derive
+                          else ("default" if k in mapping.defaults else "derived"))
+    tied = False
+    for group in plan.tied_fqns:
+        names = {mapping.hf_name(f) for f in group}
+        if mapping.tie is None or names != set(mapping.tie):
+            raise BadInput(f"the tied parameters {group} map to {sorted(names)}, which {mapping.architecture} "
+                           "cannot tie", where=str(src), hint=f"Declare `tie` in {mapping.source} if the class ties them.")
+        tied = True
+    seen: dict[str, str] = {}
+    transforms: dict[str, str] = {}
+    for it in plan.items:
+        fqn = cls.roles[it.key].param
+        rule, groups = mapping.rule(fqn)
+        name = rule.hf.format(**groups)
+        if name in seen:
+            raise BadInput(f"'{seen[name]}' and '{it.key}' both map to '{name}'", where=mapping.source,
+                           hint="The checkpoint holds two generations of one name; keep one.")
+        seen[name] = it.key
+        it.name = name
+        it.src_shape = it.shape
+        if it.shape:
+            it.shape = (rule.out_rows(it.shape[0], values), *it.shape[1:])
+        it.make = (lambda t, rule=rule, key=it.key: rule.to_hf(t, values, key))
+        done = [d for d in ([f"rows[:{values[rule.rows]}]"] if rule.rows and it.src_shape[0] != it.shape[0] else [])
+                + ([f"{rule.transform}({rule.heads}={values[rule.heads]})"] if rule.transform else [])]
+        if done:
+            transforms[name] = ", ".join(done)
+    # before: copy fqn -> (source key, stored fqn) (no rename rules with --format hf)
+    plan.copies = {mapping.hf_name(cls.roles[key].param): (key, mapping.hf_name(sname))
+                   for key, sname in plan.copies.values()}
+    plan.tied = [[mapping.hf_name(f) for f in g] for g in plan.tied_fqns]
+    for rec in plan.keys:
+        r = cls.roles[rec["key"]]
+        if rec.get("name") and r.param:
+            rec["name"] = mapping.hf_name(r.param)
+            if rec["name"] in transforms:
+                rec["transform"] = transforms[rec["name"]]
+            if rec.get("action") == "exported":
+                it = next(i for i in plan.items if i.key == rec["key"])
+                rec["exported_shape"] = list(it.shape)
+    out_dt = dtype if dtype is not None else next((it.dtype for it in plan.items if it.dtype.is_floating_point), None)
+    config = mapping.config(values, tied=tied, dtype=str(out_dt).removeprefix("torch.") if out_dt else "float32")
+    return HfPlan(mapping, values, origin, config, transforms, rules.family)
 
 
 def _estimate_bytes(shards: list[list[_Item]], fmt: str, metadata: Any) -> int:

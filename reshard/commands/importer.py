@@ -94,6 +94,7 @@ class _Src:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[Box], torch.Tensor]
+    placement: Any = None     # the target placement when the model's partition rules decide it (--format FAMILY)
 
 
 # ===================================================================================== sources
@@ -258,6 +259,102 @@ def _torch_source(src: Path, rename) -> tuple[list[_Src], dict[str, Any], list[l
     return out, meta, tied, skipped
 
 
+# ===================================================================================== --format torchtitan
+HF_CONFIG = "config.json"
+
+
+def native_mapping(fmt: str):
+    """The Hugging Face mapping an import to ``fmt`` reads backwards: a family name, or a trainer's convention name."""
+    from reshard.semantics import hf
+
+    if fmt in hf.shipped_families():
+        return hf.mapping_for(fmt)
+    found = [hf.mapping_for(f) for f in hf.shipped_families() if hf.mapping_for(f).native_convention == fmt]
+    if len(found) == 1:
+        return found[0]
+    raise BadInput(f"unknown import format '{fmt}'" + (" (several families write it: name one)" if found else ""),
+                   hint="Use --format reshard (the default), torchtitan, or a family with a Hugging Face mapping: "
+                        + ", ".join(hf.shipped_families()) + ".")
+
+
+class _OneTensor:
+    """The last whole tensor read, so the chunks of one tensor share one read and one inverse transform."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.value: torch.Tensor | None = None
+
+    def get(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.key != key:
+            self.key, self.value = None, None
+            self.value, self.key = make(), key
+        assert self.value is not None
+        return self.value
+
+
+def _hf_source(src: Path, mapping, topo: Topology) -> tuple[list[_Src], dict[str, Any], list[list[str]], list[dict]]:
+    """A Hugging Face model directory (``config.json`` + safetensors) under the native names of ``mapping``.
+
+    Every stored name must be one the mapping knows (strict, as the export); the weights get the
+    inverse of the declared transforms, with the head counts of ``config.json``. Tied embeddings
+    (``tie_word_embeddings``, no stored ``lm_head``) are written under both native names, since
+    the native model holds both. Placements come from the family's partition rules (TP dims).
+    """
+    from reshard import safefs
+    from reshard.model.layout import Placement
+    from reshard.semantics.rules import select
+    from reshard.storage.safetensors_format import ExportIndex, is_export
+
+    if not src.is_dir() or not is_export(src):
+        raise BadInput("not a Hugging Face model directory (safetensors weights and config.json)", where=str(src))
+    root = safefs.resolve_root(src)
+    if not os.path.lexists(src / HF_CONFIG):
+        raise BadInput(f"no {HF_CONFIG}: the head counts the inverse rotary permutation needs are unknown",
+                       where=str(src), hint="Import a directory transformers' from_pretrained loads (it has config.json).")
+    cfg = safefs.read_json(root / HF_CONFIG, root=root, what="Hugging Face config.json")
+    if not isinstance(cfg, dict):
+        raise BadInput(f"{HF_CONFIG} is not a JSON object", where=str(src / HF_CONFIG))
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and mapping.architecture not in archs:
+        raise BadInput(f"{HF_CONFIG} names {archs}, not {mapping.architecture} (the class the mapping of "
+                       f"'{mapping.family}' reads)", where=str(src / HF_CONFIG))
+    values = mapping.values_from_config(cfg, where=str(src / HF_CONFIG))
+    ex = ExportIndex(src, keys="stored")
+    by_native: dict[str, tuple[str, Any]] = {}
+    for name in ex.entries:
+        rule, native = mapping.from_hf_name(name)
+        if native in by_native:
+            raise BadInput(f"'{by_native[native][0]}' and '{name}' both map to '{native}'", where=str(src))
+        by_native[native] = (name, rule)
+    if mapping.tie and cfg.get("tie_word_embeddings") and mapping.tie[1] not in ex.entries and mapping.tie[0] in ex.entries:
+        rule, native = mapping.from_hf_name(mapping.tie[1])
+        by_native.setdefault(native, (mapping.tie[0], rule))
+    rules = select(sorted(by_native), family=mapping.family)
+    cache = _OneTensor()
+    out: list[_Src] = []
+    for native, (name, rule) in sorted(by_native.items()):
+        e = ex.entries[name]
+        pr = rules.rule_for(native)
+        if pr is None:
+            raise BadInput(f"'{native}' matches no partition rule of '{rules.family}'", where=rules.source)
+        if pr.tp == "fused":
+            raise BadInput(f"'{native}' is fused in the native layout, which this import does not write", where=rules.source)
+        tp_dim = pr.dim if pr.tp == "shard" and topo.tp > 1 else None
+        if tp_dim is not None and tp_dim < len(e.shape) and e.shape[tp_dim] % topo.tp:
+            raise BadInput(f"tp={topo.tp} does not divide dim {tp_dim} of '{native}' ({list(e.shape)})", where=str(src))
+
+        def read(box: Box, name=name, rule=rule, native=native) -> torch.Tensor:
+            t = cache.get(name, lambda: rule.from_hf(ex.read_tensor(name), values, name))
+            return (t[box.slices()] if t.dim() else t).clone()
+
+        key = native if mapping.native_convention != "reshard" else "model." + native
+        out.append(_Src(name, key, tuple(e.shape), e.dtype, read,
+                        Placement(dp_shard=bool(e.shape), tp_dim=tp_dim) if e.shape else Placement.replicated()))
+    ess = {"hf_config": {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))},
+           "hf_mapping": mapping.describe(), "model_family": mapping.family, "hf_values": values}
+    return out, ess, [], []
+
+
 def _open_source(src: Path, rename):
     from reshard.storage.safetensors_format import is_export
 
@@ -272,6 +369,8 @@ def _open_source(src: Path, rename):
 def _placement(s: _Src):
     from reshard.model.layout import Placement
 
+    if s.placement is not None:
+        return s.placement
     return Placement(dp_shard=bool(s.shape)) if s.shape else Placement.replicated()
 
 
@@ -326,11 +425,19 @@ class _Planned:
 
 
 def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str | Path | None = None,
-                      overwrite: bool = False, experiment_id: str | None = None, progress: Any = None) -> dict[str, Any]:
+                      overwrite: bool = False, experiment_id: str | None = None, progress: Any = None,
+                      fmt: str = "reshard") -> dict[str, Any]:
     """Write ``src`` (consolidated weights) as a DCP checkpoint for layout ``to`` into ``dst``; returns the report.
 
+    ``fmt``: ``"reshard"`` (the reshard key convention, data-parallel layouts), or ``"torchtitan"`` /
+    a family name with a Hugging Face mapping (``formats/hf/``): ``src`` is then a Hugging Face model
+    directory, read back into the family's native names and key convention with the inverse of the
+    declared transforms, laid out for ``to`` (dp and tp) by the family's partition rules.
     Nothing is committed unless the output reads back bitwise equal to the source.
     """
+    if fmt != "reshard":
+        return _import_native(Path(src), Path(dst), to=to, fmt=fmt, rename=rename, overwrite=overwrite,
+                              experiment_id=experiment_id, progress=progress)
     from reshard.commands.export import RenameRules
     from reshard.semantics import manifest as mf
     from reshard.storage.atomic import atomic_directory, check_destination
@@ -356,6 +463,57 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         _refuse_unequal(verification, dst)
     return report
+
+
+def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite: bool, experiment_id: str | None,
+                   progress: Any) -> dict[str, Any]:
+    """``--format torchtitan`` (or a family): a Hugging Face directory -> the trainer's own DCP layout, a warm start."""
+    from reshard.model.topology import parse_spec
+    from reshard.semantics import manifest as mf
+    from reshard.storage.atomic import atomic_directory, check_destination
+    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
+    from reshard.storage.integrity import record as integrity_record
+
+    started = _time.time()
+    if rename is not None:
+        raise BadInput(f"--format {fmt} names every weight by the family's mapping (formats/hf/); --rename does not apply")
+    mapping = native_mapping(fmt)
+    topo = parse_spec(to)
+    if topo.pp > 1 or topo.cp > 1:
+        raise BadInput(f"import to pp={topo.pp}, cp={topo.cp} is not supported", hint="Import with pp=1 and cp=1.")
+    check_destination(src, dst)
+    source = _Source("hf", *_hf_source(src, mapping, topo))
+    _check_keys(source.tensors, src)
+    for s in source.tensors:
+        if not s.dtype.is_floating_point:
+            raise BadInput(f"parameter '{s.name}' has dtype {s.dtype}", where=str(src))
+    output = _output(src, source, to, experiment_id)
+    planned = _plan_layout(source.tensors, topo)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        checksums = _write_tensors(tmp, planned, progress)
+        manifest = _manifest(src, source, None, topo, output)
+        manifest.key_convention = mapping.native_convention
+        manifest.lineage[-1].policies.update(format=fmt, hf_mapping=mapping.source,
+                                             trainer_must=_trainer_must(mapping.native_convention, dst))
+        manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
+        mf.write_manifest(tmp, manifest)
+        verification = _verify_import(source.tensors, tmp)
+        report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
+        report["format"] = fmt
+        report["hf"] = {"mapping": mapping.describe(), "values": source.essentials.get("hf_values"),
+                        "native": mapping.native, "key_convention": mapping.native_convention}
+        report["trainer_must"] = _trainer_must(mapping.native_convention, dst)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        _refuse_unequal(verification, dst)
+    return report
+
+
+def _trainer_must(convention: str, dst: Path) -> list[str]:
+    """What the trainer is told so that it starts from the import (model only: no optimizer, schedule or data state)."""
+    if convention == "torchtitan":
+        return [f'checkpoint.initial_load_path = "{dst.resolve()}"', "checkpoint.initial_load_model_only = true",
+                "checkpoint.folder: a new, empty folder (a step-N folder there is resumed instead)"]
+    return []
 
 
 def _target_topology(to: str) -> Topology:
