@@ -298,20 +298,22 @@ def verify(
 def export(
     src: Path = typer.Argument(..., help="Source DCP checkpoint."),
     dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
-    fmt: str = typer.Option("safetensors", "--format", help="safetensors (Hugging Face layout) or torch."),
+    fmt: str = typer.Option("safetensors", "--format", help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (floating tensors only)."),
     only: str = typer.Option("model", "--only", help="model or model+optim."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file, e.g. 5GB or 256MB."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
+    model_config: Optional[list[str]] = typer.Option(None, "--model-config", help="--format hf: a config value the checkpoint cannot hold, name=value (repeatable), e.g. n_heads=32, rms_norm_eps=1e-5, rope_theta=500000."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
     """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor."""
     from reshard.commands.export import export as run_export, parse_size
     from reshard.render.report import to_json
+    from reshard.semantics.hf import parse_values
 
     r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                   rename=rename, overwrite=overwrite)
+                   rename=rename, overwrite=overwrite, model_config=parse_values(model_config))
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 
@@ -321,6 +323,7 @@ def import_(
     dst: Path = typer.Argument(..., help="Output DCP checkpoint (appears atomically)."),
     to: str = typer.Option("dp=1", "--to", help="Target layout, e.g. dp=8."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules, applied in reverse."),
+    fmt: str = typer.Option("reshard", "--format", help="Output key convention: reshard (default), or torchtitan / a family of formats/hf/ (SRC is then a Hugging Face model directory; names, inverse transforms and TP layout from the family's files)."),
     experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
@@ -329,7 +332,7 @@ def import_(
     from reshard.commands.importer import import_checkpoint
     from reshard.render.report import to_json
 
-    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id)
+    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id, fmt=fmt)
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 
