@@ -71,7 +71,7 @@ def inspect(
     raise typer.Exit(result.exit_code)
 
 
-def _options(ckpt: Path, to: Optional[str], **given) -> "Options":  # noqa: F821 - reshard.commands.plan.Options
+def _options(ckpt: Path, to: Optional[str], **given) -> object:
     """The plan options: these flags, completed by a profile and a trainer config (reshard.commands.options)."""
     from reshard.commands.options import Given, build_options
 
