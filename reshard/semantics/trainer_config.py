@@ -197,7 +197,8 @@ def _lookup(doc: dict[str, Any], path: str, file: str) -> Any:
     if "[*]" in path:
         distinct = {json.dumps(v, sort_keys=True) for v in found}
         if len(distinct) > 1:
-            raise BadInput(f"{path} is not one value: the elements say {', '.join(sorted(distinct))}", where=file,
+            said = ", ".join(sorted(distinct, key=lambda s: (len(s), s)))
+            raise BadInput(f"{path} is not one value: the elements say {said}", where=file,
                            hint="Give the value this model needs with --model-config (or in the profile).")
     return found[0]
 

@@ -1,6 +1,11 @@
 """Write the job config torchtitan 0.3.0 saves for a run, with torchtitan's own code.
 
-    python torchtitan_config.py DUMP [--config NAME] [-- OVERRIDE ...]
+    python torchtitan_config.py SPEC
+
+SPEC is a JSON list of jobs {"dump", "config", "overrides"} run one after the other in the
+same process (importing torchtitan dominates): each writes DUMP/job_config.json for the
+llama3 config_registry function CONFIG (e.g. "llama3_debugmodel") with the command-line
+OVERRIDES (e.g. ["--training.local_batch_size", "8"]).
 
 torchtitan 0.3 has no job TOML: a run is a config_registry function (``--module llama3
 --config llama3_debugmodel``) plus command-line overrides (``--training.local_batch_size 8``).
@@ -23,6 +28,7 @@ size of this process, exactly as a config file states a run without running it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -31,32 +37,33 @@ from pathlib import Path
 CONFIG_FILE = "job_config.json"
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("dump", type=Path)
-    ap.add_argument("--config", default="llama3_debugmodel", help="a torchtitan.models.llama3 config_registry function")
-    ap.add_argument("overrides", nargs="*", help="torchtitan command-line overrides, after --")
-    args = ap.parse_args(argv)
+    ap.add_argument("spec", help="JSON list of {dump, config, overrides}")
+    jobs = json.loads(ap.parse_args(argv).spec)
 
     import torch.distributed as dist
     from torchtitan.config import ConfigManager
 
-    config = ConfigManager().parse_args([
-        "--module", "llama3", "--config", args.config,
-        "--dump_folder", str(args.dump), "--debug.save_config_file", CONFIG_FILE,
-        *args.overrides,
-    ])
+    written = []
     with tempfile.TemporaryDirectory() as rdzv:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(rdzv, 'pg')}", rank=0, world_size=1)
         try:
-            config.maybe_log()
+            for job in jobs:
+                config = ConfigManager().parse_args([
+                    "--module", "llama3", "--config", job["config"],
+                    "--dump_folder", str(job["dump"]), "--debug.save_config_file", CONFIG_FILE,
+                    *job.get("overrides", []),
+                ])
+                config.maybe_log()
+                out = Path(job["dump"]) / CONFIG_FILE
+                if not out.is_file():
+                    raise SystemExit(f"torchtitan wrote no {out}")
+                written.append(out)
         finally:
             dist.destroy_process_group()
-    out = args.dump / CONFIG_FILE
-    if not out.is_file():
-        raise SystemExit(f"torchtitan wrote no {out}")
-    return out
+    return written
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1:]))
+    print("\n".join(map(str, main(sys.argv[1:]))))
