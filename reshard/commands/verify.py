@@ -67,6 +67,9 @@ something other than the checkpoint under test says so:
     `reshard.commands.export.key_actions` and the ``only`` the export's header records; they may
     be absent. ``step`` and ``tokens_seen`` may be unknown on the export side. A value that
     differs is a difference, ``strict`` or not.
+  - **A Hugging Face export** (one side a directory with ``config.json``, as ``export --format hf``
+    writes): compared through the family's declared names and transforms, re-derived from the
+    checkpoint side (`reshard.commands.export.compare_hf_export`).
 
 Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle) raises the
 :class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
@@ -866,6 +869,11 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     """
     a, b = Path(a), Path(b)
     _check_tolerances(rtol, atol)
+    from reshard.commands.export import compare_hf_export, hf_export_sides
+
+    hf_sides = hf_export_sides(a, b)  # a checkpoint and its Hugging Face export: through the declared transforms
+    if hf_sides is not None:
+        return compare_hf_export(*hf_sides, a=a, b=b, rtol=rtol, atol=atol)
     rewrites = dict(expected_rewrites or {})
     sa, sb = _open(a, trust_pickle), _open(b, trust_pickle)
     sides = _integrity_sides(check_integrity)
