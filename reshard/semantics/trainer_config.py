@@ -254,7 +254,7 @@ def _parse(text: str, file: str) -> tuple[str, dict[str, Any]]:
         return "json", doc
     try:
         return "toml", tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
         raise BadInput(f"the trainer config is neither a JSON object nor valid TOML ({exc})", where=file,
                        hint=_HINT) from None
 
