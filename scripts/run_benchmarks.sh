@@ -9,7 +9,9 @@
 # ONLY (space-separated names) runs a subset; the doc still covers every benchmark, from the
 # results in $OUT. ARGS_<name> adds arguments to that benchmark's command line.
 # bench_speed (1 and 4 GiB checkpoints, cold cache; needs root to drop the page cache, else
-# it says "warm cache") takes much longer than the others.
+# it says "warm cache") takes much longer than the others. bench_export_vs_accelerate (64, 256
+# and 1024 MiB Accelerate FSDP checkpoints, `accelerate merge-weights` beside `reshard export`)
+# takes about 5-10 minutes on 2 CPUs.
 #
 # Each benchmark (scripts/<name>.py) writes <name>.md and <name>.json into $OUT (default
 # bench-results/). This script then writes $DOC (default docs/benchmarks.md): a header
@@ -23,7 +25,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 OUT="${OUT:-$ROOT/bench-results}"
 DOC="${DOC:-$ROOT/docs/benchmarks.md}"
-BENCHES=(bench_inspect bench_convert_memory bench_speed)
+BENCHES=(bench_inspect bench_convert_memory bench_speed bench_export_vs_accelerate)
 read -r -a RUN <<< "${ONLY:-${BENCHES[*]}}"
 
 if [ ! -x "$PYTHON" ]; then
@@ -181,6 +183,51 @@ elif name == "bench_speed":
     if None not in la and max(la) > r["machine"]["nproc"]:
         s += (f"The load average ({la[0]:.1f} at the start, {la[1]:.1f} at the end, on {r['machine']['nproc']} CPUs) "
               "says other work competed for the CPUs: the timings are noisy.")
+    print(s)
+elif name == "bench_export_vs_accelerate":
+    rows = r["summary"]["rows"]
+    if not rows:
+        print("No size had both `accelerate merge-weights` and `reshard export` succeed, so nothing is compared; "
+              "see the table.")
+        sys.exit()
+    fmt = lambda xs: ", ".join(f"{x:.2f}x" for x in xs)
+    a, z = rows[0], rows[-1]
+    s = (f"**Interpretation.** On the same Accelerate checkpoints ({', '.join(f'{x:g}' for x in r['sizes_mib'])} MiB "
+         f"of weights), `reshard export` took {fmt([x['time_ratio'] for x in rows])} the wall time of "
+         f"`accelerate merge-weights` and {fmt([x['rss_ratio'] for x in rows])} its peak RSS; the outputs are "
+         + ("bitwise identical at every size. " if r["summary"]["all_identical"] else "NOT identical at every size. "))
+    if len(rows) > 1:
+        s += (f"From {a['size_mib']:g} to {z['size_mib']:g} MiB accelerate's peak goes from {a['accelerate_rss_mib']:,.0f} "
+              f"to {z['accelerate_rss_mib']:,.0f} MiB ({z['accelerate_rss_mib'] - a['accelerate_rss_mib']:+,.0f}: it loads "
+              f"the whole state dict before writing), reshard's from {a['reshard_rss_mib']:,.0f} to "
+              f"{z['reshard_rss_mib']:,.0f} MiB ({z['reshard_rss_mib'] - a['reshard_rss_mib']:+,.0f}: one tensor at a "
+              "time). ")
+    b = r.get("baselines") or {}
+    if all((b.get(k) or {}).get("exit_code") == 0 for k in ("accelerate", "reshard")):
+        s += (f"Start-up is part of every time: `accelerate merge-weights --help` alone took {b['accelerate']['wall_s']:.1f} s, "
+              f"importing torch and reshard's export {b['reshard']['wall_s']:.1f} s. ")
+    full = next((c["full_training"] for c in r["cases"] if c.get("full_training")), None)
+    if full:
+        parts = []
+        for inp in dict.fromkeys(x["input"] for x in full):
+            got = {" ".join(x["argv"]): x for x in full if x["input"] == inp}
+            def say(k, ok):
+                if k not in got:
+                    return None
+                x = got[k]
+                if x["exit_code"] != 0:
+                    return f"exit {x['exit_code']}"
+                v = x.get("vs_accelerate_model")
+                if v:  # what the safetensors output holds: weights (equal to accelerate's merge?) and/or moments
+                    ok = " and ".join(([("weights equal to accelerate's" if v["model_tensors_equal"] else "weights NOT equal")]
+                                       if v["compared"] else []) + (["moments"] if v["n_only_in_b"] else []))
+                return ok
+            bits = [say("accelerate merge-weights", "merged"),
+                    say("accelerate merge-weights --unsafe_serialization", "a pickle of the state dict"),
+                    say("reshard export", "exported"), say("reshard export --only model+optim", "exported")]
+            names = ["accelerate", "accelerate --unsafe_serialization", "reshard", "reshard --only model+optim"]
+            parts.append(f"{inp}: " + ", ".join(f"{n} {v}" for n, v in zip(names, bits) if v))
+        s += "Full training checkpoints (see the second table): " + "; ".join(parts) + "."
     print(s)
 PY
 }
