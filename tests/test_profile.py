@@ -103,7 +103,7 @@ def test_profile_beside_the_checkpoint_through_plan_convert_verify_and_a_second_
     assert set(rec["contributed"]) == {"conventions", "drop", "keep", "source_grad_accum", "source_micro_batch", "ties"}
     assert p["batch"]["before"] == {"micro_batch": 8, "grad_accum": 4, "dp": 1, "global_batch": 32}
     assert p["batch"]["after"]["global_batch"] == 32 and p["batch"]["after"]["grad_accum"] == 2
-    assert "profile reshard.toml micro_batch 8" in p["batch"]["note"]
+    assert "profile reshard.toml (micro_batch 8, grad_accum 4)" in p["batch"]["note"]
     assert _key(p["keys"], "scratch.note")["reason"] == r"--drop ^scratch\.: debug notes, rebuilt at start"
     assert _key(p["keys"], "ema.w")["action"] == "carried"
     assert _key(p["keys"], "mystery.decay")["role"] == "config"
@@ -251,3 +251,20 @@ def test_the_profile_inside_a_checkpoint_is_not_read(tmp_path, capsys):
     (src / "reshard.toml").write_text(PROFILE)
     code, p, err = _json(["plan", src, "--to", "dp=2"], capsys)
     assert code == 1 and p["options"]["profile"] is None, err
+
+
+def test_step_from_a_step_folder_name_only_when_nothing_stored_says_it(tmp_path, capsys):
+    """torchtitan names its folders step-N: the name gives the step of a checkpoint with no counter."""
+    sd = {"model": {"w": torch.arange(8.0).reshape(2, 4)}}
+    src = _save(sd, tmp_path / "step-80000")
+    code, r, err = _json(["inspect", src, "--no-profile"], capsys)
+    assert code == 0, r["problems"]
+    assert (r["step"], r["step_source"]) == (80000, "folder name")
+    # a stored step wins; a folder name that disagrees is a warning, never an inconsistency
+    stored = _save(_every_role_state(), tmp_path / "step-9")
+    code, r, err = _json(["inspect", stored, "--no-profile"], capsys)
+    assert code == 0 and (r["step"], r["step_source"]) == (7, "counter"), r["problems"]
+    assert any(p["code"] == "step_folder_mismatch" and p["severity"] == "warning" for p in r["problems"])
+    other = _save(sd, tmp_path / "checkpoint-5")
+    code, r, err = _json(["inspect", other, "--no-profile"], capsys)
+    assert r["step"] is None

@@ -287,3 +287,46 @@ def test_grad_accum_for():
         grad_accum_for(2048, 8, 48)
     with pytest.raises(BadInput, match="micro-batch must be a positive integer"):
         grad_accum_for(2048, 0, 64)
+
+
+# -------------------------------------------------------------- through the CLI (plan options)
+
+
+def _plan_json(args: list, capsys) -> tuple[int, dict, str]:
+    from conftest import run_cli
+
+    code, out, err = run_cli(["plan", *args, "--json", "--no-profile"], capsys)
+    return code, (json.loads(out) if out.strip() else {}), err
+
+
+def test_seed_recipe_planned_from_a_trainer_config(plain_fsdp2_ckpt, titan_json, tmp_path, capsys):
+    """The seed's 64 -> 32 case, no manifest: the recipe from torchtitan's saved config and from a job TOML."""
+    for cfg in (titan_json["seed"], _toml(tmp_path, SEED_TOML_8B)):
+        code, p, err = _plan_json([plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--trainer-config", cfg],
+                                  capsys)
+        assert code == 0, err
+        b = p["batch"]
+        assert b["before"] == {"micro_batch": 8, "grad_accum": 4, "dp": 64, "global_batch": 2048}, cfg
+        assert b["after"] == {"micro_batch": 8, "grad_accum": 8, "dp": 32, "global_batch": 2048}, cfg
+        assert b["kept"] is True and f"trainer config {cfg.name}" in b["note"]
+        rec = p["options"]["trainer_config"]
+        assert rec["file"] == str(cfg.resolve()) and len(rec["sha256"]) == 64
+        assert {"source_micro_batch", "source_global_batch"} <= set(rec["contributed"])
+    # a flag wins over the trainer config; a trainer config refuses a dp that cannot divide its global batch
+    code, p, err = _plan_json([plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--trainer-config",
+                               titan_json["seed"], "--source-micro-batch", "4"], capsys)
+    assert code == 0 and p["batch"]["before"] == {"micro_batch": 4, "grad_accum": 8, "dp": 64, "global_batch": 2048}
+    code, p, err = _plan_json([plain_fsdp2_ckpt, "--from", "dp=48", "--to", "dp=32", "--trainer-config",
+                               titan_json["seed"]], capsys)
+    assert code == 2 and "2048" in err and "Traceback" not in err, err
+
+
+def test_a_profile_names_the_trainer_config(plain_fsdp2_ckpt, titan_json, tmp_path, capsys):
+    prof = _toml(tmp_path, f'trainer_config = "{titan_json["seed"]}"\n', "reshard.toml")
+    from conftest import run_cli
+
+    code, out, err = run_cli(["plan", plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--json",
+                              "--profile", prof], capsys)
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["batch"]["after"]["grad_accum"] == 8 and p["options"]["trainer_config"]["kind"] == "torchtitan-0.3-json"

@@ -16,6 +16,7 @@ import torch
 
 from reshard.model import topology as topo_mod
 from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs
+from reshard.semantics.trainer_config import step_from_folder
 from reshard.errors import ReshardError
 from reshard.model.checkpoint import Finding
 from reshard.storage.index import CheckpointIndex
@@ -98,7 +99,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             counters[name], counter_keys[name] = value, where
     opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings, user_ties=ties or ())
     per_rank = _per_rank_state(cls.roles, topo, findings)
-    step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings)
+    step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings, folder_step=step_from_folder(root))
     _check_accumulation(mdict.get("accumulation"), findings)
     _check_unknown_keys(cls, findings)
 
@@ -532,15 +533,25 @@ def _per_rank_state(roles: dict[str, KeyRole], topo: topo_mod.Topology, findings
 # ---------------------------------------------------------------------------- identity and problems
 
 def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list[Any], counter_keys: dict[str, str],
-                 findings: list[Finding]) -> tuple[Any, str | None]:
-    """The global step and where it came from: the manifest, else a counter, else the optimizer's step.
+                 findings: list[Finding], folder_step: int | None = None) -> tuple[Any, str | None]:
+    """The global step and where it came from: the manifest, else a counter, else the folder's name
+    (torchtitan's ``step-N``, `reshard.semantics.trainer_config.step_from_folder`), else the optimizer's step.
 
-    Every other source that disagrees with the chosen one is an inconsistency.
+    Every other stored source that disagrees with the chosen one is an inconsistency; a folder
+    name that disagrees is a warning only (a folder can be renamed; its name is no evidence).
     """
     step = mdict.get("step")
     step_source = "manifest" if step is not None else None
     if step is None and "step" in counters:
         step, step_source = counters["step"], "counter"
+    if folder_step is not None:
+        stored = step if step is not None else (distinct[0] if len(distinct) == 1 else None)
+        if stored is None:
+            step, step_source = folder_step, "folder name"
+        elif stored != folder_step:
+            findings.append(Finding("warning", "step_folder_mismatch",
+                                    f"the folder's name says step {folder_step} but the "
+                                    f"{step_source or 'optimizer'} says {stored}; the stored value is used"))
     if step is None and len(distinct) == 1:
         step, step_source = distinct[0], "optimizer"
     if step is not None and len(distinct) == 1 and distinct[0] != step:

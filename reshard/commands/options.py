@@ -118,7 +118,7 @@ def build_options(g: Given, ckpt: str | Path | None) -> Options:
         keep=[c.pattern for c in keep] or None, drop=[c.pattern for c in drop] or None,
         key_reasons=reasons or None, ties=ties or None,
         profile=_record(prof.file, prof.sha256, from_prof, name=prof.name) if prof else None,
-        trainer_config=_record(tc.file, tc.sha256, from_tc, kind=tc.kind) if tc else None,
+        trainer_config=_record(tc.file, tc.sha256, from_tc, kind=tc.kind, notes=list(tc.notes) or None) if tc else None,
         **source)
 
 

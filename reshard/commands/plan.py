@@ -400,8 +400,7 @@ def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, op
     recorded = r.get("batch") or {}
     filled = {origin: v for f, (v, origin) in _recipe_given(options).items() if recorded.get(f) is None}
     if before is not None and not bdec.note and filled:
-        bdec.note = ("source recipe from " + " ".join(f"{origin} {v}" for origin, v in filled.items())
-                     + " (no manifest records it)")
+        bdec.note = "source recipe from " + _origins(filled) + " (no manifest records it)"
     if not bdec.feasible:
         reasons.append("batch recipe: " + bdec.note)
     return bdec
@@ -429,6 +428,17 @@ def _recipe_given(options: Options) -> dict[str, tuple[int, str]]:
                 origin = f"{label} {Path(str(rec.get('file'))).name} {f}"
         out[f] = (value, origin)
     return out
+
+
+def _origins(filled: dict[str, int]) -> str:
+    """``--source-micro-batch 8 --source-grad-accum 4`` / ``profile reshard.toml (micro_batch 8, grad_accum 4)``."""
+    flags = [f"{o} {v}" for o, v in filled.items() if not _from_file(o)]
+    files: dict[str, list[str]] = {}
+    for o, v in filled.items():
+        if _from_file(o):
+            label, _, name = o.rpartition(" ")
+            files.setdefault(label, []).append(f"{name} {v}")
+    return ", ".join([" ".join(flags)] * bool(flags) + [f"{label} ({', '.join(vs)})" for label, vs in files.items()])
 
 
 def _from_file(origin: str) -> bool:

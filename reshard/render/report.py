@@ -28,6 +28,16 @@ def sidecar_lines(entries: list[dict[str, Any]], *, verb: str) -> list[str]:
             for s in entries]
 
 
+def _said_by(profile: dict[str, Any] | None, trainer: dict[str, Any] | None) -> list[str]:
+    """One line per file that said what the checkpoint could not: which file, its hash, what it gave."""
+    out = []
+    for label, rec in (("profile", profile), ("trainer cfg", trainer)):
+        if rec:
+            gave = ", ".join(rec.get("contributed") or []) or "nothing the command line did not already say"
+            out.append(f"{label:<12}{rec['file']} (sha256 {str(rec['sha256'])[:12]}): {gave}")
+    return out
+
+
 def render_inspect(r: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = "complete" if r["complete"] else "INCOMPLETE"
@@ -36,6 +46,7 @@ def render_inspect(r: dict[str, Any]) -> str:
     elif r["complete"]:
         verdict = "complete and consistent"
     out.append(f"checkpoint  {r['path']}")
+    out.extend(_said_by(r.get("profile"), None))
     out.append(f"verdict     {verdict}")
     out.append(f"experiment  {r.get('experiment_id') or '-'}   continuity: {r.get('continuity') or '-'}")
     out.append(f"step        {r.get('step') if r.get('step') is not None else '-'}"
@@ -128,6 +139,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     out.append(f"            {_spec(s['topology'])} (world size {s['topology']['world_size']}, {s['topology']['source']}), "
                f"step {s['step']}, convention {s['convention']}")
     out.append(f"target      {_spec(t)} (world size {t['world_size']})")
+    out.extend(_said_by(p["options"].get("profile"), p["options"].get("trainer_config")))
     b = p["batch"]
     if b["before"]:
         bb = b["before"]
