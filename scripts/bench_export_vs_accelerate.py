@@ -7,19 +7,22 @@ training checkpoints "which accelerate refuses". This script measures all three 
 instead of repeating them.
 
 Checkpoints (written by accelerate's own code, not imitated): for each size in ``--sizes``
-(MiB of float32 weights, default ``64,256,1024``) a model of square ``nn.Linear`` layers
-(``layers.{i}.weight`` of ``--tensor-mib`` MiB, default 16 = 2048 x 2048, and
-``layers.{i}.bias``) is sharded with FSDP2 ``fully_shard`` on ``--world-size`` gloo ranks
-(default 2, under ``torch.distributed.run``) and saved with
-``accelerate.utils.fsdp_utils.save_fsdp_model`` and the ``FullyShardedDataParallelPlugin``
-of ``tests/writers/accelerate_run.py`` (``fsdp_version=2``, ``SHARDED_STATE_DICT``): the
-``pytorch_model_fsdp_0/`` folder that ``accelerator.save_state`` writes under FSDP (that
-file's docstring says why ``accelerator.prepare`` cannot apply FSDP on CPU). The smallest
-size is also trained one Adam step and saved as a *full training checkpoint*: the whole
-``save_state`` folder (``save_fsdp_optimizer``'s ``optimizer_0/``, ``scheduler.bin`` and the
-RNG files from ``save_accelerator_state``) and, beside it, one DCP checkpoint of model and
-optimizer together (``dcp.save({"model": get_model_state_dict, "optimizer":
-get_optimizer_state_dict})``, how torchtitan, Lightning Fabric and torch's own recipe save).
+(MiB of float32 weights, default ``64,256,1024``) a Llama with torchtitan 0.3.0's parameter
+names and shapes (``tok_embeddings``, ``layers.N.attention.qkv_linear.wq/wk/wv``,
+``attention.wo``, ``feed_forward.w1/w2/w3``, the RMSNorm weights, ``norm``, ``lm_head``; dim
+``--dim`` 1024 = 16 heads of 64 and 4 key/value heads, SwiGLU hidden 2,816, vocabulary
+``--vocab`` 4,096; the layer count makes up the size) is sharded with FSDP2 ``fully_shard``
+(each layer, then the root) on ``--world-size`` gloo ranks (default 2, under
+``torch.distributed.run``) and saved with ``accelerate.utils.fsdp_utils.save_fsdp_model`` and
+the ``FullyShardedDataParallelPlugin`` of ``tests/writers/accelerate_run.py``
+(``fsdp_version=2``, ``SHARDED_STATE_DICT``): the ``pytorch_model_fsdp_0/`` folder that
+``accelerator.save_state`` writes under FSDP (that file's docstring says why
+``accelerator.prepare`` cannot apply FSDP on CPU). The smallest size is also trained one
+Adam step and saved as a *full training checkpoint*: the whole ``save_state`` folder
+(``save_fsdp_optimizer``'s ``optimizer_0/``, ``scheduler.bin`` and the RNG files from
+``save_accelerator_state``) and, beside it, one DCP checkpoint of model and optimizer
+together (``dcp.save({"model": get_model_state_dict, "optimizer": get_optimizer_state_dict})``,
+the layout of Lightning Fabric and of torch's own recipe).
 
 Measured, each command in a fresh process (wall time, and peak RSS = ``ru_maxrss`` of
 ``os.wait4`` on that pid, which includes its waited-for children; the helper is
@@ -32,9 +35,16 @@ Measured, each command in a fresh process (wall time, and peak RSS = ``ru_maxrss
 
 then both outputs are opened with ``safetensors.safe_open`` and compared tensor by tensor:
 same names (accelerate drops the single top-level ``model`` key, reshard the ``model.``
-prefix, so both name a tensor by its FQN), same dtype and shape, same bytes. The CLI
-start-up of each tool (``--help``) is measured once: the part of a peak that is the
-interpreter and its imports.
+prefix, so both name a tensor by its FQN), same dtype and shape, same bytes. The ``hf``
+export is compared with accelerate's output mapped independently (``HF_NAMES`` here, written
+from transformers' Llama, not read from ``formats/hf/``; wq/wk rows reordered from
+torchtitan's interleaved rotary pairs to HF's ``rotate_half`` halves per head), so it checks
+reshard's names and transforms as well as its bytes; its ``--model-config`` gives the head
+counts and torchtitan's llama3 RoPE/norm defaults. Comparisons run in child processes: this
+process never imports torch, because a child's ``ru_maxrss`` starts at its parent's peak
+(fork or vfork, then exec), which would put a floor under every figure. Start-up is measured
+once for each tool: ``accelerate merge-weights --help`` and a process that only imports
+torch, safetensors and reshard's export.
 
 Differences in what the commands do, which the times include: ``reshard export`` fsyncs its
 output, publishes it atomically and reads every tensor back to compare it with the source
@@ -52,7 +62,7 @@ left anything at the destination are reported as they are, whichever tool they f
 Usage::
 
     .venv/bin/python scripts/bench_export_vs_accelerate.py                     # 64, 256, 1024 MiB
-    .venv/bin/python scripts/bench_export_vs_accelerate.py --sizes 32,128 --runs 2
+    .venv/bin/python scripts/bench_export_vs_accelerate.py --sizes 32,128 --runs 2 --no-full
     .venv/bin/python scripts/bench_export_vs_accelerate.py --json-out /tmp/r.json --keep
 
 Outputs (``--out``, default ``bench-results/``): ``bench_export_vs_accelerate.md`` (also
@@ -75,6 +85,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -96,8 +107,7 @@ def worker_write(argv: list[str]) -> None:
     """
     ap = argparse.ArgumentParser()
     ap.add_argument("outdir")
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--dim", type=int, required=True)
+    ap.add_argument("--layout", required=True, help="Layout as JSON")
     ap.add_argument("--full", default=None, help="also write a combined model+optimizer DCP here (and train 1 step)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests" / "writers"))
@@ -113,19 +123,53 @@ def worker_write(argv: list[str]) -> None:
     from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
     from accelerate_run import plugin
 
-    class Stack(nn.Module):
-        def __init__(self, layers: int, dim: int) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+    class Block(nn.Module):
+        """One layer; its own forward, so the FSDP unit it is unshards its parameters around it."""
 
-        def forward(self, x):
+        def __init__(self, L: Layout) -> None:
+            super().__init__()
+            d, hd = L.dim, L.head_dim
+            self.attention = nn.Module()
+            self.attention.qkv_linear = nn.Module()
+            self.attention.qkv_linear.wq = nn.Linear(d, L.n_heads * hd, bias=False)
+            self.attention.qkv_linear.wk = nn.Linear(d, L.n_kv_heads * hd, bias=False)
+            self.attention.qkv_linear.wv = nn.Linear(d, L.n_kv_heads * hd, bias=False)
+            self.attention.wo = nn.Linear(L.n_heads * hd, d, bias=False)
+            self.feed_forward = nn.Module()
+            self.feed_forward.w1 = nn.Linear(d, L.ffn_hidden, bias=False)
+            self.feed_forward.w2 = nn.Linear(L.ffn_hidden, d, bias=False)
+            self.feed_forward.w3 = nn.Linear(d, L.ffn_hidden, bias=False)
+            self.attention_norm = nn.RMSNorm(d)
+            self.ffn_norm = nn.RMSNorm(d)
+            self.rep = L.n_heads // L.n_kv_heads
+
+        def forward(self, h):
+            """Touches every parameter (so Adam has moments for each): differentiable, not attention."""
+            a, qkv = self.attention_norm(h), self.attention.qkv_linear
+            h = h + self.attention.wo(torch.tanh(qkv.wq(a)) * qkv.wk(a).repeat(1, self.rep) * qkv.wv(a).repeat(1, self.rep))
+            f, ff = self.ffn_norm(h), self.feed_forward
+            return h + ff.w2(nn.functional.silu(ff.w1(f)) * ff.w3(f))
+
+    class Llama(nn.Module):
+        """torchtitan 0.3.0's Llama parameter names and shapes (its own model is not needed for the bytes)."""
+
+        def __init__(self, L: Layout) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(L.vocab, L.dim)
+            self.layers = nn.ModuleList(Block(L) for _ in range(L.layers))
+            self.norm = nn.RMSNorm(L.dim)
+            self.lm_head = nn.Linear(L.dim, L.vocab, bias=False)
+
+        def forward(self, tokens):
+            h = self.tok_embeddings(tokens)
             for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return x
+                h = layer(h)
+            return self.lm_head(self.norm(h))
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
-    model = Stack(a.layers, a.dim)
+    L = Layout(**json.loads(a.layout))
+    model = Llama(L)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -137,7 +181,7 @@ def worker_write(argv: list[str]) -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda s: 1.0 / (1 + s))
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         gen = torch.Generator().manual_seed(100 + accelerator.process_index)
-        accelerator.backward(model(torch.randn(4, a.dim, generator=gen)).pow(2).mean())
+        accelerator.backward(model(torch.randint(0, L.vocab, (4,), generator=gen)).pow(2).mean())
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -154,31 +198,76 @@ def worker_write(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def layout(size_mib: float, tensor_mib: float) -> tuple[int, int]:
-    """(layers, dim): square float32 weights of ~tensor_mib MiB (dim a multiple of 64), ~size_mib in all."""
-    dim = max(64, int(round(math.sqrt(tensor_mib * MIB / 4) / 64)) * 64)
-    per_layer = (dim * dim + dim) * 4
-    return max(1, round(size_mib * MIB / per_layer)), dim
+@dataclass(frozen=True)
+class Layout:
+    """A Llama's sizes (float32). The layer count is what makes up the requested size."""
+
+    dim: int
+    layers: int
+    vocab: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        d, hd, f = self.dim, self.head_dim, self.ffn_hidden
+        out: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.vocab, d)}
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            out.update({p + "attention.qkv_linear.wq.weight": (self.n_heads * hd, d),
+                        p + "attention.qkv_linear.wk.weight": (self.n_kv_heads * hd, d),
+                        p + "attention.qkv_linear.wv.weight": (self.n_kv_heads * hd, d),
+                        p + "attention.wo.weight": (d, self.n_heads * hd),
+                        p + "feed_forward.w1.weight": (f, d), p + "feed_forward.w2.weight": (d, f),
+                        p + "feed_forward.w3.weight": (f, d),
+                        p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        out.update({"norm.weight": (d,), "lm_head.weight": (self.vocab, d)})
+        return out
+
+    def nbytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.tensors().values())
+
+    def hf_config(self) -> list[str]:
+        """--model-config values for --format hf: what a checkpoint cannot hold (torchtitan llama3 defaults)."""
+        return [f"n_heads={self.n_heads}", f"n_kv_heads={self.n_kv_heads}", "rms_norm_eps=1e-5",
+                "rope_theta=500000", "rope_scaling_factor=8"]
+
+
+def layout(size_mib: float, dim: int, vocab: int) -> Layout:
+    """Llama sizes of about size_mib MiB: head_dim 64 (dim >= 512), 4 query heads per key/value head,
+    SwiGLU hidden ~8/3 dim rounded up to 256 (torchtitan's rule), as many layers as fill the size."""
+    n_heads = max(1, dim // 64)
+    n_kv = max(1, n_heads // 4)
+    ffn = -(-int(8 * dim / 3) // 256) * 256
+    one = Layout(dim, 1, vocab, n_heads, n_kv, ffn)
+    fixed = 4 * 2 * (vocab * dim) + 4 * dim
+    per_layer = one.nbytes() - fixed
+    layers = max(1, round((size_mib * MIB - fixed) / per_layer))
+    return Layout(dim, layers, vocab, n_heads, n_kv, ffn)
 
 
 def write_checkpoint(args, size_mib: float, root: Path, log_dir: Path, full: bool) -> dict:
-    layers, dim = layout(size_mib, args.tensor_mib)
+    L = layout(size_mib, args.dim, args.vocab)
     cmd = [args.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-           str(Path(__file__).resolve()), "_write", str(root), "--layers", str(layers), "--dim", str(dim)]
+           str(Path(__file__).resolve()), "_write", str(root), "--layout", json.dumps(asdict(L))]
     if full:
         cmd += ["--full", str(root.parent / f"{root.name}-combined")]
     tag = root.name
     t0 = time.perf_counter()
     with open(log_dir / f"write-{tag}.log", "wb") as log:
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    info = {"layers": layers, "dim": dim, "tensors": 2 * layers, "write_s": round(time.perf_counter() - t0, 2),
+    info = {"layout": asdict(L), "tensors": len(L.tensors()), "write_s": round(time.perf_counter() - t0, 2),
             "exit_code": p.returncode, "full": full}
     if p.returncode != 0:
         info["log_tail"] = (log_dir / f"write-{tag}.log").read_text(errors="replace")[-2000:]
         return info
     info["model_bytes_on_disk"] = dir_bytes(root / MODEL_DIR)
-    info["weight_bytes"] = (dim * dim + dim) * 4 * layers
-    info["largest_tensor_bytes"] = dim * dim * 4
+    info["weight_bytes"] = L.nbytes()
+    info["largest_tensor_bytes"] = 4 * max(math.prod(s) for s in L.tensors().values())
     if full:
         info["save_state_files"] = sorted(p.name for p in root.iterdir())
         info["combined_bytes_on_disk"] = dir_bytes(root.parent / f"{root.name}-combined")
@@ -246,10 +335,46 @@ def run(args, name: str, cmd: list[str], dst: Path, log_dir: Path, runs: int) ->
 
 
 # ------------------------------------------------------------------------- comparing the outputs
-def compare_outputs(a: Path, b: Path) -> dict:
+# HF Llama's names for torchtitan's (transformers' modeling_llama.py), written down here independently of
+# formats/hf/ so that the comparison checks reshard's mapping instead of reusing it.
+HF_NAMES = [(r"tok_embeddings\.weight", "model.embed_tokens.weight"),
+            (r"layers\.(\d+)\.attention\.qkv_linear\.wq\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
+            (r"layers\.(\d+)\.attention\.qkv_linear\.wk\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
+            (r"layers\.(\d+)\.attention\.qkv_linear\.wv\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
+            (r"layers\.(\d+)\.attention\.wo\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+            (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+            (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+            (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+            (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+            (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+            (r"norm\.weight", "model.norm.weight"), (r"lm_head\.weight", "lm_head.weight")]
+
+
+def hf_name(name: str) -> str | None:
+    for pat, repl in HF_NAMES:
+        if re.fullmatch(pat, name):
+            return re.sub(pat, repl, name)
+    return None
+
+
+def rotary_heads(name: str, L: Layout) -> int:
+    """Heads whose rows an HF export reorders (wq: query heads, wk: key/value heads), else 0."""
+    return L.n_heads if name.endswith(".wq.weight") else L.n_kv_heads if name.endswith(".wk.weight") else 0
+
+
+def to_rotate_half(t, heads: int):
+    """torchtitan's interleaved rotary pairs to HF's rotate_half halves: within each head, row 2j+p -> p*hd/2 + j."""
+    rows, cols = t.shape
+    return t.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def compare_outputs(a: Path, b: Path, hf: Layout | None = None) -> dict:
     """Tensor-by-tensor comparison of two safetensors directories: names, dtype, shape, bytes.
 
-    Streams one tensor pair at a time (``safe_open``), so this process never holds an output.
+    ``a`` is accelerate's merge. With ``hf`` (the checkpoint's Layout) each of its tensors is first
+    renamed to HF Llama's name and wq/wk reordered as an HF export must hold them. Runs in a child
+    process (``_compare``): the measuring process must not import torch, because a child's
+    ``ru_maxrss`` starts at its parent's peak (fork/vfork, then exec), a floor under every figure.
     """
     import torch
     from safetensors import safe_open
@@ -264,11 +389,21 @@ def compare_outputs(a: Path, b: Path) -> dict:
             return ix
 
         ia, ib = index(a), index(b)
-        common = sorted(set(ia) & set(ib))
-        differ = []
-        compared_bytes = 0
-        for k in common:
-            ta, tb = ia[k].get_tensor(k), ib[k].get_tensor(k)
+        target = {k: (hf_name(k) if hf else k) for k in ia}
+        unmapped = sorted(k for k, v in target.items() if v is None)
+        only_a = sorted(k for k, v in target.items() if v is not None and v not in ib)
+        only_b = sorted(set(ib) - set(target.values()))
+        differ, compared, compared_bytes, reordered = [], 0, 0, 0
+        for k in sorted(ia):
+            new = target[k]
+            if new is None or new not in ib:
+                continue
+            ta, tb = ia[k].get_tensor(k), ib[new].get_tensor(new)
+            heads = rotary_heads(k, hf) if hf else 0
+            if heads and ta.dim() == 2:
+                ta = to_rotate_half(ta, heads)
+                reordered += 1
+            compared += 1
             if ta.dtype != tb.dtype or ta.shape != tb.shape:
                 differ.append(f"{k}: {ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)}")
                 continue
@@ -277,11 +412,23 @@ def compare_outputs(a: Path, b: Path) -> dict:
             compared_bytes += ua.numel()
             if not torch.equal(ua, ub):
                 differ.append(f"{k}: bytes differ")
-    only_a, only_b = sorted(set(ia) - set(ib)), sorted(set(ib) - set(ia))
-    return {"tensors_a": len(ia), "tensors_b": len(ib), "compared": len(common), "compared_bytes": compared_bytes,
+    return {"tensors_a": len(ia), "tensors_b": len(ib), "compared": compared, "compared_bytes": compared_bytes,
+            "rows_reordered": reordered, "unmapped": unmapped[:20], "n_unmapped": len(unmapped),
             "only_in_a": only_a[:20], "only_in_b": only_b[:20], "n_only_in_a": len(only_a), "n_only_in_b": len(only_b),
             "differ": differ[:20], "n_differ": len(differ),
-            "identical": bool(common) and not only_a and not only_b and not differ}
+            "identical": compared > 0 and not unmapped and not only_a and not only_b and not differ}
+
+
+def compare(args, a: Path, b: Path, hf: Layout | None = None) -> dict:
+    """`compare_outputs` in a child process (see there why)."""
+    cmd = [args.python, str(Path(__file__).resolve()), "_compare", str(a), str(b)]
+    if hf is not None:
+        cmd += ["--hf", json.dumps(asdict(hf))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if p.returncode != 0:
+        return {"identical": False, "error": p.stderr.strip()[-600:], "compared": 0, "n_differ": 0, "n_only_in_a": 0,
+                "n_only_in_b": 0, "n_unmapped": 0, "differ": [], "only_in_a": [], "only_in_b": [], "unmapped": []}
+    return json.loads(p.stdout)
 
 
 def pickle_keys(path: Path) -> list[str]:
@@ -295,12 +442,37 @@ def pickle_keys(path: Path) -> list[str]:
     return [str(k) for k in obj][:10] if isinstance(obj, dict) else [type(obj).__name__]
 
 
+def child_main(argv: list[str]) -> int:
+    """The helper modes, each run in a child process: _write (under torchrun), _compare, _pickle_keys."""
+    mode, rest = argv[0], argv[1:]
+    if mode == "_write":
+        worker_write(rest)
+    elif mode == "_compare":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("a")
+        ap.add_argument("b")
+        ap.add_argument("--hf", default=None)
+        c = ap.parse_args(rest)
+        print(json.dumps(compare_outputs(Path(c.a), Path(c.b), Layout(**json.loads(c.hf)) if c.hf else None)))
+    elif mode == "_pickle_keys":
+        print(json.dumps(pickle_keys(Path(rest[0]))))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    return 0
+
+
 def ident_text(c: dict | None) -> str:
     if not c:
         return "-"
     if c["identical"]:
-        return f"yes ({c['compared']} tensors, {c['compared_bytes'] / MIB:,.1f} MiB bitwise)"
+        how = (f"; names mapped to HF Llama's, wq/wk of {c['rows_reordered']} tensors reordered to rotate_half first"
+               if c.get("rows_reordered") else "")
+        return f"yes ({c['compared']} tensors, {c['compared_bytes'] / MIB:,.1f} MiB bitwise{how})"
     parts = []
+    if c.get("error"):
+        parts.append(f"comparison failed: `{c['error'].splitlines()[-1]}`")
+    if c.get("n_unmapped"):
+        parts.append(f"{c['n_unmapped']} of accelerate's names have no HF name here, e.g. `{c['unmapped'][0]}`")
     if c["n_differ"]:
         parts.append(f"{c['n_differ']} differ, e.g. `{c['differ'][0]}`")
     if c["n_only_in_a"]:
@@ -330,15 +502,17 @@ def run_size(args, size_mib: float, tmp: Path, log_dir: Path, formats: dict, ful
         "accelerate": accelerate_cmd(args, src, outs["accelerate"]),
         "reshard": reshard_cmd(args, src, outs["reshard"]),
     }
+    L = Layout(**ck["layout"])
     if formats["hf"]:
-        cmds["reshard_hf"] = reshard_cmd(args, src, outs["reshard_hf"], "--format", "hf")
+        cfg = [x for v in L.hf_config() for x in ("--model-config", v)]
+        cmds["reshard_hf"] = reshard_cmd(args, src, outs["reshard_hf"], "--format", "hf", *cfg)
     for k, cmd in cmds.items():
         case["commands"][k] = run(args, f"{k}-{tag}", cmd, outs[k], log_dir, 1 if k == "cp_sync" else args.runs)
     C = case["commands"]
     if C["accelerate"]["exit_code"] == 0:
         for k in ("reshard", "reshard_hf"):
             if k in C and C[k]["exit_code"] == 0:
-                C[k]["vs_accelerate"] = compare_outputs(outs["accelerate"], outs[k])
+                C[k]["vs_accelerate"] = compare(args, outs["accelerate"], outs[k], L if k == "reshard_hf" else None)
                 acc = C["accelerate"]
                 C[k]["time_ratio"] = round(C[k]["wall_s"] / acc["wall_s"], 3)
                 C[k]["rss_ratio"] = round(C[k]["peak_rss_mib"] / acc["peak_rss_mib"], 3)
@@ -378,13 +552,15 @@ def full_training(args, root: Path, tmp: Path, log_dir: Path, acc_model_out: Pat
                "error": last_error(r, tmp) if r["exit_code"] != 0 else ""}
         st = [f for f, _ in res["files"] if f.endswith(".safetensors")]
         if r["exit_code"] == 0 and st and acc_model_out.is_dir():
-            c = compare_outputs(acc_model_out, dst)
+            c = compare(args, acc_model_out, dst)
             # model tensors compared with accelerate's merge of the model folder; optim.* are extra
             c["model_tensors_equal"] = c["compared"] > 0 and not c["n_differ"] and not c["n_only_in_a"]
             res["vs_accelerate_model"] = c
         pickles = [dst / f for f, _ in res["files"] if f.endswith(".bin")]
         if r["exit_code"] == 0 and pickles:
-            res["pickle_top_keys"] = pickle_keys(pickles[0])
+            p = subprocess.run([args.python, str(Path(__file__).resolve()), "_pickle_keys", str(pickles[0])],
+                               capture_output=True, text=True, timeout=args.timeout)
+            res["pickle_top_keys"] = json.loads(p.stdout) if p.returncode == 0 else [f"unreadable: {p.stderr[-200:]}"]
         results.append(res)
         print(f"  {tool} {' '.join(extra)} on {what}: exit {r['exit_code']} {res['error'][:120]}", file=sys.stderr,
               flush=True)
@@ -397,11 +573,14 @@ def full_training(args, root: Path, tmp: Path, log_dir: Path, acc_model_out: Pat
 def render_markdown(result: dict) -> str:
     m = result["machine"]
     fm = result["reshard_formats"]
+    lay = next((c["checkpoint"]["layout"] for c in result["cases"] if "layout" in c["checkpoint"]), {})
     lines = [
         "# reshard export vs `accelerate merge-weights`: time, peak RSS, bytes", "",
         f"Checkpoints written by accelerate {result['accelerate']}'s own `save_fsdp_model` (FSDP2 `fully_shard`, "
         f"`SHARDED_STATE_DICT`, {result['world_size']} gloo ranks): the `{MODEL_DIR}/` folder of "
-        f"`accelerator.save_state`, float32 `nn.Linear` weights of {result['tensor_mib']:g} MiB plus biases. "
+        f"`accelerator.save_state`, of a float32 Llama with torchtitan 0.3.0's parameter names (dim {result['dim']}, "
+        f"vocabulary {result['vocab']:,}, {lay.get('n_heads', '?')} heads of {result['dim'] // lay.get('n_heads', 1)}, {lay.get('n_kv_heads', '?')} "
+        f"key/value heads, SwiGLU hidden {lay.get('ffn_hidden', '?')}; the layer count sets the size). "
         f"Each command in a fresh process, warm cache, median of {result['runs']} run(s) (`cp -r && sync`: 1); "
         "peak RSS = `ru_maxrss` of that process. \"x accelerate\" = reshard / accelerate. \"Identical\" = every "
         "tensor of both outputs has the same name, dtype, shape and bytes (`safe_open`).", "",
@@ -479,19 +658,26 @@ def summary(cases: list[dict]) -> dict:
                          "identical": r["vs_accelerate"]["identical"],
                          "accelerate_rss_mib": c["commands"]["accelerate"]["peak_rss_mib"],
                          "reshard_rss_mib": r["peak_rss_mib"]})
-    return {"rows": rows, "all_identical": bool(rows) and all(x["identical"] for x in rows)}
+            h = c["commands"].get("reshard_hf") or {}
+            if "time_ratio" in h:
+                rows[-1].update({"hf_time_ratio": h["time_ratio"], "hf_rss_ratio": h["rss_ratio"],
+                                 "hf_identical": h["vs_accelerate"]["identical"], "hf_rss_mib": h["peak_rss_mib"]})
+            elif h:
+                rows[-1]["hf_error"] = h.get("error") or f"exit {h.get('exit_code')}"
+    return {"rows": rows, "all_identical": bool(rows) and all(x["identical"] and x.get("hf_identical", True)
+                                                              for x in rows)}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_write"]:
-        worker_write(argv[1:])
-        return 0
+    if argv[:1] and argv[0] in ("_write", "_compare", "_pickle_keys"):
+        return child_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--json-out", default=None, help="also write the JSON result here")
     ap.add_argument("--sizes", default="64,256,1024", help="MiB of float32 weights per checkpoint (default 64,256,1024)")
-    ap.add_argument("--tensor-mib", type=float, default=16.0, help="size of each weight matrix (default 16)")
+    ap.add_argument("--dim", type=int, default=1024, help="model dim (default 1024: 16 heads of 64, 4 kv heads)")
+    ap.add_argument("--vocab", type=int, default=4096, help="vocabulary rows (default 4096: 16 MiB embedding)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1, help="runs of each export (median reported)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-training-checkpoint attempts")
@@ -535,7 +721,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "export_vs_accelerate", "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": [Path(sys.argv[0]).name, *argv], "commit": commit, "accelerate": accelerate.__version__,
-        "sizes_mib": sizes, "tensor_mib": args.tensor_mib, "world_size": args.world_size, "runs": args.runs,
+        "sizes_mib": sizes, "dim": args.dim, "vocab": args.vocab, "world_size": args.world_size, "runs": args.runs,
         "reshard_formats": formats, "ok": ok, "summary": summary(cases), "baselines": baselines,
         "loadavg_start": loadavg_start, "total_s": round(time.perf_counter() - t_start, 1), "machine": machine(), "cases": cases,
     }

@@ -196,6 +196,14 @@ elif name == "bench_export_vs_accelerate":
          f"of weights), `reshard export` took {fmt([x['time_ratio'] for x in rows])} the wall time of "
          f"`accelerate merge-weights` and {fmt([x['rss_ratio'] for x in rows])} its peak RSS; the outputs are "
          + ("bitwise identical at every size. " if r["summary"]["all_identical"] else "NOT identical at every size. "))
+    hf = [x for x in rows if "hf_time_ratio" in x]
+    if hf:
+        s += (f"`--format hf` (names mapped, wq/wk rows reordered) took {fmt([x['hf_time_ratio'] for x in hf])} "
+              f"accelerate's time and {fmt([x['hf_rss_ratio'] for x in hf])} its peak RSS, its tensors "
+              + ("equal to accelerate's mapped independently by the benchmark. " if all(x["hf_identical"] for x in hf)
+                 else "NOT all equal to accelerate's mapped by the benchmark. "))
+    elif any("hf_error" in x for x in rows):
+        s += f"`--format hf` failed: {next(x['hf_error'] for x in rows if 'hf_error' in x)}. "
     if len(rows) > 1:
         s += (f"From {a['size_mib']:g} to {z['size_mib']:g} MiB accelerate's peak goes from {a['accelerate_rss_mib']:,.0f} "
               f"to {z['accelerate_rss_mib']:,.0f} MiB ({z['accelerate_rss_mib'] - a['accelerate_rss_mib']:+,.0f}: it loads "
