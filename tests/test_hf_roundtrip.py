@@ -314,3 +314,49 @@ def test_import_is_a_documented_warm_start_in_torchtitan_keys(world, variant):
     # dp=2 x tp=2 as torchtitan lays it out: wo (row-parallel) in two column blocks, each cut in two by FSDP
     chunks = md["layers.0.attention.wo.weight"].chunks
     assert sorted((c.offsets[0], c.offsets[1]) for c in chunks) == [(0, 0), (0, 32), (32, 0), (32, 32)]
+
+
+# ---------------------------------------------------------------------------- the Megatron-style fused family
+
+@pytest.fixture(scope="module")
+def fused_family(world) -> dict[str, Any]:
+    """llama-fused (linear_qkv, linear_fc1 in the per-TP-rank layout) at tp=2, same shape and seed as 'legacy'."""
+    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+
+    shape = LlamaShape(n_layers=2, dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=96, vocab_size=100, vocab_multiple=8)
+    ckpt = make_llama_checkpoint(world["work"] / "megatron", shape=shape, tp=2, dp=1, fused=True)
+    out = world["work"] / "megatron-hf"
+    code = cli(["export", ckpt, out, "--format", "hf", *[x for a in ASKED for x in ("--model-config", a)], "--json"])
+    return {"src": ckpt, "export": out, "code": code}
+
+
+def test_fused_qkv_and_gate_up_are_split(world, fused_family):
+    """linear_qkv -> q/k/v_proj and linear_fc1 -> gate/up_proj, canonical order recovered from the tp=2 layout:
+    the parts equal the separate tensors of the unfused model with the same seed (no rotary permutation:
+    Megatron-Core rotates halves, as HF does); from_pretrained finds every weight and no other."""
+    import transformers
+    from safetensors.torch import load_file
+    from reshard.synthetic_llama import load_global
+
+    r = _ok(fused_family["code"])
+    assert r["hf"]["transforms"]["model.layers.0.self_attn.k_proj.weight"] == "split part 2/3 of dim 0 (TP layout of tp=2)"
+    got = load_file(str(fused_family["export"] / "model.safetensors"))
+    sep = {k[len("model."):]: t for k, t in load_global(world["src"]["legacy"]).items() if k.startswith("model.")}
+    for n in range(2):
+        for hf, tt in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                       ("self_attn.v_proj", "attention.wv"), ("mlp.gate_proj", "feed_forward.w1"),
+                       ("mlp.up_proj", "feed_forward.w3")):
+            assert torch.equal(got[f"model.layers.{n}.{hf}.weight"], sep[f"layers.{n}.{tt}.weight"]), (n, hf)
+    assert torch.equal(got["lm_head.weight"], sep["output.weight"][:100])
+    model, info = transformers.LlamaForCausalLM.from_pretrained(str(fused_family["export"]), output_loading_info=True)
+    assert info["missing_keys"] in (set(), []) and info["unexpected_keys"] in (set(), []), info
+    code, out, err = cli(["verify", fused_family["src"], fused_family["export"]])
+    assert code == 0, out + err
+
+
+def test_fused_parts_are_not_fused_back_on_import(world, fused_family, tmp_path):
+    code, out, err = cli(["import", fused_family["export"], tmp_path / "out", "--format", "llama-fused"])
+    assert code == 2 and "does not fuse parts back" in err
+    # the way out it names: torchtitan's unfused names
+    code, out, err = cli(["import", fused_family["export"], tmp_path / "tt", "--format", "torchtitan", "--to", "dp=2"])
+    assert code == 0, out + err

@@ -608,6 +608,18 @@ def _hf_given(mdict: dict[str, Any], cli: dict[str, Any]) -> tuple[dict[str, Any
     return given, origin
 
 
+def _source_tp(src: Path) -> int:
+    """The TP degree the source was written at (a fused TP layout's global view depends on it), as inspect finds it."""
+    from reshard.commands.inspect import inspect_checkpoint
+
+    topo = inspect_checkpoint(src).report.get("topology") or {}
+    tp = topo.get("tp")
+    if not isinstance(tp, int) or tp < 1 or topo.get("ambiguous"):
+        raise BadInput("the source's TP degree is not known, and its fused tensors are laid out per TP rank",
+                       where=str(src), hint="Record the topology in the manifest (reshard convert writes one).")
+    return tp
+
+
 def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: _Plan, model_config: dict[str, Any],
             dtype: torch.dtype | None) -> HfPlan:
     """Map ``plan`` (every parameter, ties written once) to the family's Hugging Face names and transforms, in place.
@@ -640,15 +652,31 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: _Plan, model_config
         tied = True
     seen: dict[str, str] = {}
     transforms: dict[str, str] = {}
+    items: list[_Item] = []
+    source_tp: int | None = None
     for it in plan.items:
         fqn = cls.roles[it.key].param
         rule, groups = mapping.rule(fqn)
-        name = rule.hf.format(**groups)
-        if name in seen:
-            raise BadInput(f"'{seen[name]}' and '{it.key}' both map to '{name}'", where=mapping.source,
-                           hint="The checkpoint holds two generations of one name; keep one.")
-        seen[name] = it.key
-        it.name = name
+        names = rule.hf_names(groups)
+        for name in names:
+            if name in seen:
+                raise BadInput(f"'{seen[name]}' and '{it.key}' both map to '{name}'", where=mapping.source,
+                               hint="The checkpoint holds two generations of one name; keep one.")
+            seen[name] = it.key
+        if rule.parts:  # one fused source tensor -> one exported tensor per part
+            if rule.tp_layout and source_tp is None:
+                source_tp = _source_tp(src)
+            sizes = rule.part_sizes(values)
+            for k, name in enumerate(names):
+                shape = list(it.shape)
+                shape[rule.dim] = sizes[k]
+                items.append(_Item(it.key, name, it.role, tuple(shape), it.src_dtype, it.dtype, src_shape=it.shape,
+                                   make=(lambda t, rule=rule, key=it.key, k=k, tp=source_tp or 1:
+                                         rule.split_part(t, values, key, k, tp))))
+                transforms[name] = f"split part {k + 1}/{len(names)} of dim {rule.dim}" + (
+                    f" (TP layout of tp={source_tp})" if rule.tp_layout else "")
+            continue
+        it.name = names[0]
         it.src_shape = it.shape
         if it.shape:
             it.shape = (rule.out_rows(it.shape[0], values), *it.shape[1:])
@@ -656,7 +684,9 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: _Plan, model_config
         done = [d for d in ([f"rows[:{values[rule.rows]}]"] if rule.rows and it.src_shape[0] != it.shape[0] else [])
                 + ([f"{rule.transform}({rule.heads}={values[rule.heads]})"] if rule.transform else [])]
         if done:
-            transforms[name] = ", ".join(done)
+            transforms[it.name] = ", ".join(done)
+        items.append(it)
+    plan.items = items
     # before: copy fqn -> (source key, stored fqn) (no rename rules with --format hf)
     plan.copies = {mapping.hf_name(cls.roles[key].param): (key, mapping.hf_name(sname))
                    for key, sname in plan.copies.values()}
@@ -668,8 +698,9 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: _Plan, model_config
             if rec["name"] in transforms:
                 rec["transform"] = transforms[rec["name"]]
             if rec.get("action") == "exported":
-                it = next(i for i in plan.items if i.key == rec["key"])
-                rec["exported_shape"] = list(it.shape)
+                rec["exported_shape"] = [list(i.shape) for i in plan.items if i.key == rec["key"]]
+                if len(rec["exported_shape"]) == 1:
+                    rec["exported_shape"] = rec["exported_shape"][0]
     out_dt = dtype if dtype is not None else next((it.dtype for it in plan.items if it.dtype.is_floating_point), None)
     config = mapping.config(values, tied=tied, dtype=str(out_dt).removeprefix("torch.") if out_dt else "float32")
     return HfPlan(mapping, values, origin, config, transforms, rules.family)

@@ -20,6 +20,14 @@ Transforms (``transform = NAME`` in a ``[[param]]``):
     weight becomes row ``p * head_dim/2 + j`` of the HF weight (p in {0, 1}); q and k get
     the same reordering, so q.k is unchanged. The inverse puts the rows back.
 
+``split`` (``dim``, ``parts = [{hf, size}, ...]``, ``tp_layout``)
+    One fused source tensor (Q/K/V, gate/up) is several HF tensors: the parts, in order,
+    along ``dim``, of the sizes given (expressions over the values). With ``tp_layout = true``
+    the source's global view holds ``[p0_r; p1_r; ...]`` per TP rank r (formats/models/
+    llama-fused.toml's ``fused`` layout), so it is first put in the canonical order
+    ``[p0; p1; ...]`` for the source's TP degree (`reshard.semantics.transforms.to_canonical`).
+    An import does not fuse parts back (refused, naming the name).
+
 ``rows = NAME`` (any param)
     Keep the first NAME rows on export (a vocabulary padded to a TP multiple is trimmed to
     the real one); the import writes what it reads.
@@ -39,7 +47,7 @@ import torch
 from reshard.errors import BadInput
 from reshard.paths import formats_root
 
-TRANSFORMS = ("rotary_half",)
+TRANSFORMS = ("rotary_half", "split")
 _FIELD = re.compile(r"\{(\w+)\}")
 
 
@@ -77,9 +85,38 @@ class ParamMap:
     transform: str | None = None
     heads: str | None = None
     rows: str | None = None
+    dim: int = 0
+    parts: tuple[tuple[str, str], ...] = ()     # split: (hf name template, size expression)
+    tp_layout: bool = False
 
     def hf_pattern(self) -> re.Pattern[str]:
         return _template_pattern(self.hf)
+
+    def hf_names(self, groups: dict[str, str]) -> list[str]:
+        """The exported name(s): one, or one per part of a split."""
+        return [h.format(**groups) for h, _ in self.parts] if self.parts else [self.hf.format(**groups)]
+
+    def part_sizes(self, values: dict[str, Any]) -> list[int]:
+        from reshard.semantics.rules import evaluate
+
+        return [evaluate(size, values) for _, size in self.parts]
+
+    def split_part(self, t: torch.Tensor, values: dict[str, Any], name: str, k: int, source_tp: int) -> torch.Tensor:
+        """Part ``k`` of a fused tensor written at TP degree ``source_tp``."""
+        from reshard.semantics.transforms import to_canonical
+
+        sizes = self.part_sizes(values)
+        if sum(sizes) != t.shape[self.dim]:
+            raise BadInput(f"'{name}' has {t.shape[self.dim]} rows along dim {self.dim}, its parts add up to {sum(sizes)} "
+                           f"({', '.join(s for _, s in self.parts)})",
+                           hint="Check the head counts given (--model-config n_heads=... / n_kv_heads=...).")
+        if self.tp_layout:
+            try:
+                t = to_canonical(t, self.dim, sizes, source_tp)
+            except ValueError as exc:
+                raise BadInput(f"'{name}': {exc}") from None
+        start = sum(sizes[:k])
+        return t.narrow(self.dim, start, sizes[k]).contiguous()
 
     def to_hf(self, t: torch.Tensor, values: dict[str, Any], name: str) -> torch.Tensor:
         """The exported tensor: rows trimmed, then transformed."""
@@ -153,11 +190,15 @@ class HfMapping:
 
     def hf_name(self, fqn: str) -> str:
         p, g = self.rule(fqn)
-        return p.hf.format(**g)
+        return ", ".join(p.hf_names(g))
 
     def from_hf_name(self, name: str) -> tuple[ParamMap, str]:
         """(rule, native name) of an HF parameter name; an unknown name is refused, naming it."""
         for p in self.params:
+            if p.parts and any(_template_pattern(h).match(name) for h, _ in p.parts):
+                raise BadInput(f"'{name}' is one part of a fused '{self.family}' tensor ({p.native}); an import does "
+                               "not fuse parts back", where=self.source,
+                               hint="Import to a family whose native names are unfused (e.g. --format torchtitan).")
             m = p.hf_pattern().match(name)
             if m:
                 return p, p.native.format(**m.groupdict())
@@ -267,8 +308,12 @@ def _load(path: Path) -> HfMapping:
                 raise ValueError(f"unknown transform {tr!r} (known: {', '.join(TRANSFORMS)})")
             if tr == "rotary_half" and not p.get("heads"):
                 raise ValueError(f"transform rotary_half of {p['match']!r} needs heads = NAME")
-            params.append(ParamMap(re.compile(p["match"]), str(p["hf"]), str(p["native"]), tr, p.get("heads"),
-                                   p.get("rows")))
+            parts = tuple((str(x["hf"]), str(x["size"])) for x in p.get("parts", []))
+            if (tr == "split") != bool(parts) or (parts and len(parts) < 2):
+                raise ValueError(f"{p['match']!r}: transform split and parts = [{{hf, size}}, ...] (two or more) go together")
+            params.append(ParamMap(re.compile(p["match"]), str(p.get("hf", parts[0][0] if parts else "")),
+                                   str(p["native"]), tr, p.get("heads"), p.get("rows"), int(p.get("dim", 0)), parts,
+                                   bool(p.get("tp_layout", False))))
         if not params:
             raise ValueError("no [[param]] entries")
         tie = spec.get("tie")
