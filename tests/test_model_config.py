@@ -61,13 +61,19 @@ def one_paragraph_error(code: int, err: str) -> str:
 # ------------------------------------------------------------------------------ ask once
 
 def test_the_six_question_case_is_answered_in_one_message(bare_titan, capsys):
-    """tp=2 -> tp=4 without a manifest: every missing value in one message, none of the shapes it holds."""
+    """tp=2 -> tp=4 without a manifest: every missing value in one message, none of the shapes it holds.
+
+    The six questions were n_heads, n_kv_heads, ffn_hidden, dim, vocab_size, vocab_multiple:
+    two are shapes (read), the vocabulary is not padded unless the run says so (torchtitan
+    pads none: the verdict states the assumption), so two head counts remain, asked together.
+    """
     code, _, err = run_cli(["plan", bare_titan, "--to", "dp=1,tp=4"], capsys)
     msg = one_paragraph_error(code, err)
-    for name in ("n_heads", "n_kv_heads", "vocab_size", "vocab_multiple"):
+    for name in ("n_heads", "n_kv_heads"):
         assert f"--model-config {name}=N" in msg, msg
+    assert "vocab_size" not in msg and "vocab_multiple" not in msg, msg
     assert "--model-config n_heads=N --model-config n_kv_heads=N" in msg, msg
-    assert "needs 4 model config values" in msg and "tp=4 must divide it" in msg, msg
+    assert "needs 2 model config values" in msg and "tp=4 must divide it" in msg, msg
     # dim and ffn_hidden are shapes in the checkpoint: read, reported, not asked for
     assert "dim=64, ffn_hidden=96" in msg, msg
     assert "ffn_hidden=N" not in msg and " dim=N" not in msg, msg
@@ -115,23 +121,35 @@ def test_a_tp_degree_that_stays_needs_no_model_config(bare_titan, capsys, to):
     assert json.loads(out)["feasible"]
 
 
-def test_tp1_target_asks_no_head_counts(bare_titan, capsys):
-    """tp=2 -> tp=1 checks no divisibility: only the vocabulary's re-padding needs values."""
-    code, _, err = run_cli(["plan", bare_titan, "--to", "dp=2,tp=1"], capsys)
-    msg = one_paragraph_error(code, err)
-    assert "vocab_size" in msg and "vocab_multiple" in msg and "re-padding the vocabulary" in msg, msg
-    assert "n_heads" not in msg and "n_kv_heads" not in msg, msg
-
-
-def test_tp1_conversion_needs_only_the_vocab(bare_titan, tmp_path, capsys):
-    code, _, err = run_cli(["convert", bare_titan, tmp_path / "out", "--to", "dp=2,tp=1", *VOCAB], capsys)
+def test_tp1_target_needs_no_model_config(bare_titan, capsys):
+    """tp=2 -> tp=1 checks no divisibility, and torchtitan's names pad no vocabulary unless the run says so."""
+    code, out, err = run_cli(["plan", bare_titan, "--to", "dp=2,tp=1", "--json"], capsys)
     assert code == 0, err
+    plan = json.loads(out)
+    assert plan["feasible"]
+    note = next(c for c in plan["verdict"]["changes"] if "vocabulary rows" in c)
+    assert "carried as saved" in note and "vocab_multiple" in note, note
+    emb = next(t for t in plan["tensors"] if t["key"] == "model.tok_embeddings.weight")
+    assert "transform" not in emb  # rows as saved
+
+
+def test_tp1_conversion_without_and_with_the_vocab(bare_titan, tmp_path, capsys):
+    """Without values the rows are carried; with vocab_size/vocab_multiple the padding is re-cut for tp=1."""
+    from reshard.storage.index import CheckpointIndex
+
+    rows = CheckpointIndex.open(bare_titan).entries["model.tok_embeddings.weight"].shape[0]
+    code, _, err = run_cli(["convert", bare_titan, tmp_path / "as-saved", "--to", "dp=2,tp=1"], capsys)
+    assert code == 0, err
+    assert CheckpointIndex.open(tmp_path / "as-saved").entries["model.tok_embeddings.weight"].shape[0] == rows
+    code, _, err = run_cli(["convert", bare_titan, tmp_path / "repadded", "--to", "dp=2,tp=1", *VOCAB], capsys)
+    assert code == 0, err
+    assert CheckpointIndex.open(tmp_path / "repadded").entries["model.tok_embeddings.weight"].shape[0] == 104
 
 
 def test_tp1_target_of_unpadded_rules_needs_no_model_config(bare_titan, tmp_path, capsys):
     """Rules without vocab padding (torchtitan itself pads nothing): tp=2 -> tp=1 asks for no value at all."""
     text = TITAN_RULES.read_text()
-    pad = 'vocab = { size = "vocab_size", multiple = "vocab_multiple", fill = 0.0 }\n'
+    pad = 'vocab = { size = "vocab_size", multiple = "vocab_multiple", fill = 0.0, only_if = "vocab_multiple" }\n'
     assert text.count(pad) == 2
     rules = tmp_path / "unpadded.toml"
     rules.write_text(text.replace(pad, ""))

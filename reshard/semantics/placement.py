@@ -82,7 +82,7 @@ def decide(ix, cls, mdict: dict[str, Any], source: Topology, target: Topology, *
         if e.is_tensor:
             g.by_key[k] = _tensor_geometry(k, e, cls.roles[k], rules, config, source, target, stages)
     _tie_copies(g, rules, cls, params, model.get("tied"), target, user=ties or [])
-    g.numerics = _numerics(source, target, g.by_key)
+    g.numerics = _numerics(source, target, g.by_key) + _vocab_notes(rules, params, config, source, target)
     return g
 
 
@@ -186,7 +186,7 @@ def _check_needed(ix, rules: ModelRules, params: dict[str, str], config: dict[st
             need(rule.divisible, f"tp={target.tp} must divide it")
         if rule.tp == "fused":
             need([x.size for x in rule.parts], "re-interleaving fused parts")
-        if rule.vocab is not None:
+        if rule.vocab is not None and pads(rule.vocab, config):
             need([rule.vocab.size] + ([rule.vocab.multiple] if rule.vocab.multiple else []),
                  f"re-padding the vocabulary from tp={source.tp} to tp={target.tp}")
     if not why:
@@ -332,7 +332,7 @@ def _tensor_geometry(k: str, e, r, rules: ModelRules, config: dict[str, Any], so
     tp_dim = rule.dim if rule.tp in ("shard", "fused") else None
     shape = tuple(e.shape)
     transform = _reinterleave(rule, config, source, target)
-    if rule.vocab is not None:
+    if rule.vocab is not None and pads(rule.vocab, config):
         repad = _repad(k, shape, rule, r.role, config, source, target)
         if repad is not None:
             transform = repad
@@ -340,6 +340,16 @@ def _tensor_geometry(k: str, e, r, rules: ModelRules, config: dict[str, Any], so
             s_[rule.dim] = repad["to_rows"]
             shape = tuple(s_)
     return TensorGeometry(Placement(dp_shard=True, tp_dim=tp_dim, stage=stage), shape, transform)
+
+
+def pads(vocab, config: dict[str, Any]) -> bool:
+    """Whether this run pads its vocabulary: always for a family that pads, else when the run says how.
+
+    A rule with ``only_if = NAME`` (torchtitan's names: torchtitan pads nothing) re-pads only
+    when NAME is in the model config (the manifest's, a flag's, a profile's); otherwise the
+    rows are carried as saved and the plan says so (`vocab_notes`).
+    """
+    return vocab.only_if is None or vocab.only_if in config
 
 
 def _reinterleave(rule, config: dict[str, Any], source: Topology, target: Topology) -> dict[str, Any] | None:
@@ -421,6 +431,20 @@ def _tied_actions(a: str, b: str, cls, moments_of: dict[str, list[str]], pp: int
         for key in gb:
             actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, one param group", None)
     return actions
+
+
+def _vocab_notes(rules: ModelRules, params: dict[str, str], config: dict[str, Any], source: Topology,
+                 target: Topology) -> list[str]:
+    """The assumption a TP change makes about a vocabulary nobody said is padded, stated in the verdict."""
+    if source.tp == target.tp:
+        return []
+    unsaid = sorted({p for p in params if (r := rules.rule_for(p)) is not None and r.vocab is not None
+                     and not pads(r.vocab, config)})
+    if not unsaid:
+        return []
+    name = rules.rule_for(unsaid[0]).vocab.only_if
+    return [f"vocabulary rows of {', '.join(unsaid)} carried as saved: no padding assumed ({rules.family} pads none "
+            f"unless {name} is given; pass --model-config vocab_size=N --model-config {name}=M if the run padded)"]
 
 
 def _numerics(source: Topology, target: Topology, by_key: dict[str, TensorGeometry]) -> list[str]:

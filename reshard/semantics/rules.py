@@ -35,6 +35,10 @@ class Vocab:
     size: str
     multiple: str | None
     fill: float
+    # A family that pads only when the run says so (torchtitan pads nothing; a run of the same
+    # names that padded records it): the padding applies when this config name is known,
+    # and the rows are carried as saved otherwise. None: the family always pads (Megatron).
+    only_if: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,8 @@ def _load(path: Path, way_out: str = _FILE_HINT) -> ModelRules:
                 parts=tuple(Part(x["name"], str(x["size"])) for x in p.get("parts", [])),
                 divisible=tuple(str(x) for x in p.get("divisible", [])),
                 vocab=Vocab(str(vocab["size"]), str(vocab["multiple"]) if vocab.get("multiple") else None,
-                            float(vocab.get("fill", 0.0))) if vocab else None,
+                            float(vocab.get("fill", 0.0)),
+                            str(vocab["only_if"]) if vocab.get("only_if") else None) if vocab else None,
             )
             if rule.tp == "fused" and len(rule.parts) < 2:
                 raise ValueError(f"fused rule {p['match']!r} needs at least two parts")
