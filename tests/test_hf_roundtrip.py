@@ -360,3 +360,21 @@ def test_fused_parts_are_not_fused_back_on_import(world, fused_family, tmp_path)
     # the way out it names: torchtitan's unfused names
     code, out, err = cli(["import", fused_family["export"], tmp_path / "tt", "--format", "torchtitan", "--to", "dp=2"])
     assert code == 0, out + err
+
+
+def test_rename_covers_torchtitan_03_and_warns_on_the_rest(world, tmp_path):
+    """--rename (names only, no transforms) now renames 0.3.0's names too; a name it leaves is a warning, not silence."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    rename = Path(__file__).resolve().parent.parent / "formats" / "renames" / "torchtitan-to-hf-llama.toml"
+    r = _ok(cli(["export", world["src"]["unfused"], tmp_path / "renamed", "--rename", rename, "--json"]))
+    assert r["warnings"] == []
+    with safe_open(str(tmp_path / "renamed" / "model.safetensors"), "pt") as fh:
+        names = set(fh.keys())
+    assert "model.layers.1.self_attn.k_proj.weight" in names and "lm_head.weight" in names
+    assert not any("qkv_linear" in n for n in names)
+    sd = {"tok_embeddings.weight": torch.zeros(8, 4), "layers.0.attention.rotary_gate.weight": torch.ones(4, 4)}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "odd"), no_dist=True)
+    r = _ok(cli(["export", tmp_path / "odd", tmp_path / "odd-out", "--rename", rename, "--json"]))
+    assert len(r["warnings"]) == 1 and "layers.0.attention.rotary_gate.weight" in r["warnings"][0]

@@ -155,6 +155,10 @@ class RenameRules:
                            hint="Add a rule for it, or set strict = false to keep unmatched names unchanged.")
         return name
 
+    def renames(self, name: str) -> bool:
+        """Whether a rule matches ``name`` (a non-strict set keeps the others unchanged, with a warning)."""
+        return any(r.match.fullmatch(name) for r in self.rules)
+
     def inverse(self) -> "RenameRules":
         """The rules read backwards (for import); each rule must be invertible (see the Llama file)."""
         return RenameRules(name=f"inverse of {self.name}", rules=[_invert(r, self.source) for r in self.rules],
@@ -281,7 +285,11 @@ def _plan(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | Non
             copy_of[n] = first
         p.tied_fqns.append([first, *same])
 
+    unrenamed: list[str] = []
+
     def rename(fqn: str) -> str:
+        if rules is not None and not rules.renames(fqn) and fqn not in unrenamed:
+            unrenamed.append(fqn)
         return rules.apply(fqn) if rules is not None else fqn
 
     seen: dict[str, str] = {}
@@ -321,6 +329,9 @@ def _plan(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | Non
                        cast=out_dtype != e.dtype, shape=list(e.shape))
         p.keys.append(rec)
     p.tied = [[rename(n) for n in g] for g in p.tied_fqns]
+    if unrenamed:
+        p.warnings.append(f"{len(unrenamed)} name(s) matched no rule of {rules.source or rules.name} and keep their own "
+                          f"name: {', '.join(unrenamed[:10])}" + (" ..." if len(unrenamed) > 10 else ""))
     return p
 
 
