@@ -9,6 +9,7 @@ lineage, without the profile), and a second conversion of the output; the comman
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 import warnings
 from pathlib import Path
@@ -268,3 +269,26 @@ def test_step_from_a_step_folder_name_only_when_nothing_stored_says_it(tmp_path,
     other = _save(sd, tmp_path / "checkpoint-5")
     code, r, err = _json(["inspect", other, "--no-profile"], capsys)
     assert r["step"] is None
+
+
+def test_the_readme_quickstart_runs_as_written(plain_fsdp2_ckpt, tmp_path, capsys):
+    """The README's quickstart: its profile, its three commands, its batch lines (a real FSDP2 run, 4 ranks)."""
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Quickstart: your own checkpoint, no manifest", 1)[1].split("\n## ", 1)[0]
+    profile = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    run = tmp_path / "run"
+    shutil.copytree(plain_fsdp2_ckpt, run / "step-2")
+    (run / "reshard.toml").write_text(profile)
+    code, out, err = run_cli(["inspect", run / "step-2"], capsys)
+    assert code == 0 and "complete and consistent" in out and "source_micro_batch" in out, out + err
+    code, out, err = run_cli(["plan", run / "step-2", "--to", "dp=2"], capsys)
+    assert code == 0, err
+    for line in ("before: micro-batch 8 x accumulation 4 x dp 4 = 128",
+                 "after:  micro-batch 8 x accumulation 8 x dp 2 = 128  (global batch kept)"):
+        assert line in out and line in section, line
+    code, out, err = run_cli(["convert", run / "step-2", tmp_path / "run-dp2", "--to", "dp=2"], capsys)
+    assert code == 0 and "verified    equal to the source" in out, out + err
+    code, out, err = run_cli(["plan", tmp_path / "run-dp2", "--to", "dp=4", "--no-profile", "--json"], capsys)
+    assert code == 0 and json.loads(out)["batch"]["after"]["global_batch"] == 128, err
