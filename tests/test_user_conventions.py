@@ -161,6 +161,18 @@ def test_keep_and_drop_decide_unknown_keys_and_are_recorded(tmp_path, capsys):
     code, out, err = run_cli(["verify", src, dst], capsys)
     assert code == 0, (out, err)
 
+    # a second conversion of the output: the kept key is still one no convention explains, so the
+    # same --keep carries it again; each hop's lineage entry records its own choice
+    dst2 = tmp_path / "dst2"
+    code, out, err = run_cli(["convert", dst, dst2, "--to", "dp=3", "--keep", r"^mystery\."], capsys)
+    assert code == 0, err
+    assert torch.equal(CheckpointIndex.open(dst2).read_tensor(MYSTERY), torch.tensor([0.999, 0.9999]))
+    lineage = json.loads((dst2 / "manifest.json").read_text())["lineage"]
+    assert [e["policies"]["options"]["keep"] for e in lineage] == [[r"^mystery\."], [r"^mystery\."]]
+    assert lineage[0]["policies"]["options"]["drop"] == [r"^scratch\."]
+    code, out, err = run_cli(["verify", src, dst2], capsys)
+    assert code == 0, (out, err)
+
 
 def test_bad_choices_are_bad_input(tmp_path, capsys):
     src = _source(tmp_path)
