@@ -378,3 +378,18 @@ def test_rename_covers_torchtitan_03_and_warns_on_the_rest(world, tmp_path):
     dcp.save(sd, checkpoint_id=str(tmp_path / "odd"), no_dist=True)
     r = _ok(cli(["export", tmp_path / "odd", tmp_path / "odd-out", "--rename", rename, "--json"]))
     assert len(r["warnings"]) == 1 and "layers.0.attention.rotary_gate.weight" in r["warnings"][0]
+
+
+def test_export_cast_to_bf16(world, tmp_path):
+    """--dtype bf16: tensors and config.json's dtype are bfloat16; transformers loads it; verify compares the cast."""
+    import transformers
+
+    out = tmp_path / "bf16"
+    r = _ok(cli(["export", world["src"]["legacy"], out, "--format", "hf", "--dtype", "bf16",
+                 *[x for a in ASKED for x in ("--model-config", a)], "--json"]))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {k["exported_dtype"] for k in r["keys"] if k.get("action") == "exported"} == {"bfloat16"}
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    code, text, err = cli(["verify", world["src"]["legacy"], out])
+    assert code == 0, text + err

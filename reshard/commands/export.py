@@ -48,6 +48,14 @@ Tied weights (the manifest's ``model.tied``, or a pair from ``formats/models/tie
 whose copies are bitwise equal) are written once. ``dtype`` casts floating-point
 parameters and moments only (step counters keep their dtype).
 
+``fmt="hf"`` (``--format hf``): the same safetensors layout under the Hugging Face names of the
+model family's mapping (``formats/hf/<family>.toml``, strict: an unmapped parameter is
+refused, naming it), each weight transformed as the mapping declares (rotary row order,
+fused parts split, vocab padding trimmed: `reshard.semantics.hf`), plus ``config.json`` from
+the checkpoint's shapes and the values it cannot hold (``--model-config``, the manifest's
+``model.config``; all missing ones asked for in one message). `compare_hf_export` is what
+``reshard verify SRC HF_EXPORT`` runs.
+
 The output directory appears atomically (`reshard.storage.atomic.atomic_directory`) and holds
 ``export-report.json``: every source key once with what happened to it.
 """

@@ -38,13 +38,27 @@ becomes ``model.N``. Output keys follow the "reshard" convention: ``model.<fqn>`
 ``optim.state.<fqn>.<moment>``. Tied copies recorded by the export (``tied``) are written
 under every name of the group again (the trainer's state dict has both).
 
+Hugging Face model directories (``fmt="torchtitan"`` or a family of ``formats/hf/``)
+-------------------------------------------------------------------------------------
+``reshard import HF_DIR DST --to SPEC --format torchtitan`` reads a directory transformers
+writes (``config.json`` + safetensors) through the family's mapping backwards
+(`reshard.semantics.hf`): every stored name must be one it knows (strict), each weight gets
+the inverse of the declared transform (the rotary row order back to torchtitan's, with the
+head counts of ``config.json``), tied embeddings are written under both native names, and
+the keys follow the trainer's convention (torchtitan: the model's FQNs at the top level,
+0.3.0 names, as its CheckpointManager saves a model-only checkpoint). The layout may have
+``tp > 1``: each parameter's TP dim comes from the family's partition rules
+(``formats/models/``), FSDP's ``Shard(0)`` over ``dp_shard`` on top. The report's
+``trainer_must`` says how the trainer starts from it (torchtitan: ``initial_load_path`` with
+``initial_load_model_only`` and an empty checkpoint folder).
+
 Layout
 ------
 ``to`` is a topology spec. Parameters and optimizer moments are placed FSDP ``Shard(0)``
 over ``dp_shard`` exactly as reshard's data-parallel plans place them
 (`reshard.model.layout.target_chunks`; 0-d tensors such as step counters are replicated, written
-by rank 0). ``tp > 1`` or ``pp > 1`` is refused for now: import at ``dp`` and run
-``reshard convert --to`` (with the model's partition rules) from there.
+by rank 0). For the reshard convention ``tp > 1`` or ``pp > 1`` is refused for now: import at ``dp`` and
+run ``reshard convert --to`` (with the model's partition rules) from there.
 
 Semantics
 ---------
