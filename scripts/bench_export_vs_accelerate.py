@@ -584,9 +584,9 @@ def render_markdown(result: dict) -> str:
         f"Each command in a fresh process, warm cache, median of {result['runs']} run(s) (`cp -r && sync`: 1); "
         "peak RSS = `ru_maxrss` of that process. \"x accelerate\" = reshard / accelerate. \"Identical\" = every "
         "tensor of both outputs has the same name, dtype, shape and bytes (`safe_open`).", "",
-        "| checkpoint | tensors | command | wall (s) | peak RSS (MiB) | x accelerate (time) | x accelerate (RSS) "
-        "| identical to accelerate's |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| checkpoint | tensors | command | wall (s) | CPU (s) | peak RSS (MiB) | x accelerate (time) "
+        "| x accelerate (RSS) | identical to accelerate's |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     labels = {"cp_sync": "`cp -r && sync`", "accelerate": "`accelerate merge-weights`",
               "reshard": "`reshard export`", "reshard_hf": "`reshard export --format hf`"}
@@ -594,7 +594,7 @@ def render_markdown(result: dict) -> str:
         ck = c["checkpoint"]
         size = (f"{ck['model_bytes_on_disk'] / MIB:,.0f} MiB" if ck.get("exit_code") == 0 else f"{c['size_mib']:g} MiB")
         if ck.get("exit_code") != 0:
-            lines.append(f"| {size} | - | writer | failed (exit {ck.get('exit_code')}) | | | | |")
+            lines.append(f"| {size} | - | writer | failed (exit {ck.get('exit_code')}) | | | | | |")
             continue
         for k, r in c["commands"].items():
             ok = r["exit_code"] == 0
@@ -603,7 +603,8 @@ def render_markdown(result: dict) -> str:
             tr = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-"
             rr = f"{r['rss_ratio']:.2f}" if "rss_ratio" in r else "-"
             ident = ident_text(r.get("vs_accelerate")) if ok else f"refused: `{r.get('error', '')[:160]}`"
-            lines.append(f"| {size} | {ck['tensors']} | {labels[k]} | {wall} | {rss} | {tr} | {rr} | {ident} |")
+            cpu = f"{r['user_s'] + r['sys_s']:.2f}" if ok else "-"
+            lines.append(f"| {size} | {ck['tensors']} | {labels[k]} | {wall} | {cpu} | {rss} | {tr} | {rr} | {ident} |")
     b = result.get("baselines") or {}
     if b:
         what = {"accelerate": "`accelerate merge-weights --help` (its CLI start-up: imports torch and accelerate)",
@@ -611,12 +612,18 @@ def render_markdown(result: dict) -> str:
         lines += ["", "Start-up alone: " + "; ".join(f"{what[k]} {v['wall_s']:.2f} s, {v['peak_rss_mib']:,.0f} MiB"
                                                 for k, v in b.items() if v.get("exit_code") == 0) + ". "
                   "`cp` has no peak-RSS figure: `ru_maxrss` of a forked child keeps the forking Python's pages."]
-    lines.append("`reshard export --format hf`: " + ("measured above." if fm["hf"] else
+    lines.append("CPU = user + system time of the process and its waited-for children. What the times include: "
+                 "`reshard export` writes its output into a temporary directory, fsyncs it, reads every tensor back "
+                 "and compares it with the source (read a second time), then renames it into place; `merge-weights` loads the whole state "
+                 "dict, writes one `model.safetensors` and does not fsync. Warm cache: the checkpoints were just "
+                 "written.")
+    lines.append("`reshard export --format hf`: " + ("measured above, with `--model-config` "
+                 + " ".join(f"`{v}`" for v in Layout(**lay).hf_config()) + "." if fm["hf"] and lay else
                  f"not offered by this reshard (`--format`: {fm['format_help'] or 'no description found'}), "
                  "so not measured."))
     full = next((c for c in result["cases"] if c.get("full_training")), None)
     if full:
-        lines += ["", f"## Full training checkpoint ({full['checkpoint']['model_bytes_on_disk'] / MIB:,.0f} MiB of "
+        lines += ["", f"### Full training checkpoint ({full['checkpoint']['model_bytes_on_disk'] / MIB:,.0f} MiB of "
                   "weights, 1 Adam step)", "",
                   "`save_state` folder = `pytorch_model_fsdp_0/`, `optimizer_0/`, `scheduler.bin`, `random_states_*.pkl`, "
                   "as `accelerator.save_state` writes them under FSDP. One DCP = `dcp.save({\"model\": ..., "
