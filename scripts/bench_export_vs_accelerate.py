@@ -461,6 +461,11 @@ def child_main(argv: list[str]) -> int:
     return 0
 
 
+def code(text: str) -> str:
+    """A Markdown code span that survives backticks inside the text (error messages quote names so)."""
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
 def ident_text(c: dict | None) -> str:
     if not c:
         return "-"
@@ -470,7 +475,7 @@ def ident_text(c: dict | None) -> str:
         return f"yes ({c['compared']} tensors, {c['compared_bytes'] / MIB:,.1f} MiB bitwise{how})"
     parts = []
     if c.get("error"):
-        parts.append(f"comparison failed: `{c['error'].splitlines()[-1]}`")
+        parts.append("comparison failed: " + code(c["error"].splitlines()[-1]))
     if c.get("n_unmapped"):
         parts.append(f"{c['n_unmapped']} of accelerate's names have no HF name here, e.g. `{c['unmapped'][0]}`")
     if c["n_differ"]:
@@ -579,7 +584,8 @@ def render_markdown(result: dict) -> str:
         f"Checkpoints written by accelerate {result['accelerate']}'s own `save_fsdp_model` (FSDP2 `fully_shard`, "
         f"`SHARDED_STATE_DICT`, {result['world_size']} gloo ranks): the `{MODEL_DIR}/` folder of "
         f"`accelerator.save_state`, of a float32 Llama with torchtitan 0.3.0's parameter names (dim {result['dim']}, "
-        f"vocabulary {result['vocab']:,}, {lay.get('n_heads', '?')} heads of {result['dim'] // lay.get('n_heads', 1)}, {lay.get('n_kv_heads', '?')} "
+        f"vocabulary {result['vocab']:,}, {lay.get('n_heads', '?')} heads of {result['dim'] // lay.get('n_heads', 1)}, "
+        f"{lay.get('n_kv_heads', '?')} "
         f"key/value heads, SwiGLU hidden {lay.get('ffn_hidden', '?')}; the layer count sets the size). "
         f"Each command in a fresh process, warm cache, median of {result['runs']} run(s) (`cp -r && sync`: 1); "
         "peak RSS = `ru_maxrss` of that process. \"x accelerate\" = reshard / accelerate. \"Identical\" = every "
@@ -602,7 +608,7 @@ def render_markdown(result: dict) -> str:
             rss = f"{r['peak_rss_mib']:,.0f}" if ok and k != "cp_sync" else "-"
             tr = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-"
             rr = f"{r['rss_ratio']:.2f}" if "rss_ratio" in r else "-"
-            ident = ident_text(r.get("vs_accelerate")) if ok else f"refused: `{r.get('error', '')[:160]}`"
+            ident = ident_text(r.get("vs_accelerate")) if ok else "refused: " + code(r.get("error", "")[:160])
             cpu = f"{r['user_s'] + r['sys_s']:.2f}" if ok else "-"
             lines.append(f"| {size} | {ck['tensors']} | {labels[k]} | {wall} | {cpu} | {rss} | {tr} | {rr} | {ident} |")
     b = result.get("baselines") or {}
@@ -613,10 +619,10 @@ def render_markdown(result: dict) -> str:
                                                 for k, v in b.items() if v.get("exit_code") == 0) + ". "
                   "`cp` has no peak-RSS figure: `ru_maxrss` of a forked child keeps the forking Python's pages."]
     lines.append("CPU = user + system time of the process and its waited-for children. What the times include: "
-                 "`reshard export` writes its output into a temporary directory, fsyncs it, reads every tensor back "
-                 "and compares it with the source (read a second time), then renames it into place; `merge-weights` loads the whole state "
-                 "dict, writes one `model.safetensors` and does not fsync. Warm cache: the checkpoints were just "
-                 "written.")
+                 "`reshard export` writes its output into a temporary directory, fsyncs it, reads every tensor "
+                 "back and compares it with the source (read a second time), then renames it into place; "
+                 "`merge-weights` loads the whole state dict, writes one `model.safetensors` and does not fsync. "
+                 "Warm cache: the checkpoints were just written.")
     lines.append("`reshard export --format hf`: " + ("measured above, with `--model-config` "
                  + " ".join(f"`{v}`" for v in Layout(**lay).hf_config()) + "." if fm["hf"] and lay else
                  f"not offered by this reshard (`--format`: {fm['format_help'] or 'no description found'}), "
@@ -627,7 +633,8 @@ def render_markdown(result: dict) -> str:
                   "weights, 1 Adam step)", "",
                   "`save_state` folder = `pytorch_model_fsdp_0/`, `optimizer_0/`, `scheduler.bin`, `random_states_*.pkl`, "
                   "as `accelerator.save_state` writes them under FSDP. One DCP = `dcp.save({\"model\": ..., "
-                  "\"optimizer\": ...})` of the same state, the layout of torchtitan, Lightning Fabric and torch's recipe.", "",
+                  "\"optimizer\": ...})` of the same state (Lightning Fabric's layout; torchtitan keeps model keys at the "
+                  "top level instead).", "",
                   "| input | command | exit | wall (s) | peak RSS (MiB) | outcome |", "|---|---|---:|---:|---:|---|"]
         for a in full["full_training"]:
             if a["exit_code"] == 0:
@@ -644,14 +651,15 @@ def render_markdown(result: dict) -> str:
                             if v["model_tensors_equal"] else "; model tensors NOT equal to accelerate's merge")
                     out += f" (+{extra} optimizer tensors)" if extra else ""
             else:
-                out = f"`{a['error'][:220]}`"
+                out = code(a["error"][:220])
                 if a["dst_exists"]:
                     out += "; left " + ("an empty" if not a["files"] else "a partial") + " output directory"
             lines.append(f"| {a['input']} | `{' '.join(a['argv'])}` | {a['exit_code']} | {a['wall_s']:.2f} "
                          f"| {a['peak_rss_mib']:,.0f} | {out} |")
     lines += ["", f"Machine: {m['nproc']} CPUs, {m.get('mem_total_gib', '?')} GiB RAM, Python {m['python']}, "
               f"torch {m['torch']}, accelerate {result['accelerate']}, reshard {m.get('reshard')} at `{result['commit']}`; "
-              f"load average {result['loadavg_start']:.2f} at the start, {m.get('loadavg', [float('nan')])[0]:.2f} at the end. Checkpoint writes: "
+              f"load average {result['loadavg_start']:.2f} at the start, {m.get('loadavg', [float('nan')])[0]:.2f} "
+              "at the end. Checkpoint writes: "
               + ", ".join(f"{c['size_mib']:g} MiB {c['checkpoint']['write_s']:.0f} s" for c in result["cases"]) + "."]
     return "\n".join(lines) + "\n"
 
@@ -730,7 +738,8 @@ def main(argv=None) -> int:
         "command": [Path(sys.argv[0]).name, *argv], "commit": commit, "accelerate": accelerate.__version__,
         "sizes_mib": sizes, "dim": args.dim, "vocab": args.vocab, "world_size": args.world_size, "runs": args.runs,
         "reshard_formats": formats, "ok": ok, "summary": summary(cases), "baselines": baselines,
-        "loadavg_start": loadavg_start, "total_s": round(time.perf_counter() - t_start, 1), "machine": machine(), "cases": cases,
+        "loadavg_start": loadavg_start, "total_s": round(time.perf_counter() - t_start, 1), "machine": machine(),
+        "cases": cases,
     }
     md = render_markdown(result)
     out = Path(args.out)
