@@ -31,6 +31,13 @@ state dict saved by DCP as ``{"model": {"layers.0.w": t}}`` has the path
 The writer only ever touches files inside the directory it was given (normally a
 temporary directory from `reshard.storage.atomic.atomic_directory`).
 
+Linked items (`link_chunk`, `link_object`): ``reshard convert --data link`` puts the
+source's data files into the output directory as reflinks or hard links
+(`reshard.storage.linkfs`) and declares their items here by location, unchanged (file,
+offset, length and storage transforms); the writer never opens those files and records
+no checksum for them. Its own files then need names no linked file has: ``file_name``
+(rank -> name) replaces DCP's ``__{rank}_0.distcp``.
+
 Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
 that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
 otherwise wrap it in a RuntimeError). Every item written and the ``.metadata`` commit are
@@ -143,12 +150,15 @@ class DcpWriter:
     Not thread-safe. After `finish` (or `close`) no further writes are accepted.
     """
 
-    def __init__(self, directory: Path, owned: Any = None):
+    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None):
         """``owned``: optional predicate on a rank's file; items of files it rejects are only
         reserved (their bytes are written by another process of a distributed conversion,
-        which passes their checksums back through `adopt`)."""
+        which passes their checksums back through `adopt`). ``file_name``: optional
+        rank -> file name of this writer's data files (default `data_file_name`)."""
         self.directory = Path(directory)
         self._owned = owned
+        self._file_name = file_name or data_file_name
+        self._linked_files: set[str] = set()  # files whose items are declared by `link_chunk` / `link_object`
         if not self.directory.is_dir():
             raise WriterError("the output directory does not exist", where=str(self.directory))
         self._fds: dict[int, int] = {}          # rank -> open data file
@@ -255,6 +265,32 @@ class DcpWriter:
         self._add_object(key, path, loc)
         return loc
 
+    # ------------------------------------------------------------------ linked items
+    def link_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], location: ItemLocation) -> None:
+        """Declare a chunk of a declared tensor whose item already lies in this directory, in a
+        file put there by the caller (a reflink or hard link of a source file): the ``.metadata``
+        names ``location`` as it is (with its storage transforms). Nothing is written or checksummed.
+        The geometry is checked as for written chunks, and `finish` checks the tiling."""
+        offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        self._add_chunk(key, offsets, sizes, self._linked(location, f"chunk of '{key}'"))
+
+    def link_object(self, key: str, location: ItemLocation, path: tuple | None = None) -> None:
+        """Like `link_chunk`, for an object item."""
+        self._check_object_key(key)
+        self._add_object(key, path, self._linked(location, f"object '{key}'"))
+
+    def _linked(self, loc: ItemLocation, what: str) -> ItemLocation:
+        if not isinstance(loc, ItemLocation) or loc.length < 0 or loc.offset < 0:
+            raise WriterError(f"{what}: invalid location {loc!r}", where=str(self.directory))
+        if loc.file in self._fd_of:
+            raise WriterError(f"{what}: '{loc.file}' is one of the writer's own files, not a linked one",
+                              where=str(self.directory), hint="This is a bug in reshard; nothing was committed.")
+        if not (self.directory / loc.file).is_file():
+            raise WriterError(f"{what}: linked file '{loc.file}' is not in the output directory",
+                              where=str(self.directory), hint="This is a bug in reshard; nothing was committed.")
+        self._linked_files.add(loc.file)
+        return loc
+
     # ------------------------------------------------------------------ reserved items
     def reserve_chunk(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                       length: int) -> ItemLocation:
@@ -320,7 +356,7 @@ class DcpWriter:
         system has no direct I/O."""
         if rank not in self._direct:
             self._check_open()
-            self._direct[rank] = open_direct(self.directory / data_file_name(rank), os.O_WRONLY)
+            self._direct[rank] = open_direct(self.directory / self._file_name(rank), os.O_WRONLY)
         return self._direct[rank]
 
     def filled(self, loc: ItemLocation, crc: int) -> None:
@@ -420,12 +456,12 @@ class DcpWriter:
                     chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in d.chunks],
                 )
                 for o, _s, loc in d.chunks:
-                    storage[MetadataIndex(key, o)] = _StorageInfo(loc.file, loc.offset, loc.length)
+                    storage[MetadataIndex(key, o)] = _storage_info(loc)
                 planner[key] = d.path
             else:
                 ob = self._objects[key]
                 sdm[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = _StorageInfo(ob.location.file, ob.location.offset, ob.location.length)
+                storage[MetadataIndex(key)] = _storage_info(ob.location)
                 planner[key] = ob.path
         # checkpoint_id is left unset: the directory is normally renamed into place later.
         return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
@@ -481,14 +517,18 @@ class DcpWriter:
             if self.owns(rank):
                 # O_EXCL: never reuse or clobber a file that is already there.
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-                self._fds[rank] = os.open(self.directory / data_file_name(rank), flags, 0o644)
-                self._fd_of[data_file_name(rank)] = self._fds[rank]
+                name = self._file_name(rank)
+                if name in self._linked_files:
+                    raise WriterError(f"data file '{name}' is a linked file; the writer never writes into one",
+                                      where=str(self.directory), hint="This is a bug in reshard; nothing was committed.")
+                self._fds[rank] = os.open(self.directory / name, flags, 0o644)
+                self._fd_of[name] = self._fds[rank]
             self._end[rank] = 0
         start = self._end[rank]
         if storage_offset is not None:
             start += -(start + storage_offset) % ALIGN  # a hole of under 4 KiB that no item owns
         self._end[rank] = start + int(length)
-        return ItemLocation(data_file_name(rank), start, int(length))
+        return ItemLocation(self._file_name(rank), start, int(length))
 
     def _filled(self, loc: ItemLocation, crc: int) -> None:
         self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
@@ -512,6 +552,13 @@ class DcpWriter:
     def _add_object(self, key: str, path: tuple | None, loc: ItemLocation) -> None:
         self._objects[key] = _Object(tuple(path) if path is not None else _default_path(key), loc)
         self._order.append(key)
+
+
+def _storage_info(loc: ItemLocation) -> _StorageInfo:
+    """DCP's record of where an item lies (a linked item keeps its storage transforms)."""
+    if loc.transforms:
+        return _StorageInfo(loc.file, loc.offset, loc.length, transform_descriptors=list(loc.transforms))
+    return _StorageInfo(loc.file, loc.offset, loc.length)
 
 
 ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
