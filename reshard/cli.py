@@ -166,6 +166,7 @@ def convert(
     threads: Optional[int] = typer.Option(None, "--threads", help="I/O threads per process (default: 4-8 by CPU count)."),
     window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
+    data: str = typer.Option("copy", "--data", help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
 
@@ -203,9 +204,10 @@ def convert(
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers
-    from reshard.commands.convert import IOOptions
+    from reshard.commands.convert import IOOptions, check_data_mode
 
     distributed = in_torchrun()
+    check_data_mode(data, output_format=output_format, workers=workers, distributed=distributed)
     if workers is not None and workers != 1 and not distributed:
         if output_format != "dcp":
             raise BadInput("--workers writes DCP output only", hint="Drop --workers for --output-format local.")
@@ -228,7 +230,7 @@ def convert(
             raise typer.Exit(0)
     else:
         bar = _progress(len(p.keys), "convert")
-        report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format, io=io)
+        report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format, io=io, data=data)
         bar.close()
     typer.echo(to_json(report) if json_out else render_convert(report))
     raise typer.Exit(0 if report["verification"]["equal"] else 1)

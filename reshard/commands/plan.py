@@ -134,6 +134,7 @@ class Plan:
     stage_map: dict[str, Any] | None = None
     rules: str | None = None
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
+    data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
 
     def to_dict(self, *, tensors: bool = True) -> dict[str, Any]:
         d = {
@@ -156,6 +157,7 @@ class Plan:
             "keys": [k.to_dict() for k in self.keys],
             "summary": _summary(self.keys),
             "fingerprint": self.fingerprint(),
+            "data_link": self.data_link,
         }
         if tensors:
             d["tensors"] = [t.to_dict() for t in self.tensors]
@@ -219,9 +221,13 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     verdict["warm_start_of"] = [facet for facet, v in verdict["kept"].items()
                                 if v["status"] in ("lost", "absent") and facet in WARM_FACETS]
 
-    return Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
+    plan = Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
+    from reshard.commands.linking import link_summary  # `convert --data link`: whether it applies (not fingerprinted)
+
+    plan.data_link = link_summary(plan, ix)
+    return plan
 
 
 def _with_user_ties(mdict: dict[str, Any], ties: list[list[str]] | None) -> dict[str, Any]:

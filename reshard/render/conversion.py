@@ -24,6 +24,12 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
     ]
+    d = r.get("data") or {}
+    if d.get("mode") == "link":
+        lines += ["## Data files shared with the source (--data link)", "",
+                  f"{d['note']}.", "", f"Item checksums: {d['item_checksums']}.", "",
+                  "| file | source file | bytes | how |", "|---|---|---|---|"]
+        lines += [f"| `{x['file']}` | `{x['source_file']}` | {x['bytes']} | {x['method']} |" for x in d["shared"]] + [""]
     if r.get("sidecars"):
         lines += ["## Files beside the data (sidecars)", "", "| file | bytes | format | policy | writer |", "|---|---|---|---|---|"]
         lines += [f"| `{s['name']}` | {s['size']} | {s['format']} | {s['policy']} | {s.get('writer') or '-'} |"

@@ -175,6 +175,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         for row in m["per_rank"]:
             out.append(f"            rank {row['rank']}: params {human_bytes(row['parameters'])}, grads {human_bytes(row['gradients'])}, "
                        f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
+    out += data_link_lines(p.get("data_link"), verbose=verbose)
     summ = ", ".join(f"{n} {a}" for a, n in sorted(p["summary"].items()))
     out.append(f"keys        {summ}")
     groups: dict[tuple[str, str], list[str]] = {}
@@ -220,4 +221,30 @@ def render_convert(r: dict[str, Any]) -> str:
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",
     ]
+    d = r.get("data") or {}
+    if d.get("mode") == "link":
+        lines.insert(4, f"shared      {human_bytes(d['shared_bytes'])} in {len(d['shared'])} source data files by {d['method']} "
+                        f"({d['linked_tensors']} tensors, {d['linked_objects']} objects), {d['written_keys']} keys written new")
+        lines.insert(5, f"            {d['note']}")
     return "\n".join(lines + sidecar_lines(r.get("sidecars") or [], verb="carried byte-identical"))
+
+
+def data_link_lines(d: dict[str, Any] | None, *, verbose: bool = False) -> list[str]:
+    """The plan's `convert --data link` line: available (what each target rank would read) or why not."""
+    if not d:
+        return []
+    if not d["available"]:
+        first = d["reasons"][0] if d["reasons"] else "-"
+        more = f" (+{len(d['reasons']) - 1} more)" if len(d["reasons"]) > 1 else ""
+        return [f"data link   not available: {first}{more}"]
+    rd = d.get("reads") or {}
+    out = [f"data link   available: {d['shared_files']} source files ({human_bytes(d['shared_bytes'])}) shared, "
+           f"{d['new_keys']} keys written new; {d['how']}"]
+    if rd:
+        amp = f", {rd['amplification']}x what the ranks keep" if rd.get("amplification") else ""
+        out.append(f"            each target rank's load reads at most {human_bytes(rd['max_bytes'])} from "
+                   f"{rd['max_files']} files (rank {rd['max_rank']}){amp}")
+        if verbose:
+            out += [f"            rank {x['rank']}: {x['items']} items from {x['files']} files, {human_bytes(x['bytes'])} "
+                    f"read, {human_bytes(x['keeps'])} kept" for x in rd["per_rank"]]
+    return out
