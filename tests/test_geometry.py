@@ -601,3 +601,19 @@ def test_three_varying_dims_past_the_pairwise_budget_still_fail(damage, monkeypa
     brute = counts(shape, chunks)
     assert len(got) == 1
     assert (got == ["overlap"] and (brute > 1).any()) or (got == ["gap"] and (brute == 0).any())
+
+
+@given(st.integers(0, 5000), st.integers(1, 300))
+@settings(max_examples=300, deadline=None)
+def test_chunk_bound_is_torch_chunk_in_closed_form(n, parts):
+    """The closed form a rank's piece uses equals torch.chunk (pieces of ceil(n/parts), trailing ones empty)."""
+    import torch
+
+    from reshard.model.layout import chunk_bound, chunk_bounds
+
+    pieces = torch.arange(n).chunk(parts) if n else ()
+    want = [(int(p[0]), len(p)) for p in pieces if len(p)]
+    got = [chunk_bound(n, parts, i) for i in range(parts)]
+    assert got == chunk_bounds(n, parts)
+    assert [b for b in got if b[1]] == want
+    assert sum(size for _, size in got) == n

@@ -16,7 +16,6 @@ the one with index 0 on those dims writes the bytes, as DCP's save-time dedup wo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
 
 from reshard.model.geometry import Box
 from reshard.model.topology import DIMS, Topology
@@ -71,12 +70,18 @@ def rank_of(topo: Topology, **coords: int) -> int:
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """``torch.chunk`` semantics: (start, size) of each of ``parts`` pieces of ``n``; missing pieces are empty."""
-    step = ceil(n / parts) if n else 0
-    out = []
-    for i in range(parts):
-        start = min(i * step, n)
-        out.append((start, max(0, min(step, n - start))))
-    return out
+    return [chunk_bound(n, parts, i) for i in range(parts)]
+
+
+def chunk_bound(n: int, parts: int, i: int) -> tuple[int, int]:
+    """(start, size) of piece ``i`` of ``chunk_bounds(n, parts)``, in closed form.
+
+    A rank's piece is asked for once per rank per tensor: computing all pieces to pick one
+    made planning quadratic in the world size (16,384 ranks, a thousand tensors).
+    """
+    step = -(-n // parts) if n else 0
+    start = min(i * step, n)
+    return start, max(0, min(step, n - start))
 
 
 def piece(shape: tuple[int, ...], placement: Placement, topo: Topology, *, tp: int, dp: int) -> Box:
@@ -87,10 +92,10 @@ def piece(shape: tuple[int, ...], placement: Placement, topo: Topology, *, tp: i
         return Box((), ())
     if placement.tp_dim is not None and topo.tp > 1:
         d = placement.tp_dim
-        start, size = chunk_bounds(shape[d], topo.tp)[tp]
+        start, size = chunk_bound(shape[d], topo.tp, tp)
         offs[d], sizes[d] = start, size
     if placement.dp_shard and topo.dp_shard > 1:
-        start, size = chunk_bounds(sizes[0], topo.dp_shard)[dp]
+        start, size = chunk_bound(sizes[0], topo.dp_shard, dp)
         offs[0], sizes[0] = offs[0] + start, size
     return Box(tuple(offs), tuple(sizes))
 
