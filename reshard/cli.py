@@ -306,16 +306,29 @@ def export(
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file, e.g. 5GB or 256MB."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
     model_config: Optional[list[str]] = typer.Option(None, "--model-config", help="--format hf: a config value the checkpoint cannot hold, name=value (repeatable), e.g. n_heads=32, rms_norm_eps=1e-5, rope_theta=500000."),
+    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
 ) -> None:
-    """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor."""
+    """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor.
+
+    With --format hf, a profile's [model] values fill what --model-config does not give.
+    """
     from reshard.commands.export import export as run_export, parse_size
     from reshard.render.report import to_json
     from reshard.semantics.hf import parse_values
+    from reshard.semantics.profile import find_profile, load_profile
 
+    values = parse_values(model_config)
+    record = None
+    found = find_profile(src, profile, enabled=not no_profile)
+    if found is not None:
+        prof = load_profile(found)
+        used = sorted(k for k in prof.model_config if k not in values) if fmt == "hf" else []
+        values.update({k: prof.model_config[k] for k in used})
+        record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
     r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                   rename=rename, overwrite=overwrite, model_config=parse_values(model_config))
+                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 

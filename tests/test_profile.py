@@ -292,3 +292,24 @@ def test_the_readme_quickstart_runs_as_written(plain_fsdp2_ckpt, tmp_path, capsy
     assert code == 0 and "verified    equal to the source" in out, out + err
     code, out, err = run_cli(["plan", tmp_path / "run-dp2", "--to", "dp=4", "--no-profile", "--json"], capsys)
     assert code == 0 and json.loads(out)["batch"]["after"]["global_batch"] == 128, err
+
+
+def test_export_hf_takes_the_values_config_json_needs_from_the_profile(tmp_path, capsys):
+    """A Hugging Face export asks for what the shapes cannot say; a profile's [model] says it once."""
+    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+
+    src = make_llama_checkpoint(tmp_path / "run" / "step-3", shape=LlamaShape(), tp=1, dp=2, fused=False, seed=7,
+                                manifest=False)
+    code, out, err = run_cli(["export", src, tmp_path / "never", "--format", "hf", "--no-profile"], capsys)
+    assert code == 2 and "n_heads" in err and "rope_theta" in err, err
+    (tmp_path / "run" / "reshard.toml").write_text(
+        "[model]\nn_heads = 8\nn_kv_heads = 2\nrms_norm_eps = 1e-5\nrope_theta = 500000.0\nrope_scaling_factor = 1.0\n")
+    code, out, err = run_cli(["export", src, tmp_path / "hf", "--format", "hf", "--json"], capsys)
+    assert code == 0, err
+    rec = json.loads(out)["profile"]
+    assert rec["file"] == str((tmp_path / "run" / "reshard.toml").resolve())
+    assert "model_config.n_heads" in rec["contributed"]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 2)
+    code, out, err = run_cli(["verify", src, tmp_path / "hf"], capsys)
+    assert code == 0, out + err

@@ -469,13 +469,15 @@ def _header_metadata(ess: dict[str, Any], shard: list[_Item], copies: dict[str, 
 
 def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
-           overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None) -> dict[str, Any]:
+           overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None,
+           profile: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report.
 
     ``fmt="hf"``: safetensors under the Hugging Face names of the model family's mapping
     (``formats/hf/<family>.toml``, strict), the weights transformed as it declares, and a
     ``config.json`` from the checkpoint's shapes plus ``model_config`` (``--model-config``) and the
     manifest's ``model.config`` for what the shapes cannot tell (asked for once when missing).
+       ``profile``: the record of the profile that contributed values (file, sha256, what), kept in the report.
     """
     from reshard.semantics.conventions import classify
     from reshard.storage.atomic import atomic_directory, check_destination
@@ -568,6 +570,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             # no wall time under SOURCE_DATE_EPOCH: reproducible outputs, as convert and import
             "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
         }
+        if profile is not None:
+            report["profile"] = profile
         if hf is not None:
             report["hf"] = {"mapping": hf.mapping.describe(), "config": HF_CONFIG, "values": hf.values,
                             "values_from": hf.origin, "transforms": hf.transforms}
