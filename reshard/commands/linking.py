@@ -36,7 +36,7 @@ import numpy as np
 from reshard.model.layout import local_box
 from reshard.storage.index import RANK_FILE
 
-__all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "SHARED_NOTE"]
+__all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
 
 DATA_MODES = ("copy", "link")
 LINK_PREFIX = "linked"
@@ -179,7 +179,7 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
         src = [(c.box.offsets, c.box.sizes, c.location) for c in e.chunks if c.location is not None]
         if not src or not tr:
             continue
-        ti, sj, ov = _overlaps(np.array([b[0] for b in tb], dtype=np.int64).reshape(len(tb), -1),
+        ti, sj, ov = overlaps(np.array([b[0] for b in tb], dtype=np.int64).reshape(len(tb), -1),
                                np.array([b[1] for b in tb], dtype=np.int64).reshape(len(tb), -1),
                                np.array([s[0] for s in src], dtype=np.int64).reshape(len(src), -1),
                                np.array([s[1] for s in src], dtype=np.int64).reshape(len(src), -1))
@@ -225,7 +225,7 @@ def _target_boxes(t: Any, target: Any) -> tuple[list[int], list[tuple[tuple[int,
     return ranks, boxes
 
 
-def _overlaps(t_off: np.ndarray, t_size: np.ndarray, s_off: np.ndarray, s_size: np.ndarray
+def overlaps(t_off: np.ndarray, t_size: np.ndarray, s_off: np.ndarray, s_size: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (target box i, saved chunk j) pair that overlaps, and its overlap in elements.
 
