@@ -307,11 +307,17 @@ class _Plan:
     first_plan: np.ndarray  # per entry: first plan (after dedup) listing it
     file_sizes: np.ndarray  # (N,) bytes of each rank's file
     _pos_cache: dict = field(default_factory=dict)
+    _owners_cache: dict = field(default_factory=dict)
     singles: np.ndarray | None = None  # (classes, N): rank holds its class's chunk alone
 
     def shared_owners(self, e: int) -> tuple[tuple[int, int], ...]:
-        g = self.classes[self.class_of[e]]
-        return tuple((int(grp), self.owner[(e, int(grp))]) for grp in np.flatnonzero(g.count > 1))
+        """(group, writer) of entry ``e``'s multi-holder chunks: with its class, what fixes its chunk list."""
+        hit = self._owners_cache.get(e)
+        if hit is None:
+            g = self.classes[self.class_of[e]]
+            hit = self._owners_cache[e] = tuple((int(grp), self.owner[(e, int(grp))])
+                                                for grp in np.flatnonzero(g.count > 1))
+        return hit
 
     def chunk_ranks(self, e: int) -> np.ndarray:
         """Ranks whose item of entry ``e`` survives, in plan order (the chunk list's order)."""
@@ -570,18 +576,22 @@ def _chunks(plan: _Plan, e: int) -> Iterator[tuple[tuple[int, ...], tuple[int, .
 
 def _rank_entries(plan: _Plan, r: int):
     """(entry, file offset, length, index hint, chunk offsets or None) for rank r's items, in file order."""
+    items = plan.rank_items(r).tolist()
+    cls = plan.class_of[items].tolist() if items else []
+    offs_of = {c: tuple(int(x) for x in g.offsets[r]) for c, g in enumerate(plan.classes)}
+    len_of = {c: int(g.lengths[r]) for c, g in enumerate(plan.classes)}
     off = 0
-    for e in plan.rank_items(r):
-        e = int(e)
-        ent = plan.entries[e]
-        length = _item_length(plan, e, r)
-        if ent.kind == "bytes":
-            yield e, off, length, None, None
-        elif ent.kind == "tensor":
-            yield e, off, length, 0, (0,) * len(ent.shape)
+    for e, c in zip(items, cls):
+        if c >= 0:
+            length = len_of[c]
+            yield e, off, length, int(plan.hint(e)[r]), offs_of[c]
         else:
-            g = plan.classes[int(plan.class_of[e])]
-            yield e, off, length, int(plan.hint(e)[r]), tuple(int(x) for x in g.offsets[r])
+            ent = plan.entries[e]
+            length = int(plan.lengths[e])
+            if ent.kind == "bytes":
+                yield e, off, length, None, None
+            else:
+                yield e, off, length, 0, (0,) * len(ent.shape)
         off += length
 
 
@@ -645,6 +655,8 @@ class _StreamPickler(pickle._Pickler):  # the stdlib's pure-Python pickler: same
         super().__init__(file, protocol=4)
         self.memo = _Memo()
         self._mi, self._si, self._csm = skeleton_types
+        self._chunk_ix = None
+        self._chunk_cache: dict = {}
 
     def _idx(self, obj) -> int | None:
         x = self.memo.get(id(obj))
@@ -669,30 +681,47 @@ class _StreamPickler(pickle._Pickler):  # the stdlib's pure-Python pickler: same
             out.append(i)
         return out
 
+    def _chunk_bytes(self, plan: _Plan, c: int, r: int) -> tuple[bytes, int]:
+        """One chunk of class ``c`` at rank ``r`` (identical for every entry of the class)."""
+        cache = self._chunk_cache.setdefault((id(plan), c), {})
+        hit = cache.get(r)
+        if hit is None:
+            cls_i, k_off, k_siz, size_i = self._chunk_ix
+            g = plan.classes[c]
+            a, na = _size_ops(_get(size_i), [int(x) for x in g.offsets[r]])
+            b, nb = _size_ops(_get(size_i), [int(x) for x in g.sizes[r]])
+            hit = cache[r] = (b"".join((_get(cls_i), pickle.EMPTY_TUPLE, pickle.NEWOBJ, MEMO, pickle.EMPTY_DICT, MEMO,
+                                        pickle.MARK, _get(k_off), a, _get(k_siz), b, pickle.SETITEMS, pickle.BUILD)),
+                              2 + na + nb)
+        return hit
+
     def _save_chunks(self, lazy: _LazyChunks) -> None:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         self.write(pickle.EMPTY_LIST)
         self.memoize(lazy)
-        items = list(_chunks(lazy.plan, lazy.e))
-        for start in range(0, len(items), _BATCH):
-            batch = items[start:start + _BATCH]
+        plan, e = lazy.plan, lazy.e
+        c = int(plan.class_of[e])
+        ranks = plan.chunk_ranks(e) if c >= 0 else np.zeros(1, dtype=np.int64)
+        first = self._chunk_ix is None
+        for start in range(0, len(ranks), _BATCH):
+            batch = ranks[start:start + _BATCH]
             if len(batch) > 1:
                 self.write(pickle.MARK)
-            for offs, sizes in batch:
+            i0 = 0
+            if self._chunk_ix is None or c < 0:  # the file's first chunk (pickle emits the globals) or a plain tensor
+                offs, sizes = next(iter(_chunks(plan, e)))
                 self.framer.commit_frame()
-                ix = self._ready(self._csm, sys.intern("offsets"), sys.intern("sizes"), torch.Size)
-                if ix is None:  # first chunk of the file: let pickle emit the globals
-                    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-                    super().save(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
-                    continue
-                c, k_off, k_siz, size_cls = ix
-                g = _get(size_cls)
-                a, na = _size_ops(g, offs)
-                b, nb = _size_ops(g, sizes)
-                self.write(b"".join((_get(c), pickle.EMPTY_TUPLE, pickle.NEWOBJ, MEMO, pickle.EMPTY_DICT, MEMO,
-                                     pickle.MARK, _get(k_off), a, _get(k_siz), b, pickle.SETITEMS, pickle.BUILD)))
-                self.memo.extra += 2 + na + nb
+                super().save(ChunkStorageMetadata(offsets=torch.Size(offs), sizes=torch.Size(sizes)))
+                self._chunk_ix = self._ready(self._csm, sys.intern("offsets"), sys.intern("sizes"), torch.Size)
+                i0 = 1
+            for r in batch[i0:].tolist():
+                self.framer.commit_frame()
+                b, k = self._chunk_bytes(plan, c, r)
+                self.write(b)
+                self.memo.extra += k
             self.write(pickle.APPENDS if len(batch) > 1 else pickle.APPEND)
+        del first
 
     def _save_storage(self, lazy: _LazyStorage) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -701,67 +730,60 @@ class _StreamPickler(pickle._Pickler):  # the stdlib's pure-Python pickler: same
         self.write(pickle.EMPTY_DICT)
         self.memoize(lazy)
         plan = lazy.plan
-        keys = [_str(ent.key) for ent in plan.entries]
-        names = ["fqn", "index", "offset", "relative_path", "length"]
-        interned = [sys.intern(s) for s in names]
-        NONE = pickle.NONE
+        names = [sys.intern(x) for x in ("fqn", "index", "offset", "relative_path", "length")]
+        keys = [_str(ent.key) + MEMO for ent in plan.entries]
         head = pickle.EMPTY_TUPLE + pickle.NEWOBJ + MEMO + pickle.EMPTY_DICT + MEMO + pickle.MARK
         tail = pickle.SETITEMS + pickle.BUILD
-        pending: list[tuple] = []
-
-        def flush(final: bool) -> None:
-            while len(pending) >= _BATCH or (final and pending):
-                batch = pending[:_BATCH]
-                del pending[:_BATCH]
-                if len(batch) > 1:
-                    self.write(pickle.MARK)
-                for item in batch:
-                    emit(*item)
-                self.write(pickle.SETITEMS if len(batch) > 1 else pickle.SETITEM)
-
-        path_idx: dict[int, int] = {}
-        path_obj: dict[int, str] = {}
-
-        def emit(r: int, e: int, off: int, length: int, hint, offs) -> None:
-            self.framer.commit_frame()
-            ent = plan.entries[e]
-            ix = self._ready(self._mi, self._si, torch.Size, *interned)
-            if ix is None:
-                rel = path_obj.setdefault(r, _fresh(lazy.names[r]))
-                super(_StreamPickler, self).save(MetadataIndex(_fresh(ent.key), offs, hint))
-                super(_StreamPickler, self).save(_StorageInfo(rel, off, length))
-                i = self._idx(rel)
-                if i is not None:
-                    path_idx[r] = i
-                return
-            mi, si, size_cls, k_fqn, k_index, k_offset, k_rel, k_len = ix
-            parts = [_get(mi), head, _get(k_fqn), keys[e], MEMO, _get(k_index)]
-            n_memo = 3  # the MetadataIndex, its dict, the fqn string
-            if offs is None:
-                parts.append(NONE)
-            else:
-                parts += [_int(hint), _get(k_offset)]
-                so, ns = _size_ops(_get(size_cls), offs)
-                parts.append(so)
-                n_memo += ns
-            parts += [tail, _get(si), head, _get(k_rel)]
-            n_memo += 2
-            if r in path_idx:
-                parts.append(_get(path_idx[r]))
-            else:
-                parts += [_str(lazy.names[r]), MEMO]
-                path_idx[r] = len(self.memo) + n_memo  # its memo slot: after this entry's earlier ones
-                n_memo += 1
-            parts += [_get(k_offset), _int(off), _get(k_len), _int(length), tail]
-            self.write(b"".join(parts))
-            self.memo.extra += n_memo
-
+        skey = [plan.shared_owners(e) if c >= 0 else None for e, c in enumerate(plan.class_of.tolist())]
+        ix = None
+        count = 0  # items emitted (for SETITEMS batches)
+        total = plan.storage_entries()
         for r in range(plan.n_ranks):
-            for item in _rank_entries(plan, r):
-                pending.append((r,) + item)
-                if len(pending) >= 4 * _BATCH:
-                    flush(False)
-        flush(True)
+            path_ref = None  # this rank's relative_path: memoised at its first use
+            frag: dict = {}
+            items = list(_rank_entries(plan, r))
+            for e, off, length, hint, offs in items:
+                if count % _BATCH == 0:
+                    left = total - count
+                    if left > 1:
+                        self.write(pickle.MARK)
+                self.framer.commit_frame()
+                if ix is None:  # the first entry: pickle emits the globals and key names
+                    rel = _fresh(lazy.names[r])
+                    super().save(MetadataIndex(_fresh(plan.entries[e].key), offs, hint))
+                    super().save(_StorageInfo(rel, off, length))
+                    path_ref = _get(self._idx(rel))
+                    ix = self._ready(self._mi, self._si, torch.Size, *names)
+                    mi, si, size_i, k_fqn, k_index, k_offset, k_rel, k_len = ix
+                    pre = _get(mi) + head + _get(k_fqn)
+                    mid_si = tail + _get(si) + head + _get(k_rel)
+                    g_off, g_len = _get(k_offset), _get(k_len)
+                else:
+                    c = int(plan.class_of[e])
+                    fk = (c, skey[e]) if c >= 0 else (c, plan.entries[e].kind, len(plan.entries[e].shape))
+                    f = frag.get(fk)
+                    if f is None:
+                        n_memo = 3 + 2  # MetadataIndex, its dict, fqn; _StorageInfo, its dict
+                        if offs is None:
+                            mid = _get(k_index) + pickle.NONE
+                        else:
+                            so, ns = _size_ops(_get(size_i), offs)
+                            mid = _get(k_index) + _int(hint) + g_off + so
+                            n_memo += ns
+                        f = frag[fk] = (mid, n_memo)
+                    mid, n_memo = f
+                    if path_ref is None:
+                        path_ref = _get(len(self.memo) + n_memo)  # the slot the string is about to take
+                        pref = _str(lazy.names[r]) + MEMO
+                        n_memo += 1
+                    else:
+                        pref = path_ref
+                    self.write(b"".join((pre, keys[e], mid, mid_si, pref, g_off, _int(off), g_len, _int(length), tail)))
+                    self.memo.extra += n_memo
+                count += 1
+                if count % _BATCH == 0 or count == total:
+                    n_batch = count % _BATCH or _BATCH
+                    self.write(pickle.SETITEMS if n_batch > 1 else pickle.SETITEM)
 
 
 # --------------------------------------------------------------------------------------
