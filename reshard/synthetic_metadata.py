@@ -152,7 +152,7 @@ def adamw_param_group(fqns: list[str], **hyper: Any) -> dict[str, Any]:
 
 
 def model_entries(params: Sequence[tuple[str, tuple[int, ...], int | None]], *, dtype: torch.dtype = torch.float32,
-                  optimizer: bool = True, hyper: dict[str, Any] | None = None) -> list[Entry]:
+                  optimizer: bool = True, hyper: dict[str, Any] | None = None, step: int = 1000) -> list[Entry]:
     """The flattened ``{"model": ..., "optim": ...}`` of ``get_state_dict(model, AdamW)``.
 
     ``model.<fqn>`` for every parameter, then per parameter ``optim.state.<fqn>.step`` (a 0-d
@@ -163,7 +163,8 @@ def model_entries(params: Sequence[tuple[str, tuple[int, ...], int | None]], *, 
     if not optimizer:
         return out
     for f, s, td in params:
-        out.append(Entry(f"optim.state.{f}.step", "tensor", ("optim", "state", f, "step"), (), torch.float32))
+        out.append(Entry(f"optim.state.{f}.step", "tensor", ("optim", "state", f, "step"), (), torch.float32,
+                         value=torch.tensor(float(step))))
         for role in ("exp_avg", "exp_avg_sq"):
             out.append(Entry(f"optim.state.{f}.{role}", "shard", ("optim", "state", f, role), tuple(s), dtype, td))
     for name, value in adamw_param_group([f for f, _, _ in params], **(hyper or {"lr": 3e-4})).items():
@@ -838,17 +839,31 @@ def make_checkpoint(out_dir: str | os.PathLike, entries: list[Entry], *, dp: int
     """Write ``.metadata`` and the sparse ``__<rank>_0.distcp`` files for ``entries`` on dp x tp ranks.
 
     ``checkpoint_id`` is what ``StorageMeta`` records (torch: ``Path(checkpoint_id)`` as given
-    to ``dcp.save``); default ``Path(out_dir)``. Data files are truncated to their length:
-    they hold no bytes (reads return zeros), so only metadata-level tools can use them.
+    to ``dcp.save``); default ``Path(out_dir)``. Data files are truncated to their length and
+    hold no tensor chunk bytes (reads return zeros, so only metadata-level tools can use
+    them); the small items, objects and plain tensors (``step``), are written for real (the
+    ``torch.save`` bytes torch writes), so that the counters a tool reads are there.
     """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, plan = build_metadata(entries, dp=dp, tp=tp, checkpoint_id=pathlib.Path(checkpoint_id or out),
                               save_id=save_id)
+    small: dict[int, bytes] = {}
+    for e, ent in enumerate(entries):
+        if ent.kind == "bytes" or (ent.kind == "tensor" and ent.value is not None):
+            buf = io.BytesIO()
+            torch.save(ent.value, buf)
+            small[e] = buf.getvalue()
     for r in range(plan.n_ranks):
         p = out / f"__{r}_0.distcp"
-        with open(p, "wb"):
-            pass
+        with open(p, "wb") as f:
+            for e, off, length, _, _ in _rank_entries(plan, r) if plan.owned.get(r) else ():
+                data = small.get(e)
+                if data is not None:
+                    if len(data) != length:
+                        raise ValueError(f"{entries[e].key}: torch.save gave {len(data)} bytes, planned {length}")
+                    f.seek(off)
+                    f.write(data)
         os.truncate(p, int(plan.file_sizes[r]))
     n = write_metadata(md, out / METADATA_NAME)
     storage_entries = plan.storage_entries()
