@@ -18,6 +18,7 @@ its output is reproducible byte for byte)::
     cp -r SRC COPY && sync                           # the floor with the data on disk
     python -m reshard convert SRC DST --to dp=2 --json
     python -m reshard verify SRC DST --json
+    python -m reshard convert SRC DST_L --to dp=2 --data link --json                  # shares the tensor files
     python -m reshard convert SRC DST_W --to dp=2 --workers 2 --json                  # distributed
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m reshard convert SRC DST_T --to dp=2 --json                                   # distributed
@@ -29,6 +30,11 @@ TP conversion is given a rules file written into the temporary directory: one ru
 ``tp = "shard"`` along ``--tp-dim`` (default 1, i.e. every target chunk gathers a column
 block from every row-sharded source chunk). Before timing it, ``reshard plan SRC --to
 TP --rules RULES`` is run once; if it refuses, the TP row says "not measured: <reason>".
+
+``--data link`` (issue 18) shares the source's data files with the output (reflink, else
+hard link; DST beside the source) and writes only ``.metadata``, the rewritten keys and the
+manifest, so its time should not grow with the checkpoint: its row sits next to copy mode's,
+with the bytes each wrote (``--no-link`` skips it).
 
 The distributed outputs (``--workers N`` and torchrun with ``--nproc-per-node N``,
 ``--dist-workers``, default 2) are compared byte for byte with the single-process output of
@@ -325,6 +331,11 @@ def run_case(args, size_gib: float, shape, tmp: Path, log_dir: Path, cold: bool,
                      args, log_dir, cold, P)
             r.pop("stdout", None)
             R.setdefault("verify", []).append(r)
+        if not args.no_link:
+            ldst = tmp / f"dst-link-{tag}"
+            convert("convert_link", ldst, [py, "-m", "reshard", "convert", str(src), str(ldst), "--to", args.to,
+                                           "--data", "link", "--json"], i)
+            _clear(ldst)
         for key, tmpl in dists:
             ddst = tmp / f"{key}-{tag}"
             r = convert(key, ddst, [str(ddst) if x == "{dst}" else x for x in tmpl], i)
@@ -369,6 +380,7 @@ def commands(result: dict) -> list[tuple[str, str]]:
         ("cp", "`cp -r`"),
         ("cp_sync", "`cp -r && sync`"),
         ("convert", f"`reshard convert --to {to}`"),
+        ("convert_link", f"`reshard convert --to {to} --data link`"),
         ("convert_workers", f"`reshard convert --to {to} --workers {w}`"),
         ("convert_torchrun", f"`torchrun --nproc-per-node {w} -m reshard convert --to {to}`"),
         ("convert_tp", f"`reshard convert --to {tp} --rules` (TP shard dim {result['tp_dim']})"),
@@ -504,6 +516,21 @@ def _pf(ok: bool) -> str:
     return "**PASS**" if ok else "**FAIL**"
 
 
+def _link_lines(result: dict) -> list[str]:
+    """``--data link`` next to copy mode at each size: wall time, the ratio, the bytes each wrote."""
+    out = []
+    for case in result["cases"]:
+        c, k = best(case, "convert"), best(case, "convert_link")
+        if not c or not k:
+            continue
+        inner = (f" (the conversion itself, as each report says: {k['reported_seconds']:.2f} s vs {c['reported_seconds']:.2f} s)"
+                 if k.get("reported_seconds") is not None and c.get("reported_seconds") is not None else "")
+        out.append(f"- `--data link` at {case['size_gib']:g} GiB: {k['wall_s']:.2f} s vs copy {c['wall_s']:.2f} s "
+                   f"({c['wall_s'] / k['wall_s']:.1f}x faster){inner}, wrote {k.get('bytes_written') or 0:,} bytes vs "
+                   f"{c.get('bytes_written') or 0:,}; peak RSS {k['peak_rss_mib']:,.0f} vs {c['peak_rss_mib']:,.0f} MiB")
+    return out + [""] if out else []
+
+
 def render_markdown(result: dict) -> str:
     cases, s = result["cases"], result["summary"]
     small, large = cases[0], cases[-1]
@@ -525,7 +552,7 @@ def render_markdown(result: dict) -> str:
          "| marginal (s/GiB) | marginal CPU (s/GiB) | x `cp -r` |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    skipped = {"stock": result["no_stock"], "convert_tp": result["no_tp"],
+    skipped = {"stock": result["no_stock"], "convert_tp": result["no_tp"], "convert_link": result.get("no_link", False),
                "convert_workers": result["no_distributed"], "convert_torchrun": result["no_distributed"]}
     for cmd, label in commands(result):
         if skipped.get(cmd):
@@ -547,6 +574,7 @@ def render_markdown(result: dict) -> str:
                      f"| {cell('large', 'rss_mib', '{:,.0f}')} | {_f(v.get('marginal_s_per_gib'))} "
                      f"| {_f(v.get('marginal_cpu_s_per_gib'))} | {_f(v.get('ratio_to_cp'))} |")
     lines.append("")
+    lines += _link_lines(result)
     t, M = s["targets"], s["marginal"]
 
     def mg(cmd, field="marginal_s_per_gib"):
@@ -672,6 +700,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-stock", action="store_true", help="skip the stock format_utils path")
     ap.add_argument("--no-tp", action="store_true", help="skip the TP conversion")
     ap.add_argument("--no-distributed", action="store_true", help="skip the --workers and torchrun conversions")
+    ap.add_argument("--no-link", action="store_true", help="skip the --data link conversion")
     ap.add_argument("--no-inspect", action="store_true", help="skip the inspect 10 vs 10,000 entries timing")
     ap.add_argument("--sample-ms", type=float, default=100.0)
     ap.add_argument("--timeout", type=float, default=3600.0)
@@ -717,7 +746,7 @@ def main(argv=None) -> int:
         "sizes_gib": sizes, "tensor_mib": args.tensor_mib, "shape": list(shape), "world_size": args.world_size,
         "to": args.to, "tp_to": args.tp_to, "tp_dim": args.tp_dim, "dist_workers": args.dist_workers,
         "runs": args.runs, "stock_runs": args.stock_runs,
-        "no_stock": args.no_stock, "no_tp": args.no_tp, "no_distributed": args.no_distributed,
+        "no_stock": args.no_stock, "no_tp": args.no_tp, "no_distributed": args.no_distributed, "no_link": args.no_link,
         "source_date_epoch": EPOCH, "cold_cache": cold, "loadavg_start": load_start,
         "rules_toml": RULES_TOML.format(dim=args.tp_dim) if not args.no_tp else None,
         "tp_not_measured": state.get("tp_not_measured"),
