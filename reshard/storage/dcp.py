@@ -93,6 +93,8 @@ def _bad(where: str, what: str) -> BadInput:
 
 
 def _int_tuple(v: Any, where: str, what: str) -> tuple[int, ...]:
+    if type(v) is tuple and all(type(x) is int for x in v):  # the common case, once per chunk: no copy
+        return v
     if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise _bad(where, f"{what} is not a tuple of integers")
     return tuple(int(x) for x in v)
@@ -133,6 +135,7 @@ def _decode(md: Any, where: str) -> RawMetadata:
     if not isinstance(storage, dict):
         raise _bad(where, "storage_data is not a mapping (not written by the filesystem writer?)")
     locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
+    checked: set[str] = set()  # a few file names, each stored with thousands of items: checked once each
     for idx, info in storage.items():
         if not isinstance(idx, Record) or not isinstance(info, Record):
             raise _bad(where, "storage_data holds unexpected objects")
@@ -144,10 +147,12 @@ def _decode(md: Any, where: str) -> RawMetadata:
         rel = info.get("relative_path")
         if not isinstance(rel, str):
             raise _bad(where, f"storage of '{fqn}' has no file name")
-        safefs.check_name(rel, where=where)
-        if "/" in rel or "\\" in rel:
-            raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
-                           hint="Refusing to read files outside the checkpoint directory.")
+        if rel not in checked:
+            safefs.check_name(rel, where=where)
+            if "/" in rel or "\\" in rel:
+                raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
+                                        hint="Refusing to read files outside the checkpoint directory.")
+            checked.add(rel)
         o, n = info.get("offset"), info.get("length")
         if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
             raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
