@@ -164,39 +164,54 @@ def link_summary(plan: Any, ix: Any) -> dict[str, Any]:
 
 def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
     """Per target rank: read items, distinct files, bytes read (whole saved items, as DCP reads
-    them) and bytes kept (its local boxes), over every linked tensor."""
+    them), their tensor data and the tensor data kept (its local boxes), over every linked tensor.
+
+    Computed once per distinct chunking and multiplied by the tensors that share it (like the
+    plan's memory estimate per distinct shape): tensors of one shape, dtype and placement whose
+    saved chunks agree in number and in their first and last box, file and item length are cut
+    alike by one `dcp.save` (FSDP2 cuts every tensor of a shape the same way, each rank writes
+    its pieces to its own file), so a plan over thousands of ranks does not walk every chunk of
+    every tensor. Per distinct chunking: a few numpy arrays over its chunks, sums by ``bincount``.
+    """
     world = int(plan.target.world_size)
     items = np.zeros(world, dtype=np.int64)
-    read = np.zeros(world, dtype=np.int64)
-    kept = np.zeros(world, dtype=np.int64)
-    data = np.zeros(world, dtype=np.int64)
+    read = np.zeros(world, dtype=np.float64)
+    kept = np.zeros(world, dtype=np.float64)
+    data = np.zeros(world, dtype=np.float64)
     file_ids: dict[str, int] = {}
-    rank_files: set[tuple[int, int]] = set()
+    pairs: list[np.ndarray] = []
     planned = {t.key: t for t in plan.tensors}
+    groups: dict[tuple, list] = {}
     for key in keys:
         e, t = ix.entries[key], planned[key]
+        groups.setdefault(_signature(e, t), [key, 0])[1] += 1
+    for key, times in groups.values():
+        e, t = ix.entries[key], planned[key]
         tr, tb = _target_boxes(t, plan.target)
-        src = [(c.box.offsets, c.box.sizes, c.location) for c in e.chunks if c.location is not None]
+        src = [c for c in e.chunks if c.location is not None]
         if not src or not tr:
             continue
-        ti, sj, ov = overlaps(np.array([b[0] for b in tb], dtype=np.int64).reshape(len(tb), -1),
-                               np.array([b[1] for b in tb], dtype=np.int64).reshape(len(tb), -1),
-                               np.array([s[0] for s in src], dtype=np.int64).reshape(len(src), -1),
-                               np.array([s[1] for s in src], dtype=np.int64).reshape(len(src), -1))
+        d = len(e.shape)
+        s_off = np.array([c.box.offsets for c in src], dtype=np.int64).reshape(len(src), d)
+        s_size = np.array([c.box.sizes for c in src], dtype=np.int64).reshape(len(src), d)
+        ti, sj, ov = overlaps(np.array([b[0] for b in tb], dtype=np.int64).reshape(len(tb), d),
+                              np.array([b[1] for b in tb], dtype=np.int64).reshape(len(tb), d), s_off, s_size)
         if not len(ti):
             continue
+        itemsize = int(e.dtype.itemsize)
         ranks = np.asarray(tr, dtype=np.int64)[ti]
-        lengths = np.array([s[2].length for s in src], dtype=np.int64)
-        numels = np.array([int(np.prod(s[1], dtype=np.int64)) for s in src], dtype=np.int64)
-        fids = np.array([file_ids.setdefault(s[2].file, len(file_ids)) for s in src], dtype=np.int64)
-        np.add.at(items, ranks, 1)
-        np.add.at(read, ranks, lengths[sj])
-        np.add.at(kept, ranks, ov * int(e.dtype.itemsize))
-        np.add.at(data, ranks, numels[sj] * int(e.dtype.itemsize))
-        rank_files.update(zip(ranks.tolist(), fids[sj].tolist()))
+        lengths = np.fromiter((c.location.length for c in src), dtype=np.int64, count=len(src))
+        fids = np.fromiter((file_ids.setdefault(c.location.file, len(file_ids)) for c in src), dtype=np.int64,
+                           count=len(src))
+        numels = s_size.prod(axis=1)
+        items += times * np.bincount(ranks, minlength=world)
+        read += times * np.bincount(ranks, weights=lengths[sj].astype(np.float64), minlength=world)
+        kept += times * np.bincount(ranks, weights=(ov * itemsize).astype(np.float64), minlength=world)
+        data += times * np.bincount(ranks, weights=(numels[sj] * itemsize).astype(np.float64), minlength=world)
+        pairs.append(np.unique(ranks * (1 << 32) + fids[sj]))
     files = np.zeros(world, dtype=np.int64)
-    for r, _f in rank_files:
-        files[r] += 1
+    if pairs:
+        files = np.bincount(np.unique(np.concatenate(pairs)) >> 32, minlength=world)
     per_rank = [{"rank": r, "items": int(items[r]), "files": int(files[r]), "bytes": int(read[r]),
                  "tensor_bytes": int(data[r]), "keeps": int(kept[r])} for r in range(world)]
     worst = int(read.argmax()) if world else 0
@@ -206,6 +221,21 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
             "note": "bytes: whole saved items that overlap the rank's boxes (DCP loads each overlapping item whole "
                     "and narrows it), tensor_bytes: their tensor data, keeps: the tensor data of the rank's own boxes "
                     "(what copy mode's rank reads, plus framing); amplification: tensor_bytes / keeps over all ranks"}
+
+
+def _signature(e: Any, t: Any) -> tuple:
+    """What makes two tensors' reads the same (see `_reads`)."""
+    def ends(chunks: Any) -> tuple:
+        if not chunks:
+            return ()
+        a, b = chunks[0], chunks[-1]
+        la, lb = a.location, b.location
+        return (a.box, b.box, la and (la.file, la.length), lb and (lb.file, lb.length))
+
+    placement = t.placement.describe() if hasattr(t.placement, "describe") else repr(t.placement)
+    return (tuple(e.shape), e.dtype_name, len(e.chunks), ends(e.chunks), tuple(t.shape), placement, len(t.chunks),
+            tuple(t.chunks[0]) if t.chunks else (), tuple(sorted(getattr(t, "local", {}) or {})) if len(t.local or {}) < 64
+            else len(t.local))
 
 
 def _target_boxes(t: Any, target: Any) -> tuple[list[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
