@@ -117,6 +117,7 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
+    tensors_out: Optional[Path] = typer.Option(None, "--tensors-out", help="Write every tensor's placement and chunks to this file (JSON lines), however large."),
 ) -> None:
     """Dry run: what a conversion to --to would do, and whether the run stays the same run.
 
@@ -132,7 +133,9 @@ def plan(
         source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
         conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
         trainer_config=trainer_config))
-    d = p.to_dict(tensors=json_out or verbose)
+    d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
+    if tensors_out is not None:
+        d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
     if dst is not None:
         from reshard.commands.space import space_check
 

@@ -275,3 +275,26 @@ def test_existing_destination_refused_then_replaced_whole_with_overwrite(referen
     assert code == 0, err
     assert not (dst / "old-file").exists() and (dst / ".metadata").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.reshard-tmp")]
+
+
+def test_plan_json_summarises_a_large_tensor_table_and_writes_the_full_one_on_request(reference_ckpt, tmp_path,
+                                                                                      capsys, monkeypatch):
+    """Past FULL_TABLE_ROWS chunk rows (a 16,384-rank plan has millions) --json gives one row per distinct
+    shape and placement; --tensors-out writes every tensor, as JSON lines, equal to the full table."""
+    from reshard.commands import plan as plan_mod
+
+    code, out, err = run_cli(["plan", reference_ckpt, "--to", "dp=2", "--json"], capsys)
+    assert code == 0, err
+    full = json.loads(out)["tensors"]
+    monkeypatch.setattr(plan_mod, "FULL_TABLE_ROWS", 1)
+    rows = tmp_path / "tensors.jsonl"
+    code, out, err = run_cli(["plan", reference_ckpt, "--to", "dp=2", "--json", "--tensors-out", rows], capsys)
+    assert code == 0, err
+    p = json.loads(out)
+    assert "tensors" not in p and p["tensors_omitted"]["tensors"] == len(full)
+    assert sum(g["tensors"] for g in p["tensor_summary"]) == len(full)
+    assert len(p["tensor_summary"]) < len(full)
+    assert {(tuple(g["shape"]), g["placement"]) for g in p["tensor_summary"]} == \
+        {(tuple(t["shape"]), t["placement"]) for t in full}
+    assert [json.loads(line) for line in rows.read_text().splitlines()] == full
+    assert p["tensors_file"] == {"path": str(rows), "tensors": len(full)}

@@ -136,7 +136,11 @@ class Plan:
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
     data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
 
-    def to_dict(self, *, tensors: bool = True) -> dict[str, Any]:
+    def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
+        """The plan as JSON data; ``tensors``: True (every tensor with its chunks), False, or
+        ``"auto"``: the full table up to `FULL_TABLE_ROWS` chunk rows, else `tensor_summary`
+        (one row per distinct shape and placement: a 16,384-rank plan would otherwise print
+        gigabytes; ``plan --tensors-out FILE`` writes the full table, streamed)."""
         d = {
             "plan_version": PLAN_VERSION,
             "tool": f"reshard {__version__}",
@@ -159,9 +163,25 @@ class Plan:
             "fingerprint": self.fingerprint(),
             "data_link": self.data_link,
         }
-        if tensors:
+        rows = sum(len(t.chunks) for t in self.tensors)
+        if tensors == "auto" and rows > FULL_TABLE_ROWS:
+            d["tensor_summary"] = tensor_summary(self.tensors)
+            d["tensors_omitted"] = {"tensors": len(self.tensors), "chunk_rows": rows,
+                                    "why": f"more than {FULL_TABLE_ROWS} chunk rows",
+                                    "how": "reshard plan ... --tensors-out FILE writes every tensor (JSON lines)"}
+        elif tensors:
             d["tensors"] = [t.to_dict() for t in self.tensors]
         return d
+
+    def write_tensors(self, path: str | Path) -> int:
+        """Every tensor's plan row as JSON lines, streamed to ``path`` (written beside it, then renamed)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            for t in self.tensors:
+                f.write(json.dumps(t.to_dict()) + "\n")
+        tmp.replace(path)
+        return len(self.tensors)
 
     def fingerprint(self) -> str:
         """Hash of everything the executor acts on: two equal fingerprints write the same checkpoint."""
@@ -180,6 +200,25 @@ class Plan:
         """
         body = {k: v for k, v in self.source.items() if k != "path"}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+FULL_TABLE_ROWS = 50_000
+"""Chunk rows up to which ``plan --json`` prints every tensor's chunks (about 4 MB of compact JSON)."""
+
+
+def tensor_summary(tensors: list[TensorPlan]) -> list[dict[str, Any]]:
+    """One row per distinct (shape, dtype, placement, transform): how many tensors, chunks per tensor, examples."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for t in tensors:
+        k = (tuple(t.shape), t.dtype, t.placement.describe(), json.dumps(t.transform, sort_keys=True) if t.transform else "")
+        g = groups.get(k)
+        if g is None:
+            g = groups[k] = {"shape": list(t.shape), "dtype": t.dtype, "placement": t.placement.describe(),
+                             "transform": t.transform, "tensors": 0, "chunks_per_tensor": len(t.chunks), "examples": []}
+        g["tensors"] += 1
+        if len(g["examples"]) < 3:
+            g["examples"].append(t.key)
+    return list(groups.values())
 
 
 def _summary(keys: list[KeyAction]) -> dict[str, int]:
