@@ -181,3 +181,33 @@ def loads_json(data: bytes | str, *, where: str, what: str = "JSON file", max_de
         raise BadInput(f"the {what} nests deeper than {max_depth} levels", where=where,
                        hint="Real ones nest a few levels; this file is corrupt or forged.")
     return obj
+
+
+def read_small_text(path: str | os.PathLike, what: str, *, limit: int = 1 << 20, hint: str | None = None) -> bytes:
+    """The bytes of a small regular UTF-8 file the user names (a convention, a profile, a trainer config).
+
+    Not a checkpoint's file, but no more trusted: a path from a lineage comes from elsewhere.
+    No FIFO, device or directory, a size cap (checked again on the bytes read: the file may
+    grow between stat and read), UTF-8 text; each failure is BadInput naming the file.
+    """
+    where = str(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise BadInput(f"cannot open the {what} ({exc.strerror or exc})", where=where, hint=hint) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"the {what} is not a regular file", where=where, hint=hint)
+    if st.st_size > limit:
+        raise BadInput(f"the {what} is larger than {limit} bytes", where=where, hint=hint)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise BadInput(f"cannot read the {what} ({exc.strerror or exc})", where=where, hint=hint) from None
+    if len(data) > limit:
+        raise BadInput(f"the {what} is larger than {limit} bytes", where=where, hint=hint)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(f"the {what} is not UTF-8 text", where=where, hint=hint) from None
+    return data

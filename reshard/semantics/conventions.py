@@ -15,9 +15,7 @@ convention that classified it, so the report can say who explained what.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import stat
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -26,6 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
+from reshard.safefs import read_small_text
 
 ROLES = (
     "parameter",         # model weights and buffers (`model.<fqn>`)
@@ -232,30 +231,6 @@ class UserConvention:
         if self.table:
             rec["table"] = self.table
         return rec
-
-
-def read_small_text(path: str | Path, what: str, *, limit: int = 1 << 20, hint: str | None = None) -> bytes:
-    """The bytes of a small regular UTF-8 file the user names (a convention, a profile, a trainer config).
-
-    No FIFO, device or directory (a path from a lineage comes from elsewhere), a size cap,
-    and UTF-8 text; each failure is BadInput naming the file.
-    """
-    where = str(path)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise BadInput(f"cannot open the {what} ({exc.strerror or exc})", where=where, hint=hint) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"the {what} is not a regular file", where=where)
-    if st.st_size > limit:
-        raise BadInput(f"the {what} is larger than {limit} bytes", where=where)
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadInput(f"the {what} is not UTF-8 text", where=where) from None
-    return data
 
 
 def load_user_convention(path: str | Path, table: str | None = None) -> UserConvention:

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import BadInput
-from reshard.semantics.conventions import load_user_convention, read_small_text
+from reshard.safefs import read_small_text
+from reshard.semantics.conventions import load_user_convention
 
 PROFILE_NAME = "reshard.toml"
 MAX_PROFILE_BYTES = 1 << 20

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import stat
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -32,6 +31,7 @@ from typing import Any
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
+from reshard.safefs import read_small_text
 
 MAX_TRAINER_CONFIG_BYTES = 16 << 20  # torchtitan 0.3's dump of a 126-layer model is under 1 MiB
 DEGREES = ("dp_shard", "dp_replicate", "tp", "pp", "cp")
@@ -222,26 +222,8 @@ def _int(value: Any, path: str, file: str, *, minimum: int = 1) -> int:
 
 
 def _read_small_text(path: str | Path) -> tuple[str, bytes]:
-    where = str(path)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise BadInput(f"cannot open the trainer config ({exc.strerror or exc})", where=where, hint=_HINT) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput("the trainer config is not a regular file", where=where, hint=_HINT)
-    if st.st_size > MAX_TRAINER_CONFIG_BYTES:
-        raise BadInput(f"the trainer config is larger than {MAX_TRAINER_CONFIG_BYTES} bytes", where=where, hint=_HINT)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TRAINER_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise BadInput(f"cannot read the trainer config ({exc.strerror or exc})", where=where, hint=_HINT) from None
-    if len(data) > MAX_TRAINER_CONFIG_BYTES:
-        raise BadInput(f"the trainer config is larger than {MAX_TRAINER_CONFIG_BYTES} bytes", where=where, hint=_HINT)
-    try:
-        return data.decode("utf-8"), data
-    except UnicodeDecodeError:
-        raise BadInput("the trainer config is not UTF-8 text", where=where, hint=_HINT) from None
+    data = read_small_text(path, "trainer config", limit=MAX_TRAINER_CONFIG_BYTES, hint=_HINT)
+    return data.decode("utf-8"), data
 
 
 def _parse(text: str, file: str) -> tuple[str, dict[str, Any]]:
