@@ -23,7 +23,7 @@ A scale whose predicted floor memory (about 2.3 KiB per storage entry, measured)
 ``--mem-budget`` (default: 85 % of this machine's RAM) is skipped and reported as such;
 ``--max-seconds`` stops a command that runs too long (reported as a timeout) and
 ``--total-seconds`` stops the benchmark between commands. reshard's `.metadata` cap
-(``MAX_METADATA_BYTES`` in ``reshard/storage/dcp.py``, while it exists) refuses files over
+(before ``metadata_cap`` in ``reshard/storage/dcp.py`` replaced the constant 2 GiB cap, ``MAX_METADATA_BYTES``) refuses files over
 2 GiB: such a refusal is reported with reshard's own message, not hidden.
 
 Usage::

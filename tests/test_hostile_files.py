@@ -229,3 +229,29 @@ def test_zstd_tensor_item_that_inflates_past_its_chunk_is_refused(tmp_path, caps
     assert code == 2
     _one_paragraph(err, "'w'", "inflates to more than")
     assert not dst.exists()
+
+
+def test_metadata_cap_follows_the_data_it_describes(tmp_path, capsys, monkeypatch):
+    """No constant cap refuses a frontier checkpoint's 9 GB `.metadata`; one larger than all its data is refused."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import run_cli
+    from reshard.storage import dcp as dcp_mod
+
+    src = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(4096.0)}}, checkpoint_id=str(src), no_dist=True)
+    monkeypatch.setattr(dcp_mod, "MIN_METADATA_CAP", 64)
+    meta = src / ".metadata"
+    data = sum(p.stat().st_size for p in src.iterdir() if p.name != ".metadata")
+    assert meta.stat().st_size < data
+    code, out, err = run_cli(["inspect", src, "--json", "--no-profile"], capsys)
+    assert code == 0, err
+    with open(meta, "ab") as f:  # bytes after the pickle's STOP: larger than the data it describes
+        f.write(b"\0" * data)
+    code, out, err = run_cli(["inspect", src, "--json", "--no-profile"], capsys)
+    assert code == 2 and ".metadata" in err and "more than the" in err, err

@@ -30,7 +30,8 @@ from reshard.storage.fastread import check_item_crcs
 from reshard.storage.safe_pickle import Record, check_cost, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
-MAX_METADATA_BYTES = 2 << 30
+MIN_METADATA_CAP = 256 << 20
+"""`.metadata` may always be this large. Beyond it, no more than the data it describes (`metadata_cap`)."""
 
 
 @dataclass
@@ -61,7 +62,7 @@ def read_raw_metadata(ckpt: Path) -> RawMetadata:
     """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed.
 
     `.metadata` is opened through `reshard.safefs`: a symlink out of the checkpoint, a
-    device or a FIFO is refused by name, and the read stops at `MAX_METADATA_BYTES`.
+    device or a FIFO is refused by name, and a file larger than `metadata_cap` is refused.
     """
     path = ckpt / METADATA_FILE
     where = str(path)
@@ -77,11 +78,31 @@ def read_raw_metadata(ckpt: Path) -> RawMetadata:
             hint="Resume from the previous checkpoint; this one cannot be trusted to be complete.",
         )
     try:
-        data = safefs.read_bounded(path, limit=MAX_METADATA_BYTES, root=ckpt, what=".metadata")
+        data = safefs.read_bounded(path, limit=metadata_cap(ckpt), root=ckpt, what=".metadata")
     except FileNotFoundError:  # a dangling symlink
         raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
     md = load_metadata_pickle(data, where)
     return _decode(md, where)
+
+
+def metadata_cap(ckpt: Path) -> int:
+    """How large a `.metadata` reshard reads: `MIN_METADATA_CAP`, or the bytes of the data beside it.
+
+    Not a constant: a 16,384-rank checkpoint of a 405B model has 22 M storage entries and a
+    `.metadata` of about 9 GB, which a constant cap sized for today's files would refuse.
+    Every entry names an item of at least a torch.save header in a data file, so a real
+    `.metadata` is far smaller than its data (0.15% at 8B x 1,024 ranks); one larger than all
+    the other files of its directory together describes bytes that are not there.
+    """
+    total = 0
+    try:
+        with os.scandir(ckpt) as it:
+            for e in it:
+                if e.name != METADATA_FILE and e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        return MIN_METADATA_CAP
+    return max(MIN_METADATA_CAP, total)
 
 
 def _bad(where: str, what: str) -> BadInput:
