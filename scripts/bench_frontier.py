@@ -22,9 +22,9 @@ rank counts differ by 4x (a ratio of 4 is linear in the entries).
 A scale whose predicted floor memory (about 2.3 KiB per storage entry, measured) exceeds
 ``--mem-budget`` (default: 85 % of this machine's RAM) is skipped and reported as such;
 ``--max-seconds`` stops a command that runs too long (reported as a timeout) and
-``--total-seconds`` stops the benchmark between commands. reshard's `.metadata` cap
-(before ``metadata_cap`` in ``reshard/storage/dcp.py`` replaced the constant 2 GiB cap, ``MAX_METADATA_BYTES``) refuses files over
-2 GiB: such a refusal is reported with reshard's own message, not hidden.
+``--total-seconds`` stops the benchmark between commands. Should reshard refuse a
+`.metadata` (its cap, ``metadata_cap`` in ``reshard/storage/dcp.py``, is the size of the data
+it describes; before, a constant 2 GiB), the refusal is reported with reshard's own message, not hidden.
 
 Usage::
 
