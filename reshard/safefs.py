@@ -211,3 +211,15 @@ def read_small_text(path: str | os.PathLike, what: str, *, limit: int = 1 << 20,
     except UnicodeDecodeError:
         raise BadInput(f"the {what} is not UTF-8 text", where=where, hint=hint) from None
     return data
+
+
+def read_small_toml(path: str | os.PathLike, what: str, *, limit: int = 1 << 20,
+                    hint: str | None = None) -> tuple[dict[str, Any], bytes]:
+    """A small TOML file the user names, parsed: (its tables, its bytes, for a hash). See `read_small_text`."""
+    import tomllib
+
+    data = read_small_text(path, what, limit=limit, hint=hint)
+    try:
+        return tomllib.loads(data.decode("utf-8")), data
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"invalid {what}: {exc}", where=str(path)) from None

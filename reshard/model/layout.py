@@ -68,13 +68,9 @@ def rank_of(topo: Topology, **coords: int) -> int:
     return r
 
 
-def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``torch.chunk`` semantics: (start, size) of each of ``parts`` pieces of ``n``; missing pieces are empty."""
-    return [chunk_bound(n, parts, i) for i in range(parts)]
-
-
 def chunk_bound(n: int, parts: int, i: int) -> tuple[int, int]:
-    """(start, size) of piece ``i`` of ``chunk_bounds(n, parts)``, in closed form.
+    """``torch.chunk`` semantics: (start, size) of piece ``i`` of ``parts`` pieces of ``n`` (missing pieces
+    are empty), in closed form.
 
     A rank's piece is asked for once per rank per tensor: computing all pieces to pick one
     made planning quadratic in the world size (16,384 ranks, a thousand tensors).

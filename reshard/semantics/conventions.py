@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.safefs import read_small_text
+from reshard.safefs import read_small_toml
 
 ROLES = (
     "parameter",         # model weights and buffers (`model.<fqn>`)
@@ -241,12 +241,8 @@ def load_user_convention(path: str | Path, table: str | None = None) -> UserConv
     ``convention``); the hash is of the whole file either way.
     """
     where = str(path)
-    data = read_small_text(path, "convention file", limit=MAX_USER_CONVENTION_BYTES,
-                           hint="Give --convention the path of a convention TOML (see formats/conventions/).")
-    try:
-        spec = tomllib.loads(data.decode("utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInput(f"invalid convention file: {exc}", where=where) from None
+    spec, data = read_small_toml(path, "convention file", limit=MAX_USER_CONVENTION_BYTES,
+                                 hint="Give --convention the path of a convention TOML (see formats/conventions/).")
     if table is not None:
         spec = spec.get(table)
         if not isinstance(spec, dict):

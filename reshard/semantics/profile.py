@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import BadInput
-from reshard.safefs import read_small_text
+from reshard.safefs import read_small_toml
 from reshard.semantics.conventions import load_user_convention
 
 PROFILE_NAME = "reshard.toml"
@@ -98,12 +97,8 @@ def find_profile(ckpt: str | Path | None, explicit: str | Path | None, *, enable
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; every malformed field is BadInput naming the file and the field."""
     where = str(path)
-    data = read_small_text(path, "profile", limit=MAX_PROFILE_BYTES,
-                           hint="Give --profile the path of a profile TOML (see the README's quickstart).")
-    try:
-        spec = tomllib.loads(data.decode("utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInput(f"invalid profile: {exc}", where=where) from None
+    spec, data = read_small_toml(path, "profile", limit=MAX_PROFILE_BYTES,
+                                 hint="Give --profile the path of a profile TOML (see the README's quickstart).")
     unknown = sorted(set(spec) - _TOP_LEVEL)
     if unknown:
         raise BadInput(f"unknown profile field(s) {', '.join(unknown)}", where=where,
