@@ -50,9 +50,10 @@ other, by the calling thread, between hand-offs to the pool. Each key gets a `Ke
   unusual item, a read error, ...): the caller uses the slow path, which also reports any
   error in its own words.
 
-``progress.update(1)`` is called (from the calling thread) once per chunk of A whose parts
-all compared equal (empty chunks at once); `KeyVerdict.ticked` says how many a key already
-got, so a caller that falls back can skip that many.
+``progress.update(nbytes)`` is called (from the calling thread) once per chunk of A whose
+parts all compared equal, with that chunk's logical bytes (empty chunks at once, with none),
+so a key's ticks add up to `Entry.nbytes`; `KeyVerdict.ticked` says how many bytes a key
+already got, so a caller that falls back can skip that many.
 
 **Every byte read is checked against its writer's record.** Each piece of B and each run
 of A read for a comparison is checksummed where it lies in the buffer (``zlib.crc32``,
@@ -144,7 +145,7 @@ class KeyVerdict:
     reason: str | None = None   # why "fallback"
     elements: int = 0           # A's elements compared (non-empty chunks), when "equal"
     nbytes: int = 0             # their logical bytes
-    ticked: int = 0             # progress ticks already given for this key
+    ticked: int = 0             # progress bytes already given for this key (A's chunks done)
 
 
 # ------------------------------------------------------------------------------ geometry
@@ -593,9 +594,11 @@ class _Run:
     digests: dict[str, str] = field(default_factory=dict)
     window: deque[tuple[_KeyState, _Task, Any]] = field(default_factory=deque)
 
-    def tick(self, verdict: KeyVerdict, n: int = 1) -> None:
-        """``n`` chunks of A of ``verdict``'s key are done: progress, and the verdict remembers
-        it (a caller that falls back skips that many)."""
+    def tick(self, verdict: KeyVerdict, chunks: Sequence[int]) -> None:
+        """Chunks ``chunks`` (indices) of A of ``verdict``'s key are done: progress by their
+        bytes, and the verdict remembers them (a caller that falls back skips that many)."""
+        e = self.ia.entries[verdict.key]
+        n = sum(e.chunks[i].box.numel for i in chunks) * e.dtype.itemsize
         verdict.ticked += n
         if self.progress is not None and n:
             self.progress.update(n)
@@ -728,7 +731,7 @@ def _record_small(run: _Run, results: list[tuple[KeyVerdict, dict[str, str], int
         run.digests.update(dig)
         _count(parts_contiguous=fast, parts_strided=slow, bytes=nbytes)
         if v.status == "equal":
-            run.tick(v, len(run.ia.entries[v.key].chunks))
+            run.tick(v, range(len(run.ia.entries[v.key].chunks)))
 
 
 # ------------------------------------------------------------------------------ large keys
@@ -739,7 +742,6 @@ def _compare_large_key(run: _Run, pool: ThreadPoolExecutor, key: str, layouts: A
         return
     state, tasks = planned
     run.verdicts[key] = state.verdict
-    run.tick(state.verdict, len(run.ia.entries[key].chunks) - len(state.remaining))  # empty chunks of A
     for task in tasks:
         if state.stop:
             break
@@ -796,7 +798,7 @@ def _finish_task(run: _Run, state: _KeyState, task: _Task, fut: Any) -> None:
     for i, n in task.a_parts:
         state.remaining[i] -= n
         if not state.remaining[i]:
-            run.tick(state.verdict)
+            run.tick(state.verdict, (i,))
 
 
 def _stop_key(state: _KeyState, status: str, reason: str | None) -> None:

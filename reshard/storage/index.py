@@ -208,7 +208,8 @@ class CheckpointIndex(EntryQueries):
         return out
 
     def deep_check(self, progress: Any = None, integrity: dict[str, Any] | None = None) -> list[Finding]:
-        """Load every item; report the ones that fail (with --deep).
+        """Load every item; report the ones that fail (with --deep). ``progress.update(nbytes)``
+        per item, its logical bytes (a key's add up to `Entry.nbytes`).
 
         ``integrity`` (a manifest's ``integrity`` field, see `reshard.storage.integrity`): each
         item's stored bytes are also hashed and compared with the recorded checksum (crc32 or
@@ -228,6 +229,7 @@ class CheckpointIndex(EntryQueries):
             for loc, sizes in items:
                 if loc is None:
                     continue
+                done = math.prod(sizes) * e.dtype.itemsize if sizes is not None else loc.length
                 try:
                     raw = dcp.read_item_bytes(self.root, loc, key=e.key)
                     if integrity is not None:
@@ -238,7 +240,7 @@ class CheckpointIndex(EntryQueries):
                             mismatched.append({"kind": "mismatch", "key": e.key, "file": loc.file,
                                                "offset": loc.offset, "length": loc.length, "algorithm": algorithm})
                             if progress is not None:
-                                progress.update(1)
+                                progress.update(done)
                             continue
                     where = str(self.root / loc.file)
                     data = dcp.untransform(raw, loc.transforms, key=e.key, where=where,
@@ -254,7 +256,7 @@ class CheckpointIndex(EntryQueries):
                     msg = f"{exc.message}. {exc.hint}" if exc.hint else exc.message
                     found.append(Finding("error", code, msg, file=loc.file, keys=(e.key,)))
                 if progress is not None:
-                    progress.update(1)
+                    progress.update(done)
         if mismatched:
             mismatched.sort(key=lambda m: (m["file"], m["offset"]))
             first = mismatched[0]

@@ -57,7 +57,7 @@ SLAB_BYTES = 16 << 20           # one read of check_items (per worker)
 BATCH_ITEMS = 4096              # at most this many small items per read
 
 __all__ = ["nearest_existing", "ALGORITHM", "ALGORITHMS", "DIGEST_HEX_DIGITS", "item_name", "record", "check_items", "hash_item",
-           "digest", "new_hasher", "check_algorithm", "IntegrityIssue", "describe", "first_issue_message",
+           "digest", "new_hasher", "check_algorithm", "item_bytes", "IntegrityIssue", "describe", "first_issue_message",
            "is_space_error", "out_of_space"]
 
 
@@ -139,6 +139,11 @@ def _items(index: Any) -> Iterable[tuple[str, Any]]:
         for loc in locs:
             if loc is not None:
                 yield e.key, loc
+
+
+def item_bytes(index: Any) -> int:
+    """The stored bytes of every item `check_items` reads (what its progress counts to)."""
+    return sum(int(loc.length) for _, loc in _items(index))
 
 
 def hash_item(root: Path, loc: Any, *, key: str, algorithm: str = ALGORITHM) -> str:
@@ -277,8 +282,8 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
 
     Items are read in (file, offset) order with ``os.preadv`` into one reusable buffer of
     ``slab_bytes`` per worker thread (``workers``, default 2-4) and hashed there, so memory
-    does not grow with the checkpoint. ``progress.update(n)`` counts items, from the
-    calling thread. ``digests`` (``"file:offset"`` -> checksum in the record's algorithm)
+    does not grow with the checkpoint. ``progress.update(nbytes)`` counts the items' stored
+    bytes (`item_bytes` is the total), from the calling thread. ``digests`` (``"file:offset"`` -> checksum in the record's algorithm)
     are checksums some other pass already computed while reading those items (e.g.
     `reshard.engine.compare`); those items are not read again.
     """
@@ -299,13 +304,13 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
             issues.append(IntegrityIssue(kind="unrecorded", expected=None, actual=None, algorithm=algorithm,
                                          **_base(key, loc)))
             if progress is not None:
-                progress.update(1)
+                progress.update(int(loc.length))
         elif name in known:
             if known[name] != want:
                 issues.append(IntegrityIssue(kind="mismatch", expected=want, actual=known[name], algorithm=algorithm,
                                              **_base(key, loc)))
             if progress is not None:
-                progress.update(1)
+                progress.update(int(loc.length))
         else:
             todo.append((key, loc, want))
     todo.sort(key=lambda t: (t[1].file, int(t[1].offset)))
@@ -324,7 +329,7 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
                         issues.append(IntegrityIssue(kind="mismatch", expected=want, actual=got, algorithm=algorithm,
                                                      **_base(key, loc)))
                 if progress is not None:
-                    progress.update(len(batch))
+                    progress.update(sum(int(t[1].length) for t in batch))
 
             try:
                 for batch in batches:

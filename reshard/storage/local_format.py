@@ -372,8 +372,8 @@ class LocalIndex(EntryQueries):
                             raise BadInput(f"holds {x.dtype}{tuple(x.shape)}, index says {e.dtype_name}{list(box.sizes)}")
                     except Exception as exc:  # noqa: BLE001
                         found.append(Finding("error", "unreadable_item", str(exc), file=self.files[r], keys=(e.key,)))
-            if progress is not None:
-                progress.update(len(e.chunks) if e.is_tensor else 1)
+            if progress is not None:  # by bytes: the key's logical bytes once its copies are read
+                progress.update(e.nbytes)
         self.findings.extend(found)
         return found
 

@@ -513,8 +513,8 @@ class ExportIndex(EntryQueries):
                 self.read_tensor(key)
             except Exception as exc:  # noqa: BLE001
                 found.append(Finding("error", "unreadable_item", str(exc), file=self.stored[key][0], keys=(key,)))
-            if progress is not None:
-                progress.update(1)
+            if progress is not None:  # by bytes: the key's logical bytes
+                progress.update(e.nbytes)
         self.findings.extend(found)
         return found
 
