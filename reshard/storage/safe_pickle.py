@@ -235,8 +235,40 @@ _LEN4_SIGNED = frozenset((0x54, 0x8B))  # BINSTRING, LONG4
 _LEN8 = frozenset((0x8D, 0x8E, 0x96))  # BINUNICODE8, BINBYTES8, BYTEARRAY8
 
 
+try:  # the same scan in C, built by setup.py where a compiler exists (tests/test_costscan.py compares the two)
+    from reshard.storage import costscan as native_scan
+except ImportError:  # no compiler at install time: the Python scan below, about 40 times slower
+    native_scan = None
+
+NATIVE_LIMIT = 1 << 60
+"""Budgets up to this go to the native scan, whose weights saturate at 2^61."""
+
+
 def pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
     """Units the pickle in ``data`` builds, counted without building anything; raises past ``limit``.
+
+    The native scan (``reshard/storage/costscan.c``) when it is built, else `python_pickle_cost`:
+    the same algorithm, the same answers and messages. Protocol-0 text opcodes, which neither
+    DCP nor torch.save writes, are always scanned in Python.
+    """
+    if native_scan is not None and 0 <= limit < NATIVE_LIMIT:
+        r = native_scan.scan(data, limit)
+        if r.__class__ is int:
+            return r
+        code, at, detail = r
+        if code == 0:
+            raise PickleTooCostly(f"{detail} (opcode at byte {at})")
+        if code == 1:
+            raise PickleTooCostly(f"the pickle ends without STOP (at byte {at})")
+        if code == 3:
+            known = pickletools.code2op.get(chr(detail))
+            raise PickleTooCostly(f"opcode {known.name if known else hex(detail)} is not used by DCP metadata or torch.save "
+                                  f"(opcode at byte {at})")
+    return python_pickle_cost(data, limit=limit)
+
+
+def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
+    """`pickle_cost` in Python: the reference the native scan is tested against.
 
     A unit is one object, one container slot or eight bytes of a string, on the result tree
     *expanded*: a value weighs 1 plus what it holds, so a memo reference to a container
