@@ -1,6 +1,7 @@
 """The `reshard` command line: parse arguments, call the library, render. No logic here."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -21,10 +22,17 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
     _state["debug"] = debug or bool(os.environ.get("RESHARD_DEBUG"))
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
+def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = True):
+    """A command's progress on stderr (reshard.render.progress), its first line printed at once,
+    before any heavy import; nothing on a pipe, under --json or --quiet, or where not ``shown``."""
+    from reshard.render.progress import Progress
 
-    return tqdm(total=total, desc=desc, unit="item", disable=not sys.stderr.isatty(), leave=False)
+    progress = Progress.for_terminal(quiet=quiet or not shown, json_out=json_out)
+    progress.say(first_line)
+    return progress
+
+
+_QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr (it is shown only on a terminal, and never with --json).")
 
 
 _PROFILE = typer.Option(None, "--profile", help="A profile TOML saying what this trainer's checkpoints mean (default: ./reshard.toml, else reshard.toml beside the checkpoint).")
@@ -42,12 +50,13 @@ def inspect(
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
     convention: Optional[list[Path]] = _CONV, tie: Optional[list[str]] = _TIE,
-    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
+    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, quiet: bool = _QUIET,
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
+    progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
     from reshard.commands.inspect import inspect_checkpoint
     from reshard.commands.options import Given, build_options
     from reshard.commands.plan import user_conventions
@@ -56,15 +65,15 @@ def inspect(
     opts = build_options(Given(from_spec=from_spec, trust_pickle=trust_pickle,
                                conventions=[str(p) for p in convention or []], ties=list(tie or []),
                                profile=str(profile) if profile else None, no_profile=no_profile), ckpt)
-    bar = None
-    if deep:
-        from reshard.storage.index import CheckpointIndex
+    with contextlib.ExitStack() as stack:
+        bar = None
+        if deep:
+            from reshard.storage.index import CheckpointIndex
 
-        bar = _progress(CheckpointIndex.open(ckpt).item_count(), "deep check")
-    result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=trust_pickle, progress=bar,
-                                conventions=user_conventions(opts), ties=opts.ties)
-    if bar is not None:
-        bar.close()
+            bar = stack.enter_context(progress.phase(
+                "checking items", sum(e.nbytes for e in CheckpointIndex.open(ckpt).entries.values())))
+        result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=trust_pickle, progress=bar,
+                                    conventions=user_conventions(opts), ties=opts.ties)
     if opts.profile is not None:
         result.report["profile"] = opts.profile
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report))
@@ -170,12 +179,20 @@ def convert(
     window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
     data: str = typer.Option("copy", "--data", help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
 
     Under torchrun (or with --workers M) the target files are divided among the processes;
     worker 0 commits once every worker has written and verified its part.
     """
+    from reshard.commands.distributed import ERRORS_ENV, in_torchrun
+
+    # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
+    # --workers, has already said the first line)
+    lead = not in_torchrun() or os.environ.get("RANK", "0") == "0"
+    progress = _progress("" if in_torchrun() and os.environ.get(ERRORS_ENV) else f"reading {src} …",
+                         json_out=json_out, quiet=quiet, shown=lead)
     from reshard.commands.convert import convert as run_convert
     from reshard.commands.plan import check_plan_matches, make_plan, options_from_plan
     from reshard.render.report import render_convert, to_json
@@ -206,7 +223,7 @@ def convert(
             profile=profile, no_profile=no_profile, trainer_config=trainer_config)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
-    from reshard.commands.distributed import convert_distributed, in_torchrun, launch_workers
+    from reshard.commands.distributed import convert_distributed, launch_workers
     from reshard.commands.convert import IOOptions, check_data_mode
 
     distributed = in_torchrun()
@@ -224,17 +241,12 @@ def convert(
     if distributed:
         if output_format != "dcp":
             raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
-        lead = os.environ.get("RANK", "0") == "0"
-        bar = _progress(len(p.keys), "convert") if lead else None
-        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=bar, io=io)
-        if bar is not None:
-            bar.close()
+        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io)
         if report is None:
             raise typer.Exit(0)
     else:
-        bar = _progress(len(p.keys), "convert")
-        report = run_convert(p, src, dst, overwrite=overwrite, progress=bar, output_format=output_format, io=io, data=data)
-        bar.close()
+        report = run_convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
+                             data=data)
     typer.echo(to_json(report) if json_out else render_convert(report))
     raise typer.Exit(0 if report["verification"]["equal"] else 1)
 
@@ -286,14 +298,16 @@ def verify(
     strict: bool = typer.Option(False, "--strict", help="Excuse no conversion change: every key a conversion rewrote counts as a difference (by default the changes are re-derived from A and excused only where B holds exactly them)."),
     buffered: bool = typer.Option(False, "--buffered", help="Read through the page cache instead of with direct I/O (faster when both checkpoints are already cached)."),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
+    progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet)
     from reshard.render.report import to_json
     from reshard.commands.verify import render_verify, verify_checkpoints
 
     # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.commands.verify)
     r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, recompute=True, strict=strict,
-                           direct=not buffered)
+                           direct=not buffered, progress=progress)
     text = render_verify(r)
     typer.echo(to_json(r) if json_out else text)
     raise typer.Exit(0 if r["equal"] else 1)
@@ -312,11 +326,13 @@ def export(
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor.
 
     With --format hf, a profile's [model] values fill what --model-config does not give.
     """
+    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
     from reshard.commands.export import export as run_export, parse_size
     from reshard.render.report import to_json
     from reshard.semantics.hf import parse_values
@@ -331,7 +347,7 @@ def export(
         values.update({k: prof.model_config[k] for k in used})
         record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
     r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record)
+                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record, progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 
@@ -345,12 +361,15 @@ def import_(
     experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id."""
+    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
     from reshard.commands.importer import import_checkpoint
     from reshard.render.report import to_json
 
-    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id, fmt=fmt)
+    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id, fmt=fmt,
+                          progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 

@@ -72,6 +72,7 @@ from reshard.commands import linking
 from reshard.commands.plan import Plan
 from reshard.commands.transition import output_manifest
 from reshard.render.conversion import conversion_markdown
+from reshard.render.progress import describe_bytes, phase_of
 
 REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
@@ -114,9 +115,12 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
 
     ``data``: ``"copy"`` writes every tensor byte new; ``"link"`` shares the source's data
     files with the output (`convert_link`) and writes only what changes.
+    ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
+    "verifying", by bytes.
     """
     check_data_mode(data, output_format=output_format)
     src, dst, ix = prepare_conversion(plan, src, dst)
+    say_converting(progress, plan, ix)
     if data == "link":
         return convert_link(plan, src, dst, ix, overwrite=overwrite, progress=progress)
     needed = estimate_output_bytes(plan, ix)
@@ -128,6 +132,19 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
         raise
+
+
+def writing_bytes(plan: Plan, ix: CheckpointIndex) -> int:
+    """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
+    actions = {a.key: a.action for a in plan.keys}
+    return sum(e.nbytes for key, e in ix.entries.items() if actions.get(key) != "dropped")
+
+
+def say_converting(progress: Any, plan: Plan, ix: CheckpointIndex) -> None:
+    """The first line once the source is read: how much is converted, into what."""
+    if progress is not None:
+        n = sum(1 for e in ix.entries.values() if e.is_tensor)
+        progress.say(f"converting {describe_bytes(writing_bytes(plan, ix), n, 'tensor')} to {plan.options.to} …")
 
 
 def check_data_mode(data: str, *, output_format: str = "dcp", workers: int | None = None,
@@ -169,7 +186,8 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         w = DcpWriter(tmp)
         try:
             checked = WriteChecks()
-            write_items(plan, ix, w, progress, io=io, commit=False, checked=checked)
+            with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
+                write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
             w.finish(sync_data=False)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
@@ -183,7 +201,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
             write_manifest(tmp, manifest)
             fault_point("manifest")
-            verification = verify_output(src, tmp, plan, checked=checked)
+            verification = verify_output(src, tmp, plan, checked=checked, progress=progress)
         finally:
             syncer.join()
         verification["b"] = str(dst)  # what was verified is what appears at dst
@@ -364,8 +382,8 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
                 fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
                 dcp_io.torch_load_item(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
-        if progress is not None:
-            progress.update(1)
+        if progress is not None:  # by bytes (`writing_bytes` is the total)
+            progress.update(e.nbytes)
     for a in plan.keys:
         if a.action != "added":
             continue
@@ -479,7 +497,7 @@ def source_manifest(src: Path) -> dict[str, Any] | None:
 
 
 def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
-            checked: set[str] | None = None) -> dict[str, Any]:
+            checked: set[str] | None = None, progress: Any = None) -> dict[str, Any]:
     """The post-write verification: the output against the source, in global terms.
 
     ``checked``: keys whose every written chunk was already checked against the source while
@@ -501,7 +519,7 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     # full recomputation); here its bytes are compared with the source, and the source's own
     # checksums (if it records any) are checked.
     result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
-                                check_integrity="a", values_checked=checked, **extra)
+                                check_integrity="a", values_checked=checked, progress=progress, **extra)
     result["checked_while_writing"] = len(checked or ())
     if isinstance(checked, WriteChecks):
         result["write_checks"] = checked.summary()
@@ -541,12 +559,13 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
 
     started = _time.time()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        info = write_local(plan, ix, tmp, progress=progress)
+        with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
+            info = write_local(plan, ix, tmp, progress=bar, total_bytes=writing_bytes(plan, ix))
         carried = carry_sidecars(plan, ix, src, tmp)
         manifest = output_manifest(plan, source_manifest(src), time=now_text())
         write_manifest(tmp, manifest)
         fault_point("manifest")
-        verification = verify_output(src, tmp, plan)
+        verification = verify_output(src, tmp, plan, progress=progress)
         verification["b"] = str(dst)
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
         report["output_format"] = "local"
@@ -591,7 +610,8 @@ def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         names = {s.source.name: s.path.name for s in shared}
         w = DcpWriter(tmp, file_name=linking.new_file_namer(set(names.values())))
         try:
-            _link_items(plan, ix, w, names, progress)
+            with phase_of(progress, "linking", writing_bytes(plan, ix)) as bar:
+                _link_items(plan, ix, w, names, bar)
             w.finish()
         finally:
             w.close()
@@ -604,7 +624,7 @@ def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         manifest.lineage[-1].policies["data_files"] = {k: data[k] for k in ("mode", "method", "shared", "note")}
         write_manifest(tmp, manifest)
         fault_point("manifest")
-        verification = verify_output(src, tmp, plan, checked=set(layout.linked_tensors))
+        verification = verify_output(src, tmp, plan, checked=set(layout.linked_tensors), progress=progress)
         verification["linked_tensors_by_identity"] = len(layout.linked_tensors)
         verification["b"] = str(dst)
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
@@ -661,8 +681,8 @@ def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, 
             fastread.check_item_crcs(raw, key=key, where=where)
             dcp_io.torch_load_item(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
             w.link_object(key, replace(e.location, file=names[e.location.file]), path=e.path or None)
-        if progress is not None:
-            progress.update(1)
+        if progress is not None:  # by bytes (`writing_bytes` is the total)
+            progress.update(e.nbytes)
     for a in plan.keys:
         if a.action != "added":
             continue

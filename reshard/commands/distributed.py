@@ -156,6 +156,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 
     dist, rank, world = _init()
     src, dst, ix = ex.prepare_conversion(plan, src, dst)
+    ex.say_converting(progress if rank == 0 else None, plan, ix)
     needed = estimate_output_bytes(plan, ix)
 
     def own(exc: BaseException) -> BaseException:
@@ -179,6 +180,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.semantics.manifest import write_manifest
     from reshard.commands.transition import output_manifest
+    from reshard.render.progress import phase_of
 
     started = _time.time()
     stamp = ex.now_text()
@@ -212,7 +214,8 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
                                          "them silently", where=str(src),
                                          hint="Inspect the source: tied weights and their optimizer state must be equal.")
             checked = ex.WriteChecks()
-            ex.write_items(plan, ix, w, progress if lead else None, io=io, commit=False, checked=checked)
+            with phase_of(progress if lead else None, "writing", ex.writing_bytes(plan, ix)) as bar:
+                ex.write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
             w.sync_files()
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial()}
         except Exception as exc:  # reported to every worker, then raised everywhere
@@ -248,7 +251,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         # 4. each worker verifies its own files
         files = sorted({loc.file for loc in w.locations().values() if owns(_file_rank(loc.file))})
         try:
-            part = ex.verify_output(src, tmp, plan, b_files=set(files), checked=checked)
+            part = ex.verify_output(src, tmp, plan, b_files=set(files), checked=checked, progress=progress if lead else None)
             status = {"ok": True, "verification": part, "files": files}
         except Exception as exc:
             failure = own(exc)

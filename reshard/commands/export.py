@@ -75,6 +75,7 @@ from typing import Any, Iterator
 import torch
 
 from reshard.errors import BadInput, Incomplete, Infeasible
+from reshard.render.progress import describe_bytes, phase_of
 
 EXPORT_FORMAT_VERSION = "1"
 REPORT = "export-report.json"
@@ -414,7 +415,7 @@ def _write_safetensors_shard(ix, path: Path, shard: list[_Item], metadata: dict[
             f.write(_raw_bytes(t))
             del t
             if progress is not None:
-                progress.update(1)
+                progress.update(it.nbytes)
         f.flush()
 
 
@@ -423,7 +424,7 @@ def _write_torch_shard(ix, path: Path, shard: list[_Item], progress: Any) -> Non
     for it in shard:
         d[it.name] = _read_cast(ix, it).clone()
         if progress is not None:
-            progress.update(1)
+            progress.update(it.nbytes)
     with open(path, "xb") as f:
         torch.save(d, f)
 
@@ -478,6 +479,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     ``config.json`` from the checkpoint's shapes plus ``model_config`` (``--model-config``) and the
     manifest's ``model.config`` for what the shapes cannot tell (asked for once when missing).
        ``profile``: the record of the profile that contributed values (file, sha256, what), kept in the report.
+    ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
+    "verifying", by the exported bytes.
     """
     from reshard.semantics.conventions import classify
     from reshard.storage.atomic import atomic_directory, check_destination
@@ -522,17 +525,20 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     if hf is not None:
         ess.update(hf_mapping=hf.mapping.describe(), hf_values=hf.values)
     total = sum(it.nbytes for it in plan.items)
+    if progress is not None:
+        progress.say(f"exporting {describe_bytes(total, len(plan.items), 'tensor')} as {fmt} …")
 
     needed = _estimate_bytes(shards, "safetensors" if fmt == "hf" else fmt, lambda s: _header_metadata(ess, s, plan.copies))
     with _space_errors(dst, needed), atomic_directory(dst, overwrite=overwrite) as tmp:
-        for shard in shards:
-            if not shard:
-                continue
-            path = tmp / shard[0].file
-            if fmt == "torch":
-                _write_torch_shard(ix, path, shard, progress)
-            else:
-                _write_safetensors_shard(ix, path, shard, _header_metadata(ess, shard, plan.copies), progress)
+        with phase_of(progress, "writing", total) as bar:
+            for shard in shards:
+                if not shard:
+                    continue
+                path = tmp / shard[0].file
+                if fmt == "torch":
+                    _write_torch_shard(ix, path, shard, bar)
+                else:
+                    _write_safetensors_shard(ix, path, shard, _header_metadata(ess, shard, plan.copies), bar)
         index = {"metadata": {"total_size": total,
                               "reshard": {**ess, "export_map": _export_map(plan.items, plan.copies)}},
                  "weight_map": {it.name: it.file for it in plan.items}}
@@ -545,7 +551,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             (tmp / index_name).write_text(json.dumps(index, indent=2) + "\n")
         if hf is not None:
             (tmp / HF_CONFIG).write_text(json.dumps(hf.config, indent=2) + "\n")
-        verification = _verify_export(ix, tmp, plan, "torch" if fmt == "torch" else "safetensors")
+        with phase_of(progress, "verifying", total) as bar:
+            verification = _verify_export(ix, tmp, plan, "torch" if fmt == "torch" else "safetensors", bar)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         report = {
             "report_version": 1,
@@ -756,7 +763,7 @@ def _space_errors(dst: Path, needed: int) -> Iterator[None]:
         raise
 
 
-def _verify_export(ix, out: Path, plan: _Plan, fmt: str) -> dict[str, Any]:
+def _verify_export(ix, out: Path, plan: _Plan, fmt: str, progress: Any = None) -> dict[str, Any]:
     """Read every exported tensor back (one at a time) and compare it bitwise with the cast source."""
     diffs: list[str] = []
     if fmt == "safetensors":
@@ -782,6 +789,8 @@ def _verify_export(ix, out: Path, plan: _Plan, fmt: str) -> dict[str, Any]:
                 b.reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b):
             diffs.append(f"{it.name} ({it.key})")
         del a, b
+        if progress is not None:
+            progress.update(it.nbytes)
     return {"equal": not diffs, "tensors": len(plan.items), "differences": diffs}
 
 

@@ -94,6 +94,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
+from reshard.render.progress import describe_bytes, phase_of
 
 REPORT = "import-report.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -448,6 +449,8 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     directory, read back into the family's native names and key convention with the inverse of the
     declared transforms, laid out for ``to`` (dp and tp) by the family's partition rules.
     Nothing is committed unless the output reads back bitwise equal to the source.
+    ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
+    "verifying", by the source's tensor bytes.
     """
     if fmt != "reshard":
         return _import_native(Path(src), Path(dst), to=to, fmt=fmt, rename=rename, overwrite=overwrite,
@@ -468,11 +471,11 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        checksums = _write_tensors(tmp, planned, progress)
+        checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, rules, topo, output)
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
-        verification = _verify_import(source.tensors, tmp)
+        verification = _verify_import(source.tensors, tmp, progress)
         report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         _refuse_unequal(verification, dst)
@@ -504,14 +507,14 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        checksums = _write_tensors(tmp, planned, progress)
+        checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, None, topo, output)
         manifest.key_convention = mapping.native_convention
         manifest.lineage[-1].policies.update(format=fmt, hf_mapping=mapping.source,
                                              trainer_must=_trainer_must(mapping.native_convention, dst))
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
-        verification = _verify_import(source.tensors, tmp)
+        verification = _verify_import(source.tensors, tmp, progress)
         report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
         report["format"] = fmt
         report["hf"] = {"mapping": mapping.describe(), "values": source.essentials.get("hf_values"),
@@ -587,23 +590,32 @@ def _state_path(key: str) -> tuple[str, ...] | None:
     return None
 
 
-def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any) -> dict[str, str]:
+def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str) -> dict[str, str]:
     """Write every planned chunk, read box by box from the source; returns the items' checksums."""
     from reshard.storage.dcp_writer import DcpWriter
 
+    total = sum(_nbytes(p.src) for p in planned)
+    if progress is not None:
+        progress.say(f"importing {describe_bytes(total, len(planned), 'tensor')} for {to} …")
     w = DcpWriter(tmp)
     try:
-        for p in planned:
-            s = p.src
-            w.declare_tensor(s.key, s.shape, s.dtype, path=p.path)
-            for rank, box in p.chunks:
-                w.write_chunk(rank, s.key, box.offsets, s.read(box))
-            if progress is not None:
-                progress.update(1)
+        with phase_of(progress, "writing", total) as bar:
+            for p in planned:
+                s = p.src
+                w.declare_tensor(s.key, s.shape, s.dtype, path=p.path)
+                for rank, box in p.chunks:
+                    w.write_chunk(rank, s.key, box.offsets, s.read(box))
+                if bar is not None:
+                    bar.update(_nbytes(s))
         w.finish()
     finally:
         w.close()
     return w.checksums()
+
+
+def _nbytes(s: _Src) -> int:
+    """A source tensor's bytes (what the progress of an import counts)."""
+    return whole(s.shape).numel * s.dtype.itemsize
 
 
 def _manifest(src: Path, source: _Source, rules, topo: Topology, output: _Output):
@@ -694,17 +706,20 @@ def _tied_fqns(tied: list[list[str]], srcs: list[_Src]) -> list[list[str]]:
     return out
 
 
-def _verify_import(srcs: list[_Src], out: Path) -> dict[str, Any]:
+def _verify_import(srcs: list[_Src], out: Path, progress: Any = None) -> dict[str, Any]:
     """Every written tensor read back through the DCP index (one at a time), bitwise against the source."""
     from reshard.storage.index import CheckpointIndex
 
     ix = CheckpointIndex.open(out)
     diffs = [f.message for f in ix.findings if f.severity == "error"]
-    for s in srcs:
-        a = s.read(whole(s.shape))
-        b = ix.read_tensor(s.key)
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                       b.reshape(-1).view(torch.uint8)):
-            diffs.append(s.key)
-        del a, b
+    with phase_of(progress, "verifying", sum(_nbytes(s) for s in srcs)) as bar:
+        for s in srcs:
+            a = s.read(whole(s.shape))
+            b = ix.read_tensor(s.key)
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                           b.reshape(-1).view(torch.uint8)):
+                diffs.append(s.key)
+            del a, b
+            if bar is not None:
+                bar.update(_nbytes(s))
     return {"equal": not diffs, "tensors": len(srcs), "differences": diffs}

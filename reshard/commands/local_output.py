@@ -131,8 +131,11 @@ class _HeldObject:
     ranks: list[int] | None
 
 
-def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, progress: Any = None) -> dict[str, Any]:
+def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, progress: Any = None,
+                total_bytes: int = 0) -> dict[str, Any]:
     """Write ``plan``'s target state from ``ix`` into ``directory`` in the local format; return a summary.
+
+    ``progress.update(nbytes)``: each rank's file advances it by its share of ``total_bytes``.
 
     One rank's file at a time, so memory is bounded by one rank's state (plus the transform cache).
     """
@@ -147,7 +150,7 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
     for rank in range(world):
         ranks[str(rank)] = _write_rank_tensors(out, rank, world, tensors, pieces, index_tensors)
         ranks[str(rank)].update(_write_rank_objects(out, rank, plan, ix, objects))
-        _advance(progress, rank, world, len(plan.keys))
+        _advance(progress, rank, world, total_bytes)
     pieces.clear()
     shared = _object_values(plan, ix, [o for o in objects if o.ranks is None])
     shared_bytes = _save_objects(out / SHARED_OBJECTS, shared) if shared else 0
@@ -310,11 +313,11 @@ def _object_values(plan: "Plan", ix: CheckpointIndex, objects: list[_HeldObject]
     return {k: _object_value(plan, ix, a) for k, a in actions.items()}
 
 
-def _advance(progress: Any, rank: int, world: int, n_keys: int) -> None:
-    """Progress counts keys: each rank's file advances it by its share of them."""
+def _advance(progress: Any, rank: int, world: int, total: int) -> None:
+    """Progress counts bytes: each rank's file advances it by its share of ``total``."""
     if progress is None:
         return
-    step = (rank + 1) * n_keys // world - rank * n_keys // world
+    step = (rank + 1) * total // world - rank * total // world
     if step:
         progress.update(step)
 

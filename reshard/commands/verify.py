@@ -110,8 +110,9 @@ Result (the ``--json`` shape)::
       "exit_code": 0 | 1                 # 0 equal, 1 different
     }
 
-``progress``: an optional tqdm-like object; ``progress.update(1)`` is called once per item
-of A (a tensor chunk or an object), so ``CheckpointIndex.open(a).item_count()`` is the total.
+``progress``: an optional `reshard.render.progress.Progress`; the comparison is its phase
+"comparing", advanced by the logical bytes of A's items as they are decided (`progress_bytes`
+of A is the total), and the checksum pass its phase "checking checksums" (stored bytes).
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ from reshard.storage.index import CheckpointIndex
 from reshard.commands.inspect import Inspection, inspect_checkpoint
 from reshard.storage.integrity import check_algorithm
 from reshard.commands.plan import Options, Plan
+from reshard.render.progress import phase_of
 
 PER_RANK_ROLES = ("rng", "data")
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -173,16 +175,18 @@ def _integrity_record(insp: Inspection) -> dict[str, Any] | None:
 
 
 def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None = None, *,
-                         workers: int | None = None, digests: dict[str, str] | None = None) -> None:
+                         workers: int | None = None, digests: dict[str, str] | None = None,
+                         progress: Any = None) -> None:
     """Hash every item of a checkpoint whose manifest records checksums; BadInput on the first
     mismatch (or on a checksum algorithm reshard does not know). ``digests``: checksums
     already computed for some items (see `reshard.storage.integrity.check_items`)."""
-    from reshard.storage.integrity import check_items, describe, first_issue_message
+    from reshard.storage.integrity import check_items, describe, first_issue_message, item_bytes
 
     integrity = _integrity_record(insp)
     if integrity is None:
         return
-    issues = check_items(insp.index, integrity, workers=workers, digests=digests)
+    with phase_of(progress, f"checking checksums of {Path(path).name}", item_bytes(insp.index)) as bar:
+        issues = check_items(insp.index, integrity, workers=workers, digests=digests, progress=bar)
     bad = [i for i in issues if i["kind"] == "mismatch"]
     if bad:
         raise BadInput(first_issue_message(bad), where=str(Path(path) / bad[0]["file"]),
@@ -275,25 +279,24 @@ def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: Che
         progress = _SkipTicks(progress, verdict.ticked)
     d = _shape_or_dtype_difference(key, ea, eb, rtol, atol, notes)
     if d is not None:
-        _advance(progress, len(ea.chunks))
+        _advance(progress, ea.nbytes)
         return d
     stats["tensors"] += 1
     mismatch = _decoded_mismatch(key, ia, ib, _decoded_boxes(ea, eb, b_files), rtol, atol, stats, progress)
     return _value_difference(key, ea, mismatch, rtol, atol) if mismatch.count else None
 
 
-def _advance(progress: Any, n: int) -> None:
-    if progress is not None and n:
-        progress.update(n)
+def _advance(progress: Any, nbytes: int) -> None:
+    if progress is not None and nbytes > 0:
+        progress.update(nbytes)
 
 
 def _count_decided(ea: Entry, verdict: Any, stats: dict[str, int], progress: Any) -> None:
-    """A key the fast path found equal: its counts, and the ticks for A's chunks it did not give yet."""
+    """A key the fast path found equal: its counts, and the bytes of A's chunks it did not tick yet."""
     stats["tensors"] += 1
     stats["elements"] += verdict.elements
     stats["bytes"] += verdict.nbytes
-    if progress is not None and len(ea.chunks) > verdict.ticked:
-        progress.update(len(ea.chunks) - verdict.ticked)
+    _advance(progress, ea.nbytes - verdict.ticked)
 
 
 def _shape_or_dtype_difference(key: str, ea: Entry, eb: Entry, rtol: float, atol: float,
@@ -352,8 +355,8 @@ def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes:
             stats["elements"] += box.numel
             stats["bytes"] += box.numel * ta.element_size()
             mismatch.add(box, bad, ta, tb)
+            _advance(progress, box.numel * ta.element_size())
             del ta, tb, bad
-        _advance(progress, 1)
     return mismatch
 
 
@@ -878,24 +881,30 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     sa, sb = _open(a, trust_pickle), _open(b, trust_pickle)
     sides = _integrity_sides(check_integrity)
     records = _checksum_records(sides, (a, sa), (b, sb))
-    verdicts, digests = ({}, {}) if not fast else _fast_verdicts(
-        sa.index, sb.index, rtol=rtol, atol=atol, values_checked=values_checked, record_b=records["b"],
-        progress=progress, workers=workers, b_files=b_files, direct=direct)
-    notes: list[str] = []
-    # corrupt input is bad input, not a difference: every recorded checksum is checked before
-    # any result (B's items the comparison above already read whole are not read again)
-    _check_checksums(sides, (a, sa), (b, sb), notes, workers=workers, digests=digests)
-    stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
-    ranks = _PerRank.of(sa, sb)
-    found = _semantic_differences(sa, sb)
-    found += _per_rank_differences(ranks, sa, sb)
-    found += _key_differences(_KeyComparison(sa.index, sb.index, ranks, rtol, atol, verdicts, b_files, progress,
-                                             stats, notes))
+    with phase_of(progress, "comparing", progress_bytes(sa.index)) as bar:
+        verdicts, digests = ({}, {}) if not fast else _fast_verdicts(
+            sa.index, sb.index, rtol=rtol, atol=atol, values_checked=values_checked, record_b=records["b"],
+            progress=bar, workers=workers, b_files=b_files, direct=direct)
+        notes: list[str] = []
+        # corrupt input is bad input, not a difference: every recorded checksum is checked before
+        # any result (B's items the comparison above already read whole are not read again)
+        _check_checksums(sides, (a, sa), (b, sb), notes, workers=workers, digests=digests, progress=progress)
+        stats = {"tensors": 0, "objects": 0, "elements": 0, "bytes": 0}
+        ranks = _PerRank.of(sa, sb)
+        found = _semantic_differences(sa, sb)
+        found += _per_rank_differences(ranks, sa, sb)
+        found += _key_differences(_KeyComparison(sa.index, sb.index, ranks, rtol, atol, verdicts, b_files, bar,
+                                                 stats, notes))
     if recompute and found and evidence is None:
         evidence, why_not = _recomputed_evidence(a, b, sa, sb, trust_pickle=trust_pickle, strict=strict)
         notes.extend(why_not)
     differences, rewritten = _sort_excused(found, rewrites, evidence, sa.index, sb.index)
     return _result(a, b, stats, differences, rewritten, notes, evidence, rtol, atol)
+
+
+def progress_bytes(index: Any) -> int:
+    """What the "comparing" phase counts to: the logical bytes of every entry of A (`Entry.nbytes`)."""
+    return sum(e.nbytes for e in index.entries.values())
 
 
 def _check_tolerances(rtol: float, atol: float) -> None:
@@ -921,13 +930,13 @@ def _checksum_records(sides: set[str], a: tuple[Path, Inspection], b: tuple[Path
 
 
 def _check_checksums(sides: set[str], a: tuple[Path, Inspection], b: tuple[Path, Inspection], notes: list[str], *,
-                     workers: int | None, digests: dict[str, str]) -> None:
+                     workers: int | None, digests: dict[str, str], progress: Any = None) -> None:
     """Every recorded checksum of the checked sides, A's first; B's items the byte comparison
     already hashed (``digests``) are not read again."""
     if "a" in sides:
-        check_item_checksums(a[1], a[0], notes, workers=workers)
+        check_item_checksums(a[1], a[0], notes, workers=workers, progress=progress)
     if "b" in sides:
-        check_item_checksums(b[1], b[0], notes, workers=workers, digests=digests)
+        check_item_checksums(b[1], b[0], notes, workers=workers, digests=digests, progress=progress)
 
 
 # ---------------------------------------------------------------------------------- fast path
@@ -1045,8 +1054,8 @@ class _KeyComparison:
     stats: dict[str, int]
     notes: list[str]
 
-    def tick(self, n: int = 1) -> None:
-        _advance(self.progress, n)
+    def tick(self, nbytes: int) -> None:
+        _advance(self.progress, nbytes)
 
 
 def _key_differences(kc: _KeyComparison) -> list[dict[str, Any]]:
@@ -1064,7 +1073,7 @@ def _key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | None:
     on one side and an object on the other, else its tensor or object comparison."""
     ea, eb = kc.ia.entries.get(key), kc.ib.entries.get(key)
     if eb is None:
-        kc.tick(_item_count(ea))
+        kc.tick(ea.nbytes)
         if kc.ranks.rank_elsewhere(key, kc.ranks.b):
             return None
         return {"key": key, "kind": "missing", "detail": f"{_describe(ea)} in A, missing in B"}
@@ -1073,16 +1082,11 @@ def _key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | None:
             return None
         return {"key": key, "kind": "unexpected", "detail": f"not in A, {_describe(eb)} in B"}
     if ea.is_tensor != eb.is_tensor:
-        kc.tick(_item_count(ea))
+        kc.tick(ea.nbytes)
         return {"key": key, "kind": "object", "detail": f"{_describe(ea)} in A, {_describe(eb)} in B"}
     if ea.is_tensor:
         return _tensor_key_difference(kc, key, ea, eb)
     return _object_key_difference(kc, key)
-
-
-def _item_count(e: Entry) -> int:
-    """A's progress items of an entry: its chunks, or one object."""
-    return len(e.chunks) if e.is_tensor else 1
 
 
 def _tensor_key_difference(kc: _KeyComparison, key: str, ea: Entry, eb: Entry) -> dict[str, Any] | None:
@@ -1091,7 +1095,7 @@ def _tensor_key_difference(kc: _KeyComparison, key: str, ea: Entry, eb: Entry) -
     d = _compare_tensor(key, ea, eb, kc.ia, kc.ib, kc.rtol, kc.atol, kc.stats, kc.notes,
                         kc.progress if kc.b_files is None else None, kc.verdicts.get(key), kc.b_files)
     if kc.b_files is not None:
-        kc.tick(len(ea.chunks))
+        kc.tick(ea.nbytes)
     return d
 
 
@@ -1099,7 +1103,7 @@ def _object_key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | Non
     """An object key on both sides, compared bit for bit (`object_difference`)."""
     kc.stats["objects"] += 1
     d = object_difference(kc.ia.read_object(key), kc.ib.read_object(key))
-    kc.tick(1)
+    kc.tick(kc.ia.entries[key].nbytes)
     return {"key": key, "kind": "object", "detail": d} if d else None
 
 
