@@ -25,7 +25,8 @@ from reshard.engine import compare
 from reshard.storage import dcp as rdcp
 from reshard.storage.dcp_writer import DcpWriter
 from reshard.synthetic import make_sharded, minimal_manifest, synthetic_value
-from reshard.commands.verify import verify_checkpoints
+from reshard.commands.verify import progress_bytes, verify_checkpoints
+from reshard.render.progress import Progress
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -101,12 +102,11 @@ def _flip_payload_bit(path: Path, key: str, index: tuple[int, ...], bit: int = 0
     raise AssertionError(f"{index} not in {key}")
 
 
-class _Bar:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def update(self, k: int = 1) -> None:
-        self.n += k
+def _compared_bytes(p: Progress) -> int:
+    """The bytes the "comparing" phase counted (it must reach its total, A's bytes)."""
+    (ph,) = [ph for ph in p.phases if ph.name == "comparing"]
+    assert ph.done == ph.total
+    return ph.done
 
 
 def _same(r: dict, slow: dict) -> bool:
@@ -170,13 +170,13 @@ def test_differently_chunked_equal_through_the_fast_path(mode, ckpts):
     a, b = ckpts["ws4"], ckpts["grid"]
     boxes = [{c.box for c in CheckpointIndex.open(p).entries["model.layers.0.weight"].chunks} for p in (a, b)]
     assert boxes[0] != boxes[1]
-    bar = _Bar()
+    bar = Progress()
     r, n = _fast_run(a, b, progress=bar)
     assert r["equal"] is True and r["differences"] == [], r["differences"]
     assert n["keys_equal"] == N and not n.get("keys_fallback") and not n.get("keys_different"), n
     assert n["parts_strided"] > 0  # column blocks against row blocks: strided views
     assert n["bytes"] == N * 120 * 4
-    assert bar.n == CheckpointIndex.open(a).item_count()
+    assert _compared_bytes(bar) == progress_bytes(CheckpointIndex.open(a))
     slow = verify_checkpoints(a, b, fast=False)
     assert _same(r, slow)  # the same result dict, stats included
     assert r["compared"] == {"tensors": N, "objects": 0, "elements": N * 120, "bytes": N * 120 * 4}
@@ -367,10 +367,10 @@ def test_b_files_parts_add_up(mode, ckpts, tmp_path):
     assert len(files) == 3
     parts = []
     for f in files:
-        bar = _Bar()
+        bar = Progress()
         r = verify_checkpoints(a, b, b_files={f}, progress=bar)
         assert _same(r, verify_checkpoints(a, b, b_files={f}, fast=False))
-        assert bar.n == CheckpointIndex.open(a).item_count()
+        assert _compared_bytes(bar) == progress_bytes(CheckpointIndex.open(a))
         assert (r["compared"]["tensors"], r["compared"]["objects"]) == (whole["compared"]["tensors"],
                                                                          whole["compared"]["objects"])
         parts.append(r)

@@ -143,7 +143,8 @@ def writing_bytes(plan: Plan, ix: CheckpointIndex) -> int:
 def say_converting(progress: Any, plan: Plan, ix: CheckpointIndex) -> None:
     """The first line once the source is read: how much is converted, into what."""
     if progress is not None:
-        n = sum(1 for e in ix.entries.values() if e.is_tensor)
+        kept = {a.key for a in plan.keys if a.action != "dropped"}
+        n = sum(1 for key, e in ix.entries.items() if e.is_tensor and key in kept)
         progress.say(f"converting {describe_bytes(writing_bytes(plan, ix), n, 'tensor')} to {plan.options.to} …")
 
 

@@ -74,8 +74,9 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
-            ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, leave=False, file=self.stream,
-                          dynamic_ncols=True, mininterval=0.2)
+            # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G)
+            ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                          file=self.stream, dynamic_ncols=True, mininterval=0.2)
         try:
             yield ph
         finally:
