@@ -383,23 +383,42 @@ def _summary_line(verb: str, r: dict, dst: Path) -> str:
 def rehearse(
     from_spec: str = typer.Option(..., "--from", help="Source layout of the rehearsal, e.g. dp=4."),
     to: str = typer.Option(..., "--to", help="Target layout, e.g. dp=2."),
+    trainer: Optional[str] = typer.Option(
+        None, "--trainer", help="Your trainer's command with placeholders ({world} {layout} {ckpt_in} {save_at} "
+        "{ckpt_out} {steps} {log} {micro_batch} {grad_accum} ...; formats/trainer_contract.md). Default: the "
+        "reference trainer."),
     steps: int = typer.Option(24, "--steps", help="Total optimizer steps of the baseline."),
     switch_at: int = typer.Option(4, "--switch-at", help="Step at which the rehearsal checkpoints and converts."),
     window: int = typer.Option(20, "--window", help="Steps after the switch that are compared."),
     micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
+    source_micro_batch: Optional[int] = typer.Option(
+        None, "--source-micro-batch", help="The source run's micro-batch (default 2)."),
+    source_grad_accum: Optional[int] = typer.Option(
+        None, "--source-grad-accum", help="The source run's accumulation (default: picked so both layouts divide "
+        "the global batch)."),
+    control: Optional[str] = typer.Option(
+        None, "--control", help="The naive control: relaunch (default with --trainer), naive-state (reference "
+        "default) or none."),
+    dataset_len: Optional[int] = typer.Option(None, "--dataset-len", help="Samples asked of the trainer's data."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order ({seed})."),
+    reuse_baseline: Optional[Path] = typer.Option(
+        None, "--reuse-baseline", help="An earlier rehearsal's --out whose baseline (same layout, recipe, steps) "
+        "is reused."),
     like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint."),
     out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
     json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),
 ) -> None:
-    """Rehearse a transition on the small reference model: baseline, converted resume, naive control.
+    """Rehearse a transition with your trainer (or the reference one): baseline, converted resume, naive control.
 
     Exit 0 within tolerances with exact coverage, 1 otherwise.
     """
     from reshard.commands.rehearsal import render_rehearsal, rehearse as run_rehearsal
     from reshard.render.report import to_json
 
-    r = run_rehearsal(from_spec=from_spec, to_spec=to, steps=steps, switch_at=switch_at, window=window,
-                      micro_batch=micro_batch, grad_accum=grad_accum, like=like, out=out)
+    r = run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
+                      window=window, micro_batch=micro_batch, grad_accum=grad_accum,
+                      source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, control=control,
+                      dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out)
     typer.echo(to_json(r) if json_out else render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 

@@ -4,6 +4,10 @@ Two launch modes:
   torchrun --nproc-per-node 4 -m reshard.reference --dp 4 --steps 6 --save-at 3 --out ckpts --log-file log.jsonl
   python -m reshard.reference --spawn --dp 4 --steps 6 --save-at 3 --out ckpts
   python -m reshard.reference --spawn --pp 2 --dp 2 --steps 6 --save-at 3 --out ckpts   # 4 ranks, 2 stages
+  python -m reshard.reference --spawn --layout dp=2,tp=2 ...    # the layout as one spec (the trainer contract's {layout})
+
+`reshard rehearse` runs it through the trainer contract (formats/trainer_contract.md) like any
+user's trainer: see ``reshard.commands.rehearsal.contract.reference_command``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     p = argparse.ArgumentParser(prog="python -m reshard.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spawn", action="store_true", help="spawn pp*dp*tp local gloo processes (else expect torchrun)")
+    p.add_argument("--layout", default=None, metavar="SPEC",
+                   help="dp=N[,tp=N][,pp=N] in one spec (instead of --dp/--tp/--pp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) degree; default WORLD_SIZE/(pp*tp) or 2")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=d.pp,
@@ -51,7 +57,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
                         "(torchrun itself rejects --log as an ambiguous abbreviation)")
     p.add_argument("--resume", default=None, metavar="DIR", help="resume from a DCP checkpoint directory")
     p.add_argument("--experiment-id", default=None)
+    for name in ("n_heads", "n_layers", "dim", "vocab_size"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help="model shape")
     a = p.parse_args(argv)
+    if a.layout:
+        from reshard.model.topology import parse_spec
+
+        t = parse_spec(a.layout)
+        if t.dp_replicate != 1 or t.cp != 1:
+            p.error(f"--layout {a.layout}: the reference trainer has no dp_replicate or cp dimension")
+        a.dp, a.tp, a.pp = t.dp_shard, t.tp, t.pp
     dp = a.dp
     if dp is None:
         world = int(os.environ.get("WORLD_SIZE", "0"))
@@ -60,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
                       out=a.out, micro_batch=a.micro_batch, grad_accum=a.grad_accum, seq_len=a.seq_len, lr=a.lr,
                       warmup=a.warmup, seed=a.seed, dataset_len=a.dataset_len, dropout=a.dropout,
                       convention=a.convention, manifest=a.manifest, log=a.log, resume=a.resume,
-                      experiment_id=a.experiment_id)
+                      experiment_id=a.experiment_id, n_heads=a.n_heads, n_layers=a.n_layers, dim=a.dim,
+                      vocab_size=a.vocab_size)
     return cfg, a.spawn
 
 

@@ -36,7 +36,38 @@ def render_png(path: Path, r: dict[str, Any]) -> dict:
               panel("control_coverage", "control: sample ids repeated / skipped so far (cumulative)", "ids",
                     style="points")]
     verdict = "PASS" if r["exit_code"] == 0 else "FAIL"
-    return line_chart(path, panels, title=f"rehearsal {frm} -> {to}: {verdict}")
+    drawn = line_chart(path, panels, title=f"rehearsal {frm} -> {to}: {verdict}")
+    tr = r["trainer"]
+    caption = [f"trainer: {tr['command']}", f"checkpoint (step {k}): {tr['checkpoint']}"]
+    return _add_caption(path, drawn, caption)
+
+
+_PLAIN = str.maketrans({",": " ", "{": "(", "}": ")", "[": "(", "]": ")", "'": "", '"': "", "`": ""})
+
+
+def _add_caption(path: Path, drawn: dict, caption: list[str]) -> dict:
+    """Append ``caption`` under the chart, wrapped to its width (the chart font has no comma or
+    braces: they are drawn as spaces and parentheses). Returns ``drawn`` with the new height and
+    the caption as written (the report checks the figure against it)."""
+    import numpy as np
+
+    from reshard.render.plot import draw_text, read_png, text_width, write_png
+
+    img = read_png(path)
+    width = img.shape[1]
+    per_line = max(20, (width - 16) // text_width("x"))
+    rows: list[str] = []
+    for text in caption:
+        text = text.translate(_PLAIN)
+        while text:
+            rows.append(text[:per_line])
+            text = text[per_line:]
+    footer = np.full((12 * len(rows) + 8, width, 3), 255, dtype=np.uint8)
+    for i, row in enumerate(rows):
+        draw_text(footer, 8, 4 + 12 * i, row)
+    out = np.concatenate([img, footer], axis=0)
+    write_png(path, out)
+    return {**drawn, "height": int(out.shape[0]), "caption": rows}
 
 
 def render_markdown(r: dict[str, Any]) -> str:
@@ -45,15 +76,27 @@ def render_markdown(r: dict[str, Any]) -> str:
              f"(exit {r['exit_code']})", ""]
     if r["diverged"]:
         lines += ["## Diverged", ""] + [f"- {d}" for d in r["diverged"]] + [""]
-    st = r["setup"]
-    lines += ["## Setup", "",
-              f"- reference GPT ({st['model']['n_layers']} layers, {st['model']['n_heads']} heads, dim "
-              f"{st['model']['dim']}) on CPU gloo ranks; {r['steps']} steps, switch at step {k}, compared over steps "
-              f"{k + 1}..{k + w}",
+    if r.get("diagnosis"):
+        lines += ["## Diagnosis", ""] + [f"- {d}" for d in r["diagnosis"]] + [""]
+    st, tr = r["setup"], r["trainer"]
+    model = st["model"]
+    what = (f"reference GPT ({model['n_layers']} layers, {model['n_heads']} heads, dim {model['dim']}) on CPU gloo ranks"
+            if tr["builtin_reference"] else "the trainer's own model")
+    lines += ["## Trainer", "",
+              f"- command ({'built-in reference trainer; ' if tr['builtin_reference'] else ''}contract: "
+              f"{tr['contract']}): `{tr['command']}`",
+              f"- checkpoint it produced at step {k} (converted by reshard): `{tr['checkpoint']}`",
+              f"- baseline run: `{tr['baseline_command']}`"
+              + (f" (reused from {tr['baseline_reused_from']})" if tr["baseline_reused_from"] else "")]
+    lines += [f"- {name} run: `{x['command']}` ({x['seconds']} s, exit {x['returncode']})"
+              for name, x in tr["runs"].items() if name != "baseline"]
+    lines += ["", "## Setup", "",
+              f"- {what}; {r['steps']} steps, switch at step {k}, compared over steps {k + 1}..{k + w}",
               f"- batch: source {st['source_recipe']['micro_batch']} x {st['source_recipe']['grad_accum']} x dp "
               f"{st['source_recipe']['dp']} = {st['source_recipe']['global_batch']}; target (plan) "
               f"{st['target_recipe']['micro_batch']} x {st['target_recipe']['grad_accum']} x dp "
               f"{st['target_recipe']['dp']} = {st['target_recipe']['global_batch']}",
+              f"- recipe: {st['recipe_choice']['note']}",
               f"- randomness: {st['randomness']}",
               f"- data: {st['epoch_boundary']}"]
     if st.get("like"):
@@ -97,6 +140,9 @@ def render_rehearsal(r: dict[str, Any]) -> str:
     k, w = r["switch_at"], r["window"]
     c = r["coverage"]["resumed"]
     lines = [f"rehearsal   {r['from']} -> {r['to']}: {'PASS' if r['exit_code'] == 0 else 'FAIL'}",
+             f"trainer     {r['trainer']['command']}",
+             f"checkpoint  {r['trainer']['checkpoint']} (step {k}, converted by reshard)",
+             f"recipe      {r['setup']['recipe_choice']['note']}",
              f"window      steps {k + 1}..{k + w}",
              f"loss        max rel diff {_f(r['loss']['max_rel'])} (tolerance {_f(r['tolerances']['loss_rtol'])})",
              f"grad norm   max rel diff {_f(r['grad_norm']['max_rel'])} (tolerance {_f(r['tolerances']['grad_norm_rtol'])})"]
@@ -109,6 +155,8 @@ def render_rehearsal(r: dict[str, Any]) -> str:
         lines.append(f"control     {r['control']['summary']}")
     for d in r["diverged"]:
         lines.append(f"DIVERGED    {d}")
+    for d in r.get("diagnosis") or []:
+        lines.append(f"DIAGNOSIS   {d}")
     out = r.get("out")
     if out:
         lines.append(f"report      {out}/rehearsal.md, figure {out}/rehearsal.png")

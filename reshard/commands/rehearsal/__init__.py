@@ -1,6 +1,10 @@
-"""Deterministic restore rehearsal of a topology transition on the reference model."""
+"""Deterministic restore rehearsal of a topology transition, on the user's trainer (the trainer
+contract, formats/trainer_contract.md) or the reference trainer run through the same contract."""
 from reshard.commands.rehearsal.ckpt import make_control, naive_cursor, rewrite_checkpoint
+from reshard.commands.rehearsal.contract import PLACEHOLDERS, TrainerCommand, reference_command
+from reshard.commands.rehearsal.recipe import pick_recipe
 from reshard.commands.rehearsal.rehearse import DEFAULT_TOLERANCES, rehearse
 from reshard.render.rehearsal import render_rehearsal
 
-__all__ = ["rehearse", "render_rehearsal", "rewrite_checkpoint", "make_control", "naive_cursor", "DEFAULT_TOLERANCES"]
+__all__ = ["rehearse", "render_rehearsal", "rewrite_checkpoint", "make_control", "naive_cursor", "DEFAULT_TOLERANCES",
+           "TrainerCommand", "reference_command", "PLACEHOLDERS", "pick_recipe"]

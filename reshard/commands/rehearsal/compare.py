@@ -7,9 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.storage.index import CheckpointIndex
-from reshard.reference.model import TIED
 from reshard.commands.rehearsal.ckpt import MOMENT, STEP
-from reshard.train.sampler import ElasticSampler
 
 
 def read_log(path: Path) -> dict[int, Any]:
@@ -60,8 +58,11 @@ def moments(run_ckpt: Path, base_ckpt: Path) -> dict[str, Any]:
     noise, whose self-relative difference is ~1 and meaningless; it is reported as
     ``self_rel`` for information. Per parameter the worse of the two kinds is kept.
     """
+    from reshard.semantics.manifest import read_manifest
+
     ia, ib = CheckpointIndex.open(run_ckpt), CheckpointIndex.open(base_ckpt)
-    tied_copies = {t for group in TIED for t in group[1:]}
+    m = read_manifest(base_ckpt)  # tied copies (lm_head = tok_emb) may legitimately lack a copy of their state
+    tied_copies = {t for group in (m.model.tied if m is not None else []) for t in group[1:]}
     diffs: dict[str, dict[str, float]] = {}
     self_rel: dict[str, dict[str, float]] = {}
     scale: dict[str, float] = {}
@@ -113,26 +114,33 @@ def moments(run_ckpt: Path, base_ckpt: Path) -> dict[str, Any]:
             "n_params": len(per_param)}
 
 
-def coverage(base: dict[int, Any], run: dict[int, Any], *, switch_at: int, window_steps: list[int],
-             dataset_len: int, seed: int) -> dict[str, Any]:
+def coverage(base: dict[int, Any], run: dict[int, Any], *, switch_at: int, window_steps: list[int]) -> dict[str, Any]:
     """Sample ids across the transition: the uninterrupted baseline's steps 1..switch_at,
-    then this run's window steps, against the epoch-0 order of the elastic sampler.
+    then this run's window steps, against the order the baseline itself read them in.
 
-    repeated: reads of an id already read before in the span; skipped: stream positions
-    behind the furthest one read that were never read (lost for this epoch). Cumulative
-    per-step series of both, the position reached against the baseline's, and whether
-    each step took exactly the baseline's ids.
+    The stream is the baseline's steps in order (any trainer's sampler, no knowledge of it
+    needed); an id the baseline never read is placed after its stream, in the order first
+    read. repeated: reads of an id already read before in the span; skipped: stream
+    positions behind the furthest one read that were never read (lost for this epoch).
+    Cumulative per-step series of both, the position reached against the baseline's, and
+    whether each step took exactly the baseline's ids.
     """
-    perm = ElasticSampler(dataset_len, seed=seed).permutation(0).tolist()
-    pos = {sid: p for p, sid in enumerate(perm)}
+    pos: dict[int, int] = {}
+    for s in sorted(base):
+        for i in base[s].sample_ids or []:
+            pos.setdefault(i, len(pos))
+
+    def where(i: int) -> int:
+        return pos.setdefault(i, len(pos))
+
     seen: set[int] = set()
     read: set[int] = set()
     repeated = 0
     for s in range(1, switch_at + 1):
-        for i in base[s].sample_ids or []:
+        for i in (base[s].sample_ids or []) if s in base else []:
             repeated += i in seen
             seen.add(i)
-            read.add(pos[i])
+            read.add(where(i))
     per_rep, per_skip, mismatched, missing = [], [], [], []
     for s in window_steps:
         if s not in run or run[s].sample_ids is None:
@@ -141,7 +149,7 @@ def coverage(base: dict[int, Any], run: dict[int, Any], *, switch_at: int, windo
         for i in run[s].sample_ids:
             repeated += i in seen
             seen.add(i)
-            read.add(pos[i])
+            read.add(where(i))
         front = max(read) + 1 if read else 0
         per_rep.append((s, repeated))
         per_skip.append((s, front - len(read)))

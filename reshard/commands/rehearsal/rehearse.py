@@ -1,22 +1,28 @@
 """`rehearse`: a deterministic restore test of a topology transition, run for real.
 
-On the small reference model, on CPU gloo ranks:
+With the user's trainer (``trainer``: a command under the trainer contract,
+formats/trainer_contract.md) or, by default, the built-in reference trainer run through the
+same contract (``contract.reference_command``): one engine, whichever trainer.
 
-1. baseline  the source topology runs uninterrupted for ``steps`` steps, saving at
+1. baseline  the source layout runs uninterrupted for ``steps`` steps, saving at
              ``switch_at`` and ``switch_at + 1`` (optimizer state after one more step);
+             a tp/pp change adds a noise-floor run (the same sums in another order);
 2. resumed   the step-``switch_at`` checkpoint is planned and converted by reshard with the
-             policies a real transition uses, then the reference trainer resumes it on the
-             target topology with the plan's batch recipe;
-3. control   the naive resume: the same source checkpoint loaded on the target topology
-             with fresh Adam moments and each rank's LOCAL data position replayed on the
-             new world size (see ``reshard.commands.rehearsal.ckpt.make_control``);
+             options a real transition uses, then the trainer resumes it on the target
+             layout with the plan's batch recipe;
+3. control   the naive resume, one of: ``relaunch`` (the trainer resumed on the target from
+             the unconverted checkpoint with its unchanged recipe: what relaunching without
+             reshard does; the default for a user's trainer) or ``naive-state`` (fresh Adam
+             moments and one rank's LOCAL data position replayed on the new world size, see
+             ``reshard.commands.rehearsal.ckpt.make_control``; the reference's default);
 4. compare   over steps switch_at+1 .. switch_at+window: losses, grad norms, throughput,
              sample coverage, Adam moments after the first resumed step, step counters;
-             plus the control's repeats/skips and loss jump;
+             plus the control's repeats/skips and loss jump; a diagnosis names the likely
+             trainer mistake (optimizer re-initialised, data order tied to the world size);
 5. verdict   exit 0 when the resumed run is within tolerance and coverage is exact.
 
-Dropout is 0 by default, so no randomness depends on the topology (dropout masks come from
-per-dp-rank RNG streams, which a new world size necessarily reseeds).
+The reference's dropout is 0 by default, so no randomness depends on the topology (dropout
+masks come from per-dp-rank RNG streams, which a new world size necessarily reseeds).
 """
 from __future__ import annotations
 
@@ -26,30 +32,34 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Infeasible
 from reshard.commands.rehearsal import compare
 from reshard.commands.rehearsal.ckpt import make_control
+from reshard.commands.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, TrainerCommand, find_checkpoint,
+                                                 layout_spec, reference_command, run)
+from reshard.commands.rehearsal.recipe import RecipeChoice, pick_recipe
 from reshard.model.topology import Topology, parse_spec
 
-if TYPE_CHECKING:  # annotations only: the trainer and the planner load torch, imported where they run
+if TYPE_CHECKING:  # annotations only: the planner loads torch, imported where it runs
     from reshard.commands.plan import Options, Plan
-    from reshard.reference import TrainConfig
     from reshard.semantics.batch import Recipe
 
 DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "grad_norm_rtol": 1e-3, "moment_rtol": 1e-5}
 FLOOR_FACTOR = 10.0      # tolerance = max(default, FLOOR_FACTOR x measured fp32 noise floor)
 FALLBACK_FACTOR = 10.0   # no noise-floor run possible: defaults x this factor
 REFERENCE_FAMILIES = ("reshard-reference-gpt", "reference-gpt")
+CONTROLS = ("relaunch", "naive-state", "none")
+RUN_NAMES = ("baseline", "floor", "resumed", "control")
 
 
 def _topology(spec: str, what: str) -> Topology:
     t = parse_spec(spec)
     if t.dp_replicate != 1 or t.cp != 1:
-        raise BadInput(f"--{what} {spec}: the reference trainer has no dp_replicate or cp dimension",
+        raise BadInput(f"--{what} {spec}: the trainer contract has no dp_replicate or cp placeholder",
                        hint="Rehearse with dp (= dp_shard), tp and pp only.")
     return t
 
@@ -72,7 +82,7 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     if family not in REFERENCE_FAMILIES:
         raise BadInput(f"model family '{family}': the reference trainer cannot build that family yet, so a "
                        "rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
-                       hint="Rehearse without --like (reference GPT), or rehearse on your own trainer.")
+                       hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ").")
     ix = CheckpointIndex.open(like)
     prefix = "model." if m.key_convention == "reshard" else ""
     params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
@@ -107,43 +117,29 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     return {"train": kw, "copied": copied}
 
 
-def _spawn(cfgs: list, what: str) -> str | None:
-    """Run configs in one spawn; return an error text instead of raising. A failed spawn is
-    retried once from clean outputs (a free port taken between probe and bind, or a gloo
-    connection lost on a loaded machine, must not read as a failed transition)."""
-    from reshard.reference import run_reference
-
-    err = None
-    for attempt in range(2):
-        if attempt:
-            for c in cfgs:
-                if c.log:
-                    Path(c.log).unlink(missing_ok=True)
-                if c.out and c.out != c.resume:
-                    shutil.rmtree(c.out, ignore_errors=True)
-        try:
-            run_reference(cfgs)
-            return None
-        except Exception as exc:  # a rank failed: the report says so
-            text = str(exc).strip()
-            err = f"{what} failed: {type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
-    return err
-
-
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else ("inf" if x == math.inf else f"{x:.2e}")
 
 
-def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 4, window: int = 20,
-             micro_batch: int | None = None, grad_accum: int | None = None, like: Path | None = None,
-             out: Path, tolerances: dict | None = None, hooks: dict | None = None, seed: int = 0,
-             dropout: float = 0.0, data_policy: str | None = None,
-             source_micro_batch: int = 2, source_grad_accum: int = 2) -> dict:
+def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps: int = 24, switch_at: int = 4,
+             window: int = 20, micro_batch: int | None = None, grad_accum: int | None = None,
+             like: Path | None = None, out: Path, tolerances: dict | None = None, hooks: dict | None = None,
+             seed: int = 0, dropout: float = 0.0, data_policy: str | None = None,
+             source_micro_batch: int | None = None, source_grad_accum: int | None = None,
+             control: str | None = None, dataset_len: int | None = None, reuse_baseline: Path | None = None,
+             timeout: float | None = None) -> dict:
     """Rehearse the transition ``from_spec -> to_spec``; write rehearsal.{json,md,png} into ``out``.
 
-    ``micro_batch`` / ``grad_accum`` are the target recipe overrides handed to the planner (by
-    default the plan keeps the global batch); ``source_micro_batch`` / ``source_grad_accum``
-    the source run's recipe (``like`` replaces them with the real checkpoint's).
+    ``trainer``: the user's command under the trainer contract (formats/trainer_contract.md);
+    None runs the reference trainer through the same contract. ``micro_batch`` /
+    ``grad_accum`` are the target recipe overrides handed to the planner (by default the plan
+    keeps the global batch); ``source_micro_batch`` / ``source_grad_accum`` the source run's
+    recipe (default: one both layouts divide, ``recipe.pick_recipe``; ``like`` replaces them
+    with the real checkpoint's). ``control``: ``relaunch``, ``naive-state`` or ``none`` (see the
+    module docstring; default naive-state for the reference, relaunch for a user's trainer).
+    ``dataset_len``: the samples asked of the trainer's data (default: just enough that no run
+    crosses an epoch). ``reuse_baseline``: an earlier rehearsal's output directory whose
+    baseline (same layout, recipe, steps, seed and data length) is used instead of running one.
     ``hooks["after_convert"](dst)`` runs after conversion, before the resume; if it returns
     a path, that checkpoint is resumed instead of ``dst``. Returns the report (also
     ``rehearsal.json``) with ``exit_code`` (0: within tolerance and coverage exact) and
@@ -153,27 +149,32 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
 
     t_start = time.perf_counter()
     src, tgt = _topology(from_spec, "from"), _topology(to_spec, "to")
-    _check_arguments(steps, switch_at, window, hooks)
-    out = _fresh_outputs(Path(out))
-    setup = _make_setup(src, tgt, steps=steps, switch_at=switch_at, window=window, out=out, seed=seed,
-                        dropout=dropout, like=like, micro_batch=micro_batch, grad_accum=grad_accum,
-                        source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum)
+    _check_arguments(steps, switch_at, window, hooks, control, trainer=trainer, like=like, dropout=dropout)
+    out = Path(out)
+    reuse = _reused_dir(reuse_baseline, out)
+    out = _fresh_outputs(out, keep_baseline=reuse is not None and reuse.resolve() == out.resolve())
+    setup = _make_setup(src, tgt, trainer=trainer, steps=steps, switch_at=switch_at, window=window, out=out,
+                        seed=seed, dropout=dropout, like=like, micro_batch=micro_batch, grad_accum=grad_accum,
+                        source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum,
+                        control=control, dataset_len=dataset_len, timeout=timeout)
     timings: dict[str, float] = {}
     with _timed(timings, "baseline"):
-        baseline = _run_baseline(setup)
+        baseline = _run_baseline(setup, reuse)
     _check_rules_family(setup, baseline.src_ckpt)
     with _timed(timings, "plan_convert_verify"):
         switch = _convert_at_switch(setup, baseline.src_ckpt, hooks, Options(
-            to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum, data_policy=data_policy))
-    control_info = make_control(baseline.src_ckpt, out / "control_ckpt", source_dp=src.dp, target_dp=tgt.dp)
+            to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum, data_policy=data_policy,
+            source_micro_batch=setup.recipe.source.micro_batch, source_grad_accum=setup.recipe.source.grad_accum))
+    control_info = _make_control(setup, baseline, switch)
     with _timed(timings, "resumed_and_control"):
-        errors = _run_resumed_and_control(setup, switch)
+        errors = _run_resumed_and_control(setup, switch, control_info)
     cmp = _compare_runs(setup, baseline)
     tol, derivation = _tolerances(setup, baseline, cmp.base, tolerances)
     diverged = _diverged(setup, switch, cmp, tol, errors["resumed"])
-    report = _report(setup, switch, cmp, tol=tol, derivation=derivation, diverged=diverged,
+    report = _report(setup, baseline, switch, cmp, tol=tol, derivation=derivation, diverged=diverged,
                      exactness=_exactness(setup, switch, cmp, tol),
-                     control=_control_section(control_info, errors["control"], cmp), errors=errors)
+                     control=_control_section(setup, control_info, errors["control"], cmp), errors=errors,
+                     diagnosis=_diagnosis(setup, switch, cmp, tol))
     _write_outputs(report, out, timings, t_start)
     return report
 
@@ -183,8 +184,8 @@ def rehearse(*, from_spec: str, to_spec: str, steps: int = 24, switch_at: int = 
 @dataclass
 class _Setup:
     """What every run of one rehearsal shares, fixed before the first rank starts: the two
-    topologies, the window, the source recipe (scaled from ``--like`` when given) and a data
-    length that keeps every run inside one epoch."""
+    layouts, the window, the trainer command, the recipe (picked, given, or scaled from
+    ``--like``) and a data length that keeps every run inside one epoch."""
 
     src: Topology
     tgt: Topology
@@ -195,12 +196,15 @@ class _Setup:
     seed: int
     dropout: float
     like: Path | None
-    train_kw: dict[str, Any]          # source recipe (micro_batch, grad_accum) and model shape
+    command: TrainerCommand
+    recipe: RecipeChoice
+    model_kw: dict[str, Any]          # the reference model's shape (from --like; {} otherwise)
     copied: dict[str, Any] | None     # what --like copied from the real checkpoint (None without it)
     warmup: int
-    g_src: int                        # the source run's global batch
     dataset_len: int
-    common: dict[str, Any]            # TrainConfig fields every run takes
+    control: str                      # relaunch | naive-state | none
+    timeout: float | None
+    runs: dict[str, RunResult] = field(default_factory=dict)
 
     @property
     def window_steps(self) -> list[int]:
@@ -212,9 +216,31 @@ class _Setup:
         """tp or pp changes: sums are taken in another order, so the tolerances need a noise floor."""
         return self.src.tp != self.tgt.tp or self.src.pp != self.tgt.pp
 
+    @property
+    def g_src(self) -> int:
+        """The source run's global batch."""
+        return self.recipe.source.global_batch
 
-def _check_arguments(steps: int, switch_at: int, window: int, hooks: dict | None) -> None:
-    """Refuse a window that does not fit in the run, and hooks this function would silently ignore."""
+    def spec(self, name: str, layout: Topology, micro_batch: int, grad_accum: int, *, save_at: list[int],
+             ckpt_in: Path | None = None, steps: int | None = None) -> RunSpec:
+        """One run's placeholders; outputs under ``out/<name>`` and ``out/<name>.jsonl``."""
+        return RunSpec(name=name, layout=layout, micro_batch=micro_batch, grad_accum=grad_accum,
+                       steps=steps or self.steps, total_steps=self.steps, save_at=save_at,
+                       ckpt_out=self.out / name, log=self.out / f"{name}.jsonl", seed=self.seed,
+                       dataset_len=self.dataset_len, ckpt_in=ckpt_in)
+
+    def execute(self, spec: RunSpec) -> RunResult:
+        """Run one spec with the trainer command; the result is kept for the report."""
+        spec.log.unlink(missing_ok=True)
+        result = run(self.command, spec, out_dir=self.out, timeout=self.timeout)
+        self.runs[spec.name] = result
+        return result
+
+
+def _check_arguments(steps: int, switch_at: int, window: int, hooks: dict | None, control: str | None, *,
+                     trainer: str | None, like: Path | None, dropout: float) -> None:
+    """Refuse a window that does not fit in the run, hooks this function would silently ignore,
+    and options that only the reference trainer has."""
     if switch_at < 1 or window < 1:
         raise BadInput(f"switch_at ({switch_at}) and window ({window}) must be >= 1")
     if steps < switch_at + window:
@@ -222,73 +248,105 @@ def _check_arguments(steps: int, switch_at: int, window: int, hooks: dict | None
     unknown_hooks = set(hooks or {}) - {"after_convert"}
     if unknown_hooks:
         raise BadInput(f"unknown hooks {sorted(unknown_hooks)}", hint="Known: after_convert.")
+    if control is not None and control not in CONTROLS:
+        raise BadInput(f"--control {control}: unknown", hint=f"Known: {', '.join(CONTROLS)}.")
+    if trainer is not None and like is not None:
+        raise BadInput("--like scales the reference model to a real checkpoint; with --trainer your trainer "
+                       "builds its own model", hint="Drop --like, or --trainer to rehearse on the reference model.")
+    if trainer is not None and dropout:
+        raise BadInput(f"--dropout {dropout} sets the reference model's dropout; your trainer's randomness is its own",
+                       hint="Turn dropout off in your trainer's command for a deterministic rehearsal.")
 
 
-def _fresh_outputs(out: Path) -> Path:
+def _reused_dir(reuse_baseline: Path | None, out: Path) -> Path | None:
+    """The earlier rehearsal whose baseline is reused, checked to hold one."""
+    if reuse_baseline is None:
+        return None
+    d = Path(reuse_baseline)
+    if not (d / "baseline.json").is_file():
+        raise BadInput("no baseline to reuse here (baseline.json missing)", where=str(d),
+                       hint="Pass the --out directory of an earlier rehearsal that ran its baseline.")
+    return d
+
+
+def _fresh_outputs(out: Path, *, keep_baseline: bool = False) -> Path:
     """Create ``out`` and remove a previous rehearsal's runs, so no stale log or checkpoint is compared."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("baseline", "floor", "converted", "resumed", "control", "control_ckpt"):
+    for name in RUN_NAMES + ("converted", "control_ckpt"):
+        if keep_baseline and name == "baseline":
+            continue
         shutil.rmtree(out / name, ignore_errors=True)
         (out / f"{name}.jsonl").unlink(missing_ok=True)
+        (out / f"{name}.out").unlink(missing_ok=True)
+    if not keep_baseline:
+        (out / "baseline.json").unlink(missing_ok=True)
     return out
 
 
-def _make_setup(src: Topology, tgt: Topology, *, steps: int, switch_at: int, window: int, out: Path, seed: int,
-                dropout: float, like: Path | None, micro_batch: int | None, grad_accum: int | None,
-                source_micro_batch: int, source_grad_accum: int) -> _Setup:
-    """The source recipe, checked against both topologies, and the data length every run needs."""
-    train_kw, copied, warmup = _source_recipe(like, src, steps, source_micro_batch, source_grad_accum)
-    _check_model_divides(src, tgt, train_kw)
-    g_src = train_kw["micro_batch"] * train_kw["grad_accum"] * src.dp
-    if micro_batch and grad_accum:
-        g_tgt = micro_batch * grad_accum * tgt.dp
+def _make_setup(src: Topology, tgt: Topology, *, trainer: str | None, steps: int, switch_at: int, window: int,
+                out: Path, seed: int, dropout: float, like: Path | None, micro_batch: int | None,
+                grad_accum: int | None, source_micro_batch: int | None, source_grad_accum: int | None,
+                control: str | None, dataset_len: int | None, timeout: float | None) -> _Setup:
+    """The trainer command, the recipe (checked against both layouts) and the data length every run needs."""
+    model_kw, copied, warmup = _like_recipe(like, src, steps)
+    if copied is not None and "micro_batch" in model_kw:
+        source_micro_batch, source_grad_accum = model_kw.pop("micro_batch"), model_kw.pop("grad_accum")
+    if trainer is None:
+        _check_model_divides(src, tgt, model_kw)
+        command = reference_command(dropout=dropout, warmup=warmup, model=model_kw)
     else:
-        g_tgt = g_src  # the planner keeps the global batch (checked below against the plan)
-    dataset_len = _dataset_len(src, tgt, steps, switch_at, g_src, g_tgt)
-    common = dict(seed=seed, dropout=dropout, dataset_len=dataset_len, warmup=warmup, total_steps=steps,
-                  steps=steps, experiment_id="rehearsal",
-                  **{x: train_kw[x] for x in ("n_heads", "n_layers", "dim", "vocab_size") if x in train_kw})
+        command = TrainerCommand(trainer)
+    recipe = pick_recipe(src.dp, tgt.dp, source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum,
+                         micro_batch=micro_batch, grad_accum=grad_accum)
+    kind = control or ("naive-state" if command.reference else "relaunch")
+    need = _dataset_need(src, tgt, steps, switch_at, recipe, kind)
+    if dataset_len is None:
+        unit = _lcm(recipe.source.global_batch, recipe.target.global_batch)
+        dataset_len = -(-need // unit) * unit + unit
+    elif dataset_len < need:
+        raise BadInput(f"--dataset-len {dataset_len}: the runs of this rehearsal read {need} samples",
+                       hint=f"Pass at least {need}, or leave it to the rehearsal.")
     return _Setup(src=src, tgt=tgt, steps=steps, switch_at=switch_at, window=window, out=out, seed=seed,
-                  dropout=dropout, like=like, train_kw=train_kw, copied=copied, warmup=warmup, g_src=g_src,
-                  dataset_len=dataset_len, common=common)
+                  dropout=dropout, like=like, command=command, recipe=recipe, model_kw=model_kw, copied=copied,
+                  warmup=warmup, dataset_len=dataset_len, control=kind, timeout=timeout)
 
 
-def _source_recipe(like: Path | None, src: Topology, steps: int, micro_batch: int,
-                   grad_accum: int) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-    """(train_kw, copied, warmup): the given recipe, or the one ``like`` scales down from a real
-    checkpoint, with its warmup kept as the same fraction of the (shorter) rehearsal."""
-    train_kw: dict[str, Any] = {"micro_batch": micro_batch, "grad_accum": grad_accum}
-    copied = None
+def _like_recipe(like: Path | None, src: Topology, steps: int) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """(model_kw, copied, warmup): what ``like`` scales down from a real checkpoint (model shape and
+    recipe), with its warmup kept as the same fraction of the (shorter) rehearsal."""
+    if like is None:
+        return {}, None, 2
+    got = _from_like(Path(like), src)
+    copied = got["copied"]
     warmup = 2
-    if like is not None:
-        got = _from_like(Path(like), src)
-        train_kw.update(got["train"])
-        copied = got["copied"]
-        frac = (copied.get("schedule") or {}).get("warmup_fraction")
-        if frac is not None:
-            warmup = max(1, round(frac * steps)) if frac > 0 else 0
-            copied["schedule"]["rehearsal"] = {"warmup": warmup, "total_steps": steps}
-    return train_kw, copied, warmup
+    frac = (copied.get("schedule") or {}).get("warmup_fraction")
+    if frac is not None:
+        warmup = max(1, round(frac * steps)) if frac > 0 else 0
+        copied["schedule"]["rehearsal"] = {"warmup": warmup, "total_steps": steps}
+    return dict(got["train"]), copied, warmup
 
 
-def _check_model_divides(src: Topology, tgt: Topology, train_kw: dict[str, Any]) -> None:
-    """Both topologies must split the rehearsal model: tp its heads, pp its layers."""
-    n_heads = train_kw.get("n_heads", 2)
+def _check_model_divides(src: Topology, tgt: Topology, model_kw: dict[str, Any]) -> None:
+    """Both layouts must split the reference model: tp its heads, pp its layers."""
+    n_heads = model_kw.get("n_heads", 2)
     for t, name in ((src, "from"), (tgt, "to")):
         if n_heads % t.tp:
             raise BadInput(f"--{name}: tp={t.tp} does not divide the rehearsal model's n_heads={n_heads}")
-        if train_kw.get("n_layers", 2) % t.pp:
-            raise BadInput(f"--{name}: pp={t.pp} does not divide the rehearsal model's n_layers={train_kw.get('n_layers', 2)}")
+        if model_kw.get("n_layers", 2) % t.pp:
+            raise BadInput(f"--{name}: pp={t.pp} does not divide the rehearsal model's n_layers={model_kw.get('n_layers', 2)}")
 
 
-def _dataset_len(src: Topology, tgt: Topology, steps: int, switch_at: int, g_src: int, g_tgt: int) -> int:
-    """A dataset length, a multiple of both global batches, with no epoch boundary inside any run:
-    baseline, resumed, and the control's replayed cursor."""
-    k = switch_at
-    ctrl_start = (k * g_src // src.dp) * tgt.dp
-    need = max(steps * g_src, k * g_src + (steps - k) * g_tgt, ctrl_start + (steps - k) * g_tgt)
-    unit = _lcm(g_src, g_tgt)
-    return -(-need // unit) * unit + unit
+def _dataset_need(src: Topology, tgt: Topology, steps: int, switch_at: int, recipe: RecipeChoice,
+                  control: str) -> int:
+    """Samples the furthest-reading run consumes: baseline, resumed, and the control (a replayed
+    local cursor starts elsewhere; a relaunch keeps the source's per-rank recipe on the target)."""
+    k, g_src, g_tgt = switch_at, recipe.source.global_batch, recipe.target.global_batch
+    need = max(steps * g_src, k * g_src + (steps - k) * g_tgt)
+    if control == "naive-state":
+        need = max(need, (k * g_src // src.dp) * tgt.dp + (steps - k) * g_tgt)
+    elif control == "relaunch":
+        need = max(need, k * g_src + (steps - k) * recipe.source.micro_batch * recipe.source.grad_accum * tgt.dp)
+    return need
 
 
 @contextmanager
@@ -303,47 +361,83 @@ def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 @dataclass
 class _Baseline:
-    """The source run: its config, the noise-floor run's (None when none is needed or possible),
-    and its checkpoints at the switch and one step after (optimizer state to compare)."""
+    """The source run: its spec, the noise-floor run's (None when none is needed or possible), its
+    checkpoints at the switch and one step after (optimizer state to compare), its log, and the
+    command that produced it (an earlier rehearsal's, when reused)."""
 
-    cfg: TrainConfig
-    floor_cfg: TrainConfig | None
+    spec: RunSpec
+    floor_spec: RunSpec | None
     src_ckpt: Path
     next_ckpt: Path
+    log: Path
+    command: str
+    reused_from: Path | None = None
 
 
-def _run_baseline(setup: _Setup) -> _Baseline:
-    """Run the source topology uninterrupted (and the noise-floor run beside it, in one spawn)."""
-    from reshard.reference import TrainConfig
+def _run_baseline(setup: _Setup, reuse: Path | None) -> _Baseline:
+    """Run the source layout uninterrupted (or take an earlier rehearsal's run), then the noise floor."""
+    k, src, r = setup.switch_at, setup.src, setup.recipe.source
+    spec = setup.spec("baseline", src, r.micro_batch, r.grad_accum, save_at=[k, k + 1])
+    if reuse is not None:
+        base = _reused_baseline(setup, spec, reuse)
+    else:
+        res = setup.execute(spec)
+        if res.returncode:
+            raise Infeasible(res.error or "baseline run failed", where=str(res.output),
+                             hint="The source run itself failed: see its output (the trainer's stderr).")
+        base = _Baseline(spec=spec, floor_spec=None, src_ckpt=_saved(spec, k), next_ckpt=_saved(spec, k + 1),
+                         log=spec.log, command=res.command)
+        (setup.out / "baseline.json").write_text(json.dumps(
+            {"identity": spec.identity(), "command": res.command, "template": setup.command.template,
+             "checkpoints": {str(k): str(base.src_ckpt), str(k + 1): str(base.next_ckpt)}, "log": str(spec.log)},
+            indent=2) + "\n")
+    floor = _floor_spec(setup, spec)
+    if floor is not None:
+        res = setup.execute(floor)
+        if res.returncode:
+            raise Infeasible(res.error or "noise-floor run failed", where=str(res.output),
+                             hint="The source layout with another accumulation split failed: see its output.")
+    return replace(base, floor_spec=floor)
 
-    k, out, src = setup.switch_at, setup.out, setup.src
-    cfg = TrainConfig(dp=src.dp_shard, tp=src.tp, pp=src.pp, save_at=[k, k + 1], out=str(out / "baseline"),
-                      log=str(out / "baseline.jsonl"), micro_batch=setup.train_kw["micro_batch"],
-                      grad_accum=setup.train_kw["grad_accum"], **setup.common)
-    floor_cfg = _floor_config(setup, cfg)
-    err = _spawn([cfg] + ([floor_cfg] if floor_cfg else []), "baseline run")
-    if err:
-        raise Infeasible(err, where=str(out / "baseline"), hint="The source run itself failed; see the ranks' stderr.")
-    return _Baseline(cfg=cfg, floor_cfg=floor_cfg, src_ckpt=out / "baseline" / f"step_{k}",
-                     next_ckpt=out / "baseline" / f"step_{k + 1}")
+
+def _saved(spec: RunSpec, step: int) -> Path:
+    """The checkpoint a finished run saved after ``step``; Infeasible, naming the contract, when absent."""
+    got = find_checkpoint(spec.ckpt_out, step)
+    if got is None:
+        raise Infeasible(f"the {spec.name} run wrote no checkpoint for step {step}", where=str(spec.ckpt_out),
+                         hint=f"The trainer must save after each step in {{save_at}} into a directory of {{ckpt_out}} "
+                              f"whose name ends in the step (step_{step}) ({CONTRACT_DOC}).")
+    return got
 
 
-def _floor_config(setup: _Setup, base_cfg: TrainConfig) -> TrainConfig | None:
+def _reused_baseline(setup: _Setup, spec: RunSpec, reuse: Path) -> _Baseline:
+    """An earlier rehearsal's baseline, refused unless it ran what this one would."""
+    rec = json.loads((reuse / "baseline.json").read_text())
+    want = spec.identity()
+    diff = {f: (rec["identity"].get(f), v) for f, v in want.items() if rec["identity"].get(f) != v}
+    if diff:
+        raise BadInput("the baseline to reuse ran another experiment: " + "; ".join(
+            f"{f} {a} there, {b} here" for f, (a, b) in diff.items()), where=str(reuse / "baseline.json"),
+            hint="Rehearse with the same --from, recipe, --steps, --switch-at, --seed and --dataset-len, or run "
+                 "a baseline of its own (no --reuse-baseline).")
+    k = setup.switch_at
+    return _Baseline(spec=spec, floor_spec=None, src_ckpt=Path(rec["checkpoints"][str(k)]),
+                     next_ckpt=Path(rec["checkpoints"][str(k + 1)]), log=Path(rec["log"]), command=rec["command"],
+                     reused_from=reuse)
+
+
+def _floor_spec(setup: _Setup, base: RunSpec) -> RunSpec | None:
     """For a tp/pp change, the source run again with only the accumulation split changed: the same
     sums in another order, i.e. the fp32 noise floor. None for a dp-only change, or when micro_batch
     and grad_accum are both odd (no split to take)."""
-    from reshard.reference import TrainConfig
-
     if not setup.structural:
         return None
-    k, out = setup.switch_at, setup.out
-    mb, ga = base_cfg.micro_batch, base_cfg.grad_accum
+    k = setup.switch_at
+    mb, ga = base.micro_batch, base.grad_accum
     split = (mb * 2, ga // 2) if ga % 2 == 0 else (mb // 2, ga * 2) if mb % 2 == 0 else None
     if not split:
         return None
-    return TrainConfig(**{**asdict(base_cfg), "micro_batch": split[0], "grad_accum": split[1],
-                          "save_at": [k + 1], "out": str(out / "floor"), "log": str(out / "floor.jsonl"),
-                          "steps": k + setup.window})
+    return setup.spec("floor", base.layout, split[0], split[1], save_at=[k + 1], steps=k + setup.window)
 
 
 def _check_rules_family(setup: _Setup, src_ckpt: Path) -> None:
@@ -395,6 +489,9 @@ def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, option
     plan = make_plan(src_ckpt, options)
     if not plan.feasible:
         raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src_ckpt))
+    if plan.batch.after is None:
+        raise Infeasible("the plan chose no target batch recipe", where=str(src_ckpt),
+                         hint="Pass --micro-batch and --grad-accum for the target.")
     dst = setup.out / "converted"
     convert(plan, src_ckpt, dst)
     resume_from = dst
@@ -408,24 +505,41 @@ def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, option
     return _Switch(plan=plan, dst=dst, resume_from=resume_from, hooked=hook is not None, planned=planned, verified=v)
 
 
-def _run_resumed_and_control(setup: _Setup, switch: _Switch) -> dict[str, str | None]:
-    """Resume the converted checkpoint and the naive control on the target topology, in one spawn;
-    when that fails, the control again alone (so its failure and the resumed run's are told apart).
-    Returns the report's ``errors``: {"resumed": ..., "control": ...}."""
-    from reshard.reference import TrainConfig
+def _make_control(setup: _Setup, baseline: _Baseline, switch: _Switch) -> dict[str, Any] | None:
+    """What the control resumes from, with which recipe, and how it was made (None: no control)."""
+    src, tgt, r = setup.src, setup.tgt, setup.recipe.source
+    if setup.control == "none":
+        return None
+    if setup.control == "relaunch":
+        g = r.micro_batch * r.grad_accum * tgt.dp
+        return {"kind": "relaunch", "ckpt": baseline.src_ckpt, "micro_batch": r.micro_batch,
+                "grad_accum": r.grad_accum, "global_batch": g, "cursor_before": None, "cursor_after": None,
+                "how": (f"the trainer relaunched on {layout_spec(tgt)} straight from the unconverted checkpoint "
+                        f"{baseline.src_ckpt} with its source recipe {r.micro_batch} x {r.grad_accum} per rank "
+                        f"(global batch {g} instead of {r.global_batch}): what resuming without reshard does; "
+                        "DCP reshards the tensors on load")}
+    from reshard.storage.index import CheckpointIndex
 
-    k, out, tgt, after = setup.switch_at, setup.out, setup.tgt, switch.after
-    tgt_common = dict(dp=tgt.dp_shard, tp=tgt.tp, pp=tgt.pp, micro_batch=after.micro_batch,
-                      grad_accum=after.grad_accum, **setup.common)
-    res_cfg = TrainConfig(resume=str(switch.resume_from), save_at=[k + 1], out=str(out / "resumed"),
-                          log=str(out / "resumed.jsonl"), **tgt_common)
-    ctl_cfg = TrainConfig(resume=str(out / "control_ckpt"), log=str(out / "control.jsonl"), **tgt_common)
-    res_err = _spawn([res_cfg, ctl_cfg], "resumed run")
+    if "data.sampler.cursor" not in CheckpointIndex.open(baseline.src_ckpt).entries:
+        raise BadInput("--control naive-state rewrites data.sampler.cursor, which this trainer's checkpoint "
+                       "does not hold", where=str(baseline.src_ckpt), hint="Use --control relaunch (or none).")
+    info = make_control(baseline.src_ckpt, setup.out / "control_ckpt", source_dp=src.dp, target_dp=tgt.dp)
+    return {"kind": "naive-state", "ckpt": Path(info["path"]), "micro_batch": switch.after.micro_batch,
+            "grad_accum": switch.after.grad_accum, "global_batch": switch.after.global_batch, **info}
+
+
+def _run_resumed_and_control(setup: _Setup, switch: _Switch, control: dict[str, Any] | None) -> dict[str, str | None]:
+    """Resume the converted checkpoint, then the control, on the target layout, each its own run.
+    Returns the report's ``errors``: {"resumed": ..., "control": ...}."""
+    k, tgt, after = setup.switch_at, setup.tgt, switch.after
+    res = setup.execute(setup.spec("resumed", tgt, after.micro_batch, after.grad_accum, save_at=[k + 1],
+                                   ckpt_in=switch.resume_from))
     ctl_err = None
-    if res_err:
-        (out / "control.jsonl").unlink(missing_ok=True)
-        ctl_err = _spawn([ctl_cfg], "control run")
-    return {"resumed": res_err, "control": ctl_err}
+    if control is not None:
+        ctl = setup.execute(setup.spec("control", tgt, control["micro_batch"], control["grad_accum"],
+                                       save_at=[k + 1], ckpt_in=control["ckpt"]))
+        ctl_err = ctl.error
+    return {"resumed": res.error, "control": ctl_err}
 
 
 # ---------------------------------------------------------------------- 3. compare
@@ -444,15 +558,18 @@ class _Comparison:
     ctl_cov: dict[str, Any] | None
     ctl_loss: dict[str, Any] | None
     jump: dict[str, Any] | None           # the control's loss jump at the first resumed step
+    ids_logged: bool                      # the baseline's records carry sample_ids (the contract asks for them)
 
 
 def _compare_runs(setup: _Setup, baseline: _Baseline) -> _Comparison:
     """Losses, grad norms, moments after the first resumed step and sample coverage, each against the baseline."""
     out, k, window_steps = setup.out, setup.switch_at, setup.window_steps
-    base, res, ctl = (compare.read_log(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control"))
-    res_next = out / "resumed" / f"step_{k + 1}"
-    mom = compare.moments(res_next, baseline.next_ckpt) if (res_next / ".metadata").exists() else None
-    cov_kw = dict(switch_at=k, window_steps=window_steps, dataset_len=setup.dataset_len, seed=setup.seed)
+    base = compare.read_log(baseline.log)
+    res, ctl = (compare.read_log(out / f"{n}.jsonl") for n in ("resumed", "control"))
+    res_next = find_checkpoint(out / "resumed", k + 1)
+    mom = compare.moments(res_next, baseline.next_ckpt) if res_next is not None else None
+    ids_logged = bool(base) and all(r.sample_ids is not None for r in base.values())
+    cov_kw = dict(switch_at=k, window_steps=window_steps)
     return _Comparison(
         base=base, res=res, ctl=ctl,
         loss=compare.trajectory(res, base, window_steps, "loss"),
@@ -460,7 +577,7 @@ def _compare_runs(setup: _Setup, baseline: _Baseline) -> _Comparison:
         mom=mom, cov=compare.coverage(base, res, **cov_kw),
         ctl_cov=compare.coverage(base, ctl, **cov_kw) if ctl else None,
         ctl_loss=compare.trajectory(ctl, base, window_steps, "loss") if ctl else None,
-        jump=_first_step_jump(base, res, ctl, window_steps[0]))
+        jump=_first_step_jump(base, res, ctl, window_steps[0]), ids_logged=ids_logged)
 
 
 def _first_step_jump(base: dict[int, Any], res: dict[int, Any], ctl: dict[int, Any],
@@ -485,8 +602,8 @@ def _tolerances(setup: _Setup, baseline: _Baseline, base: dict[int, Any],
         tol = dict(DEFAULT_TOLERANCES)
         derivation = {"how": "defaults for a data-parallel-only change (loss_rtol 1e-4, grad_norm_rtol 1e-3, "
                              "moment_rtol 1e-5)"}
-    elif baseline.floor_cfg is not None:
-        tol, derivation = _floor_tolerances(setup, baseline, baseline.floor_cfg, base)
+    elif baseline.floor_spec is not None:
+        tol, derivation = _floor_tolerances(setup, baseline, baseline.floor_spec, base)
     else:
         tol = {n: v * FALLBACK_FACTOR for n, v in DEFAULT_TOLERANCES.items()}
         derivation = {"how": (f"tp/pp change and no accumulation split to measure a noise floor with (micro_batch "
@@ -501,21 +618,21 @@ def _tolerances(setup: _Setup, baseline: _Baseline, base: dict[int, Any],
     return tol, derivation
 
 
-def _floor_tolerances(setup: _Setup, baseline: _Baseline, floor_cfg: TrainConfig,
+def _floor_tolerances(setup: _Setup, baseline: _Baseline, floor_cfg: RunSpec,
                       base: dict[int, Any]) -> tuple[dict[str, float], dict[str, Any]]:
     """max(default, FLOOR_FACTOR x how far the noise-floor run drifted from the baseline)."""
-    k, window_steps, base_cfg = setup.switch_at, setup.window_steps, baseline.cfg
-    fl = compare.read_log(setup.out / "floor.jsonl")
+    k, window_steps, base_cfg = setup.switch_at, setup.window_steps, baseline.spec
+    fl = compare.read_log(floor_cfg.log)
     f_loss = compare.trajectory(fl, base, window_steps, "loss")["max_rel"] or 0.0
     f_gn = compare.trajectory(fl, base, window_steps, "grad_norm")["max_rel"] or 0.0
-    f_mom = compare.moments(setup.out / "floor" / f"step_{k + 1}", baseline.next_ckpt)["max_rel"] or 0.0
+    f_mom = compare.moments(_saved(floor_cfg, k + 1), baseline.next_ckpt)["max_rel"] or 0.0
     d = DEFAULT_TOLERANCES
     tol = {"loss_rtol": max(d["loss_rtol"], FLOOR_FACTOR * f_loss),
            "grad_norm_rtol": max(d["grad_norm_rtol"], FLOOR_FACTOR * f_gn),
            "moment_rtol": max(d["moment_rtol"], FLOOR_FACTOR * f_mom)}
     derivation = {
         "how": (f"tp/pp change: fp32 noise floor measured from the baseline. A second run of the source "
-                f"topology ({setup.src.spec()}) from the same initial weights on the same samples, with only the "
+                f"layout ({layout_spec(setup.src)}) from the same initial weights on the same samples, with only the "
                 f"accumulation split changed (micro_batch {base_cfg.micro_batch}->{floor_cfg.micro_batch}, "
                 f"grad_accum {base_cfg.grad_accum}->{floor_cfg.grad_accum}: the same sums in another order), "
                 f"differs from the baseline by up to {_fmt(f_loss)} in loss, {_fmt(f_gn)} in grad norm "
@@ -533,6 +650,9 @@ def _diverged(setup: _Setup, switch: _Switch, cmp: _Comparison, tol: dict[str, f
     diverged: list[str] = []
     if res_err:
         diverged.append(f"resumed run: {res_err}")
+    if not cmp.ids_logged:
+        diverged.append("coverage: the baseline's step log carries no sample_ids, so coverage cannot be judged "
+                        "(the trainer contract asks for them: formats/step_log.md)")
     diverged += _trajectory_divergences(cmp.loss, cmp.gnorm, tol)
     diverged += _moment_divergences(cmp.mom, tol, setup.switch_at)
     diverged += _coverage_divergences(cmp.cov)
@@ -618,11 +738,11 @@ def _exactness(setup: _Setup, switch: _Switch, cmp: _Comparison, tol: dict[str, 
 
 def _inexact_reasons(setup: _Setup, after: Recipe) -> list[str]:
     """Why this transition cannot be expected to reproduce the trajectory bit for bit."""
-    src, tgt, kw, dropout = setup.src, setup.tgt, setup.train_kw, setup.dropout
+    src, tgt, kw, dropout = setup.src, setup.tgt, setup.recipe.source, setup.dropout
     reasons = []
-    if src.dp != tgt.dp or (after.grad_accum != kw["grad_accum"]) or after.micro_batch != kw["micro_batch"]:
+    if src.dp != tgt.dp or after.grad_accum != kw.grad_accum or after.micro_batch != kw.micro_batch:
         reasons.append(f"the data-parallel width changes {src.dp} -> {tgt.dp} and the recipe micro_batch x grad_accum "
-                       f"{kw['micro_batch']}x{kw['grad_accum']} -> {after.micro_batch}x{after.grad_accum}: "
+                       f"{kw.micro_batch}x{kw.grad_accum} -> {after.micro_batch}x{after.grad_accum}: "
                        "each step's gradient is the same sum over the same samples, but fp32 addition is not "
                        "associative and the sum is taken in another order (micro-batch sums, then a reduce-scatter "
                        "over another number of ranks)")
@@ -640,13 +760,19 @@ def _inexact_reasons(setup: _Setup, after: Recipe) -> list[str]:
 
 # ---------------------------------------------------------------------- control, series, report
 
-def _control_section(control_info: dict[str, Any], ctl_err: str | None, cmp: _Comparison) -> dict[str, Any]:
+def _control_section(setup: _Setup, control_info: dict[str, Any] | None, ctl_err: str | None,
+                     cmp: _Comparison) -> dict[str, Any]:
     """The naive control: how it was made, its coverage and loss jump, and a one-line summary."""
+    if control_info is None:
+        return {"kind": "none", "how": "no control run (--control none)", "cursor_before": None,
+                "cursor_after": None, "error": None, "coverage": None, "first_step_loss_jump": None, "loss": None}
     ctl_cov, ctl_loss, jump = cmp.ctl_cov, cmp.ctl_loss, cmp.jump
     control = {
-        "how": control_info["how"], "cursor_before": control_info["cursor_before"],
-        "cursor_after": control_info["cursor_after"], "error": ctl_err,
-        "coverage": ctl_cov, "first_step_loss_jump": jump,
+        "kind": control_info["kind"], "how": control_info["how"], "checkpoint": str(control_info["ckpt"]),
+        "recipe": {"micro_batch": control_info["micro_batch"], "grad_accum": control_info["grad_accum"],
+                   "global_batch": control_info["global_batch"]},
+        "cursor_before": control_info["cursor_before"], "cursor_after": control_info["cursor_after"],
+        "error": ctl_err, "coverage": ctl_cov, "first_step_loss_jump": jump,
         "loss": {x: ctl_loss[x] for x in ("max_abs", "max_rel", "worst_step")} if ctl_loss else None,
     }
     if ctl_cov is not None:
@@ -655,12 +781,49 @@ def _control_section(control_info: dict[str, Any], ctl_err: str | None, cmp: _Co
             what.append(f"repeats {ctl_cov['repeated']} sample ids")
         if ctl_cov["skipped"]:
             what.append(f"skips {ctl_cov['skipped']} sample ids")
+        if control_info["global_batch"] != setup.g_src:
+            what.append(f"takes {control_info['global_batch']} samples per step instead of {setup.g_src}")
         control["summary"] = ("the naive resume " + " and ".join(what) if what else
                               "the naive resume neither repeats nor skips samples (dp unchanged)") + (
             f"; its loss at step {jump['step']} is {jump['control']:.6f} vs {jump['baseline']:.6f} "
             f"(rel jump {_fmt(jump['rel'])}), max rel loss diff over the window {_fmt(ctl_loss['max_rel'])}"
             if jump else "")
     return control
+
+
+def _diagnosis(setup: _Setup, switch: _Switch, cmp: _Comparison, tol: dict[str, float]) -> list[str]:
+    """The trainer mistakes the evidence points at, named. The converted checkpoint is checked
+    against the source first: when it holds the state, a resumed run that lost it lost it in the
+    trainer's own resume code, and the report should say where to look."""
+    found: list[str] = []
+    state_ok = switch.verified["equal"]
+    k = setup.switch_at
+    mom = cmp.mom
+    if mom is not None and state_ok:
+        bad = [p for p, d in mom["per_param"].items() if max(d.values(), default=0.0) > tol["moment_rtol"]]
+        reset = [x for x in mom["step_mismatch"] if x["run"] < x["baseline"]]
+        # Moments that differ on the same samples point at the optimizer; on other samples they
+        # differ anyway (other gradients), and only reset step counters still point at it.
+        if reset or (mom["n_params"] and len(bad) * 2 >= mom["n_params"] and cmp.cov["exact"]):
+            counters = (f"its optimizer step counters read {reset[0]['run']:g} after step {k + 1} where the baseline's "
+                        f"read {reset[0]['baseline']:g}" if reset else "")
+            found.append("optimizer state not restored on resume: the converted checkpoint holds the source's Adam "
+                         f"moments (verify: equal), yet after step {k + 1} the resumed run's moments differ for "
+                         f"{len(bad)} of {mom['n_params']} parameters" + (f" and {counters}" if counters else "")
+                         + ": the trainer re-initialises its optimizer (Adam moments) when it resumes; load the "
+                         "optimizer state with set_state_dict(..., optim_state_dict=...) after dcp.load")
+    cov = cmp.cov
+    data = switch.plan.data
+    carried = data is not None and getattr(data, "policy", None) == "carry"
+    if state_ok and cov["steps_with_other_ids"] and cov["steps_with_other_ids"][0] == setup.window_steps[0] \
+            and not cov["missing_steps"]:
+        found.append(f"data order changed with the world size: from step {k + 1}, the first on {layout_spec(setup.tgt)}, "
+                     f"the resumed run takes other sample ids than the baseline ({cov['repeated']} repeated, "
+                     f"{cov['skipped']} skipped within the span)"
+                     + (" although the checkpoint carried the global data cursor unchanged" if carried else "")
+                     + ": the trainer's sampler reshuffles by world size or keeps a per-rank position; derive each "
+                     "rank's share from one global cursor and an order that depends on the seed and epoch only")
+    return found
 
 
 def _xy(run: dict, steps: list[int], field: str) -> dict[str, list]:
@@ -690,37 +853,58 @@ def _series(setup: _Setup, cmp: _Comparison) -> dict[str, Any]:
 
 def _setup_section(setup: _Setup, switch: _Switch) -> dict[str, Any]:
     """The report's ``setup``: model, both recipes, data, randomness, and what --like copied."""
-    common, kw, dropout, dataset_len = setup.common, setup.train_kw, setup.dropout, setup.dataset_len
-    return {
-        "model": {"n_heads": kw.get("n_heads", 2), "n_layers": common.get("n_layers", 2), "dim": common.get("dim", 32),
-                  "vocab_size": common.get("vocab_size", 64), "family": "reshard-reference-gpt"},
-        "source_recipe": {"micro_batch": kw["micro_batch"], "grad_accum": kw["grad_accum"],
-                          "dp": setup.src.dp, "global_batch": setup.g_src},
-        "target_recipe": switch.after.to_dict(), "batch_kept": switch.plan.batch.kept,
-        "dataset_len": dataset_len, "seed": setup.seed, "warmup": setup.warmup, "total_steps": setup.steps,
-        "dropout": dropout,
-        "randomness": ("dropout 0: no randomness depends on the topology (the data order comes from the "
+    kw, dropout, dataset_len, src_r = setup.model_kw, setup.dropout, setup.dataset_len, setup.recipe.source
+    if setup.command.reference:
+        model = {"n_heads": kw.get("n_heads", 2), "n_layers": kw.get("n_layers", 2), "dim": kw.get("dim", 32),
+                 "vocab_size": kw.get("vocab_size", 64), "family": "reshard-reference-gpt"}
+        randomness = (("dropout 0: no randomness depends on the topology (the data order comes from the "
                        "elastic sampler's global cursor, the weights from one seed)") if dropout == 0 else
                       (f"dropout {dropout}: masks come from per-dp-rank RNG streams that a new topology reseeds; "
-                       "the trajectory cannot match beyond the first step"),
+                       "the trajectory cannot match beyond the first step"))
+    else:
+        model = {"family": "the trainer's own model (see trainer.command)"}
+        randomness = ("the trainer's own: the rehearsal expects the same trajectory from the same seed, so "
+                      "dropout and other per-rank randomness should be off (or keyed by sample, not by rank)")
+    return {
+        "model": model,
+        "source_recipe": {"micro_batch": src_r.micro_batch, "grad_accum": src_r.grad_accum,
+                          "dp": setup.src.dp, "global_batch": src_r.global_batch},
+        "target_recipe": switch.after.to_dict(), "batch_kept": switch.plan.batch.kept,
+        "recipe_choice": setup.recipe.to_dict(),
+        "dataset_len": dataset_len, "seed": setup.seed, "warmup": setup.warmup, "total_steps": setup.steps,
+        "dropout": dropout, "randomness": randomness,
         "epoch_boundary": f"dataset_len {dataset_len}: no run crosses an epoch boundary",
         "like": setup.copied,
     }
 
 
-def _report(setup: _Setup, switch: _Switch, cmp: _Comparison, *, tol: dict[str, float], derivation: dict[str, Any],
-            diverged: list[str], exactness: dict[str, Any], control: dict[str, Any],
-            errors: dict[str, str | None]) -> dict[str, Any]:
+def _trainer_section(setup: _Setup, baseline: _Baseline) -> dict[str, Any]:
+    """The report's ``trainer``: the command template, each run's command line, and the checkpoint
+    the trainer produced at the switch (what reshard converted)."""
+    return {
+        "command": setup.command.template, "builtin_reference": setup.command.reference, "contract": CONTRACT_DOC,
+        "runs": {n: r.to_dict() for n, r in setup.runs.items()},
+        "baseline_command": baseline.command,
+        "baseline_reused_from": str(baseline.reused_from) if baseline.reused_from else None,
+        "checkpoint": str(baseline.src_ckpt), "checkpoint_next": str(baseline.next_ckpt),
+    }
+
+
+def _report(setup: _Setup, baseline: _Baseline, switch: _Switch, cmp: _Comparison, *, tol: dict[str, float],
+            derivation: dict[str, Any], diverged: list[str], exactness: dict[str, Any], control: dict[str, Any],
+            errors: dict[str, str | None], diagnosis: list[str]) -> dict[str, Any]:
     """The report (rehearsal.json), in the order its readers expect; ``plot`` and ``timings_s`` come last."""
     plan, v, loss, gnorm, out = switch.plan, switch.verified, cmp.loss, cmp.gnorm, setup.out
     window_steps = setup.window_steps
     exit_code = 0 if not diverged else 1
     trajectory_fields = ("max_abs", "max_rel", "worst_step", "bitwise", "missing_steps")
     return {
-        "rehearsal_version": 1,
-        "from": setup.src.spec(), "to": setup.tgt.spec(), "steps": setup.steps, "switch_at": setup.switch_at,
-        "window": setup.window, "window_steps": [window_steps[0], window_steps[-1]],
+        "rehearsal_version": 2,
+        "from": layout_spec(setup.src), "to": layout_spec(setup.tgt), "steps": setup.steps,
+        "switch_at": setup.switch_at, "window": setup.window, "window_steps": [window_steps[0], window_steps[-1]],
         "exit_code": exit_code, "verdict": "pass" if exit_code == 0 else "fail", "diverged": diverged,
+        "diagnosis": diagnosis,
+        "trainer": _trainer_section(setup, baseline),
         "exactness": exactness,
         "tolerances": tol, "tolerance_derivation": derivation,
         "setup": _setup_section(setup, switch),
@@ -741,9 +925,11 @@ def _report(setup: _Setup, switch: _Switch, cmp: _Comparison, *, tol: dict[str, 
         "per_step": {"loss": loss["per_step"], "grad_norm": gnorm["per_step"]},
         "series": _series(setup, cmp),
         "errors": errors,
-        "paths": {"baseline": str(out / "baseline"), "converted": str(switch.dst), "resumed": str(out / "resumed"),
-                  "control_checkpoint": str(out / "control_ckpt"),
-                  "logs": {n: str(out / f"{n}.jsonl") for n in ("baseline", "resumed", "control")}},
+        "paths": {"baseline": str(baseline.spec.ckpt_out if baseline.reused_from is None else baseline.src_ckpt.parent),
+                  "checkpoint": str(baseline.src_ckpt), "converted": str(switch.dst),
+                  "resumed": str(out / "resumed"), "control_checkpoint": control.get("checkpoint"),
+                  "logs": {"baseline": str(baseline.log),
+                           **{n: str(out / f"{n}.jsonl") for n in ("resumed", "control")}}},
     }
 
 
