@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from reshard.gc_pause import paused_gc
 from reshard.model import topology as topo_mod
 from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs
 from reshard.semantics.trainer_config import step_from_folder
@@ -67,6 +68,7 @@ def _scalar(v: Any) -> Any:
     return v
 
 
+@paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None,
                        conventions: Sequence[Convention] = (), ties: Sequence[Sequence[str]] | None = None) -> Inspection:

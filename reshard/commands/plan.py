@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
+from reshard.gc_pause import paused_gc
 from reshard import __version__
 from reshard.errors import BadInput
 from reshard.commands.inspect import Inspection, inspect_checkpoint
-from reshard.model.layout import Placement, local_box, target_chunks
+from reshard.model.layout import Placement, local_box, rank_sizes, target_chunks_cached
 from reshard.semantics import placement as placement_mod
 from reshard.semantics import batch as batch_mod
 from reshard.semantics import data as data_mod
@@ -100,7 +102,9 @@ class TensorPlan:
     copy_from: str | None = None  # tied copies: the source key whose values this key takes
     local: dict[int, tuple[int, ...]] = field(default_factory=dict)  # every holding rank -> its local shape
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, local: bool = True) -> dict[str, Any]:
+        """The row of the plan's tensor table; ``local=False`` leaves out the per-rank local shapes
+        (they follow from shape, placement and target, which the row and the plan hold)."""
         d = {"key": self.key, "role": self.role, "shape": list(self.shape), "dtype": self.dtype,
              "placement": self.placement.describe(),
              "chunks": [{"rank": r, "offsets": list(o), "sizes": list(s)} for r, o, s in self.chunks]}
@@ -108,7 +112,7 @@ class TensorPlan:
             d["transform"] = self.transform
         if self.copy_from:
             d["copy_from"] = self.copy_from
-        if self.local:
+        if self.local and local:
             d["local_shapes"] = {str(r): list(v) for r, v in self.local.items()}
             d["uneven"] = len({v for v in self.local.values()}) > 1
         return d
@@ -186,7 +190,7 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of everything the executor acts on: two equal fingerprints write the same checkpoint."""
         body = {"source": self.source, "target": self.target.degrees(), "keys": [k.to_dict() for k in self.keys],
-                "tensors": [t.to_dict() for t in self.tensors], "options": self.options.to_dict(),
+                "tensors": [t.to_dict(local=False) for t in self.tensors], "options": self.options.to_dict(),
                 "new": sorted(self.new_values)}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -232,6 +236,7 @@ def _dtype_size(name: str) -> int:
     return torch.empty((), dtype=getattr(torch, name)).element_size()
 
 
+@paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
 def make_plan(src: str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
     """Build the plan, or raise BadInput when the user must choose a policy first.
 
@@ -695,8 +700,9 @@ def _placed_tensor(key: str, role: str, e: Any, tg: placement_mod.TensorGeometry
     """A source tensor at its target placement: sharded ones are resharded, replicated ones carried to their owner."""
     placement = tg.placement
     owner = _owner_rank(key, cls, target)
-    chunks = [(owner if placement.kind == "replicate" and owner else rk, b_.offsets, b_.sizes)
-              for rk, b_ in target_chunks(tg.target_shape, placement, target)]
+    chunks = list(target_chunks_cached(tuple(tg.target_shape), placement, target))
+    if placement.kind == "replicate" and owner:
+        chunks = [(owner, o, z) for _rk, o, z in chunks]
     tensor = TensorPlan(key, role, tg.target_shape, e.dtype_name or "", placement, chunks, tg.transform)
     why = placement.describe()
     if tg.transform:
@@ -729,7 +735,7 @@ def _add_tied_copies(ix: Any, cls: Any, geo: placement_mod.Geometry, target: Top
             continue
         src_geo = geo.by_key[src_key]
         pl = Placement(dp_shard=src_geo.placement.dp_shard, tp_dim=src_geo.placement.tp_dim, stage=target.pp - 1)
-        chunks = [(rk, b_.offsets, b_.sizes) for rk, b_ in target_chunks(src_geo.target_shape, pl, target)]
+        chunks = list(target_chunks_cached(tuple(src_geo.target_shape), pl, target))
         keys.tensors.append(TensorPlan(key, role, src_geo.target_shape, se.dtype_name or "", pl,
                                        chunks, src_geo.transform, copy_from=src_key))
         keys.actions.append(KeyAction(key, role, "added", why))
@@ -750,12 +756,21 @@ def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngD
 
 
 def _fill_local_shapes(tensors: list[TensorPlan], target: Topology) -> None:
-    """Each holding rank's local shape, so an uneven split is visible in the plan."""
+    """Each holding rank's local shape, so an uneven split is visible in the plan.
+
+    One dict per distinct (shape, placement), shared by the tensors that have it (read-only):
+    a model's thousands of tensors have a few dozen shapes, and a dict per tensor over 16,384
+    ranks would be millions of entries.
+    """
+    shared: dict[tuple, dict[int, tuple[int, ...]]] = {}
     for t in tensors:
-        for rank in range(target.world_size):
-            box = local_box(t.shape, t.placement, target, rank)
-            if box is not None:
-                t.local[rank] = box.sizes
+        k = (tuple(t.shape), t.placement)
+        local = shared.get(k)
+        if local is None:
+            held, sizes = rank_sizes(tuple(t.shape), t.placement, target)
+            ranks = np.flatnonzero(held)
+            local = shared[k] = dict(zip(ranks.tolist(), map(tuple, sizes[ranks].tolist())))
+        t.local = local
 
 
 # ---------------------------------------------------------------------------- verdict and source
@@ -866,32 +881,40 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storag
             extra_trainable: set[str] = frozenset()) -> dict[str, Any]:
     """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state.
 
-    A tied copy that shares storage with its tie on the target is counted once.
+    A tied copy that shares storage with its tie on the target is counted once. Computed per
+    distinct (shape, placement, dtype, category) with numpy over all ranks at once
+    (`reshard.model.layout.rank_sizes`), times the number of tensors that share it; "other"
+    tensors count on the ranks that write them only.
     """
     trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"} | set(extra_trainable)
-    per_rank = []
-    for rank in range(target.world_size):
-        acc = {"parameters": 0, "gradients": 0, "optimizer": 0, "other": 0}
-        for t in tensors:
-            box = local_box(t.shape, t.placement, target, rank)
-            if box is None:
-                continue
-            nbytes = box.numel * _dtype_size(t.dtype)
+    world = target.world_size
+    acc = {name: np.zeros(world, dtype=np.int64) for name in ("parameters", "gradients", "optimizer", "other")}
+    groups: dict[tuple, int] = {}
+    for t in tensors:
+        if t.key in same_storage:
+            continue
+        if t.role == "parameter":
             role = cls.roles.get(t.key)
-            if t.key in same_storage:
-                continue
-            if t.role == "parameter":
-                acc["parameters"] += nbytes
-                if role is not None and role.param in trainable:
-                    acc["gradients"] += nbytes
-            elif t.role in ("optimizer_moment", "optimizer_step"):
-                acc["optimizer"] += nbytes
-            elif any(c[0] == rank for c in t.chunks):
-                acc["other"] += nbytes
-        acc["total"] = sum(acc.values())
-        per_rank.append({"rank": rank, **acc})
-    totals = [p["total"] for p in per_rank]
-    return {"per_rank": per_rank, "max": max(totals) if totals else 0, "min": min(totals) if totals else 0,
+            cats: tuple[str, ...] = ("parameters", "gradients") if role is not None and role.param in trainable else ("parameters",)
+        elif t.role in ("optimizer_moment", "optimizer_step"):
+            cats = ("optimizer",)
+        else:
+            for rank in sorted({c[0] for c in t.chunks}):
+                box = local_box(t.shape, t.placement, target, rank) if 0 <= rank < world else None
+                if box is not None:
+                    acc["other"][rank] += box.numel * _dtype_size(t.dtype)
+            continue
+        k = (tuple(t.shape), t.placement, t.dtype, cats)
+        groups[k] = groups.get(k, 0) + 1
+    for (shape, placement, dtype, cats), count in groups.items():
+        held, sizes = rank_sizes(shape, placement, target)
+        nbytes = np.where(held, sizes.prod(axis=1) if shape else 1, 0) * _dtype_size(dtype) * count
+        for c in cats:
+            acc[c] += nbytes
+    total = sum(acc.values())
+    per_rank = [{"rank": r, "parameters": p, "gradients": g, "optimizer": o, "other": x, "total": tt}
+                for r, (p, g, o, x, tt) in enumerate(zip(*(a.tolist() for a in (*acc.values(), total))))]
+    return {"per_rank": per_rank, "max": int(total.max()) if world else 0, "min": int(total.min()) if world else 0,
             "note": "gradients assume the parameter dtype; activations and communication buffers are not included"}
 
 

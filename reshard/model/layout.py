@@ -16,6 +16,9 @@ the one with index 0 on those dims writes the bytes, as DCP's save-time dedup wo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from reshard.model.geometry import Box
 from reshard.model.topology import DIMS, Topology
@@ -126,3 +129,48 @@ def local_box(shape: tuple[int, ...], placement: Placement, topo: Topology, rank
         return None
     c = mesh_coords(topo, rank)
     return piece(tuple(shape), placement, topo, tp=c["tp"], dp=c["dp_shard"])
+
+
+@lru_cache(maxsize=4096)
+def target_chunks_cached(shape: tuple[int, ...], placement: Placement, topo: Topology) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """`target_chunks` as (rank, offsets, sizes) tuples, computed once per distinct (shape, placement, topology).
+
+    A model has a few dozen distinct shapes and thousands of tensors (parameters and their
+    moments): the pieces of one shape are the same for all of them.
+    """
+    return tuple((r, b.offsets, b.sizes) for r, b in target_chunks(shape, placement, topo))
+
+
+def rank_sizes(shape: tuple[int, ...], placement: Placement, topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's local piece at once: (held, sizes) with ``held[r]`` whether rank ``r``'s stage
+    holds the tensor and ``sizes[r]`` its local shape (``world x ndim``, int64), in closed form.
+
+    Equal to `local_box` rank by rank (tests/test_geometry.py checks it on random shapes and
+    degrees); numpy over all ranks, so per-rank totals over 16,384 ranks cost a few array
+    operations per distinct shape instead of a Python call per rank per tensor.
+    """
+    world = topo.world_size
+    ranks = np.arange(world, dtype=np.int64)
+    coords: dict[str, np.ndarray] = {}
+    rest = ranks
+    for d in reversed(DIMS):
+        n = getattr(topo, d)
+        coords[d] = rest % n
+        rest = rest // n
+    held = np.ones(world, dtype=bool) if placement.stage is None or topo.pp == 1 else coords["pp"] == placement.stage
+    sizes = np.tile(np.asarray(shape, dtype=np.int64), (world, 1)) if shape else np.zeros((world, 0), dtype=np.int64)
+    if not shape:
+        return held, sizes
+
+    def chunk_sizes(n: np.ndarray | int, parts: int, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = np.asarray(n, dtype=np.int64)
+        step = np.where(n > 0, -(-n // parts), 0)
+        start = np.minimum(i * step, n)
+        return start, np.maximum(0, np.minimum(step, n - start))
+
+    if placement.tp_dim is not None and topo.tp > 1:
+        d = placement.tp_dim
+        _, sizes[:, d] = chunk_sizes(shape[d], topo.tp, coords["tp"])
+    if placement.dp_shard and topo.dp_shard > 1:
+        _, sizes[:, 0] = chunk_sizes(sizes[:, 0], topo.dp_shard, coords["dp_shard"])
+    return held, sizes

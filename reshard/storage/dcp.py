@@ -27,7 +27,7 @@ from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
 from reshard.storage.fastread import check_item_crcs
-from reshard.storage.safe_pickle import Record, check_cost, load_metadata_pickle
+from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
 MIN_METADATA_CAP = 256 << 20
@@ -113,11 +113,12 @@ def _bad(where: str, what: str) -> BadInput:
     )
 
 
-def _int_tuple(v: Any, where: str, what: str) -> tuple[int, ...]:
-    if type(v) is tuple and all(type(x) is int for x in v):  # the common case, once per chunk: no copy
+def _int_tuple(v: Any, where: str, what: str, key: str) -> tuple[int, ...]:
+    """``v`` as a tuple of ints, or BadInput naming ``what`` of ``key`` (the message is built only then)."""
+    if type(v) is tuple and {*map(type, v)} <= INT_ONLY:  # the common case, once per chunk: no copy, C speed
         return v
     if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise _bad(where, f"{what} is not a tuple of integers")
+        raise _bad(where, f"{what} of '{key}' is not a tuple of integers")
     return tuple(int(x) for x in v)
 
 
@@ -139,16 +140,18 @@ def _decode(md: Any, where: str) -> RawMetadata:
             dtype = props.get("dtype") if isinstance(props, Record) else None
             if not isinstance(dtype, torch.dtype):
                 raise _bad(where, f"tensor '{key}' has no valid dtype")
-            shape = _int_tuple(value.get("size"), where, f"global shape of '{key}'")
+            shape = _int_tuple(value.get("size"), where, "global shape", key)
             chunks_in = value.get("chunks")
             if not isinstance(chunks_in, list):
                 raise _bad(where, f"chunks of '{key}' are not a list")
             chunks = []
+            add = chunks.append
             for c in chunks_in:
                 if not isinstance(c, Record):
                     raise _bad(where, f"a chunk of '{key}' is not a chunk record")
-                chunks.append((_int_tuple(c.get("offsets"), where, f"chunk offsets of '{key}'"),
-                               _int_tuple(c.get("sizes"), where, f"chunk sizes of '{key}'")))
+                d = c.__dict__
+                add((_int_tuple(d.get("offsets"), where, "chunk offsets", key),
+                     _int_tuple(d.get("sizes"), where, "chunk sizes", key)))
             entries[key] = RawTensor(key, shape, dtype, chunks)
         else:
             raise _bad(where, f"entry '{key}' has unknown storage type {kind}")
@@ -160,13 +163,14 @@ def _decode(md: Any, where: str) -> RawMetadata:
     for idx, info in storage.items():
         if not isinstance(idx, Record) or not isinstance(info, Record):
             raise _bad(where, "storage_data holds unexpected objects")
-        fqn = idx.get("fqn")
+        di, dd = idx.__dict__, info.__dict__
+        fqn = di.get("fqn")
         if not isinstance(fqn, str):
             raise _bad(where, "a storage index has no key name")
-        off = idx.get("offset")
-        offsets = None if off is None else _int_tuple(off, where, f"storage offset of '{fqn}'")
-        rel = info.get("relative_path")
-        if not isinstance(rel, str):
+        off = di.get("offset")
+        offsets = None if off is None else _int_tuple(off, where, "storage offset", fqn)
+        rel = dd.get("relative_path")
+        if type(rel) is not str:
             raise _bad(where, f"storage of '{fqn}' has no file name")
         if rel not in checked:
             safefs.check_name(rel, where=where)
@@ -174,13 +178,16 @@ def _decode(md: Any, where: str) -> RawMetadata:
                 raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
                                         hint="Refusing to read files outside the checkpoint directory.")
             checked.add(rel)
-        o, n = info.get("offset"), info.get("length")
-        if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
-            raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
-        tds = info.get("transform_descriptors") or ()
-        if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
-            raise _bad(where, f"storage of '{fqn}' has invalid transforms")
-        locations[(fqn, offsets)] = ItemLocation(rel, o, n, tuple(tds))
+        o, n = dd.get("offset"), dd.get("length")
+        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+            if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
+                raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
+        tds = dd.get("transform_descriptors") or ()
+        if tds:
+            if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
+                raise _bad(where, f"storage of '{fqn}' has invalid transforms")
+            tds = tuple(tds)
+        locations[(fqn, offsets)] = ItemLocation(rel, o, n, tds)
     # `all_local_plans` (Megatron-Core's torch_dist save stores every rank's SavePlan here) is
     # unpickled as inert records and deliberately ignored: a plan says what a rank meant to
     # write, `state_dict_metadata` and `storage_data` what was written, and only they are evidence.

@@ -18,6 +18,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.geometry import Box, coverage_problems, whole
 from reshard import safefs
+from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
 from reshard.storage import dcp
 from reshard.storage.fastread import check_item_crcs
@@ -40,8 +41,9 @@ class CheckpointIndex(EntryQueries):
     @classmethod
     def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "CheckpointIndex":
         root = Path(path)
-        raw = dcp.read_raw_metadata(root)
-        return cls(root, raw, trust_pickle=trust_pickle)
+        with paused_gc():  # millions of small objects, no cycles: see reshard.gc_pause
+            raw = dcp.read_raw_metadata(root)
+            return cls(root, raw, trust_pickle=trust_pickle)
 
     def _build(self, raw: dcp.RawMetadata) -> None:
         missing_loc: list[str] = []

@@ -41,44 +41,46 @@ on ``torch``, so no lazy submodule is ever imported because a pickle named it.""
 
 
 class Record:
-    """Inert stand-in for a DCP metadata dataclass: an attribute bag, nothing more."""
+    """Inert stand-in for a DCP metadata dataclass: an attribute bag, nothing more.
+
+    No ``__new__`` and no ``__setstate__``: the C unpickler creates it with ``object.__new__``
+    and applies a dataclass's state dict (or a slotted class's ``(dict, slots)`` pair) itself,
+    at C speed, once per chunk record. Any other state is refused by the unpickler. Classes
+    that pickle their state as a tuple are `TupleRecord`.
+    """
 
     _tuple_state: tuple[str, ...] = ()
     _key_fields: tuple[str, ...] = ()
     _qualname = "Record"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Record":
-        return object.__new__(cls)
-
-    def __setstate__(self, state: Any) -> None:
-        # Protocol-2 dataclasses give a dict; slotted classes give (dict, slots);
-        # classes with a custom __getstate__ (TensorProperties) give a tuple.
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) and isinstance(state[1], dict) and not self._tuple_state:
-            for part in state:
-                if part:
-                    self.__dict__.update({str(k): v for k, v in part.items()})
-        elif isinstance(state, dict):
-            self.__dict__.update({str(k): v for k, v in state.items()})
-        elif isinstance(state, tuple) and self._tuple_state:
-            self.__dict__.update(dict(zip(self._tuple_state, state)))
-        else:
-            raise pickle.UnpicklingError(f"unexpected state for {self._qualname}: {type(state).__name__}")
-
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
 
     def __hash__(self) -> int:
-        return hash(tuple(_hashable(self.__dict__.get(f)) for f in self._key_fields))
+        d = self.__dict__
+        return hash(tuple([_hashable(d.get(f)) for f in self._key_fields]))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        fields = self._key_fields or tuple(sorted(set(self.__dict__) | set(other.__dict__)))
+        fields = self._key_fields or tuple(sorted(set(self.__dict__) | set(other.__dict__), key=repr))
         return all(_hashable(self.__dict__.get(f)) == _hashable(other.__dict__.get(f)) for f in fields)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
         return f"{self._qualname}({inner})"
+
+
+class TupleRecord(Record):
+    """A record whose class pickles its state as a tuple (TensorProperties): named by ``_tuple_state``."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):
+            self.__dict__.update(zip(self._tuple_state, state))
+        elif isinstance(state, dict):  # an older writer that pickled it as a dataclass
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        else:
+            raise pickle.UnpicklingError(f"unexpected state for {self._qualname}: {type(state).__name__}")
 
 
 def _hashable(v: Any) -> Any:
@@ -91,9 +93,13 @@ def _size(*args: Any) -> tuple[int, ...]:
     if len(args) != 1 or not isinstance(args[0], (tuple, list)):
         raise pickle.UnpicklingError("torch.Size expects one tuple argument")
     vals = tuple(args[0])
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+    if not {*map(type, vals)} <= INT_ONLY:  # one C-level pass; bool is not int here
         raise pickle.UnpicklingError("torch.Size holds non-integers")
     return vals
+
+
+INT_ONLY = frozenset((int,))
+"""``{*map(type, t)} <= INT_ONLY``: every member of ``t`` is exactly an int (not a bool), at C speed."""
 
 
 def _layout(name: Any) -> str:
@@ -128,7 +134,7 @@ def _allow_list() -> dict[tuple[str, str], Any]:
     for entry in spec["allow"]:
         module, name, kind = entry["module"], entry["name"], entry["kind"]
         if kind == "record":
-            cls = type(name, (Record,), {
+            cls = type(name, (TupleRecord if entry.get("tuple_state") else Record,), {
                 "_qualname": name,
                 "_tuple_state": tuple(entry.get("tuple_state", ())),
                 "_key_fields": tuple(entry.get("key_fields", ())),
