@@ -144,9 +144,10 @@ def test_workers_show_one_progress(sides, tmp_path):
     assert "B/s" in text and "writing" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("mode", ["pipe", "json", "quiet"])
-@pytest.mark.parametrize("name", list(PHASES))
+@pytest.mark.parametrize("name,mode", [(n, "pipe") for n in PHASES] + [
+    ("inspect --deep", "json"), ("convert", "json"), ("verify", "json"), ("export", "quiet"), ("import", "quiet")])
 def test_nothing_on_stderr(name, mode, sides, tmp_path):
+    """Every command is silent on a pipe; on a terminal each is silenced by --json or --quiet (one each, to share time)."""
     args = _commands(sides, tmp_path)[name] + {"pipe": [], "json": ["--json"], "quiet": ["--quiet"]}[mode]
     r = _run(args, terminal=mode != "pipe")
     assert r["code"] == 0, r["out"] + r["err"][-3000:]
