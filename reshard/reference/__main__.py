@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if spawn:
-        for path in run_reference(cfg):
+        # A fresh interpreter that has run no torch op: forking it starts the ranks without
+        # importing torch again in each (the rehearsal runs this once per run).
+        for path in run_reference(cfg, start_method="fork"):
             print(path)
         return 0
     if "RANK" not in os.environ:

@@ -547,7 +547,8 @@ def checkpoint_dirs(cfg: TrainConfig) -> list[Path]:
     return [Path(cfg.out) / f"step_{k}" for k in sorted(set(cfg.save_at)) if k <= cfg.steps]
 
 
-def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None = None) -> list[Path]:
+def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None = None, *,
+                  start_method: str = "spawn") -> list[Path]:
     """Spawn ``nprocs`` (default pp*dp*tp) local gloo processes, train, return after all exit.
 
     ``cfg`` may be a list of configs with the same world size: they run one after the
@@ -557,6 +558,9 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
     2-core machines. Raises if any rank failed
     (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``).
     Returns the checkpoint directories written (``<out>/step_<k>``), in order.
+    ``start_method="fork"`` forks the ranks from this process instead (no second import of
+    torch per rank: seconds per run on a small machine); only for a process that has run no
+    torch op or thread yet, such as ``python -m reshard.reference --spawn`` (the rehearsal's).
     """
     cfgs = [cfg] if isinstance(cfg, TrainConfig) else list(cfg)
     if not cfgs:
@@ -572,5 +576,6 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
     import torch.multiprocessing as mp
 
     for c in cfgs:
-        mp.spawn(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True)
+        mp.start_processes(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True,
+                           start_method=start_method)
     return [p for c in cfgs for p in checkpoint_dirs(c)]

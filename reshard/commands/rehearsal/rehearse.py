@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -152,11 +153,11 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
     _check_arguments(steps, switch_at, window, hooks, control, trainer=trainer, like=like, dropout=dropout)
     out = Path(out)
     reuse = _reused_dir(reuse_baseline, out)
-    out = _fresh_outputs(out, keep_baseline=reuse is not None and reuse.resolve() == out.resolve())
     setup = _make_setup(src, tgt, trainer=trainer, steps=steps, switch_at=switch_at, window=window, out=out,
                         seed=seed, dropout=dropout, like=like, micro_batch=micro_batch, grad_accum=grad_accum,
                         source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum,
                         control=control, dataset_len=dataset_len, timeout=timeout)
+    _fresh_outputs(out, keep_baseline=reuse is not None and reuse.resolve() == out.resolve())
     timings: dict[str, float] = {}
     with _timed(timings, "baseline"):
         baseline = _run_baseline(setup, reuse)
@@ -387,7 +388,7 @@ def _run_baseline(setup: _Setup, reuse: Path | None) -> _Baseline:
                              hint="The source run itself failed: see its output (the trainer's stderr).")
         base = _Baseline(spec=spec, floor_spec=None, src_ckpt=_saved(spec, k), next_ckpt=_saved(spec, k + 1),
                          log=spec.log, command=res.command)
-        (setup.out / "baseline.json").write_text(json.dumps(
+        _write_atomic(setup.out / "baseline.json", json.dumps(
             {"identity": spec.identity(), "command": res.command, "template": setup.command.template,
              "checkpoints": {str(k): str(base.src_ckpt), str(k + 1): str(base.next_ckpt)}, "log": str(spec.log)},
             indent=2) + "\n")
@@ -937,8 +938,17 @@ def _write_outputs(report: dict[str, Any], out: Path, timings: dict[str, float],
     """Draw the figure, add it and the timings to the report, write rehearsal.{png,json,md}."""
     from reshard.render.rehearsal import render_markdown, render_png
 
-    report["plot"] = render_png(out / "rehearsal.png", report)
+    tmp = out / ".rehearsal.png.tmp"
+    report["plot"] = render_png(tmp, report)
+    os.replace(tmp, out / "rehearsal.png")
     timings["total"] = time.perf_counter() - t_start
     report["timings_s"] = {n: round(x, 2) for n, x in timings.items()}
-    (out / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "rehearsal.md").write_text(render_markdown(report))
+    _write_atomic(out / "rehearsal.json", json.dumps(report, indent=2, default=str) + "\n")
+    _write_atomic(out / "rehearsal.md", render_markdown(report))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename: a reader never sees half a report."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
