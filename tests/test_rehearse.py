@@ -1,5 +1,7 @@
 """`reshard.commands.rehearsal.rehearse`: real restore rehearsals on CPU gloo ranks.
 
+The reference trainer runs through the trainer contract (its default command), like a user's.
+
 1. dp=4 -> dp=2 (accumulation doubled by the plan), 20-step window: exit 0, coverage exact,
    losses within 1e-4, moments after the first resumed step within 1e-5, the naive control
    repeats samples and the report says so; the PNG is what line_chart drew.
@@ -45,6 +47,16 @@ def test_dp4_to_dp2_passes(dp4to2):
     assert r["throughput"]["baseline_median_tokens_per_s"] > 0 and r["throughput"]["resumed_median_tokens_per_s"] > 0
     assert r["exactness"]["kind"] in ("bitwise", "within_tolerance")
     assert "dropout 0" in r["setup"]["randomness"]
+
+
+def test_the_reference_runs_through_the_trainer_contract(dp4to2):
+    """One engine: the reference trainer is the default command of the contract, named in the report."""
+    tr = dp4to2["trainer"]
+    assert tr["builtin_reference"] and tr["command"].startswith("{python} -m reshard.reference --spawn --layout {layout}")
+    assert set(tr["runs"]) == {"baseline", "resumed", "control"}
+    assert "--layout dp=4" in tr["runs"]["baseline"]["command"] and "--resume" not in tr["runs"]["baseline"]["command"]
+    assert tr["checkpoint"] == str(dp4to2["_out"] / "baseline" / "step_4")
+    assert dp4to2["setup"]["recipe_choice"]["picked"] and dp4to2["control"]["kind"] == "naive-state"
 
 
 def test_dp4_to_dp2_control_repeats_samples(dp4to2):
