@@ -7,6 +7,9 @@ Run it the way `reshard rehearse --trainer` does (formats/trainer_contract.md)::
        --save-at {save_at} --save {ckpt_out} --steps {steps} --step-log {log} --micro-batch {micro_batch}
        --grad-accum {grad_accum} --seed {seed} --dataset-len {dataset_len}'
 
+(``--nproc {world}`` instead of torchrun forks the ranks from one process: one import of
+torch per run, which is what tests/test_rehearse_trainer.py uses on a 2-core machine.)
+
 It imports nothing from reshard: the contract is the command line, the DCP checkpoint and
 the step log. What a trainer of your own needs so its state survives a change of world size
 (each point is marked ``# CONTRACT`` below):

@@ -405,6 +405,7 @@ def rehearse(
         None, "--reuse-baseline", help="An earlier rehearsal's --out whose baseline (same layout, recipe, steps) "
         "is reused."),
     like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds one trainer run may take (default: no limit)."),
     out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
     json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),
 ) -> None:
@@ -418,7 +419,8 @@ def rehearse(
     r = run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
                       window=window, micro_batch=micro_batch, grad_accum=grad_accum,
                       source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, control=control,
-                      dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out)
+                      dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out,
+                      timeout=timeout)
     typer.echo(to_json(r) if json_out else render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 

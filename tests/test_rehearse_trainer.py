@@ -185,3 +185,18 @@ def test_example_trainer_imports_nothing_of_reshard():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert names and not any(x.split(".")[0] == "reshard" for x in names), names
+
+
+def test_a_hung_run_is_stopped_with_its_children(tmp_path):
+    """--timeout: the run's whole process group goes (torchrun's workers too), and the report says so."""
+    from reshard.commands.rehearsal.contract import run
+
+    pidfile = tmp_path / "child.pid"
+    cmd = TrainerCommand(f"sh -c 'sleep 60 & echo $! > {pidfile}; wait' {{world}} {{ckpt_in}} {{ckpt_out}} "
+                         "{save_at} {log} {steps} {micro_batch} {grad_accum}")
+    spec = RunSpec(name="baseline", layout=parse_spec("dp=1"), micro_batch=1, grad_accum=1, steps=1, total_steps=1,
+                   save_at=[1], ckpt_out=tmp_path / "o", log=tmp_path / "l.jsonl", seed=0, dataset_len=8)
+    r = run(cmd, spec, out_dir=tmp_path, timeout=1, retries=0)
+    assert r.returncode == -1 and "exited on timeout" in r.error and str(tmp_path / "baseline.out") in r.error
+    status = Path(f"/proc/{int(pidfile.read_text())}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # the grandchild was killed too

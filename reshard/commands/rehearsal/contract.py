@@ -16,11 +16,13 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from reshard.errors import BadInput
 from reshard.model.topology import Topology
@@ -218,17 +220,37 @@ def run(command: TrainerCommand, spec: RunSpec, *, out_dir: Path, timeout: float
             with open(output, "w", encoding="utf-8") as fh:
                 fh.write("$ " + " ".join(shlex.quote(a) for a in argv) + "\n")
                 fh.flush()
-                rc = subprocess.run(argv, env=full_env, stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, timeout=timeout).returncode
+                rc = _run_group(argv, full_env, fh, timeout)
         except FileNotFoundError as exc:
             return RunResult(spec.name, argv, 127, time.perf_counter() - t0, output, attempts,
                              f"{spec.name} run: cannot start {argv[0]!r} ({exc.strerror})", env)
-        except subprocess.TimeoutExpired:
-            rc = -1
         if rc == 0:
             return RunResult(spec.name, argv, 0, time.perf_counter() - t0, output, attempts, None, env)
         error = f"{spec.name} run exited {rc if rc >= 0 else 'on timeout'}: {_tail(output)}"
     return RunResult(spec.name, argv, rc, time.perf_counter() - t0, output, attempts, error, env)
+
+
+def _run_group(argv: list[str], env: dict[str, str], fh: Any, timeout: float | None) -> int:
+    """Run ``argv`` in a session of its own; on a timeout or an interrupt, kill that whole group
+    (torchrun's workers too, not only the launcher). -1 means the run timed out."""
+    proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return -1
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _tail(output: Path, lines: int = 3) -> str:
