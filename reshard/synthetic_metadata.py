@@ -94,6 +94,9 @@ class LlamaConfig:
 
 
 LLAMA3 = {
+    # Llama-3.2-1B's shapes (untied here): the largest flavour whose 16,384-rank `.metadata` torch's own
+    # read_metadata can open in 24 GiB (7.2 M storage entries)
+    "1B": LlamaConfig("1B", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
     "8B": LlamaConfig("8B", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "70B": LlamaConfig("70B", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
     "405B": LlamaConfig("405B", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_SCALES = "8B@64,8B@256,8B@1024,70B@1024,405B@8192,405B@16384"
+DEFAULT_SCALES = "8B@64,8B@256,8B@1024,70B@1024,405B@8192,405B@16384,1B@16384"
 BYTES_PER_ENTRY = 2.3 * 1024  # torch read_metadata peak RSS per storage entry (70B@1024: 5.0 GB / 2.2 M)
 FLOOR_CODE = ("import sys\nfrom torch.distributed.checkpoint import FileSystemReader\n"
               "md = FileSystemReader(sys.argv[1]).read_metadata()\n"
@@ -148,7 +148,7 @@ def _refusal(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scales", default=DEFAULT_SCALES, help="comma-separated MODEL@RANKS (MODEL: 8B, 70B, 405B)")
+    ap.add_argument("--scales", default=DEFAULT_SCALES, help="comma-separated MODEL@RANKS (MODEL: 1B, 8B, 70B, 405B)")
     ap.add_argument("--commands", default=",".join(COMMANDS), help=f"subset of {','.join(COMMANDS)}")
     ap.add_argument("--out", default=str(ROOT / "bench-results"))
     ap.add_argument("--workdir", default=None, help="where checkpoints are built (default: a temp dir, removed)")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from reshard.model.geometry import Box, coverage_problems, whole
+from reshard.model.geometry import Box, coverage_problems, tiles_exactly_fast, whole
 
 # local settings (a global profile would change other test files' hypothesis settings)
 prop = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -616,3 +616,20 @@ def test_chunk_bound_is_torch_chunk_in_closed_form(n, parts):
     got = [chunk_bound(n, parts, i) for i in range(parts)]
     assert [b for b in got if b[1]] == want
     assert sum(size for _, size in got) == n
+
+
+@prop
+@given(shape_and_boxes())
+def test_the_numpy_fast_path_accepts_only_tilings(sb):
+    """`tiles_exactly_fast` (numpy, issue 18) says True only where brute force finds every element once."""
+    shape, boxes = sb
+    if tiles_exactly_fast(shape, boxes):
+        assert (counts(shape, boxes) == 1).all()
+
+
+@prop
+@given(any_tiling)
+def test_the_numpy_fast_path_accepts_every_tiling(tiling):
+    """...and it accepts the tilings themselves, so the exact Python path runs only on problems."""
+    shape, chunks = tiling
+    assert tiles_exactly_fast(shape, chunks) or not shape

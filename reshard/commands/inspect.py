@@ -160,7 +160,15 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
     elif mdict.get("topology"):
         topo = topo_mod.from_manifest(mdict["topology"])
     else:
-        writer_of = getattr(ix, "writer_of", lambda _f: None)
+        writer_of_file = getattr(ix, "writer_of", lambda _f: None)
+        writers_by_file: dict[str, int | None] = {}  # a few files, each named by thousands of chunks
+
+        def writer_of(name: str) -> int | None:
+            w = writers_by_file.get(name, -1)
+            if w == -1:
+                w = writers_by_file[name] = writer_of_file(name)
+            return w
+
         topo = topo_mod.infer(
             ((ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
                                     for c in ix.entries[k].chunks]) for k in keys),

@@ -188,11 +188,20 @@ class Plan:
         return len(self.tensors)
 
     def fingerprint(self) -> str:
-        """Hash of everything the executor acts on: two equal fingerprints write the same checkpoint."""
-        body = {"source": self.source, "target": self.target.degrees(), "keys": [k.to_dict() for k in self.keys],
-                "tensors": [t.to_dict(local=False) for t in self.tensors], "options": self.options.to_dict(),
-                "new": sorted(self.new_values)}
-        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """Hash of everything the executor acts on: two equal fingerprints write the same checkpoint.
+
+        Streamed, one tensor at a time, each as a compact row (its chunks as lists of ints): a
+        16,384-rank plan has millions of chunk rows, which one JSON document of dicts would
+        hold in memory at once.
+        """
+        h = hashlib.sha256()
+        head = {"source": self.source, "target": self.target.degrees(), "keys": [k.to_dict() for k in self.keys],
+                "options": self.options.to_dict(), "new": sorted(self.new_values)}
+        h.update(json.dumps(head, sort_keys=True, default=str).encode())
+        for t in self.tensors:
+            row = [t.key, t.role, list(t.shape), t.dtype, t.placement.describe(), t.chunks, t.transform, t.copy_from]
+            h.update(json.dumps(row, sort_keys=True, default=str).encode())
+        return h.hexdigest()[:16]
 
     def source_fingerprint(self) -> str:
         """Hash of what the plan read from its source, without where the source lies.

@@ -18,7 +18,7 @@ from reshard.model.geometry import Box
 __all__ = ["Chunk", "Entry", "EntryQueries", "Finding", "ItemLocation"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemLocation:
     """Where one item's bytes live: a file inside the checkpoint and a byte range."""
 
@@ -29,7 +29,7 @@ class ItemLocation:
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One stored piece of a tensor: its box in global coordinates and where its bytes are."""
 

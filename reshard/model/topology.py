@@ -136,11 +136,11 @@ def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ra
         pieces = [len(s) for s in starts]
         if all(p == 1 for p in pieces[1:]):
             dim0[pieces[0]] += 1
-            order = sorted(starts[0])
+            position = {o: i for i, o in enumerate(sorted(starts[0]))}  # a dict: list.index per chunk was quadratic
             pw: dict[int, set[int]] = {}
             for c in chunks:
                 if len(c) > 2 and c[2] is not None and all(s > 0 for s in c[1]):
-                    pw.setdefault(order.index(c[0][0]), set()).add(c[2])
+                    pw.setdefault(position[c[0][0]], set()).add(c[2])
             piece_writers.append(pw)
         for d in range(1, len(shape)):
             if pieces[d] > 1:

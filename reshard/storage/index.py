@@ -8,8 +8,8 @@ judged here, once, as a list of findings that name files and keys.
 from __future__ import annotations
 
 import math
+from math import prod
 import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -46,88 +46,92 @@ class CheckpointIndex(EntryQueries):
             return cls(root, raw, trust_pickle=trust_pickle)
 
     def _build(self, raw: dcp.RawMetadata) -> None:
+        """Entries from the decoded metadata, in one pass over the chunks that also collects what
+        the checks need (the end of each file's last byte range, tensor items too short for
+        their chunk): a 1,024-rank checkpoint has a million chunks, and each pass over them
+        costs a second."""
         missing_loc: list[str] = []
+        need: dict[str, int] = {}
+        short: list[tuple[str, int, int, str]] = []  # (key, bytes needed, item length, file)
+        locations = raw.locations
         for key, e in raw.entries.items():
             path = raw.planner_paths.get(key, ())
             if isinstance(e, dcp.RawObject):
-                loc = raw.locations.get((key, None))
+                loc = locations.get((key, None))
                 if loc is None:
                     missing_loc.append(key)
+                else:
+                    end = loc.offset + loc.length
+                    if need.get(loc.file, -1) < end:
+                        need[loc.file] = end
                 self.entries[key] = Entry(key, "object", location=loc, path=path)
-            else:
-                chunks = []
-                for offsets, sizes in e.chunks:
-                    loc = raw.locations.get((key, offsets))
-                    if loc is None:
-                        missing_loc.append(key)
-                    chunks.append(Chunk(Box(offsets, sizes), loc))
-                self.entries[key] = Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path)
+                continue
+            chunks = []
+            add = chunks.append
+            itemsize = e.dtype.itemsize if e.dtype is not None else 1
+            for offsets, sizes in e.chunks:
+                loc = locations.get((key, offsets))
+                if loc is None:
+                    missing_loc.append(key)
+                else:
+                    end = loc.offset + loc.length
+                    if need.get(loc.file, -1) < end:
+                        need[loc.file] = end
+                    if not loc.transforms and loc.length < prod(sizes) * itemsize:
+                        short.append((key, prod(sizes) * itemsize, loc.length, loc.file))
+                add(Chunk(Box(offsets, sizes), loc))
+            self.entries[key] = Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path)
         if missing_loc:
             self.findings.append(Finding("error", "no_storage", "metadata names chunks with no storage location",
                                          file=dcp.METADATA_FILE, keys=tuple(sorted(set(missing_loc)))))
-        orphans = sorted({k for (k, _) in raw.locations if k not in raw.entries})
+        orphans = sorted({k for (k, _) in locations if k not in raw.entries})
         if orphans:
             self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
                                          file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
-        self._check_files()
-        self._check_item_lengths()
+        self._check_files(need)
+        self._check_item_lengths(short)
         self._check_coverage()
 
-    def _check_files(self) -> None:
-        """Missing data files and files shorter than the byte ranges the metadata names."""
-        need: dict[str, int] = defaultdict(int)
-        keys_by_file: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    def _keys_past(self, name: str, size: int | None) -> list[str]:
+        """Keys with a byte range in file ``name`` ending past ``size`` (None: any range in it); only asked on a problem."""
+        keys: set[str] = set()
         for e in self.entries.values():
             locs = [c.location for c in e.chunks] if e.is_tensor else [e.location]
-            for loc in locs:
-                if loc is None:
-                    continue
-                end = loc.offset + loc.length
-                need[loc.file] = max(need[loc.file], end)
-                keys_by_file[loc.file].append((end, e.key))
+            if any(loc is not None and loc.file == name and (size is None or loc.offset + loc.length > size) for loc in locs):
+                keys.add(e.key)
+        return sorted(keys)
+
+    def _check_files(self, need: dict[str, int]) -> None:
+        """Missing data files and files shorter than the byte ranges the metadata names."""
         self.file_sizes: dict[str, int] = {}
         for name in sorted(need):
             p = self.root / name
             try:
                 size = safefs.regular_size(p, root=self.root)  # a symlink out, a device or a FIFO is refused here
             except FileNotFoundError:
-                keys = sorted({k for _, k in keys_by_file[name]})
+                keys = self._keys_past(name, None)
                 self.findings.append(Finding("error", "missing_file", f"data file '{name}' is missing; {len(keys)} keys lose bytes",
                                              file=name, keys=tuple(keys)))
                 continue
             self.file_sizes[name] = size
             if size < need[name]:
-                keys = sorted({k for end, k in keys_by_file[name] if end > size})
+                keys = self._keys_past(name, size)
                 self.findings.append(Finding(
                     "error", "truncated_file",
                     f"data file '{name}' has {size} bytes but the metadata needs {need[name]}; {len(keys)} keys lose bytes",
                     file=name, keys=tuple(keys)))
 
-    def _check_item_lengths(self) -> None:
+    def _check_item_lengths(self, short: list[tuple[str, int, int, str]]) -> None:
         """A tensor item shorter than the elements its chunk declares cannot hold them.
 
-        Checked from metadata alone, so a forged `.metadata` declaring a 128 GiB tensor in
-        8 KiB items is refused here instead of when a later command allocates the tensor.
-        Transformed (compressed) items are bounded when they are decoded instead.
+        Checked from metadata alone (``short``, collected by `_build`), so a forged `.metadata`
+        declaring a 128 GiB tensor in 8 KiB items is refused here instead of when a later
+        command allocates the tensor. Transformed (compressed) items are bounded when they are
+        decoded instead.
         """
-        short: list[str] = []
-        first: tuple[str, int, int, str] | None = None
-        for e in self.entries.values():
-            if not e.is_tensor:
-                continue
-            itemsize = e.dtype.itemsize if e.dtype is not None else 1
-            for c in e.chunks:
-                loc = c.location
-                if loc is None or loc.transforms:
-                    continue
-                need = c.box.numel * itemsize
-                if loc.length < need:
-                    short.append(e.key)
-                    if first is None:
-                        first = (e.key, need, loc.length, loc.file)
-        if first is not None:
-            key, need, have, file = first
-            keys = tuple(dict.fromkeys(short))
+        if short:
+            key, need, have, file = short[0]
+            keys = tuple(dict.fromkeys(k for k, _n, _h, _f in short))
             self.findings.append(Finding(
                 "error", "item_too_short",
                 f"tensor '{key}' declares a chunk of {need:,} bytes stored in an item of {have:,} bytes in '{file}'"
