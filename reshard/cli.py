@@ -9,17 +9,51 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.exceptions import TyperException
+
+from reshard.commands import arguments as args
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Move distributed-training checkpoints between parallel layouts without changing what the run means.")
 
 _state = {"debug": False}
 
 
+def _choice(choices: tuple[str, ...]) -> dict:
+    """An option's ``parser`` and ``metavar`` for a fixed set of values: checked by typer, listed in --help."""
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return {"parser": parse, "metavar": "[" + "|".join(choices) + "]"}
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from reshard import __version__
+
+        typer.echo(f"reshard {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
-    _state["debug"] = debug or bool(os.environ.get("RESHARD_DEBUG"))
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (anywhere on the line)."),
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                       help="Print the version and exit.")) -> None:
+    """Exit codes: 0 ok, 1 a check found a difference or a plan is infeasible, 2 bad input.
+
+    --debug and --json may be given anywhere on the line; under --json an error is a JSON
+    object (error, code, exit_code, file, keys) on stdout.
+    """
+    _state["debug"] = debug or _state["debug"] or bool(os.environ.get("RESHARD_DEBUG"))
+
+
+def _warn(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(f"warning: {line}", err=True)
 
 
 def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = True):
@@ -94,19 +128,19 @@ def _options(ckpt: Path, to: Optional[str], **given) -> object:
 
 _TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
 _FROM = typer.Option(None, "--from", help="Override the source topology.")
-_MB = typer.Option(None, "--micro-batch", help="Target micro-batch (default: the source's).")
-_GA = typer.Option(None, "--grad-accum", help="Target accumulation (default: what keeps the global batch).")
-_SMB = typer.Option(None, "--source-micro-batch", help="The source run's micro-batch, when no manifest records it.")
-_SGA = typer.Option(None, "--source-grad-accum", help="The source run's accumulation, when no manifest records it.")
-_SSL = typer.Option(None, "--source-seq-len", help="The source run's tokens per sample (for --schedule tokens from a token counter).")
-_SCHED = typer.Option(None, "--schedule", help="steps|tokens: how the LR schedule maps when the global batch changes.")
-_DATA = typer.Option(None, "--data-policy", help="translate|restart-epoch|drop for per-rank data-loader state.")
-_RNG = typer.Option(None, "--rng-policy", help="carry|reseed|drop (default: carry when every rank keeps its position, else reseed).")
-_SEED = typer.Option(None, "--seed", help="Seed for reseeding RNG (default: the manifest's).")
+_MB = typer.Option(None, "--micro-batch", min=1, help="Target micro-batch (default: the source's).")
+_GA = typer.Option(None, "--grad-accum", min=1, help="Target accumulation (default: what keeps the global batch).")
+_SMB = typer.Option(None, "--source-micro-batch", min=1, help="The source run's micro-batch, when no manifest records it.")
+_SGA = typer.Option(None, "--source-grad-accum", min=1, help="The source run's accumulation, when no manifest records it.")
+_SSL = typer.Option(None, "--source-seq-len", min=1, help="The source run's tokens per sample (for --schedule tokens from a token counter).")
+_SCHED = typer.Option(None, "--schedule", **_choice(args.SCHEDULES), help="How the LR schedule maps when the global batch changes.")
+_DATA = typer.Option(None, "--data-policy", **_choice(args.DATA_POLICIES), help="What becomes of per-rank data-loader state.")
+_RNG = typer.Option(None, "--rng-policy", **_choice(args.RNG_POLICIES), help="RNG state (default: carry when every rank keeps its position, else reseed).")
+_SEED = typer.Option(None, "--seed", min=0, help="Seed for reseeding RNG (default: the manifest's).")
 _TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
 _RULES = typer.Option(None, "--rules", help="Partition rules for TP/PP changes: a shipped family (llama-torchtitan, llama-fused, megatron-gpt, reference-gpt) or a rules TOML file.")
 _MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
-_SGB = typer.Option(None, "--source-global-batch", help="The source run's global batch, when no manifest records it (the accumulation follows from the dp degree).")
+_SGB = typer.Option(None, "--source-global-batch", min=1, help="The source run's global batch, when no manifest records it (the accumulation follows from the dp degree).")
 _KEEP = typer.Option(None, "--keep", help="PATTERN[=REASON]: carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
 _DROP = typer.Option(None, "--drop", help="PATTERN[=REASON]: leave unknown keys matching this regex (on the flat key) out of the output (repeatable); the reason is recorded.")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
@@ -168,17 +202,17 @@ def convert(
     convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
     tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
-    output_format: str = typer.Option("dcp", "--output-format", help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
-    only: Optional[str] = typer.Option(None, "--only", help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
+    output_format: str = typer.Option("dcp", "--output-format", **_choice(args.OUTPUT_FORMATS), help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
+    only: Optional[str] = typer.Option(None, "--only", **_choice(args.ONLY), help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Run as M processes on this machine (torchrun), each writing its share of the target files."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="I/O threads per process (default: 4-8 by CPU count)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run as M processes on this machine (torchrun), each writing its share of the target files."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="I/O threads per process (default: 4-8 by CPU count)."),
     window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
-    data: str = typer.Option("copy", "--data", help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
+    data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
     quiet: bool = _QUIET,
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
@@ -292,8 +326,8 @@ def _size(text: Optional[str], flag: str) -> Optional[int]:
 def verify(
     a: Path = typer.Argument(..., help="First checkpoint."),
     b: Path = typer.Argument(..., help="Second checkpoint."),
-    rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance (default: bitwise)."),
-    atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance (default: bitwise)."),
+    rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="Relative tolerance (default: bitwise)."),
+    atol: float = typer.Option(0.0, "--atol", min=0.0, help="Absolute tolerance (default: bitwise)."),
     trust_pickle: bool = _TRUST,
     strict: bool = typer.Option(False, "--strict", help="Excuse no conversion change: every key a conversion rewrote counts as a difference (by default the changes are re-derived from A and excused only where B holds exactly them)."),
     buffered: bool = typer.Option(False, "--buffered", help="Read through the page cache instead of with direct I/O (faster when both checkpoints are already cached)."),
@@ -317,9 +351,9 @@ def verify(
 def export(
     src: Path = typer.Argument(..., help="Source DCP checkpoint."),
     dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
-    fmt: str = typer.Option("safetensors", "--format", help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (floating tensors only)."),
-    only: str = typer.Option("model", "--only", help="model or model+optim."),
+    fmt: str = typer.Option("safetensors", "--format", **_choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Cast floating tensors."),
+    only: str = typer.Option("model", "--only", **_choice(args.ONLY), help="What to export."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file, e.g. 5GB or 256MB."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
     model_config: Optional[list[str]] = typer.Option(None, "--model-config", help="--format hf: a config value the checkpoint cannot hold, name=value (repeatable), e.g. n_heads=32, rms_norm_eps=1e-5, rope_theta=500000."),
@@ -387,9 +421,9 @@ def rehearse(
         None, "--trainer", help="Your trainer's command with placeholders ({world} {layout} {ckpt_in} {save_at} "
         "{ckpt_out} {steps} {log} {micro_batch} {grad_accum} ...; formats/trainer_contract.md). Default: the "
         "reference trainer."),
-    steps: int = typer.Option(24, "--steps", help="Total optimizer steps of the baseline."),
-    switch_at: int = typer.Option(4, "--switch-at", help="Step at which the rehearsal checkpoints and converts."),
-    window: int = typer.Option(20, "--window", help="Steps after the switch that are compared."),
+    steps: int = typer.Option(24, "--steps", min=2, help="Total optimizer steps of the baseline."),
+    switch_at: int = typer.Option(4, "--switch-at", min=1, help="Step at which the rehearsal checkpoints and converts."),
+    window: int = typer.Option(20, "--window", min=1, help="Steps after the switch that are compared."),
     micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     source_micro_batch: Optional[int] = typer.Option(
         None, "--source-micro-batch", help="The source run's micro-batch (default 2)."),
@@ -397,15 +431,15 @@ def rehearse(
         None, "--source-grad-accum", help="The source run's accumulation (default: picked so both layouts divide "
         "the global batch)."),
     control: Optional[str] = typer.Option(
-        None, "--control", help="The naive control: relaunch (default with --trainer), naive-state (reference "
+        None, "--control", **_choice(args.CONTROLS), help="The naive control: relaunch (default with --trainer), naive-state (reference "
         "default) or none."),
-    dataset_len: Optional[int] = typer.Option(None, "--dataset-len", help="Samples asked of the trainer's data."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order ({seed})."),
+    dataset_len: Optional[int] = typer.Option(None, "--dataset-len", min=1, help="Samples asked of the trainer's data."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the weights and the data order ({seed})."),
     reuse_baseline: Optional[Path] = typer.Option(
         None, "--reuse-baseline", help="An earlier rehearsal's --out whose baseline (same layout, recipe, steps) "
         "is reused."),
     like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds one trainer run may take (default: no limit)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="Seconds one trainer run may take (default: no limit)."),
     out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
     json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),
 ) -> None:
@@ -446,7 +480,7 @@ def window(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
-    steps: int = typer.Option(6, "--steps", help="Optimizer steps the reference trainer runs."),
+    steps: int = typer.Option(6, "--steps", min=1, help="Optimizer steps the reference trainer runs."),
 ) -> None:
     """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse."""
     from reshard.commands.demo import run_demo
@@ -477,23 +511,71 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    _state["argv"] = list(argv) if argv is not None else sys.argv[1:]
+    line = _normalise(list(argv) if argv is not None else sys.argv[1:])
+    _state["argv"] = line
     try:
-        app(args=argv, prog_name="reshard")
-    except KeyboardInterrupt:
+        code = app(args=line, prog_name="reshard", standalone_mode=False)
+    except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `reshard` alone: the help, as typer shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        _fail(exc, exc.exit_code, _usage_paragraph(exc), usage=True)
     except Exception as exc:  # noqa: BLE001 - one paragraph and its exit code (errors.render_error), whatever it is
         from reshard.errors import render_error
 
-        if _state["debug"]:
-            traceback.print_exc()
-        code, paragraph = render_error(exc)
-        if _say_error(exc, code, paragraph):
-            typer.echo(f"error: {paragraph}", err=True)
-        sys.exit(code)
+        _fail(exc, *render_error(exc))
     finally:
         _warn_trusted()
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:
+    """Print the error once (a JSON object on stdout under --json, else one paragraph on stderr) and exit."""
+    if _state["debug"]:
+        traceback.print_exc()
+    if _say_error(exc, code, paragraph):
+        if _state.get("json"):
+            import json
+
+            from reshard.errors import error_object
+
+            typer.echo(json.dumps(error_object(exc, code, paragraph, usage=usage)))
+        else:
+            typer.echo(f"error: {paragraph}", err=True)
+    sys.exit(code)
+
+
+def _normalise(line: list[str]) -> list[str]:
+    """``--debug`` and ``--json`` anywhere on the line: --debug is the app's, --json the subcommand's.
+
+    Only tokens before a ``--`` are moved; a value that merely contains them (a quoted
+    --trainer command) is one token and is left alone.
+    """
+    end = line.index("--") if "--" in line else len(line)
+    head, tail = line[:end], line[end:]
+    if "--debug" in head:
+        _state["debug"] = True
+        head = [a for a in head if a != "--debug"]
+    if "--json" in head:
+        _state["json"] = True
+        sub = next((i for i, a in enumerate(head) if not a.startswith("-")), None)
+        if sub is not None and "--json" in head[:sub]:
+            head = [a for a in head[:sub] if a != "--json"] + [head[sub], "--json"] + head[sub + 1:]
+    return head + tail
+
+
+def _usage_paragraph(exc: TyperException) -> str:
+    """A usage error as one paragraph: what is wrong, then where the command's options are listed."""
+    from reshard.errors import sentence
+
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "reshard"
+    return f"{sentence(exc.format_message())} See `{where} --help` for the options and their values."
 
 
 def _warn_trusted() -> None:

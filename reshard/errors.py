@@ -14,21 +14,18 @@ class ReshardError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, where: str | None = None, hint: str | None = None):
+    def __init__(self, message: str, *, where: str | None = None, hint: str | None = None,
+                 keys: list[str] | None = None):
         self.message = message
         self.where = where
         self.hint = hint
+        self.keys = list(keys or [])  # the checkpoint keys the error is about, for --json
         super().__init__(self.render())
 
     def render(self) -> str:
-        parts = []
-        if self.where:
-            parts.append(f"{self.where}: {self.message}")
-        else:
-            parts.append(self.message)
-        if self.hint:
-            parts.append(self.hint)
-        return " ".join(parts)
+        """One paragraph: ``where: message.`` then the hint, each a sentence ending in a full stop."""
+        head = f"{self.where}: {self.message}" if self.where else self.message
+        return " ".join(sentence(p) for p in (head, self.hint) if p)
 
 
 class BadInput(ReshardError):
@@ -49,6 +46,12 @@ class Infeasible(ReshardError):
     """The check ran and found a difference, or a plan cannot be carried out (exit 1)."""
 
     exit_code = 1
+
+
+def sentence(text: str) -> str:
+    """``text`` ending in a full stop (or the ``?``/``!``/``:`` it already ends in), so parts read as sentences."""
+    t = text.rstrip()
+    return t if not t or t[-1] in ".?!:" else t + "."
 
 
 _SPACE_ERRNOS = frozenset(e for e in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", None)) if e is not None)
@@ -100,3 +103,26 @@ def render_error(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, OSError):
         return 2, from_os_error(exc).render()
     return 2, (f"unexpected {type(exc).__name__}: {exc}. Re-run with --debug for a traceback and report it.")
+
+
+# The stable `code` of an error under --json, by class (most specific first).
+_CODES = (("unsafe_input", "UnsafeInput"), ("incomplete", "Incomplete"), ("bad_input", "BadInput"),
+          ("infeasible", "Infeasible"))
+
+
+def error_object(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> dict[str, object]:
+    """The JSON object a command prints for an error under ``--json``: a script parses it like any report.
+
+    ``error`` is the paragraph, ``code`` a stable name (usage, bad_input, incomplete,
+    unsafe_input, infeasible, os_error, unexpected), ``exit_code`` the process's, ``file``
+    where it happened (or null) and ``keys`` the checkpoint keys it names.
+    """
+    names = {c.__name__ for c in type(exc).__mro__}
+    kind = next((k for k, cls in _CODES if cls in names), None)
+    if kind is None:
+        kind = "usage" if usage else "os_error" if isinstance(exc, OSError) else "unexpected"
+    where = getattr(exc, "where", None)
+    if where is None and isinstance(exc, OSError) and exc.filename is not None:
+        where = _name(exc.filename)
+    return {"error": paragraph, "code": kind, "exit_code": code, "file": where,
+            "keys": list(getattr(exc, "keys", None) or [])}

@@ -71,6 +71,13 @@ def read_raw_metadata(ckpt: Path) -> RawMetadata:
     if not ckpt.is_dir():
         raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(ckpt))
     if not os.path.lexists(path):
+        if not _looks_like_dcp(ckpt):
+            near = nearest_checkpoint(ckpt)
+            raise BadInput("not a DCP checkpoint: the directory has no .metadata and no .distcp data files",
+                           where=str(ckpt),
+                           hint=(f"Did you mean {near}?" if near is not None else
+                                 "Give the directory a trainer saved with torch.distributed.checkpoint "
+                                 "(it holds .metadata beside __0_0.distcp files)."))
         extra = " A '.metadata.tmp' exists: rank 0 died while committing." if (ckpt / ".metadata.tmp").exists() else ""
         raise Incomplete(
             "not committed: the checkpoint has no .metadata, so a writer died before the commit" + extra,
@@ -83,6 +90,55 @@ def read_raw_metadata(ckpt: Path) -> RawMetadata:
         raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
     md = load_metadata_pickle(data, where)
     return _decode(md, where)
+
+
+def _looks_like_dcp(ckpt: Path) -> bool:
+    """Whether a directory without `.metadata` is a DCP checkpoint whose commit never happened.
+
+    Only data files (``*.distcp``) or a half-written ``.metadata.tmp`` say a writer was here;
+    an empty directory, a folder of notes or a run directory is no checkpoint at all.
+    """
+    try:
+        with os.scandir(ckpt) as it:
+            return any(e.name.endswith(".distcp") or e.name == ".metadata.tmp" for e in it)
+    except OSError:
+        return False
+
+
+def nearest_checkpoint(root: Path, *, depth: int = 3, budget: int = 2000) -> Path | None:
+    """The shallowest committed checkpoint below ``root`` (latest name first at one depth), or None.
+
+    Breadth-first, at most ``depth`` levels and ``budget`` directories, symlinks not followed:
+    a hint for a user who named the run directory instead of ``step_3/``, never a crawl.
+    """
+    level, seen = [root], 0
+    for _ in range(depth):
+        below: list[Path] = []
+        for d in level:
+            try:
+                with os.scandir(d) as it:
+                    subs = sorted((Path(e.path) for e in it if e.is_dir(follow_symlinks=False)),
+                                  key=lambda p: _natural(p.name))
+            except OSError:
+                continue
+            seen += len(subs)
+            below.extend(subs)
+            if seen > budget:
+                break
+        hits = [p for p in below if (p / METADATA_FILE).is_file()]
+        if hits:
+            return hits[-1]
+        level = below
+        if seen > budget or not level:
+            break
+    return None
+
+
+def _natural(name: str) -> tuple:
+    """``step_10`` after ``step_9``: digits compared as numbers."""
+    import re
+
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
 def metadata_cap(ckpt: Path) -> int:

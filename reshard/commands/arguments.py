@@ -1,0 +1,87 @@
+"""Options checked before any work, and before torch is imported (a typo must cost milliseconds, not 3 s).
+
+Ranges and choices are click types on the options themselves (`cli.py`: ``min=``,
+``click.Choice`` of the tuples below, so ``--help`` lists them); this module holds the
+choices and the checks that need more than one option: a flag that has no effect where it
+is given is an error (the user believes it did something) or, where a profile may still
+make it matter, a warning. Nothing here imports torch or reads a checkpoint.
+"""
+from __future__ import annotations
+
+import re
+
+from reshard.errors import BadInput
+from reshard.model.topology import parse_spec
+from reshard.semantics.data import POLICIES as DATA_POLICIES
+from reshard.semantics.schedule import POLICIES as SCHEDULES
+
+# reshard.semantics.rng.POLICIES, which imports torch: tests/test_cli_validation.py checks they agree
+RNG_POLICIES = ("carry", "reseed", "drop")
+DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+ONLY = ("model", "model+optim")
+OUTPUT_FORMATS = ("dcp", "local")
+DATA_MODES = ("copy", "link")
+EXPORT_FORMATS = ("safetensors", "torch", "hf")
+CONTROLS = ("relaunch", "naive-state", "none")
+
+__all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse"]
+
+_STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,
+                     schedule: str | None = None, seed: int | None = None,
+                     rng_policy: str | None = None) -> list[str]:
+    """The combinations of `plan`/`convert` flags that cannot work, raised; those that may not matter, returned.
+
+    The target spec is parsed here too, so ``--to dp=0`` fails before any import. Returns
+    warnings (one sentence each) for flags that have no effect as given.
+    """
+    warnings: list[str] = []
+    target = parse_spec(to) if to is not None else None
+    if pp_stages is not None:
+        if target is not None and target.pp == 1:
+            raise BadInput(f"--pp-stages {pp_stages} has no effect: the target --to {to} has one pipeline stage",
+                           hint="Drop --pp-stages, or add pp=N to --to.")
+        parts = pp_stages.split(",")
+        ranges = [_STAGE.match(p) for p in parts]
+        spans = [(int(m.group(1)), int(m.group(2) or m.group(1))) for m in ranges if m]
+        if len(spans) != len(parts) or any(b < a for a, b in spans) or spans[0][0] != 0 \
+                or any(y[0] != x[1] + 1 for x, y in zip(spans, spans[1:])):
+            raise BadInput(f"--pp-stages {pp_stages!r} is not contiguous inclusive ranges of layers from 0",
+                           hint="Write one range per target stage, e.g. --pp-stages 0-2,3-5.")
+        if target is not None and len(parts) != target.pp:
+            raise BadInput(f"--pp-stages gives {len(parts)} stages but the target --to {to} has pp={target.pp}",
+                           hint="Give one range of layers per target pipeline stage.")
+    if source_seq_len is not None and schedule not in (None, "tokens"):
+        warnings.append(f"--source-seq-len has no effect with --schedule {schedule}: it only converts a token "
+                        "counter for --schedule tokens.")
+    if seed is not None and rng_policy in ("carry", "drop"):
+        warnings.append(f"--seed has no effect with --rng-policy {rng_policy}: only reseed uses it.")
+    return warnings
+
+
+def check_beside_plan(plan_file: str, given: dict[str, object]) -> None:
+    """`convert --plan P.json`: the plan fixes the recipe and policies, so a flag that would change them is an error.
+
+    ``given`` maps each flag (``--grad-accum``) to its value, None/False/empty when not given.
+    """
+    named = [flag for flag, value in given.items() if value not in (None, False, [], ())]
+    if named:
+        flags = ", ".join(named)
+        raise BadInput(f"{flags} {'has' if len(named) == 1 else 'have'} no effect beside --plan: the plan already "
+                       "fixes the recipe, policies and options it was made with", where=plan_file,
+                       hint=f"Drop {flags}, or make a new plan with them (reshard plan ... --json > P.json) "
+                       "and convert that one.")
+
+
+def check_rehearse(*, steps: int, switch_at: int, window: int) -> list[str]:
+    """`rehearse`: the switch falls inside the run; a window longer than the steps after it is a warning."""
+    if switch_at >= steps:
+        raise BadInput(f"--switch-at {switch_at} is not before the last step (--steps {steps})",
+                       hint="Choose --switch-at between 1 and --steps - 1.")
+    if window > steps - switch_at:
+        return [f"--window {window} is longer than the {steps - switch_at} steps after the switch: "
+                f"only those {steps - switch_at} are compared."]
+    return []
