@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from reshard.render.window import window_markdown
+from reshard.render.window import window_markdown, window_title
 from reshard.semantics import manifest as mf
 from reshard.errors import BadInput
 from reshard.semantics.steplog import StepRecord, read_steplog
@@ -360,7 +360,7 @@ def figure_panels(result: dict, pre: list[StepRecord], post: list[StepRecord]):
                             [float(f(r)) for r in recs if f(r) is not None])
     trend = result["loss"]["trend_line"]
     panels = [Panel("loss", [Series("before", *pick(pre, lambda r: r.loss)), Series("after", *pick(post, lambda r: r.loss)),
-                             Series("trend", trend["steps"], trend["loss"], color=(120, 120, 120))], vl),
+                             Series("trend", trend["steps"], trend["loss"])], vl),
               Panel("grad norm", [Series("before", *pick(pre, lambda r: r.grad_norm)),
                                   Series("after", *pick(post, lambda r: r.grad_norm))], vl),
               Panel("tokens/s", [Series("before", *pick(pre, lambda r: r.tokens_per_s)),
@@ -370,7 +370,7 @@ def figure_panels(result: dict, pre: list[StepRecord], post: list[StepRecord]):
     rep, skp = cov.get("repeated_per_step", {}), cov.get("skipped_per_step", {})
     panels.append(Panel("coverage: ids per step", [
         Series("repeated", steps, [float(rep.get(int(s), 0)) for s in steps], style="points"),
-        Series("skipped", steps, [float(skp.get(int(s), 0)) for s in steps], color=(255, 127, 14), style="points")], vl,
+        Series("skipped", steps, [float(skp.get(int(s), 0)) for s in steps], style="points")], vl, integer_y=True,
         y_range=(-0.5, max([1.0] + [float(v) for v in list(rep.values()) + list(skp.values())]) * 1.1)))
     return panels
 
@@ -380,9 +380,7 @@ def write_outputs(result: dict, pre: list[StepRecord], post: list[StepRecord], o
 
     out.mkdir(parents=True, exist_ok=True)
     fig, md, js = out / "window.png", out / "window.md", out / "window.json"
-    t = result["transition"]
-    result["plot"] = line_chart(fig, figure_panels(result, pre, post),
-                                title=f"verification window after step {t['at_step']}")
+    result["plot"] = line_chart(fig, figure_panels(result, pre, post), title=window_title(result))
     result["figure"], result["report"] = str(fig), str(md)
     md.write_text(window_markdown(result), encoding="utf-8")
     js.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")

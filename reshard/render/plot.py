@@ -1,50 +1,60 @@
-"""A dependency-free PNG line chart (numpy + zlib + struct): stacked panels sharing a look.
+"""Report figures with matplotlib: stacked panels that share the step axis.
 
-Enough for a report figure: axes, a few "nice" ticks with numeric labels, a legend, vertical
-marker lines (e.g. the step of a topology switch), series drawn as lines or points. Text
-uses a built-in 5x7 bitmap font (digits, letters -- lowercase drawn as capitals -- and
-`` .-_:=+/()%?<>``). ``line_chart`` returns a description of exactly what it drew, so a test
-can check that the curves in the PNG are the ones a JSON report claims.
+Why matplotlib: it is what the field reads and writes its training curves with, so the
+figures look like the ones people already know (labelled axes, legible text, aligned panels).
+It is imported lazily, inside ``build_figure``, so ``import reshard`` and the CLI never pay for
+it; figures are drawn by the Agg canvas directly (no pyplot, no display, no global backend).
+
+The panels share one x axis in whole steps (integer ticks), every panel carries the switch
+marker, and colours come from one colour-blind-safe palette (Okabe-Ito) keyed by role, so
+"baseline" or "repeated" has the same colour in every figure. ``line_chart`` returns a
+description of exactly what it drew, so a test can check the curves in the PNG against the
+ones a JSON report claims; ``build_figure`` returns the matplotlib Figure itself (tests read
+labels, titles and ticks from it).
 """
 from __future__ import annotations
 
 import math
-import struct
-import zlib
+import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-# 5x7 glyphs: 7 rows of 5 bits (MSB = leftmost pixel), 2 hex digits per row
-_FONT_SRC = {
-    "0": "0E11131519110E", "1": "040C040404040E", "2": "0E11010204081F", "3": "1F02040201110E",
-    "4": "02060A121F0202", "5": "1F101E0101110E", "6": "0608101E11110E", "7": "1F010204080808",
-    "8": "0E11110E11110E", "9": "0E11110F01020C", "A": "0E11111F111111", "B": "1E11111E11111E",
-    "C": "0E11101010110E", "D": "1C12111111121C", "E": "1F10101E10101F", "F": "1F10101E101010",
-    "G": "0E11101711110F", "H": "1111111F111111", "I": "0E04040404040E", "J": "0702020202120C",
-    "K": "11121418141211", "L": "1010101010101F", "M": "111B1515111111", "N": "11111915131111",
-    "O": "0E11111111110E", "P": "1E11111E101010", "Q": "0E11111115120D", "R": "1E11111E141211",
-    "S": "0F10100E01011E", "T": "1F040404040404", "U": "1111111111110E", "V": "11111111110A04",
-    "W": "1111111515150A", "X": "11110A040A1111", "Y": "1111110A040404", "Z": "1F01020408101F",
-    " ": "00000000000000", ".": "00000000000C0C", "-": "0000001F000000", "_": "0000000000001F",
-    ":": "000C0C000C0C00", "=": "00001F001F0000", "+": "0004041F040400", "/": "00010204081000",
-    "(": "02040808080402", ")": "08040202020408", "%": "18190204081303", "?": "0E110102040004",
-    ">": "08040201020408", "<": "02040810080402",
-}
-_FONT = {ch: np.array([[(int(s[2 * r:2 * r + 2], 16) >> (4 - c)) & 1 for c in range(5)]
-                       for r in range(7)], dtype=bool) for ch, s in _FONT_SRC.items()}
-PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14), (148, 103, 189), (140, 86, 75)]
-BLACK, GRID, MARK = (0, 0, 0), (225, 225, 225), (200, 0, 120)
+# Okabe & Ito (2008), "Color Universal Design": distinguishable with every common colour-vision deficiency.
+OKABE_ITO = {"black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
+             "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
+             "grey": "#777777"}
+# One colour per role, used by every figure: the reference run is always blue, the run under
+# test always orange (never red: red reads as "wrong"), the naive control reddish purple.
+COLORS = {"baseline": OKABE_ITO["blue"], "before": OKABE_ITO["blue"],
+          "resumed": OKABE_ITO["orange"], "after": OKABE_ITO["orange"],
+          "control": OKABE_ITO["reddish_purple"], "trend": OKABE_ITO["grey"],
+          "repeated": OKABE_ITO["vermillion"], "skipped": OKABE_ITO["sky_blue"],
+          "switch": OKABE_ITO["black"]}
+_CYCLE = [OKABE_ITO[n] for n in ("blue", "orange", "bluish_green", "reddish_purple", "sky_blue", "vermillion")]
+DPI = 100
+TITLE_PX, BARE_TOP_PX, CAPTION_LINE_PX = 26, 4, 13
 
 
 @dataclass
 class Series:
+    """One curve. ``color``: a matplotlib colour or an (r, g, b) 0-255 tuple; None picks the
+    role's colour from ``COLORS`` by label (so the same role looks the same everywhere)."""
     label: str
     xs: list[float]
     ys: list[float]
-    color: tuple[int, int, int] | None = None
-    style: str = "line"  # "line" | "points"
+    color: Any = None
+    style: str = "line"  # "line" | "points" | "line+points"
+
+
+@dataclass
+class Annotation:
+    """A note pointing at (x, y) in a panel's data coordinates."""
+    x: float
+    y: float
+    text: str
+    color: str = OKABE_ITO["black"]
 
 
 @dataclass
@@ -54,161 +64,178 @@ class Panel:
     vlines: list[tuple[float, str]] = field(default_factory=list)
     y_label: str = ""
     y_range: tuple[float, float] | None = None  # fixed (lo, hi) instead of the data range
+    notes: list[str] = field(default_factory=list)  # boxed text in the panel's corner
+    annotations: list[Annotation] = field(default_factory=list)
+    integer_y: bool = False  # counts (sample ids): whole-number y ticks too
 
 
-def text_width(s: str, scale: int = 1) -> int:
-    return 6 * scale * len(s)
+def color_of(s: Series, index: int) -> Any:
+    """The colour ``s`` is drawn in: its own, else its role's, else the palette in order."""
+    c = s.color
+    if isinstance(c, tuple) and len(c) == 3 and any(v > 1 for v in c):
+        return tuple(v / 255 for v in c)
+    return c or COLORS.get(s.label, _CYCLE[index % len(_CYCLE)])
 
 
-def draw_text(img: np.ndarray, x: int, y: int, s: str, color=BLACK, scale: int = 1) -> None:
-    """Draw ``s`` with its top-left corner at (x, y); clipped to the image."""
-    for i, ch in enumerate(s):
-        glyph = _FONT.get(ch.upper(), _FONT["?"])
-        if scale > 1:
-            glyph = np.kron(glyph, np.ones((scale, scale), dtype=bool))
-        gx = x + 6 * scale * i
-        ys, xs = np.nonzero(glyph)
-        ys, xs = ys + y, xs + gx
-        ok = (ys >= 0) & (ys < img.shape[0]) & (xs >= 0) & (xs < img.shape[1])
-        img[ys[ok], xs[ok]] = color
+def max_abs_diff(a: Series, b: Series) -> tuple[float, int] | None:
+    """max |a - b| over the steps both curves have (finite values only) and the step where it
+    is; None when they share no step."""
+    bx = {float(x): float(y) for x, y in zip(b.xs, b.ys) if math.isfinite(y)}
+    pairs = [(abs(float(y) - bx[float(x)]), int(x)) for x, y in zip(a.xs, a.ys)
+             if float(x) in bx and math.isfinite(y)]
+    return max(pairs) if pairs else None
 
 
-def _plot_pixels(img, xs, ys, color) -> None:
-    xs, ys = np.asarray(xs), np.asarray(ys)
-    ok = (ys >= 0) & (ys < img.shape[0]) & (xs >= 0) & (xs < img.shape[1])
-    img[ys[ok], xs[ok]] = color
+def overlap_note(a: Series, b: Series, quantity: str, *, frac: float = 0.01) -> str | None:
+    """A note when curve ``a`` lies on ``b`` (every shared point within ``frac`` of the y span of
+    both): on the figure one hides the other, so the reader is told, with the largest gap."""
+    d = max_abs_diff(a, b)
+    ys = [float(y) for y in list(a.ys) + list(b.ys) if math.isfinite(y)]
+    if d is None or not ys:
+        return None
+    span = (max(ys) - min(ys)) or abs(ys[0]) or 1.0
+    if d[0] > frac * span:
+        return None
+    return f"{a.label} overlaps {b.label}: max |\u0394{quantity}| = {d[0]:.2e} (step {d[1]})"
 
 
-def draw_segment(img, x0, y0, x1, y1, color) -> None:
-    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    t = np.linspace(0.0, 1.0, n + 1)
-    _plot_pixels(img, np.rint(x0 + (x1 - x0) * t).astype(int), np.rint(y0 + (y1 - y0) * t).astype(int), color)
+def figure_size_px(n_panels: int, *, width: int = 900, height_per_panel: int = 260, title: str = "",
+                   caption_lines: int = 0) -> tuple[int, int]:
+    """The PNG's pixel size: a title band, the panels, then a caption line by line."""
+    top = TITLE_PX if title else BARE_TOP_PX
+    return width, top + height_per_panel * n_panels + (CAPTION_LINE_PX * caption_lines + 8 if caption_lines else 0)
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """About ``n`` round tick values (1, 2, 5 x 10^k steps) inside [lo, hi]."""
-    raw = (hi - lo) / max(n - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+def wrap_caption(caption: list[str], width: int) -> list[str]:
+    """The caption as the lines drawn (monospace, about 6.5 px a character at 8 pt)."""
+    per_line = max(20, int((width - 16) / 6.5))
+    rows: list[str] = []
+    for text in caption:
+        rows += textwrap.wrap(text, per_line, break_long_words=True, break_on_hyphens=False) or [""]
+    return rows
 
 
-def fmt_tick(v: float) -> str:
-    return "0" if v == 0 else f"{v:.4g}"
+def build_figure(panels: list[Panel], *, width: int = 900, height_per_panel: int = 260, title: str = "",
+                 caption: list[str] | None = None, x_label: str = "step"):
+    """The matplotlib Figure for ``panels`` (stacked, x shared, whole-step ticks, aligned y
+    labels, vertical markers, notes, annotations, a legend per panel, ``title`` as suptitle
+    and ``caption`` in monospace below). Raises a ReshardError naming the install line when
+    matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure  # drawn by FigureCanvasAgg in save_figure: no pyplot, no display
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as exc:  # a plain dependency: only a broken install gets here
+        from reshard.errors import ReshardError
+        raise ReshardError(f"the figures need matplotlib, which is not importable ({exc})",
+                           hint="install it with `pip install 'matplotlib>=3.8'` (it is a dependency of reshard)") from exc
+
+    rows = wrap_caption(caption or [], width)
+    w_px, h_px = figure_size_px(len(panels), width=width, height_per_panel=height_per_panel, title=title,
+                                caption_lines=len(rows))
+    fig = Figure(figsize=(w_px / DPI, h_px / DPI), dpi=DPI)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    top_px = TITLE_PX if title else BARE_TOP_PX
+    bottom_px = h_px - top_px - height_per_panel * len(panels)
+    fig.subplots_adjust(left=0.09, right=0.80, top=1 - (top_px + 18) / h_px,
+                        bottom=(bottom_px + 40) / h_px, hspace=0.42)
+    if title:
+        fig.suptitle(title, fontsize=11, fontweight="bold", y=1 - 4 / h_px, va="top")
+    for ax, panel in zip(axes, panels):
+        _draw_panel(ax, panel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if panel.integer_y:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[-1].set_xlabel(x_label)
+    for ax in axes[:-1]:
+        ax.tick_params(labelbottom=True)  # every panel readable on its own
+    fig.align_ylabels(list(axes))
+    if rows:
+        fig.text(8 / w_px, (bottom_px - 4) / h_px, "\n".join(rows), family="monospace", fontsize=8,
+                 va="top", ha="left", linespacing=1.05)
+    return fig
 
 
-def _range(values: list[float]) -> tuple[float, float]:
-    v = [x for x in values if math.isfinite(x)]
-    if not v:
-        return 0.0, 1.0
-    lo, hi = min(v), max(v)
-    if hi == lo:
-        pad = abs(lo) * 0.05 or 1.0
-        return lo - pad, hi + pad
-    pad = (hi - lo) * 0.05
-    return lo - pad, hi + pad
+def _draw_panel(ax, panel: Panel) -> None:
+    ax.set_title(panel.title, loc="left", fontsize=9)
+    ax.set_ylabel(panel.y_label or panel.title, fontsize=8)
+    ax.grid(True, color="#dddddd", linewidth=0.6)
+    ax.tick_params(labelsize=8)
+    for i, s in enumerate(panel.series):
+        xs = [float(x) for x in s.xs]
+        ys = [float(y) if math.isfinite(y) else float("nan") for y in s.ys]
+        c = color_of(s, i)
+        if s.style == "points":
+            ax.plot(xs, ys, linestyle="none", marker="o", markersize=3.5, color=c, label=s.label)
+        elif s.style == "line+points":
+            ax.plot(xs, ys, linestyle="--", linewidth=1.2, marker="o", markersize=3.5, markerfacecolor="none",
+                    color=c, label=s.label)
+        else:
+            ax.plot(xs, ys, linewidth=1.6, color=c, label=s.label, marker="." if len(xs) == 1 else None)
+    for x, label in panel.vlines:
+        ax.axvline(float(x), color=COLORS["switch"], linestyle=":", linewidth=1.2, label=label)
+    if panel.y_range:
+        ax.set_ylim(*panel.y_range)
+    if panel.series or panel.vlines:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7.5, frameon=False, borderaxespad=0)
+    if panel.notes:
+        ax.text(0.99, 0.96, "\n".join(panel.notes), transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
+                bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9})
+    for a in panel.annotations:
+        ax.annotate(a.text, xy=(a.x, a.y), xytext=(0.55, 0.42), textcoords="axes fraction", fontsize=7.5,
+                    color=a.color, ha="left", va="top", wrap=True,
+                    arrowprops={"arrowstyle": "->", "color": a.color, "linewidth": 0.8})
+
+
+def save_figure(fig, path: str | Path) -> tuple[int, int]:
+    """Write ``fig`` as an 8-bit RGB PNG at exactly its pixel size, atomically (a temporary file
+    beside ``path``, then a rename: a reader never sees half a PNG). Returns (width, height)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    path = Path(path)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgb = np.asarray(canvas.buffer_rgba())[:, :, :3]
+    tmp = path.with_name(f".{path.name}.tmp")
+    Image.fromarray(np.ascontiguousarray(rgb), "RGB").save(tmp, format="PNG", optimize=True)
+    os.replace(tmp, path)
+    return int(rgb.shape[1]), int(rgb.shape[0])
+
+
+def describe(panels: list[Panel], size: tuple[int, int], *, title: str = "", caption: list[str] | None = None) -> dict:
+    """What the figure draws: ``{"width", "height", "title", "panels": [{"title", "series":
+    [{"label", "xs", "ys"}], "vlines", "notes", "annotations"}], "caption"}`` (non-finite y
+    values are not drawn and are described as None)."""
+    out: dict[str, Any] = {"width": size[0], "height": size[1], "title": title, "panels": [
+        {"title": p.title,
+         "series": [{"label": s.label, "xs": [float(x) for x in s.xs],
+                     "ys": [float(y) if math.isfinite(y) else None for y in s.ys]} for s in p.series],
+         "vlines": [[float(x), lbl] for x, lbl in p.vlines],
+         "notes": list(p.notes), "annotations": [a.text for a in p.annotations]} for p in panels]}
+    if caption:
+        out["caption"] = list(caption)
+    return out
 
 
 def line_chart(path: str | Path, panels: list[Panel], *, width: int = 900, height_per_panel: int = 260,
-               title: str = "") -> dict:
-    """Write ``panels`` stacked vertically to a PNG at ``path``; return what was drawn:
-    ``{"width", "height", "panels": [{"title", "series": [{"label", "xs", "ys"}], "vlines"}]}``
-    (non-finite y values are not drawn and are described as None)."""
-    top = 26 if title else 4
-    height = top + height_per_panel * len(panels)
-    img = np.full((height, width, 3), 255, dtype=np.uint8)
-    if title:
-        draw_text(img, (width - text_width(title, 2)) // 2, 6, title, scale=2)
-    described = []
-    for p_i, panel in enumerate(panels):
-        oy = top + p_i * height_per_panel
-        labels = [s.label for s in panel.series]
-        legend_w = max([text_width(lbl) for lbl in labels] + [0]) + 28
-        left, right = 64, width - max(legend_w, 40) - 8
-        y_top, y_bot = oy + 22, oy + height_per_panel - 24
-        draw_text(img, left, oy + 8, panel.title + (f"  ({panel.y_label})" if panel.y_label else ""))
-        all_x = [x for s in panel.series for x in s.xs] + [v for v, _ in panel.vlines]
-        xlo, xhi = _range([float(x) for x in all_x])
-        ylo, yhi = panel.y_range or _range([float(y) for s in panel.series for y in s.ys])
-        to_px = lambda x: left + (x - xlo) / (xhi - xlo) * (right - left)  # noqa: E731
-        to_py = lambda y: y_bot - (y - ylo) / (yhi - ylo) * (y_bot - y_top)  # noqa: E731
-        for v in nice_ticks(ylo, yhi, 6):  # y grid, ticks, labels
-            py = int(round(to_py(v)))
-            img[py, left + 1:right + 1] = GRID
-            img[py, left - 4:left] = BLACK
-            lbl = fmt_tick(v)
-            draw_text(img, left - 6 - text_width(lbl), py - 3, lbl)
-        for v in nice_ticks(xlo, xhi, 7):  # x ticks, labels
-            px = int(round(to_px(v)))
-            img[y_bot + 1:y_bot + 5, px] = BLACK
-            lbl = fmt_tick(v)
-            draw_text(img, px - text_width(lbl) // 2, y_bot + 8, lbl)
-        img[y_top:y_bot + 1, left] = BLACK  # axes
-        img[y_bot, left:right + 1] = BLACK
-        for x, lbl in panel.vlines:  # dashed marker lines
-            px = int(round(to_px(float(x))))
-            rows = np.arange(y_top, y_bot)
-            img[rows[(rows - y_top) % 6 < 4], px] = MARK
-            draw_text(img, min(px + 3, right - text_width(lbl)), y_top + 2, lbl, MARK)
-        out_series = []
-        for s_i, s in enumerate(panel.series):
-            color = s.color or PALETTE[s_i % len(PALETTE)]
-            pts = [(to_px(float(x)), to_py(float(y))) if math.isfinite(y) else None for x, y in zip(s.xs, s.ys)]
-            if s.style == "points":
-                for pt in pts:
-                    if pt is not None:
-                        cx, cy = int(round(pt[0])), int(round(pt[1]))
-                        for dy in (-1, 0, 1):
-                            _plot_pixels(img, np.arange(cx - 1, cx + 2), np.full(3, cy + dy), color)
-            else:
-                for a, b in zip(pts, pts[1:]):
-                    if a is not None and b is not None:
-                        draw_segment(img, a[0], a[1], b[0], b[1], color)
-                if len(pts) == 1 and pts[0] is not None:
-                    _plot_pixels(img, [int(round(pts[0][0]))], [int(round(pts[0][1]))], color)
-            ly = y_top + 4 + 12 * s_i  # legend entry: swatch + label
-            img[ly + 2:ly + 5, right + 12:right + 24] = color
-            draw_text(img, right + 28, ly, s.label)
-            out_series.append({"label": s.label, "xs": [float(x) for x in s.xs],
-                               "ys": [float(y) if math.isfinite(y) else None for y in s.ys]})
-        described.append({"title": panel.title, "series": out_series,
-                          "vlines": [[float(x), lbl] for x, lbl in panel.vlines]})
-    write_png(path, img)
-    return {"width": width, "height": height, "panels": described}
+               title: str = "", caption: list[str] | None = None) -> dict:
+    """Draw ``panels`` (see ``build_figure``), save the PNG at ``path`` atomically, and return
+    ``describe`` of what was drawn."""
+    rows = wrap_caption(caption or [], width)  # wrapping is idempotent: build_figure draws these rows
+    fig = build_figure(panels, width=width, height_per_panel=height_per_panel, title=title, caption=rows)
+    size = save_figure(fig, path)
+    return describe(panels, size, title=title, caption=rows)
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+def read_png(path: str | Path):
+    """Decode a PNG into an (h, w, 3) uint8 array (for tests that look at pixels)."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB")).copy()
 
 
-def write_png(path: str | Path, img: np.ndarray) -> None:
-    """8-bit RGB, no interlace, filter 0 on every row."""
-    h, w, _ = img.shape
-    raw = np.concatenate([np.zeros((h, 1), dtype=np.uint8), img.astype(np.uint8).reshape(h, w * 3)], axis=1)
-    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + _chunk(b"IDAT", zlib.compress(raw.tobytes(), 9)) + _chunk(b"IEND", b""))
-    Path(path).write_bytes(data)
-
-
-def read_png(path: str | Path) -> np.ndarray:
-    """Decode a PNG written by ``write_png`` (8-bit RGB, filter 0) into an (h, w, 3) array."""
-    data = Path(path).read_bytes()
-    if data[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError(f"{path}: not a PNG")
-    pos, idat, w, h = 8, b"", 0, 0
-    while pos < len(data):
-        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + n]
-        if kind == b"IHDR":
-            w, h = struct.unpack(">II", body[:8])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
-    if rows[:, 0].any():
-        raise ValueError(f"{path}: only filter type 0 is supported")
-    return rows[:, 1:].reshape(h, w, 3).copy()
-
-
-__all__ = ["Panel", "Series", "line_chart", "write_png", "read_png", "draw_text", "nice_ticks"]
+__all__ = ["Panel", "Series", "Annotation", "COLORS", "OKABE_ITO", "build_figure", "save_figure", "line_chart",
+           "describe", "overlap_note", "max_abs_diff", "read_png", "figure_size_px"]

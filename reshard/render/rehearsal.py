@@ -14,60 +14,82 @@ def _f(x: Any, spec: str = ".2e") -> str:
     return format(x, spec)
 
 
-def render_png(path: Path, r: dict[str, Any]) -> dict:
-    """Three panels: loss, grad norm (baseline, resumed, control) with the switch marked, and
-    the control's cumulative repeated/skipped sample ids. Returns what line_chart drew."""
-    from reshard.render.plot import Panel, Series, line_chart
+def rehearsal_panels(r: dict[str, Any]) -> tuple[list, str, list[str]]:
+    """The rehearsal figure's panels, title and caption from the report: loss and grad norm
+    (baseline, resumed, control) with the switch marked and a note when the resumed curve hides
+    under the baseline, and the control's cumulative repeated/skipped sample ids, annotated
+    where they explain the control's curve (a naive resume that re-reads samples it already
+    trained on can look better for the wrong reason)."""
+    from reshard.render.plot import Annotation, Panel, Series, overlap_note
 
-    s = r["series"]
-    k = r["switch_at"]
-    frm, to = r["from"].replace(",", " "), r["to"].replace(",", " ")  # the chart font has no comma
-    mark = [(k + 0.5, f"switch at step {k}: {frm} -> {to}")]
-    colors = {"baseline": (31, 119, 180), "resumed": (44, 160, 44), "control": (214, 39, 40),
-              "repeated": (214, 39, 40), "skipped": (148, 103, 189)}
+    s, k = r["series"], r["switch_at"]
+    frm, to = r["from"], r["to"]
+    mark = [(k + 0.5, f"switch after step {k}")]  # the layouts are in the title
+    ctl_cov = (r.get("coverage") or {}).get("control") or {}
+    n_rep, n_skip = int(ctl_cov.get("repeated") or 0), int(ctl_cov.get("skipped") or 0)
 
-    def panel(name: str, title: str, y_label: str, style: str = "line") -> Panel:
-        return Panel(title, [Series(label, d["xs"], d["ys"], color=colors.get(label),
-                                    style="points" if label == "resumed" else style)
-                             for label, d in s[name].items()], vlines=mark, y_label=y_label)
+    def panel(name: str, title: str, y_label: str, quantity: str) -> Panel:
+        series = [Series(label, d["xs"], d["ys"], style="line+points" if label == "resumed" else "line")
+                  for label, d in s[name].items()]
+        by = {x.label: x for x in series}
+        note = overlap_note(by["resumed"], by["baseline"], quantity) if {"resumed", "baseline"} <= set(by) else None
+        p = Panel(title, series, vlines=mark, y_label=y_label, notes=[note] if note else [])
+        ctl = by.get("control")
+        if name == "loss" and ctl is not None and ctl.xs and (n_rep or n_skip):
+            at = _first_coverage_step(ctl_cov) or ctl.xs[0]
+            y = dict(zip(ctl.xs, ctl.ys)).get(float(at), ctl.ys[0])
+            what = " and ".join(x for x in (f"repeats {n_rep} samples it already trained on" if n_rep else "",
+                                            f"skips {n_skip} sample ids" if n_skip else "") if x)
+            p.annotations.append(Annotation(float(at), float(y), f"control (naive resume) {what}:\n"
+                                            "its loss is not comparable to the baseline's"))
+        return p
 
-    panels = [panel("loss", "loss: baseline (uninterrupted) / resumed (reshard) / control (naive resume)", "loss"),
-              panel("grad_norm", "grad norm", "L2 norm before clipping"),
-              panel("control_coverage", "control: sample ids repeated / skipped so far (cumulative)", "ids",
-                    style="points")]
+    cov = s["control_coverage"]
+    cov_panel = Panel("control (naive resume): sample ids repeated / skipped so far (cumulative)",
+                      [Series(label, d["xs"], d["ys"], style="points") for label, d in cov.items()],
+                      vlines=mark, y_label="sample ids", integer_y=True)
+    rep = cov.get("repeated") or {"xs": [], "ys": []}
+    if rep["xs"] and n_rep:
+        cov_panel.annotations.append(Annotation(rep["xs"][-1], rep["ys"][-1], f"{n_rep} sample ids read twice"))
+    if not any(d["xs"] for d in cov.values()):
+        cov_panel.notes.append("no control run: nothing to count")
+    panels = [panel("loss", "loss: baseline (uninterrupted), resumed (converted by reshard), control (naive resume)",
+                    "loss", "loss"),
+              panel("grad_norm", "grad norm", "L2 norm before clipping", "grad norm"),
+              cov_panel]
     verdict = "PASS" if r["exit_code"] == 0 else "FAIL"
-    drawn = line_chart(path, panels, title=f"rehearsal {frm} -> {to}: {verdict}")
+    tol, worst = r["tolerances"]["loss_rtol"], r["loss"]["max_rel"]
+    title = (f"rehearsal {frm} \u2192 {to}: {verdict} (loss max rel diff {_f(worst)}, "
+             f"tolerance {_f(tol)})")
     tr = r["trainer"]
     caption = [f"trainer: {tr['command']}", f"checkpoint (step {k}): {tr['checkpoint']}"]
-    return _add_caption(path, drawn, caption)
+    return panels, title, caption
 
 
-_PLAIN = str.maketrans({",": " ", "{": "(", "}": ")", "[": "(", "]": ")", "'": "", '"': "", "`": ""})
+def _first_coverage_step(cov: dict[str, Any]) -> float | None:
+    """The first step at which the control had repeated or skipped an id (where to point)."""
+    per = cov.get("per_step") or {}
+    for st, a, b in zip(per.get("steps", []), per.get("repeated", []), per.get("skipped", [])):
+        if a or b:
+            return float(st)
+    return None
 
 
-def _add_caption(path: Path, drawn: dict, caption: list[str]) -> dict:
-    """Append ``caption`` under the chart, wrapped to its width (the chart font has no comma or
-    braces: they are drawn as spaces and parentheses). Returns ``drawn`` with the new height and
-    the caption as written (the report checks the figure against it)."""
-    import numpy as np
+def rehearsal_figure(r: dict[str, Any]):
+    """The matplotlib Figure of the rehearsal (what ``render_png`` saves)."""
+    from reshard.render.plot import build_figure
 
-    from reshard.render.plot import draw_text, read_png, text_width, write_png
+    panels, title, caption = rehearsal_panels(r)
+    return build_figure(panels, title=title, caption=caption)
 
-    img = read_png(path)
-    width = img.shape[1]
-    per_line = max(20, (width - 16) // text_width("x"))
-    rows: list[str] = []
-    for text in caption:
-        text = text.translate(_PLAIN)
-        while text:
-            rows.append(text[:per_line])
-            text = text[per_line:]
-    footer = np.full((12 * len(rows) + 8, width, 3), 255, dtype=np.uint8)
-    for i, row in enumerate(rows):
-        draw_text(footer, 8, 4 + 12 * i, row)
-    out = np.concatenate([img, footer], axis=0)
-    write_png(path, out)
-    return {**drawn, "height": int(out.shape[0]), "caption": rows}
+
+def render_png(path: Path, r: dict[str, Any]) -> dict:
+    """Save the rehearsal figure at ``path`` (atomically); return what it drew (the report
+    carries it, so the figure can be checked against the report's series)."""
+    from reshard.render.plot import line_chart
+
+    panels, title, caption = rehearsal_panels(r)
+    return line_chart(path, panels, title=title, caption=caption)
 
 
 def render_markdown(r: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["render_window", "window_markdown"]
+__all__ = ["render_window", "window_markdown", "window_title"]
 
 
 def render_window(result: dict) -> str:
@@ -21,6 +21,16 @@ def render_window(result: dict) -> str:
     if result.get("report"):
         lines.append(f"report      {result['report']}")
     return "\n".join(lines)
+
+
+def window_title(result: dict) -> str:
+    """window.png's title: the transition and the verdict, naming the checks that failed (the
+    figure read on its own says whether the switch was clean)."""
+    t = result["transition"]
+    failed = [ch["name"] for ch in result["checks"] if not ch["ok"] and ch["severity"] != "warning"]
+    verdict = "OK" if result["ok"] else "FAILED: " + ", ".join(failed)
+    return (f"verification window after step {t['at_step']} (world {t['from_world_size'] or '?'} \u2192 "
+            f"{t['to_world_size'] or '?'}): {verdict}")
 
 
 def window_markdown(result: dict) -> str:
