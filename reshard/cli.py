@@ -166,6 +166,8 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
+    _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
+                                seed=seed, rng_policy=rng_policy))
     from reshard.commands.plan import make_plan
     from reshard.render.report import render_plan, to_json
 
@@ -219,7 +221,23 @@ def convert(
 
     Under torchrun (or with --workers M) the target files are divided among the processes;
     worker 0 commits once every worker has written and verified its part.
+
+    Exit 0 converted and verified equal, 1 the verification found a difference or the plan is
+    infeasible, 2 bad input (options, plan file, source, destination).
     """
+    if plan_file is not None:
+        args.check_beside_plan(str(plan_file), {
+            "--from": from_spec, "--micro-batch": micro_batch, "--grad-accum": grad_accum,
+            "--source-micro-batch": source_micro_batch, "--source-grad-accum": source_grad_accum,
+            "--source-seq-len": source_seq_len, "--source-global-batch": source_global_batch, "--schedule": schedule,
+            "--data-policy": data_policy, "--rng-policy": rng_policy, "--seed": seed, "--rules": rules,
+            "--model-config": model_config, "--pp-stages": pp_stages, "--convention": convention, "--keep": keep,
+            "--drop": drop, "--tie": tie, "--profile": profile, "--no-profile": no_profile,
+            "--trainer-config": trainer_config, "--dtype": dtype, "--only": only, "--trust-pickle": trust_pickle})
+    else:
+        _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
+                                    seed=seed, rng_policy=rng_policy))
+    window_bytes = _size(window, "--window")
     from reshard.commands.distributed import ERRORS_ENV, in_torchrun
 
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
@@ -268,7 +286,7 @@ def convert(
         raise typer.Exit(launch_workers(workers, _without_workers(_state.get("argv") or sys.argv[1:]),
                                         debug=_state["debug"]))
     io = IOOptions(direct=not buffered,
-                   **{k: v for k, v in (("threads", threads), ("window", _size(window, "--window"))) if v is not None})
+                   **{k: v for k, v in (("threads", threads), ("window", window_bytes)) if v is not None})
     p = make_plan(src, opts)
     if given is not None:
         check_plan_matches(given, p)
@@ -365,6 +383,8 @@ def export(
     """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor.
 
     With --format hf, a profile's [model] values fill what --model-config does not give.
+
+    Exit 0 exported, 2 bad input (options, source, destination).
     """
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
     from reshard.commands.export import export as run_export, parse_size
@@ -397,7 +417,10 @@ def import_(
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
     quiet: bool = _QUIET,
 ) -> None:
-    """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id."""
+    """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id.
+
+    Exit 0 imported, 2 bad input (options, source, destination).
+    """
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
     from reshard.commands.importer import import_checkpoint
     from reshard.render.report import to_json
@@ -445,8 +468,9 @@ def rehearse(
 ) -> None:
     """Rehearse a transition with your trainer (or the reference one): baseline, converted resume, naive control.
 
-    Exit 0 within tolerances with exact coverage, 1 otherwise.
+    Exit 0 within tolerances with exact coverage, 1 otherwise, 2 bad input.
     """
+    _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
     from reshard.commands.rehearsal import render_rehearsal, rehearse as run_rehearsal
     from reshard.render.report import to_json
 
@@ -467,7 +491,10 @@ def window(
     out: Optional[Path] = typer.Option(None, "--out", help="Write window.json, window.md and window.png here."),
     json_out: bool = typer.Option(False, "--json", help="Print the judgement as JSON."),
 ) -> None:
-    """Judge the verification window after a real transition: loss, grad norm, throughput, coverage."""
+    """Judge the verification window after a real transition: loss, grad norm, throughput, coverage.
+
+    Exit 0 within tolerances, 1 outside them, 2 bad input (unreadable logs or manifest).
+    """
     from reshard.render.report import to_json
     from reshard.commands.window import judge
     from reshard.render.window import render_window
@@ -482,7 +509,10 @@ def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
     steps: int = typer.Option(6, "--steps", min=1, help="Optimizer steps the reference trainer runs."),
 ) -> None:
-    """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse."""
+    """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse.
+
+    Exit 0 every step as expected, 1 a step found a difference, 2 bad input.
+    """
     from reshard.commands.demo import run_demo
 
     raise typer.Exit(run_demo(out, steps=steps))

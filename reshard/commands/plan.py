@@ -986,6 +986,9 @@ def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, An
         changes.append("batch recipe unknown: global batch not checked")
     if bdec.before and bdec.after and bdec.after.grad_accum != bdec.before.grad_accum:
         changes.append(f"accumulation {bdec.before.grad_accum} -> {bdec.after.grad_accum} (global batch kept; reduction order differs)")
+    if bdec.before and bdec.after and bdec.after.micro_batch != bdec.before.micro_batch:
+        changes.append(f"micro-batch {bdec.before.micro_batch} -> {bdec.after.micro_batch} per rank "
+                       f"(activation memory per rank x{bdec.after.micro_batch / bdec.before.micro_batch:g})")
     if sdec is not None and sdec.policy in ("steps", "tokens"):
         changes.append("LR schedule: " + sdec.note)
     if rdec is not None and not rdec.streams_kept:
@@ -996,7 +999,7 @@ def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, An
         kind = "infeasible"
     elif warm:
         kind = "warm_start"
-    elif any(not c.startswith("collective") and not c.startswith("accumulation") for c in changes):
+    elif any(not c.startswith(("collective", "accumulation", "micro-batch")) for c in changes):
         kind = "continuation_with_changes"
     else:
         kind = "continuation"
