@@ -541,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
+    _state.update(debug=False, json=False)  # main() may run many times in one process (the tests)
     line = _normalise(list(argv) if argv is not None else sys.argv[1:])
     _state["argv"] = line
     try:
