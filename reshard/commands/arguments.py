@@ -49,7 +49,7 @@ def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq
         spans = [(int(m.group(1)), int(m.group(2) or m.group(1))) for m in ranges if m]
         if len(spans) != len(parts) or any(b < a for a, b in spans) or spans[0][0] != 0 \
                 or any(y[0] != x[1] + 1 for x, y in zip(spans, spans[1:])):
-            raise BadInput(f"--pp-stages {pp_stages!r} is not contiguous inclusive ranges of layers from 0",
+            raise BadInput(f"--pp-stages {pp_stages!r} must cover the layers from 0 contiguously, one inclusive range A-B per stage",
                            hint="Write one range per target stage, e.g. --pp-stages 0-2,3-5.")
         if target is not None and len(parts) != target.pp:
             raise BadInput(f"--pp-stages gives {len(parts)} stages but the target --to {to} has pp={target.pp}",
