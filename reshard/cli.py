@@ -386,6 +386,7 @@ def export(
 
     Exit 0 exported, 2 bad input (options, source, destination).
     """
+    args.check_export(fmt=fmt, model_config=model_config)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
     from reshard.commands.export import export as run_export, parse_size
     from reshard.render.report import to_json

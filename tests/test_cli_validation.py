@@ -70,6 +70,8 @@ MISTAKES = {
                                                 ["--grad-accum", "no effect beside --plan"]),
     "combination: --switch-at past --steps": (["rehearse", "--from", "dp=4", "--to", "dp=2", "--steps", "4",
                                                "--switch-at", "6"], ["--switch-at"]),
+    "combination: --model-config without --format hf": (["export", "ckpt", "out", "--model-config", "n_heads=8"],
+                                                        ["--model-config", "--format hf"]),
     "value: --to dp=0": (["plan", "ckpt", "--to", "dp=0"], ["positive integer"]),
     "value: --window size": (["convert", "ckpt", "out", "--to", "dp=2", "--window", "lots"], ["--window", "size"]),
     "unknown option": (["plan", "ckpt", "--to", "dp=2", "--grad-acum", "2"], ["--grad-acum"]),

@@ -25,7 +25,7 @@ EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
 __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
-           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse"]
+           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -85,3 +85,10 @@ def check_rehearse(*, steps: int, switch_at: int, window: int) -> list[str]:
         return [f"--window {window} is longer than the {steps - switch_at} steps after the switch: "
                 f"only those {steps - switch_at} are compared."]
     return []
+
+
+def check_export(*, fmt: str, model_config: list[str] | None) -> None:
+    """`export`: ``--model-config`` feeds only the config.json of ``--format hf``."""
+    if model_config and fmt != "hf":
+        raise BadInput(f"--model-config has no effect with --format {fmt}: only --format hf writes a config.json",
+                       hint="Drop --model-config, or export with --format hf.")
