@@ -117,8 +117,19 @@ def _argv(cmd: str, ckpt: Path, ranks: int, cfg) -> list[str]:
 
 
 def _entries(cfg, ranks: int) -> int:
-    params = cfg.n_layers * 9 + 3
-    return ranks * params * 3 + params + 12
+    """Storage entries of the FSDP2 checkpoint: per sharded tensor its non-empty dim-0 pieces
+    (torch.chunk: a tensor of fewer rows than ranks has fewer chunks), plus one per other item."""
+    n = 0
+    from reshard import synthetic_metadata as sm
+
+    for e in sm.llama_entries(cfg):
+        if e.kind == "shard" and e.shape:
+            rows = e.shape[0]
+            step = -(-rows // ranks)
+            n += -(-rows // step)
+        else:
+            n += 1
+    return n
 
 
 def _fmt_cpu(r: dict | None, floor: dict | None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.model.layout import Placement, local_box, rank_sizes, target_chunks, target_chunks_cached
+from reshard.model.layout import Placement, local_box, rank_boxes, rank_sizes, target_chunks, target_chunks_cached
 from reshard.model.topology import Topology
 
 topologies = st.builds(Topology, pp=st.integers(1, 3), dp_replicate=st.integers(1, 2), dp_shard=st.integers(1, 9),
@@ -30,12 +30,14 @@ def test_rank_sizes_equals_local_box_on_every_rank(topo, data):
     shape = data.draw(shapes)
     placement = data.draw(placements(shape))
     held, sizes = rank_sizes(shape, placement, topo)
+    held2, offsets, sizes2 = rank_boxes(shape, placement, topo)
+    assert (held == held2).all() and (sizes == sizes2).all()
     assert held.shape == (topo.world_size,) and sizes.shape == (topo.world_size, len(shape))
     for rank in range(topo.world_size):
         box = local_box(shape, placement, topo, rank)
         assert bool(held[rank]) == (box is not None)
         if box is not None:
-            assert tuple(sizes[rank].tolist()) == box.sizes
+            assert tuple(sizes[rank].tolist()) == box.sizes and tuple(offsets[rank].tolist()) == box.offsets
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)

@@ -142,12 +142,19 @@ def target_chunks_cached(shape: tuple[int, ...], placement: Placement, topo: Top
 
 
 def rank_sizes(shape: tuple[int, ...], placement: Placement, topo: Topology) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's local piece at once: (held, sizes) with ``held[r]`` whether rank ``r``'s stage
-    holds the tensor and ``sizes[r]`` its local shape (``world x ndim``, int64), in closed form.
+    """Every rank's local shape at once: (held, sizes), `rank_boxes` without the offsets."""
+    held, _offsets, sizes = rank_boxes(shape, placement, topo)
+    return held, sizes
 
-    Equal to `local_box` rank by rank (tests/test_geometry.py checks it on random shapes and
-    degrees); numpy over all ranks, so per-rank totals over 16,384 ranks cost a few array
-    operations per distinct shape instead of a Python call per rank per tensor.
+
+def rank_boxes(shape: tuple[int, ...], placement: Placement, topo: Topology) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's local piece at once: (held, offsets, sizes) with ``held[r]`` whether rank
+    ``r``'s stage holds the tensor and ``offsets[r]``, ``sizes[r]`` its box (``world x ndim``,
+    int64), in closed form.
+
+    Equal to `local_box` rank by rank (tests/test_layout_vectorised.py checks it on random
+    shapes and degrees); numpy over all ranks, so per-rank totals over 16,384 ranks cost a few
+    array operations per distinct shape instead of a Python call per rank per tensor.
     """
     world = topo.world_size
     ranks = np.arange(world, dtype=np.int64)
@@ -158,11 +165,13 @@ def rank_sizes(shape: tuple[int, ...], placement: Placement, topo: Topology) -> 
         coords[d] = rest % n
         rest = rest // n
     held = np.ones(world, dtype=bool) if placement.stage is None or topo.pp == 1 else coords["pp"] == placement.stage
+    nd = len(shape)
+    offsets = np.zeros((world, nd), dtype=np.int64)
     sizes = np.tile(np.asarray(shape, dtype=np.int64), (world, 1)) if shape else np.zeros((world, 0), dtype=np.int64)
     if not shape:
-        return held, sizes
+        return held, offsets, sizes
 
-    def chunk_sizes(n: np.ndarray | int, parts: int, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def chunk(n: np.ndarray | int, parts: int, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n = np.asarray(n, dtype=np.int64)
         step = np.where(n > 0, -(-n // parts), 0)
         start = np.minimum(i * step, n)
@@ -170,7 +179,8 @@ def rank_sizes(shape: tuple[int, ...], placement: Placement, topo: Topology) -> 
 
     if placement.tp_dim is not None and topo.tp > 1:
         d = placement.tp_dim
-        _, sizes[:, d] = chunk_sizes(shape[d], topo.tp, coords["tp"])
+        offsets[:, d], sizes[:, d] = chunk(shape[d], topo.tp, coords["tp"])
     if placement.dp_shard and topo.dp_shard > 1:
-        _, sizes[:, 0] = chunk_sizes(sizes[:, 0], topo.dp_shard, coords["dp_shard"])
-    return held, sizes
+        start, sizes[:, 0] = chunk(sizes[:, 0], topo.dp_shard, coords["dp_shard"])
+        offsets[:, 0] += start
+    return held, offsets, sizes
