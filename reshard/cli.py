@@ -46,7 +46,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
     """Exit codes: 0 ok, 1 a check found a difference or a plan is infeasible, 2 bad input.
 
     --debug and --json may be given anywhere on the line; under --json an error is a JSON
-    object (error, code, exit_code, file, keys) on stdout.
+    object (error, code, exit_code, file, keys) on stdout as well as the paragraph on stderr.
     """
     _state["debug"] = debug or _state["debug"] or bool(os.environ.get("RESHARD_DEBUG"))
 
@@ -567,7 +567,11 @@ def _main(argv: list[str] | None = None) -> None:
 
 
 def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:
-    """Print the error once (a JSON object on stdout under --json, else one paragraph on stderr) and exit."""
+    """Print the error once, one paragraph on stderr, and exit; under --json also a JSON object on stdout.
+
+    The object goes where the command's report would have gone, so a script parsing stdout
+    gets the error as data; the paragraph stays on stderr for the person watching.
+    """
     if _state["debug"]:
         traceback.print_exc()
     if _say_error(exc, code, paragraph):
@@ -576,9 +580,8 @@ def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False)
 
             from reshard.errors import error_object
 
-            typer.echo(json.dumps(error_object(exc, code, paragraph, usage=usage)))
-        else:
-            typer.echo(f"error: {paragraph}", err=True)
+            typer.echo(json.dumps(error_object(exc, code, paragraph, usage=usage), ensure_ascii=False))
+        typer.echo(f"error: {paragraph}", err=True)
     sys.exit(code)
 
 

@@ -135,6 +135,7 @@ def test_json_error_is_an_object_wherever_json_is_given(tmp_path):
         assert set(obj) == {"error", "code", "exit_code", "file", "keys"}
         assert obj["exit_code"] == 2 and obj["code"] == "bad_input" and obj["file"] == str(tmp_path / "nope")
         assert "no such checkpoint directory." in obj["error"] and obj["keys"] == []
+        assert err.strip() == f"error: {obj['error']}"  # the person watching still reads the paragraph
     code, out, _, torch = reshard("plan", "ckpt", "--to", "dp=2", "--schedule", "step", "--json")
     obj = json.loads(out)
     assert code == 2 and obj["code"] == "usage" and "--schedule" in obj["error"] and not torch
