@@ -586,7 +586,7 @@ def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False)
 
 
 def _normalise(line: list[str]) -> list[str]:
-    """``--debug`` and ``--json`` anywhere on the line: --debug is the app's, --json the subcommand's.
+    """``--debug`` and ``--json`` anywhere on the line: --debug moves first (the app's), --json after the subcommand.
 
     Only tokens before a ``--`` are moved; a value that merely contains them (a quoted
     --trainer command) is one token and is left alone.
@@ -595,7 +595,7 @@ def _normalise(line: list[str]) -> list[str]:
     head, tail = line[:end], line[end:]
     if "--debug" in head:
         _state["debug"] = True
-        head = [a for a in head if a != "--debug"]
+        head = ["--debug"] + [a for a in head if a != "--debug"]  # the app's option, so before the subcommand
     if "--json" in head:
         _state["json"] = True
         sub = next((i for i, a in enumerate(head) if not a.startswith("-")), None)
