@@ -56,20 +56,13 @@ class CheckpointIndex(EntryQueries):
         locations = raw.locations
         for key, e in raw.entries.items():
             path = raw.planner_paths.get(key, ())
-            if isinstance(e, dcp.RawObject):
-                loc = locations.get((key, None))
-                if loc is None:
-                    missing_loc.append(key)
-                else:
-                    end = loc.offset + loc.length
-                    if need.get(loc.file, -1) < end:
-                        need[loc.file] = end
-                self.entries[key] = Entry(key, "object", location=loc, path=path)
-                continue
-            chunks = []
+            is_object = isinstance(e, dcp.RawObject)
+            pieces = ((None, None),) if is_object else e.chunks  # an object is one item, stored under offsets None
+            itemsize = 1 if is_object or e.dtype is None else e.dtype.itemsize
+            chunks: list[Chunk] = []
             add = chunks.append
-            itemsize = e.dtype.itemsize if e.dtype is not None else 1
-            for offsets, sizes in e.chunks:
+            loc = None
+            for offsets, sizes in pieces:
                 loc = locations.get((key, offsets))
                 if loc is None:
                     missing_loc.append(key)
@@ -77,10 +70,12 @@ class CheckpointIndex(EntryQueries):
                     end = loc.offset + loc.length
                     if need.get(loc.file, -1) < end:
                         need[loc.file] = end
-                    if not loc.transforms and loc.length < prod(sizes) * itemsize:
+                    if sizes is not None and not loc.transforms and loc.length < prod(sizes) * itemsize:
                         short.append((key, prod(sizes) * itemsize, loc.length, loc.file))
-                add(Chunk(Box(offsets, sizes), loc))
-            self.entries[key] = Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path)
+                if sizes is not None:
+                    add(Chunk(Box(offsets, sizes), loc))
+            self.entries[key] = (Entry(key, "object", location=loc, path=path) if is_object else
+                                 Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path))
         if missing_loc:
             self.findings.append(Finding("error", "no_storage", "metadata names chunks with no storage location",
                                          file=dcp.METADATA_FILE, keys=tuple(sorted(set(missing_loc)))))
