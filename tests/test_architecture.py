@@ -2,7 +2,7 @@
 
 Every module's imports are read from its source (module level and inside functions, since a
 lazy import is still a dependency) and checked against the layer order written once, in the
-README's architecture section (the table between the ``layers:begin`` / ``layers:end``
+architecture page, docs/architecture.md (the table between the ``layers:begin`` / ``layers:end``
 markers). Within the commands layer the modules have an order of their own, written there too.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ PKG = ROOT / "reshard"
 
 
 def _block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "architecture.md").read_text()
     return text.split("<!-- layers:begin -->", 1)[1].split("<!-- layers:end -->", 1)[0]
 
 
@@ -33,7 +33,7 @@ def _declared() -> tuple[list[list[str]], list[str]]:
     """(layers bottom-up, each a list of module prefixes; the commands' own order) from the README."""
     layers = [re.findall(r"`(reshard[\w./]*)`", cells[1]) for cells in _rows()]
     order = re.search(r"commands in order: (.*)", _block())
-    assert order, "the README names the order of the commands"
+    assert order, "docs/architecture.md names the order of the commands"
     return layers, re.findall(r"`(reshard[\w.]*)`", order.group(1))
 
 
@@ -112,7 +112,7 @@ def _layer_of(mod: str, layers: list[list[str]]) -> int:
             inside = mod == p or (mod.startswith(p + ".") and p != "reshard")  # `reshard` alone: the package itself
             if inside and len(p) > best:
                 best, where = len(p), i
-    assert where is not None, f"module {mod} belongs to no layer in the README's table"
+    assert where is not None, f"module {mod} belongs to no layer in docs/architecture.md's table"
     return where
 
 
@@ -130,7 +130,7 @@ def test_every_module_belongs_to_one_layer_and_the_folders_match():
         _layer_of(m, layers)
     commands = [m for m in MODS if m.startswith("reshard.commands.") and m.count(".") == 2]
     for m in commands:
-        assert _command_rank(m, order) is not None, f"{m} is not in the README's order of commands"
+        assert _command_rank(m, order) is not None, f"{m} is not in docs/architecture.md's order of commands"
 
 
 def test_imports_point_down_the_declared_layers():

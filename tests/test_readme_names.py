@@ -1,0 +1,41 @@
+"""Every command and option the README and docs/cli.md name exists (issue 20): the front page cannot drift from the CLI.
+
+Each ``reshard COMMAND ...`` inside the README's code (fenced blocks and inline code) must
+name a real command, and each ``--option`` on that command line must appear in that
+command's own ``--help``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL = re.compile(r"(?:^|[\s`(])reshard ([a-z][a-z-]*)([^`\n]*)")
+OPTION = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def _code(text: str) -> list[str]:
+    """The README's code: fenced blocks joined by their continuation lines, and inline spans."""
+    blocks = [b.replace("\\\n", " ") for b in re.findall(r"```[a-z]*\n(.*?)```", text, re.S)]
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return blocks + re.findall(r"`([^`\n]+)`", prose)
+
+
+def test_every_command_and_option_the_readme_names_exists():
+    readme = (ROOT / "README.md").read_text() + "\n" + (ROOT / "docs" / "cli.md").read_text()
+    calls: dict[str, set[str]] = {}
+    for code in _code(readme):
+        for line in code.split("\n"):
+            for m in CALL.finditer(line):
+                calls.setdefault(m.group(1), set()).update(OPTION.findall(m.group(2).split(" && ")[0]))
+    assert {"inspect", "plan", "convert", "demo"} <= set(calls), sorted(calls)
+    env = dict(os.environ, COLUMNS="240", TERM="dumb")
+    for cmd, options in sorted(calls.items()):
+        p = subprocess.run([sys.executable, "-m", "reshard", cmd, "--help"], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=120)
+        assert p.returncode == 0, f"the README names 'reshard {cmd}', which is not a command: {p.stderr[-500:]}"
+        missing = sorted(o for o in options if o not in p.stdout and o != "--help")
+        assert not missing, f"the README gives 'reshard {cmd}' options its --help does not list: {missing}"
