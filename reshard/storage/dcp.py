@@ -235,9 +235,8 @@ def _decode(md: Any, where: str) -> RawMetadata:
                                         hint="Refusing to read files outside the checkpoint directory.")
             checked.add(rel)
         o, n = dd.get("offset"), dd.get("length")
-        if type(o) is not int or type(n) is not int or o < 0 or n < 0:
-            if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
-                raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
+        if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
+            raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
         tds = dd.get("transform_descriptors") or ()
         if tds:
             if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):

@@ -267,10 +267,14 @@ def pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
         if code == 1:
             raise PickleTooCostly(f"the pickle ends without STOP (at byte {at})")
         if code == 3:
-            known = pickletools.code2op.get(chr(detail))
-            raise PickleTooCostly(f"opcode {known.name if known else hex(detail)} is not used by DCP metadata or torch.save "
-                                  f"(opcode at byte {at})")
+            raise PickleTooCostly(f"{_unused_opcode(detail)} (opcode at byte {at})")
     return python_pickle_cost(data, limit=limit)
+
+
+def _unused_opcode(op: int) -> str:
+    """The refusal of an opcode neither scan admits, in the same words from both."""
+    known = pickletools.code2op.get(chr(op))
+    return f"opcode {known.name if known else hex(op)} is not used by DCP metadata or torch.save"
 
 
 def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
@@ -554,8 +558,7 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
                 else:  # INT, LONG, FLOAT, STRING, UNICODE, GLOBAL, PERSID
                     append(1 + size // 8)
             else:
-                known = pickletools.code2op.get(chr(op))
-                raise bad(f"opcode {known.name if known else hex(op)} is not used by DCP metadata or torch.save")
+                raise bad(_unused_opcode(op))
     except (IndexError, struct.error):
         raise PickleTooCostly(f"the pickle ends without STOP (at byte {min(pos, n)})") from None
 
