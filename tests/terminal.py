@@ -10,12 +10,14 @@ import fcntl
 import os
 import pty
 import re
+import signal
 import struct
 import subprocess
 import sys
 import termios
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,42 +31,70 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_on_terminal(args: list[str], *, terminal: bool, importtime: bool = False, timeout: float = 300) -> dict:
+def run_on_terminal(args: list[str], *, terminal: bool, importtime: bool = False, timeout: float = 300,
+                    stop_when: Callable[[str, str], bool] | None = None) -> dict:
     """``python -m reshard ARGS`` with stderr on a pseudo-terminal (``terminal``) or a pipe; stdout a pipe.
 
-    Returns the exit code, stdout, stderr and, on a terminal, when each piece of stderr
-    arrived (seconds after the start), read as it comes so the child never blocks.
+    Returns the exit code, stdout, stderr and when each piece of stderr arrived (seconds
+    after the start), both read as they come so the child never blocks. ``stop_when(out,
+    err)``: once it holds, the command and every process it started (its session) are
+    killed: the beginning of a long command (the demo, a rehearsal) is enough to see what it
+    shows first. ``stopped`` says whether that happened.
     """
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "reshard", *args]
-    if not terminal:
-        p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=_env(),
-                           timeout=timeout, cwd=ROOT)
-        return {"code": p.returncode, "out": p.stdout, "err": p.stderr, "pieces": []}
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal of 160 columns
-    pieces: list[tuple[float, str]] = []
+    master = slave = None
+    if terminal:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal of 160 columns
     started = time.monotonic()
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=_env(), cwd=ROOT)
-    os.close(slave)
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=slave if terminal else subprocess.PIPE, env=_env(), cwd=ROOT, start_new_session=True)
+    if slave is not None:
+        os.close(slave)
+    err_fd = master if terminal else p.stderr.fileno()
+    pieces: list[tuple[float, str]] = []
+    out_parts: list[str] = []
+    stopped = threading.Event()
 
-    def read() -> None:
+    def check() -> None:
+        if stop_when is not None and not stopped.is_set() and stop_when("".join(out_parts),
+                                                                          "".join(t for _, t in pieces)):
+            stopped.set()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def read(fd: int, into: Callable[[str], None]) -> None:
         while True:
             try:
-                data = os.read(master, 65536)
+                data = os.read(fd, 65536)
             except OSError:  # EIO: every writer of the terminal has closed it
                 return
             if not data:
                 return
-            pieces.append((time.monotonic() - started, data.decode(errors="replace")))
+            into(data.decode(errors="replace"))
+            check()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=read, args=(err_fd, lambda t: pieces.append((time.monotonic() - started, t))),
+                                daemon=True),
+               threading.Thread(target=read, args=(p.stdout.fileno(), out_parts.append), daemon=True)]
+    for r in readers:
+        r.start()
     try:
-        out, _ = p.communicate(timeout=timeout)
+        p.wait(timeout=timeout)
     finally:
-        reader.join(timeout=10)
-        os.close(master)
-    return {"code": p.returncode, "out": out.decode(), "err": "".join(t for _, t in pieces), "pieces": pieces}
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for r in readers:
+            r.join(timeout=10)
+        if master is not None:
+            os.close(master)
+        p.stdout.close()
+        if p.stderr is not None:
+            p.stderr.close()
+    return {"code": p.returncode, "out": "".join(out_parts), "err": "".join(t for _, t in pieces), "pieces": pieces,
+            "stopped": stopped.is_set()}
 
 
 def first_line_seconds(r: dict, line: str) -> float:

@@ -73,8 +73,11 @@ MISTAKES = {
     "combination: --model-config without --format hf": (["export", "ckpt", "out", "--model-config", "n_heads=8"],
                                                         ["--model-config", "--format hf"]),
     "value: --to dp=0": (["plan", "ckpt", "--to", "dp=0"], ["positive integer"]),
-    "value: --window size": (["convert", "ckpt", "out", "--to", "dp=2", "--window", "lots"], ["--window", "size"]),
+    "value: --buffer-memory size": (["convert", "ckpt", "out", "--to", "dp=2", "--buffer-memory", "lots"], ["--buffer-memory", "size"]),
+    "renamed: convert --window": (["convert", "ckpt", "out", "--to", "dp=2", "--window", "1GiB"], ["--buffer-memory", "steps"]),
     "unknown option": (["plan", "ckpt", "--to", "dp=2", "--grad-acum", "2"], ["--grad-acum"]),
+    "choice: import --format": (["import", "ckpt", "out", "--format", "torchtitn"],
+                                ["unknown import format 'torchtitn'", "torchtitan", "llama-fused"]),
 }
 
 
@@ -204,3 +207,15 @@ def test_rng_choices_agree_with_the_rng_policies():
     from reshard.semantics.rng import POLICIES
 
     assert tuple(RNG_POLICIES) == tuple(POLICIES)
+
+
+def test_import_format_names_agree_with_the_importer():
+    """The early check reads formats/hf/ itself (no torch): every name it admits is one the importer maps."""
+    from reshard.commands.arguments import import_formats
+    from reshard.commands.importer import native_mapping
+    from reshard.semantics import hf
+
+    names = set(import_formats()) - {"reshard"}
+    assert set(hf.shipped_families()) <= names
+    for name in names:
+        assert native_mapping(name).family in hf.shipped_families()

@@ -9,8 +9,10 @@ make it matter, a warning. Nothing here imports torch or reads a checkpoint.
 from __future__ import annotations
 
 import re
+import tomllib
 
 from reshard.errors import BadInput
+from reshard.paths import formats_root
 from reshard.model.topology import parse_spec
 from reshard.semantics.data import POLICIES as DATA_POLICIES
 from reshard.semantics.schedule import POLICIES as SCHEDULES
@@ -25,7 +27,8 @@ EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
 __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
-           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export"]
+           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
+           "import_formats", "check_import"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -92,3 +95,28 @@ def check_export(*, fmt: str, model_config: list[str] | None) -> None:
     if model_config and fmt != "hf":
         raise BadInput(f"--model-config has no effect with --format {fmt}: only --format hf writes a config.json",
                        hint="Drop --model-config, or export with --format hf.")
+
+
+def import_formats() -> dict[str, str]:
+    """``import --format`` names: ``reshard``, every family of ``formats/hf/`` and each family's
+    native convention (``torchtitan``), each with what it means. Read from the TOML files
+    themselves, so the check costs no torch import (reshard.semantics.hf needs torch)."""
+    names = {"reshard": "reshard's own key names"}
+    conventions: dict[str, list[str]] = {}
+    for path in sorted((formats_root() / "hf").glob("*.toml")):
+        spec = tomllib.loads(path.read_text(encoding="utf-8"))
+        family = str(spec.get("family", path.stem))
+        names[family] = f"the {family} Hugging Face mapping"
+        conventions.setdefault(str(spec.get("native_convention", "reshard")), []).append(family)
+    for conv, families in conventions.items():
+        if conv not in names and len(families) == 1:
+            names[conv] = f"{conv} names (by the {families[0]} mapping)"
+    return names
+
+
+def check_import(*, fmt: str) -> None:
+    """`import`: an unknown ``--format`` is refused before the source is read."""
+    known = import_formats()
+    if fmt not in known:
+        raise BadInput(f"unknown import format '{fmt}'",
+                       hint="Use one of: " + ", ".join(known) + ".")

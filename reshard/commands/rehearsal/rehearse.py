@@ -31,7 +31,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,6 +42,7 @@ from reshard.commands.rehearsal import compare
 from reshard.commands.rehearsal.ckpt import make_control
 from reshard.commands.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, TrainerCommand, find_checkpoint,
                                                  layout_spec, reference_command, run)
+from reshard.commands.rehearsal.follow import follow_steps
 from reshard.commands.rehearsal.recipe import RecipeChoice, pick_recipe
 from reshard.model.topology import Topology, parse_spec
 
@@ -128,7 +129,7 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
              seed: int = 0, dropout: float = 0.0, data_policy: str | None = None,
              source_micro_batch: int | None = None, source_grad_accum: int | None = None,
              control: str | None = None, dataset_len: int | None = None, reuse_baseline: Path | None = None,
-             timeout: float | None = None) -> dict:
+             timeout: float | None = None, say: Callable[[str], None] | None = None) -> dict:
     """Rehearse the transition ``from_spec -> to_spec``; write rehearsal.{json,md,png} into ``out``.
 
     ``trainer``: the user's command under the trainer contract (formats/trainer_contract.md);
@@ -144,7 +145,8 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
     ``hooks["after_convert"](dst)`` runs after conversion, before the resume; if it returns
     a path, that checkpoint is resumed instead of ``dst``. Returns the report (also
     ``rehearsal.json``) with ``exit_code`` (0: within tolerance and coverage exact) and
-    ``diverged`` (what diverged, named).
+    ``diverged`` (what diverged, named). ``say``: where a line per phase and per optimizer
+    step goes while it runs (the command line's progress on a terminal; None: nothing).
     """
     from reshard.commands.plan import Options
 
@@ -157,11 +159,13 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
                         seed=seed, dropout=dropout, like=like, micro_batch=micro_batch, grad_accum=grad_accum,
                         source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum,
                         control=control, dataset_len=dataset_len, timeout=timeout)
+    setup.say = say
     _fresh_outputs(out, keep_baseline=reuse is not None and reuse.resolve() == out.resolve())
     timings: dict[str, float] = {}
     with _timed(timings, "baseline"):
         baseline = _run_baseline(setup, reuse)
     _check_rules_family(setup, baseline.src_ckpt)
+    setup.tell(f"converting the step-{switch_at} checkpoint to {to_spec}, then verifying it …")
     with _timed(timings, "plan_convert_verify"):
         switch = _convert_at_switch(setup, baseline.src_ckpt, hooks, Options(
             to=to_spec, micro_batch=micro_batch, grad_accum=grad_accum, data_policy=data_policy,
@@ -169,6 +173,7 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
     control_info = _make_control(setup, baseline, switch)
     with _timed(timings, "resumed_and_control"):
         errors = _run_resumed_and_control(setup, switch, control_info)
+    setup.tell("comparing the runs over the window …")
     cmp = _compare_runs(setup, baseline)
     tol, derivation = _tolerances(setup, baseline, cmp.base, tolerances)
     diverged = _diverged(setup, switch, cmp, tol, errors["resumed"])
@@ -206,6 +211,12 @@ class _Setup:
     control: str                      # relaunch | naive-state | none
     timeout: float | None
     runs: dict[str, RunResult] = field(default_factory=dict)
+    say: Callable[[str], None] | None = None  # progress lines on a terminal (None: nobody is watching)
+
+    def tell(self, line: str) -> None:
+        """A progress line, when somebody is watching."""
+        if self.say is not None:
+            self.say(line)
 
     @property
     def window_steps(self) -> list[int]:
@@ -233,7 +244,11 @@ class _Setup:
     def execute(self, spec: RunSpec) -> RunResult:
         """Run one spec with the trainer command; the result is kept for the report."""
         spec.log.unlink(missing_ok=True)
-        result = run(self.command, spec, out_dir=self.out, timeout=self.timeout)
+        start = "from scratch" if spec.ckpt_in is None else f"resuming {Path(spec.ckpt_in).name}"
+        self.tell(f"{spec.name} run on {layout_spec(spec.layout)} ({start}, micro-batch {spec.micro_batch} x "
+                  f"accumulation {spec.grad_accum}, to step {spec.steps}) …")
+        with follow_steps(spec.log, spec.name, spec.steps, self.say):
+            result = run(self.command, spec, out_dir=self.out, timeout=self.timeout)
         self.runs[spec.name] = result
         return result
 
