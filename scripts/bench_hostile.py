@@ -290,9 +290,9 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{c['size']} {c['coverage_s']:.3f} s" for c in stairs) + "."]
         old = [c for c in stairs if "pairwise_coverage_s" in c]
         if old:
-            lines += ["The pairwise sweep it replaced (the reference in tests/test_geometry.py) on the same layouts: "
+            lines += ["A pairwise sweep (the reference the tests compare it with, in tests/test_geometry.py) on the same layouts: "
                       + ", ".join(f"{c['size']} {c['pairwise_coverage_s']:.2f} s" for c in old)
-                      + " (quadratic: 8,000 chunks took over 2 minutes in issue 13)."]
+                      + "; it is quadratic (8,000 chunks take over 2 minutes)."]
     lines += ["", f"Machine: {m['nproc']} CPUs, {m.get('mem_total_gib', '?')} GiB RAM, {m['platform']}, "
               f"Python {m['python']}, torch {m['torch']}, reshard {m['reshard']}"
               + (f", load average {m['loadavg'][0]:.2f}" if m.get("loadavg") else "") + "."]
