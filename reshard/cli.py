@@ -144,6 +144,15 @@ _SGB = typer.Option(None, "--source-global-batch", min=1, help="The source run's
 _KEEP = typer.Option(None, "--keep", help="PATTERN[=REASON]: carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
 _DROP = typer.Option(None, "--drop", help="PATTERN[=REASON]: leave unknown keys matching this regex (on the flat key) out of the output (repeatable); the reason is recorded.")
 _STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
+_LAYERS = typer.Option(None, "--layers", help="A slice of the model: keep these layers (0-1, or 0,5,79), renumbered densely, with their optimizer state (the family's [pipeline] says what a layer is).")
+_EXPERTS = typer.Option(None, "--experts", help="A slice of each MoE layer: keep these experts, renumbered densely (only for a family that declares [experts]).")
+
+
+def _sliced(opts, layers: Optional[str], experts: Optional[str]):
+    """The plan options with the slice asked for (``--layers`` / ``--experts``: reshard.semantics.slicing)."""
+    import dataclasses
+
+    return dataclasses.replace(opts, layers=layers, experts=experts) if layers or experts else opts
 
 
 @app.command()
@@ -157,6 +166,7 @@ def plan(
     convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
     tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
+    layers: Optional[str] = _LAYERS, experts: Optional[str] = _EXPERTS,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
@@ -171,13 +181,13 @@ def plan(
     from reshard.commands.plan import make_plan
     from reshard.render.report import render_plan, to_json
 
-    p = make_plan(ckpt, _options(
+    p = make_plan(ckpt, _sliced(_options(
         ckpt, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
         data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
         model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
         source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
         conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
-        trainer_config=trainer_config))
+        trainer_config=trainer_config), layers, experts))
     d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
     if tensors_out is not None:
         d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
@@ -204,6 +214,7 @@ def convert(
     convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
     tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
+    layers: Optional[str] = _LAYERS, experts: Optional[str] = _EXPERTS,
     output_format: str = typer.Option("dcp", "--output-format", **_choice(args.OUTPUT_FORMATS), help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
     only: Optional[str] = typer.Option(None, "--only", **_choice(args.ONLY), help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
@@ -233,7 +244,8 @@ def convert(
             "--data-policy": data_policy, "--rng-policy": rng_policy, "--seed": seed, "--rules": rules,
             "--model-config": model_config, "--pp-stages": pp_stages, "--convention": convention, "--keep": keep,
             "--drop": drop, "--tie": tie, "--profile": profile, "--no-profile": no_profile,
-            "--trainer-config": trainer_config, "--dtype": dtype, "--only": only, "--trust-pickle": trust_pickle})
+            "--trainer-config": trainer_config, "--dtype": dtype, "--only": only, "--trust-pickle": trust_pickle,
+            "--layers": layers, "--experts": experts})
     else:
         _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                     seed=seed, rng_policy=rng_policy))
@@ -273,6 +285,7 @@ def convert(
             source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
             source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
             profile=profile, no_profile=no_profile, trainer_config=trainer_config)
+        opts = _sliced(opts, layers, experts)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
     from reshard.commands.distributed import convert_distributed, launch_workers

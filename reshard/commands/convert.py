@@ -366,10 +366,10 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
         if e.is_tensor:
             t = planned[key]
             w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
-            if a.action == "rewritten":
+            if a.action == "rewritten" and not t.copy_from:
                 w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            elif t.transform or t.dtype != e.dtype_name:
-                write_transformed(ix, w, t)
+            elif t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+                write_transformed(ix, w, t, source_key=t.copy_from)
             else:
                 yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
                                         direct)

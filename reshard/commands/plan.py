@@ -29,6 +29,9 @@ from reshard.semantics import batch as batch_mod
 from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
+from reshard.semantics import slicing as slicing_mod
+from reshard.semantics.rules import select as select_rules
+from reshard.units import human_bytes
 from reshard.semantics.conventions import Classification, Convention, KeyRole, load_user_convention
 from reshard.model.topology import Topology, parse_spec
 from reshard.storage import sidecars
@@ -70,9 +73,21 @@ class Options:
     # What a profile / a trainer config contributed: {"file", "sha256", "contributed": [option names], ...}
     profile: dict[str, Any] | None = None
     trainer_config: dict[str, Any] | None = None
+    # A slice of the model (`reshard.semantics.slicing`): --layers 0-1 / 0,5,79, --experts RANGE
+    layers: str | None = None
+    experts: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The options as recorded (plan JSON, fingerprint, lineage); a slice option only when given,
+        so the plans of whole-model conversions keep the fingerprints they had."""
+        d = dict(self.__dict__)
+        for name in SLICE_OPTIONS:
+            if d.get(name) is None:
+                d.pop(name, None)
+        return d
+
+
+SLICE_OPTIONS = ("layers", "experts")
 
 
 @dataclass
@@ -139,6 +154,7 @@ class Plan:
     rules: str | None = None
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
     data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
+    slice: dict[str, Any] | None = None  # --layers / --experts: what the slice keeps, renames and drops (`_apply_slice`)
 
     def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
         """The plan as JSON data; ``tensors``: True (every tensor with its chunks), False, or
@@ -167,6 +183,8 @@ class Plan:
             "fingerprint": self.fingerprint(),
             "data_link": self.data_link,
         }
+        if self.slice is not None:
+            d["slice"] = self.slice
         rows = sum(len(t.chunks) for t in self.tensors)
         if tensors == "auto" and rows > FULL_TABLE_ROWS:
             d["tensor_summary"] = tensor_summary(self.tensors)
@@ -267,12 +285,16 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     ddec = _data_position(ix, cls, mdict, source_topo, target, options)
     rdec = _rng(cls, mdict, r, source_topo, target, options, same_positions)
     keys = _key_actions(ix, cls, mdict, geo, target, sdec, ddec, rdec, reasons, chosen)
+    sliced = _apply_slice(ix, cls, mdict, options, keys, target)
     reduced = _reduce(options, keys.tensors, keys.actions, ix)
-    memory = _memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable)
+    memory = _memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage, extra_trainable=geo.extra_trainable,
+                     renamed=sliced.renamed if sliced else None)
     verdict = _plan_verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
     verdict["kept"] = _kept(r, cls, sdec, ddec, rdec, acc_out, reduced)
     verdict["warm_start_of"] = [facet for facet, v in verdict["kept"].items()
                                 if v["status"] in ("lost", "absent") and facet in WARM_FACETS]
+    if sliced is not None:
+        _slice_verdict(verdict, sliced, reasons)
 
     plan = Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
@@ -280,6 +302,8 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     from reshard.commands.linking import link_summary  # `convert --data link`: whether it applies (not fingerprinted)
 
     plan.data_link = link_summary(plan, ix)
+    if sliced is not None:
+        plan.slice = sliced.summary
     return plan
 
 
@@ -782,6 +806,167 @@ def _fill_local_shapes(tensors: list[TensorPlan], target: Topology) -> None:
         t.local = local
 
 
+# ---------------------------------------------------------------------------- a slice of the model
+
+@dataclass
+class _Sliced:
+    """A slice applied to the key actions: its summary (plan JSON, report, lineage) and the renamed keys."""
+
+    slice: slicing_mod.Slice
+    summary: dict[str, Any]
+    renamed: dict[str, str]  # target key -> source key
+    moment_params: int       # parameters of the slice with optimizer moments
+
+
+def _apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys: _Keys,
+                 target: Topology) -> _Sliced | None:
+    """``--layers`` / ``--experts``: a smaller model of the same family, cut by the family's description.
+
+    Every key that names a parameter of a layer left out (its model key, its optimizer state,
+    its per-parameter hyper-parameters) is dropped with the reason "layer N not in the slice"
+    and counted with its bytes. A kept layer is renumbered densely: its keys are written
+    under their new names (an added key copied from the source key, as a tied copy is, the
+    source key left out under its old name), model and optimizer keys alike, and an
+    optimizer group's list of parameter FQNs is rewritten to the slice's. Everything else
+    (embeddings, final norm and head, counters, schedule, data position, RNG) is planned as
+    for any transition.
+    """
+    if options.layers is None and options.experts is None:
+        return None
+    if target.pp > 1:
+        raise BadInput(f"a slice (--layers/--experts) is laid out for pp=1, and --to {options.to} has pp={target.pp}",
+                       hint="Make the slice at pp=1 (e.g. --to dp=2), then convert the slice to the pipeline "
+                            "layout: its stages are cut over the slice's renumbered layers.")
+    params = sorted({x.param for x in cls.roles.values() if x.role == "parameter" and x.param})
+    model = mdict.get("model") or {}
+    rules = select_rules(params, family=model.get("family"), rules_file=options.rules)
+    config = {**(model.get("config") or {}), **(options.model_config or {})}
+    sl = slicing_mod.plan_slice(rules, params, layers=options.layers, experts=options.experts, config=config)
+    planned = {t.key: t for t in keys.tensors}
+    fates: dict[str, slicing_mod.Fate] = {}
+    for a in keys.actions:
+        role = cls.roles.get(a.key)
+        if role is not None and role.role in slicing_mod.LAYERED_ROLES and a.action not in ("dropped", "added"):
+            fates[a.key] = sl.fate(a.key, role.param)
+    # target name -> the source key whose values it takes. A renumbered layer takes the names of
+    # a source layer (layer 3 of the source is layer 1 of the slice): that source key's one
+    # action becomes "rewritten", its tensor copied from the renamed key (`TensorPlan.copy_from`).
+    renamed = {f.new_key: k for k, f in fates.items() if f.kind == "renamed" and f.new_key}
+    lists = {"rewritten": 0, "fqns_dropped": 0, "fqns_renamed": 0}
+    dropped: dict[str, dict[str, int]] = {}
+    tensors: dict[str, TensorPlan | None] = {}  # source key -> its tensor on the target (None: none)
+    added: list[KeyAction] = []
+    by_key = {a.key: a for a in keys.actions}
+    for a in list(keys.actions):
+        fate = fates.get(a.key)
+        if fate is None:
+            continue
+        role = cls.roles[a.key].role
+        if fate.kind in ("dropped", "renamed") and a.key not in renamed:
+            if fate.kind == "dropped":
+                d = dropped.setdefault(fate.reason, {"keys": 0, "bytes": 0})
+                d["keys"] += 1
+                d["bytes"] += ix.entries[a.key].nbytes if ix.entries[a.key].is_tensor else 0
+            a.action, a.rank = "dropped", None
+            a.reason = fate.reason if fate.kind == "dropped" else f"renamed: {fate.reason}"
+            keys.new_values.pop(a.key, None)
+            tensors[a.key] = None
+        elif fate.kind in ("kept", "outside"):
+            value = _sliced_fqn_list(ix, sl, a.key, role, keys, lists)
+            if value is not None:
+                keys.new_values[a.key] = value
+                a.action = "rewritten"
+                a.reason = "the slice's parameter list (FQNs of the parameters left out removed, kept ones renumbered)"
+    for new, old in renamed.items():
+        fate, src_action = fates[old], by_key[old]
+        target_action = by_key.get(new)
+        t = planned.get(old)
+        if t is not None:
+            t = dataclasses.replace(t, key=new, copy_from=None if old in keys.new_values else old)
+        own = fates.get(new)
+        why = f"renamed: {fate.reason}" + (
+            f" (the source's own values under this name: {own.reason if own.kind == 'dropped' else 'renamed too'})"
+            if own is not None and own.kind != "kept" else "")
+        if old in keys.new_values:
+            keys.new_values[new] = keys.new_values[old]
+        elif t is not None:
+            keys.new_values.pop(new, None)  # its values are the copy's, not a value of its own
+        else:
+            value = _sliced_fqn_list(ix, sl, old, cls.roles[old].role, keys, lists)
+            keys.new_values[new] = value if value is not None else ix.read_object(old)
+        if own is not None and own.kind == "dropped":
+            d = dropped.setdefault(own.reason, {"keys": 0, "bytes": 0})
+            d["keys"] += 1
+            d["bytes"] += ix.entries[new].nbytes if ix.entries[new].is_tensor else 0
+        if target_action is not None:  # a source key of that name: one action, now "rewritten"
+            target_action.action, target_action.reason = "rewritten", why
+            target_action.rank = src_action.rank if t is None or src_action.rank is not None else None
+        else:
+            added.append(KeyAction(new, src_action.role, "added", why,
+                                   rank=src_action.rank if t is None or src_action.rank is not None else None))
+        tensors[new] = t
+        if old not in renamed:
+            src_action.action, src_action.reason, src_action.rank = "dropped", f"renamed: {fate.reason}", None
+            tensors.setdefault(old, None)
+    for old in renamed.values():
+        if old not in renamed:
+            keys.new_values.pop(old, None)
+    keys.actions.extend(added)
+    out = [tensors.get(t.key, t) if t.key in tensors else t for t in keys.tensors]
+    have = {t.key for t in out if t is not None}
+    out += [t for k, t in tensors.items() if t is not None and k not in have and k not in planned]
+    keys.tensors[:] = [t for t in out if t is not None]
+    size = sum(int(np.prod(t.shape, dtype=np.int64)) * _dtype_size(t.dtype) for t in keys.tensors if t.dtype)
+    moments = {cls.roles[t.copy_from or t.key].param for t in keys.tensors
+               if t.role == "optimizer_moment" and (t.copy_from or t.key) in cls.roles}
+    outside = [p for p in params if sl.fate(p, p).kind == "outside"]
+    summary = {**sl.to_dict(),
+               "kept": {"keys": sum(1 for a in keys.actions if a.action != "dropped"), "tensors": len(keys.tensors),
+                        "bytes": size, "outside_layers": outside},
+               "renamed": {"keys": len(renamed), "from_to": [[v, k] for k, v in renamed.items()]},
+               "dropped": {"keys": sum(d["keys"] for d in dropped.values()),
+                           "bytes": sum(d["bytes"] for d in dropped.values()), "by_reason": dropped},
+               "fqn_lists": lists}
+    return _Sliced(sl, summary, renamed, len(moments))
+
+
+def _sliced_fqn_list(ix: Any, sl: slicing_mod.Slice, key: str, role: str, keys: _Keys,
+                     lists: dict[str, int]) -> list[Any] | None:
+    """An optimizer group's ``params`` (a list of parameter FQNs) for the slice; None: not such a list, or unchanged."""
+    e = ix.entries[key]
+    if role != "param_group" or e.is_tensor or key.rsplit(".", 1)[-1] != "params":
+        return None
+    value = keys.new_values.get(key) if key in keys.new_values else ix.read_object(key)
+    got = sl.rename_fqns(value) if isinstance(value, list) else None
+    if got is None:
+        return None
+    new, n_dropped, n_renamed = got
+    lists["rewritten"] += 1
+    lists["fqns_dropped"] += n_dropped
+    lists["fqns_renamed"] += n_renamed
+    return new
+
+
+def _slice_verdict(verdict: dict[str, Any], sliced: _Sliced, reasons: list[str]) -> None:
+    """A slice is a warm start of a different model: the verdict says exactly what of the source it keeps."""
+    s = sliced.summary
+    ends = s["kept"]["outside_layers"]
+    kept = (f"{sliced.slice.describe()}; kept outside the layers: {', '.join(ends[:6])}"
+            + (f" (+{len(ends) - 6})" if len(ends) > 6 else "")
+            + f"; {s['kept']['tensors']} tensors, {human_bytes(s['kept']['bytes'])}"
+            + f"; dropped {s['dropped']['keys']} keys ({human_bytes(s['dropped']['bytes'])}) of the "
+              f"{'/'.join(a.what for a in sliced.slice.axes)}s left out")
+    verdict["kept"] = {"model": {"status": "sliced", "note": kept}, **verdict["kept"]}
+    opt = verdict["kept"].get("optimizer_state")
+    if opt and opt["status"] == "carried":
+        opt["note"] = (opt["note"].split(" for ")[0] + f" for the {sliced.moment_params} parameters of the slice, "
+                       "bitwise (those of the parameters left out are dropped with them)")
+    verdict["warm_start_reasons"].insert(0, "a different model: a slice of the source (" + kept + ")")
+    verdict["warm_start_of"] = ["model"] + [f for f in verdict["warm_start_of"] if f != "model"]
+    if not reasons:
+        verdict["kind"] = "warm_start"
+
+
 # ---------------------------------------------------------------------------- verdict and source
 
 def _plan_verdict(r: dict[str, Any], bdec: batch_mod.BatchDecision, sdec: schedule_mod.ScheduleDecision | None,
@@ -887,14 +1072,16 @@ def _replicated(key: str, role: str, value: torch.Tensor, rank: int) -> TensorPl
 
 
 def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storage: set[str] = frozenset(),
-            extra_trainable: set[str] = frozenset()) -> dict[str, Any]:
+            extra_trainable: set[str] = frozenset(), renamed: dict[str, str] | None = None) -> dict[str, Any]:
     """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state.
 
     A tied copy that shares storage with its tie on the target is counted once. Computed per
     distinct (shape, placement, dtype, category) with numpy over all ranks at once
     (`reshard.model.layout.rank_sizes`), times the number of tensors that share it; "other"
-    tensors count on the ranks that write them only.
+    tensors count on the ranks that write them only. ``renamed``: target key -> source key of
+    the keys a slice renumbered (their roles are the source keys').
     """
+    renamed = renamed or {}
     trainable = {x.param for x in cls.roles.values() if x.role == "optimizer_moment"} | set(extra_trainable)
     world = target.world_size
     acc = {name: np.zeros(world, dtype=np.int64) for name in ("parameters", "gradients", "optimizer", "other")}
@@ -903,7 +1090,7 @@ def _memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storag
         if t.key in same_storage:
             continue
         if t.role == "parameter":
-            role = cls.roles.get(t.key)
+            role = cls.roles.get(renamed.get(t.key, t.key))
             cats: tuple[str, ...] = ("parameters", "gradients") if role is not None and role.param in trainable else ("parameters",)
         elif t.role in ("optimizer_moment", "optimizer_step"):
             cats = ("optimizer",)

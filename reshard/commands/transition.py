@@ -19,7 +19,7 @@ def _topo(t: dict[str, Any]) -> mf.Topology:
 def new_experiment_id(old: str | None, plan: Plan) -> str:
     """Deterministic, so that re-running the same conversion writes the same bytes."""
     h = hashlib.sha256(f"{old}:{plan.fingerprint()}".encode()).hexdigest()[:8]
-    what = {"optimizer_state": "optim", "data_position": "data"}
+    what = {"model": "slice", "optimizer_state": "optim", "data_position": "data"}
     scope = "-".join(what[f] for f in plan.verdict.get("warm_start_of", ()) if f in what)
     return f"{old or 'run'}-warm-{scope + '-' if scope else ''}{h}"  # e.g. run-warm-data-1a2b3c4d: only the data order is new
 
@@ -55,6 +55,9 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "options": plan.options.to_dict(), "source_fingerprint": plan.source_fingerprint(),
         "source_path": plan.source["path"],  # where to look for it (a chain A -> X -> B); never evidence
     }
+    if plan.slice is not None:  # a slice of the source's model (`reshard.semantics.slicing`): which, and how large
+        policies["slice"] = {k: plan.slice[k] for k in ("description", "family", "layers", "experts", "config")
+                             if k in plan.slice}
     lineage = list(src.get("lineage") or [])
     lineage.append({"event": "transition", "from": _topo(plan.source["topology"]).to_dict(), "to": _topo(target).to_dict(),
                     "at_step": _int_or_none(plan.source.get("step")), "policies": policies, "tool": f"reshard {__version__}",
@@ -110,6 +113,8 @@ def _model(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
     config = dict(model.get("config") or {})
     for k, v in (plan.options.model_config or {}).items():
         config.setdefault(k, v)
+    if plan.slice is not None:  # the slice is a smaller model: n_layers (n_experts) as the slice has them
+        config.update(plan.slice.get("config") or {})
     model["config"] = config
     tied = [list(t) for t in model.get("tied") or []]
     for t in plan.options.ties or []:

@@ -168,6 +168,11 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"rng         {r['policy']}: {r['note']}")
     acc = p["accumulation"]
     out.append(f"accum phase {acc['note']}")
+    if p.get("slice"):  # --layers / --experts: the slice's size before anything is written
+        sl = p["slice"]
+        out.append(f"slice       {sl['description']}: {sl['kept']['tensors']} tensors, {human_bytes(sl['kept']['bytes'])} "
+                   f"(source {human_bytes(s['bytes'])}); left out {sl['dropped']['keys']} keys, "
+                   f"{human_bytes(sl['dropped']['bytes'])}; {sl['renamed']['keys']} keys renumbered")
     m = p["memory"]
     out.append(f"memory      per rank max {human_bytes(m['max'])}, min {human_bytes(m['min'])} "
                "(parameters + gradients + optimizer state)")
@@ -195,7 +200,9 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     v = p["verdict"]
     out.append("")
     kind = v['kind'].replace('_', ' ').upper()
-    if v.get("warm_start_of") and v["kind"] == "warm_start":
+    if v.get("warm_start_of") and v["kind"] == "warm_start" and "model" in v["warm_start_of"]:
+        kind += " of a different model (a slice of the source)"
+    elif v.get("warm_start_of") and v["kind"] == "warm_start":
         kind += " of the " + " and ".join(f.replace("_", " ") for f in v["warm_start_of"]) + " only"
     out.append(f"verdict     {kind}")
     for facet, k in (v.get("kept") or {}).items():
