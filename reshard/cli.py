@@ -56,17 +56,20 @@ def _warn(lines: list[str]) -> None:
         typer.echo(f"warning: {line}", err=True)
 
 
-def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = True):
+def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = True, mode: str = "auto"):
     """A command's progress on stderr (reshard.render.progress), its first line printed at once,
-    before any heavy import; nothing on a pipe, under --json or --quiet, or where not ``shown``."""
+    before any heavy import; nothing on a pipe, under --json or --quiet, or where not ``shown``
+    (``mode`` json: JSON events on stderr wherever it goes)."""
     from reshard.render.progress import Progress
 
-    progress = Progress.for_terminal(quiet=quiet or not shown, json_out=json_out)
+    progress = Progress.for_terminal(quiet=quiet or not shown, json_out=json_out, mode=mode)
     progress.say(first_line)
     return progress
 
 
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr (it is shown only on a terminal, and never with --json).")
+_PROGRESS = typer.Option("auto", "--progress", **_choice(("auto", "json", "none")), help="auto: bars on a terminal only; json: one JSON event per line on stderr (phase, bytes_done, bytes_total, rate, eta_s), for schedulers; none: nothing (as --quiet).")
+_FORCE = typer.Option(False, "--force", help="Go ahead even when the destination's file system has less free space than the output needs (checked before anything is written; a full disk then stops the run with nothing committed).")
 
 
 _PROFILE = typer.Option(None, "--profile", help="A profile TOML saying what this trainer's checkpoints mean (default: ./reshard.toml, else reshard.toml beside the checkpoint).")
@@ -194,8 +197,8 @@ def plan(
     if dst is not None:
         from reshard.commands.space import space_check
 
-        d["space"] = space_check(p, dst)
-    typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose))
+        d["space"] = space_check(p, dst, probe=True)  # the figures convert checks and reports (size, free, time)
+    typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         typer.echo(f"warning: {d['space']['warning']}", err=True)
     raise typer.Exit(0 if p.feasible else 1)
@@ -226,7 +229,7 @@ def convert(
     window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
     data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
-    quiet: bool = _QUIET,
+    quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
 
@@ -256,7 +259,7 @@ def convert(
     # --workers, has already said the first line)
     lead = not in_torchrun() or os.environ.get("RANK", "0") == "0"
     progress = _progress("" if in_torchrun() and os.environ.get(ERRORS_ENV) else f"reading {src} …",
-                         json_out=json_out, quiet=quiet, shown=lead)
+                         json_out=json_out, quiet=quiet, shown=lead, mode=progress_mode)
     from reshard.commands.convert import convert as run_convert
     from reshard.commands.plan import check_plan_matches, make_plan, options_from_plan
     from reshard.render.report import render_convert, to_json
@@ -300,20 +303,36 @@ def convert(
                                         debug=_state["debug"]))
     io = IOOptions(direct=not buffered,
                    **{k: v for k, v in (("threads", threads), ("window", window_bytes)) if v is not None})
+    progress.say(f"planning the conversion to {opts.to} …")
     p = make_plan(src, opts)
     if given is not None:
         check_plan_matches(given, p)
     if distributed:
         if output_format != "dcp":
             raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
+        if lead:  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
+            from reshard.commands.space import conversion_preflight
+            from reshard.storage.index import CheckpointIndex
+
+            conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst, force=force,
+                                 progress=progress)
         report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io)
         if report is None:
             raise typer.Exit(0)
     else:
         report = run_convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
-                             data=data)
-    typer.echo(to_json(report) if json_out else render_convert(report))
+                             data=data, force=force)
+    typer.echo(to_json(report) if json_out else render_convert(report) + _estimate_text(report.get("estimate")))
     raise typer.Exit(0 if report["verification"]["equal"] else 1)
+
+
+def _estimate_text(figures: Optional[dict]) -> str:
+    """The size, free-space and time estimate under a text plan or report (reshard.commands.space)."""
+    if not figures:
+        return ""
+    from reshard.commands.space import estimate_lines
+
+    return "\n" + "\n".join(estimate_lines(figures))
 
 
 def _without_workers(argv: list[str]) -> list[str]:
@@ -363,10 +382,10 @@ def verify(
     strict: bool = typer.Option(False, "--strict", help="Excuse no conversion change: every key a conversion rewrote counts as a difference (by default the changes are re-derived from A and excused only where B holds exactly them)."),
     buffered: bool = typer.Option(False, "--buffered", help="Read through the page cache instead of with direct I/O (faster when both checkpoints are already cached)."),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-    quiet: bool = _QUIET,
+    quiet: bool = _QUIET, progress_mode: str = _PROGRESS,
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
-    progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet)
+    progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.render.report import to_json
     from reshard.commands.verify import render_verify, verify_checkpoints
 
@@ -391,7 +410,7 @@ def export(
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
-    quiet: bool = _QUIET,
+    quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:
     """Export consolidated weights (and optionally optimizer state), streamed tensor by tensor.
 
@@ -400,7 +419,7 @@ def export(
     Exit 0 exported, 2 bad input (options, source, destination).
     """
     args.check_export(fmt=fmt, model_config=model_config)
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
+    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.export import export as run_export, parse_size
     from reshard.render.report import to_json
     from reshard.semantics.hf import parse_values
@@ -415,7 +434,8 @@ def export(
         values.update({k: prof.model_config[k] for k in used})
         record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
     r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record, progress=progress)
+                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record, progress=progress,
+                   force=force)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 
@@ -429,18 +449,18 @@ def import_(
     experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
-    quiet: bool = _QUIET,
+    quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:
     """Import weights into a DCP checkpoint for a layout: a warm start with a new experiment id.
 
     Exit 0 imported, 2 bad input (options, source, destination).
     """
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet)
+    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.importer import import_checkpoint
     from reshard.render.report import to_json
 
     r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id, fmt=fmt,
-                          progress=progress)
+                          progress=progress, force=force)
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 

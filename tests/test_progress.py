@@ -119,25 +119,32 @@ def test_phases_count_to_the_index_bytes(sides, tmp_path):
     plan = make_plan(ckpt, Options(to="dp=2"))
     convert(plan, ckpt, tmp_path / "c", progress=p)
     names = [ph.name for ph in p.phases]
-    assert names[0] == "writing" and "comparing" in names
+    assert names[0] == "writing" and "comparing" in names and names[-1] == "commit"
+    assert [ph.stage for ph in p.phases][::len(names) - 1] == ["copy", "commit"]
     kept = sum(ix.entries[a.key].nbytes for a in plan.keys if a.action != "dropped" and a.key in ix.entries)
     assert p.phases[0].total == writing_bytes(plan, ix) == kept and all(ph.done == ph.total for ph in p.phases)
 
     p = Progress()
     rep = export(ckpt, tmp_path / "e", progress=p)
-    assert [ph.name for ph in p.phases] == ["writing", "verifying"]
-    assert all(ph.total == rep["total_size"] == ph.done for ph in p.phases)
+    assert [ph.name for ph in p.phases] == ["writing", "verifying", "commit"]
+    assert all(ph.total == rep["total_size"] == ph.done for ph in p.phases[:2])
+    assert p.phases[2].total == p.phases[2].done == _files_bytes(tmp_path / "e")  # the commit: every file synced
 
     p = Progress()
     import_checkpoint(sides["exported"], tmp_path / "i", to="dp=2", progress=p)
-    assert [ph.name for ph in p.phases] == ["writing", "verifying"]
+    assert [ph.name for ph in p.phases] == ["writing", "verifying", "commit"]
     written = sum(e.nbytes for e in CheckpointIndex.open(tmp_path / "i").entries.values() if e.is_tensor)
-    assert all(ph.total == written == ph.done for ph in p.phases)
+    assert all(ph.total == written == ph.done for ph in p.phases[:2])
+    assert p.phases[2].total == p.phases[2].done == _files_bytes(tmp_path / "i")
 
     p = Progress()
     with p.phase("checking items", logical) as bar:
         assert not ix.deep_check(progress=bar)
     assert p.phases[0].done == logical
+
+
+def _files_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
 def test_progress_is_quiet_off_a_terminal(tmp_path):

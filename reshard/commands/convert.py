@@ -56,7 +56,7 @@ import torch
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
-from reshard.commands.space import estimate_output_bytes
+from reshard.commands.space import conversion_preflight
 from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import archive, fastread, sidecars
@@ -72,7 +72,7 @@ from reshard.commands import linking
 from reshard.commands.plan import Plan
 from reshard.commands.transition import output_manifest
 from reshard.render.conversion import conversion_markdown
-from reshard.render.progress import describe_bytes, phase_of
+from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
 REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
@@ -110,24 +110,29 @@ def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, Ch
 
 
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
-            output_format: str = "dcp", io: IOOptions | None = None, data: str = "copy") -> dict[str, Any]:
+            output_format: str = "dcp", io: IOOptions | None = None, data: str = "copy",
+            force: bool = False) -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report.
 
     ``data``: ``"copy"`` writes every tensor byte new; ``"link"`` shares the source's data
     files with the output (`convert_link`) and writes only what changes.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by bytes.
+    ``force``: go ahead when the destination lacks the space (`reshard.commands.space.preflight`
+    refuses before anything is written otherwise; its figures are the report's ``estimate``).
     """
     check_data_mode(data, output_format=output_format)
     src, dst, ix = prepare_conversion(plan, src, dst)
     say_converting(progress, plan, ix)
     if data == "link":
         return convert_link(plan, src, dst, ix, overwrite=overwrite, progress=progress)
-    needed = estimate_output_bytes(plan, ix)
+    estimate = conversion_preflight(plan, ix, dst, force=force, progress=progress)
+    needed = estimate["needed_bytes"]
     try:
         if output_format == "local":
-            return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress)
-        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions())
+            return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress, estimate=estimate)
+        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions(),
+                            estimate=estimate)
     except OSError as exc:
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
@@ -174,7 +179,7 @@ def refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> N
 
 
 def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
-                 io: IOOptions) -> dict[str, Any]:
+                 io: IOOptions, estimate: dict[str, Any] | None = None) -> dict[str, Any]:
     started = _time.time()
     stamp = now_text()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -208,8 +213,11 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         verification["b"] = str(dst)  # what was verified is what appears at dst
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["sidecars"] = carried
+        report["estimate"] = estimate
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the converted checkpoint")
+        commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
+    end_commit(progress, commit)
     return report
 
 
@@ -318,7 +326,8 @@ class _Syncer:
 
 def write_reports(tmp: Path, report: dict[str, Any]) -> None:
     """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
-    on_disk = {**report, "seconds": None} if _reproducible() else report
+    # no measured figure under SOURCE_DATE_EPOCH: neither the wall time nor the estimate (free space, probes)
+    on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if _reproducible() else report
     (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
     fault_point("report.json")
     (tmp / REPORT_MD).write_text(conversion_markdown(on_disk))
@@ -555,7 +564,8 @@ def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, 
     return convert(plan, src, dst, overwrite=overwrite, progress=progress, output_format="local")
 
 
-def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any) -> dict[str, Any]:
+def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
+                   estimate: dict[str, Any] | None = None) -> dict[str, Any]:
     from reshard.commands.local_output import write_local
 
     started = _time.time()
@@ -574,8 +584,11 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
         report["bytes_written"] = sum(report["files"].values())
         report["local"] = info
         report["sidecars"] = carried
+        report["estimate"] = estimate
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the local output")
+        commit = start_commit(progress, tmp)
+    end_commit(progress, commit)
     return report
 
 

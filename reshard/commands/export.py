@@ -74,8 +74,9 @@ from typing import Any, Iterator
 
 import torch
 
+from reshard.commands.space import preflight
 from reshard.errors import BadInput, Incomplete, Infeasible
-from reshard.render.progress import describe_bytes, phase_of
+from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
 EXPORT_FORMAT_VERSION = "1"
 REPORT = "export-report.json"
@@ -471,7 +472,7 @@ def _header_metadata(ess: dict[str, Any], shard: list[_Item], copies: dict[str, 
 def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
            overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None,
-           profile: dict[str, Any] | None = None) -> dict[str, Any]:
+           profile: dict[str, Any] | None = None, force: bool = False) -> dict[str, Any]:
     """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report.
 
     ``fmt="hf"``: safetensors under the Hugging Face names of the model family's mapping
@@ -481,6 +482,9 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
        ``profile``: the record of the profile that contributed values (file, sha256, what), kept in the report.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by the exported bytes.
+    ``force``: go ahead when the destination lacks the space for the output, whose size is
+    exact (tensor bytes and safetensors headers, `_estimate_bytes`); otherwise refused before
+    anything is written (`reshard.commands.space.preflight`, the report's ``estimate``).
     """
     from reshard.semantics.conventions import classify
     from reshard.storage.atomic import atomic_directory, check_destination
@@ -529,6 +533,9 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         progress.say(f"exporting {describe_bytes(total, len(plan.items), 'tensor')} as {fmt} …")
 
     needed = _estimate_bytes(shards, "safetensors" if fmt == "hf" else fmt, lambda s: _header_metadata(ess, s, plan.copies))
+    estimate = preflight(dst, needed=needed, read_bytes=sum(ix.entries[it.key].nbytes for it in plan.items
+                                                             if it.key in ix.entries) or total,
+                         sources=[src], force=force, what="the export", progress=progress)
     with _space_errors(dst, needed), atomic_directory(dst, overwrite=overwrite) as tmp:
         with phase_of(progress, "writing", total) as bar:
             for shard in shards:
@@ -577,15 +584,20 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             # no wall time under SOURCE_DATE_EPOCH: reproducible outputs, as convert and import
             "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
         }
+        report["estimate"] = estimate
         if profile is not None:
             report["profile"] = profile
         if hf is not None:
             report["hf"] = {"mapping": hf.mapping.describe(), "config": HF_CONFIG, "values": hf.values,
                             "values_from": hf.origin, "transforms": hf.transforms}
-        (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        # no measured figure on disk under SOURCE_DATE_EPOCH (free space, probes), as no wall time
+        on_disk = {**report, "estimate": None} if os.environ.get("SOURCE_DATE_EPOCH") else report
+        (tmp / REPORT).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
         if not verification["equal"]:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+        commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
+    end_commit(progress, commit)
     return report
 
 

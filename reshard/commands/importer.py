@@ -94,7 +94,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
-from reshard.render.progress import describe_bytes, phase_of
+from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
 REPORT = "import-report.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -441,7 +441,7 @@ class _Planned:
 
 def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str | Path | None = None,
                       overwrite: bool = False, experiment_id: str | None = None, progress: Any = None,
-                      fmt: str = "reshard") -> dict[str, Any]:
+                      fmt: str = "reshard", force: bool = False) -> dict[str, Any]:
     """Write ``src`` (consolidated weights) as a DCP checkpoint for layout ``to`` into ``dst``; returns the report.
 
     ``fmt``: ``"reshard"`` (the reshard key convention, data-parallel layouts), or ``"torchtitan"`` /
@@ -451,10 +451,12 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     Nothing is committed unless the output reads back bitwise equal to the source.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by the source's tensor bytes.
+    ``force``: go ahead when the destination lacks the space for the output (estimated from
+    the planned chunks, `import_preflight`); otherwise refused before anything is written.
     """
     if fmt != "reshard":
         return _import_native(Path(src), Path(dst), to=to, fmt=fmt, rename=rename, overwrite=overwrite,
-                              experiment_id=experiment_id, progress=progress)
+                              experiment_id=experiment_id, progress=progress, force=force)
     from reshard.commands.export import RenameRules
     from reshard.semantics import manifest as mf
     from reshard.storage.atomic import atomic_directory, check_destination
@@ -470,20 +472,23 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     _check_keys(source.tensors, src)
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
+    estimate = import_preflight(src, dst, planned, force=force, progress=progress)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, rules, topo, output)
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
         verification = _verify_import(source.tensors, tmp, progress)
-        report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
+        report = _report(src, dst, tmp, topo, source, output, planned, verification, started, estimate)
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         _refuse_unequal(verification, dst)
+        commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
+    end_commit(progress, commit)
     return report
 
 
 def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite: bool, experiment_id: str | None,
-                   progress: Any) -> dict[str, Any]:
+                   progress: Any, force: bool = False) -> dict[str, Any]:
     """``--format torchtitan`` (or a family): a Hugging Face directory -> the trainer's own DCP layout, a warm start."""
     from reshard.model.topology import parse_spec
     from reshard.semantics import manifest as mf
@@ -506,6 +511,7 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
             raise BadInput(f"parameter '{s.name}' has dtype {s.dtype}", where=str(src))
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
+    estimate = import_preflight(src, dst, planned, force=force, progress=progress)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, None, topo, output)
@@ -515,13 +521,15 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
         verification = _verify_import(source.tensors, tmp, progress)
-        report = _report(src, dst, tmp, topo, source, output, planned, verification, started)
+        report = _report(src, dst, tmp, topo, source, output, planned, verification, started, estimate)
         report["format"] = fmt
         report["hf"] = {"mapping": mapping.describe(), "values": source.essentials.get("hf_values"),
                         "native": mapping.native, "key_convention": mapping.native_convention}
         report["trainer_must"] = _trainer_must(mapping.native_convention, dst)
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         _refuse_unequal(verification, dst)
+        commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
+    end_commit(progress, commit)
     return report
 
 
@@ -613,6 +621,18 @@ def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str) -
     return w.checksums()
 
 
+def import_preflight(src: Path, dst: Path, planned: list[_Planned], *, force: bool = False,
+                     progress: Any = None) -> dict[str, Any]:
+    """`reshard.commands.space.preflight` for an import: the DCP output of the planned chunks
+    (their bytes, `torch.save` framing, alignment, metadata) against ``dst``'s free space."""
+    from reshard.commands.space import estimate_dcp_bytes, preflight
+
+    chunks = [box.numel * p.src.dtype.itemsize for p in planned for _rank, box in p.chunks]
+    return preflight(dst, needed=estimate_dcp_bytes(chunks, len(planned)),
+                     read_bytes=sum(_nbytes(p.src) for p in planned), sources=[src], force=force, what="the import",
+                     progress=progress)
+
+
 def _nbytes(s: _Src) -> int:
     """A source tensor's bytes (what the progress of an import counts)."""
     return whole(s.shape).numel * s.dtype.itemsize
@@ -664,7 +684,7 @@ def _key_report(p: _Planned) -> dict[str, Any]:
 
 
 def _report(src: Path, dst: Path, tmp: Path, topo: Topology, source: _Source, output: _Output, planned: list[_Planned],
-            verification: dict[str, Any], started: float) -> dict[str, Any]:
+            verification: dict[str, Any], started: float, estimate: dict[str, Any] | None = None) -> dict[str, Any]:
     """``import-report.json``: every source name, the key it became, its chunks, and what was not imported."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
     return {
@@ -685,6 +705,8 @@ def _report(src: Path, dst: Path, tmp: Path, topo: Topology, source: _Source, ou
         "files": files,
         "bytes_written": sum(files.values()),
         "seconds": None if os.environ.get("SOURCE_DATE_EPOCH") else round(_time.time() - started, 3),
+        # measured figures (free space, probes) vary from run to run: none under SOURCE_DATE_EPOCH either
+        "estimate": None if os.environ.get("SOURCE_DATE_EPOCH") else estimate,
     }
 
 

@@ -1,13 +1,25 @@
-"""How much a conversion writes, and whether it fits where it goes: from the plan and the
-source's metadata only, so `reshard plan --dst` can warn before any byte is written and
-`convert` can name the size when a disk fills up."""
+"""How much a conversion writes, whether it fits where it goes, and about how long it takes.
+
+The size comes from the plan and the source's metadata only, so `reshard plan --dst` can
+warn and `convert`, `export` and `import` can refuse (exit 2, both figures named) before any
+byte is written: a terabyte conversion that fills a shared disk after an hour harms more
+than the run. ``--force`` goes ahead anyway (a full disk then stops it with nothing
+committed). The time is an estimate from the bytes to move and two short probes (a read of
+the source, a write beside the destination, removed after), recorded with its basis.
+``RESHARD_FREE_BYTES`` overrides the free space the file system reports (`free_bytes`).
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
-import shutil
 
+from reshard.errors import BadInput
 from reshard.storage import dcp_writer
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.integrity import nearest_existing
@@ -79,23 +91,286 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     return total + 100 * items + 400 * len(plan.keys) + 16 * 1024
 
 
-def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None) -> dict[str, Any]:
-    """Will the converted checkpoint fit where ``dst`` will be? Reads metadata only.
+def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None, index: Any = None,
+                probe: bool = False) -> dict[str, Any]:
+    """Will the converted checkpoint fit where ``dst`` will be? Reads metadata only (and, with
+    ``probe``, times a short read of the source and a write beside ``dst``: `preflight`).
 
-    Returns ``{"destination", "checked" (the existing directory whose file system was
-    asked), "needed_bytes", "free_bytes", "enough", "warning"}``; ``warning`` is one
-    paragraph (or None when there is enough space). With ``--overwrite`` the old output is
-    removed only after the new one is in place, so the full amount is needed either way.
+    Returns `preflight`'s figures (``destination, checked, needed_bytes, free_bytes, enough,
+    ..., warning``); ``warning`` is one paragraph, or None when there is enough space. Never
+    refuses: `reshard plan --dst` warns, `convert` refuses (`conversion_preflight`).
+    """
+    ix = index if index is not None else CheckpointIndex.open(plan.source["path"], trust_pickle=plan.options.trust_pickle)
+    need = estimate_output_bytes(plan, ix) if needed is None else int(needed)
+    figures = preflight(dst, needed=need, read_bytes=conversion_read_bytes(plan, ix), sources=[ix.root], force=True,
+                        probe=probe)
+    if not figures["enough"]:
+        figures["warning"] = (
+            f"{figures['destination']}: the destination's file system has {human_bytes(figures['free_bytes'])} "
+            f"({figures['free_bytes']} bytes) free at {figures['checked']}, but the converted checkpoint needs about "
+            f"{human_bytes(need)} ({need} bytes); convert would refuse it (exit 2) unless given --force. Free space "
+            "there or choose another destination.")
+    return figures
+
+
+def conversion_read_bytes(plan: Any, ix: Any) -> int:
+    """The source bytes a conversion reads: what its "writing" phase counts (every key the plan keeps)."""
+    from reshard.commands.convert import writing_bytes
+
+    return writing_bytes(plan, ix)
+
+
+def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: bool = False,
+                         progress: Any = None) -> dict[str, Any]:
+    """`preflight` for `reshard convert`: the plan's output estimate against ``dst``'s free space."""
+    return preflight(dst, needed=estimate_output_bytes(plan, ix), read_bytes=conversion_read_bytes(plan, ix),
+                     sources=[ix.root], force=force, progress=progress)
+
+
+# ---------------------------------------------------------------------------- before the first byte
+FREE_BYTES_ENV = "RESHARD_FREE_BYTES"  # override of the free space reported for every destination (tests, operators)
+PROBE_BYTES = 4 << 20  # what the read and write probes move: long enough to time, short enough to be free
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+          "t": 1 << 40, "tib": 1 << 40}
+
+
+def free_bytes(path: str | os.PathLike) -> tuple[int, str]:
+    """Free bytes of the file system holding ``path``, and where the figure came from.
+
+    ``RESHARD_FREE_BYTES`` (bytes, or with a binary unit: ``60GiB``) replaces what the file
+    system says, for every destination: a test can then check a terabyte-scale refusal
+    without a terabyte disk, and an operator can keep a margin for other users of a shared
+    disk (``RESHARD_FREE_BYTES`` set to what reshard may use).
+    """
+    text = os.environ.get(FREE_BYTES_ENV, "").strip()
+    if text:
+        t = text.lower().replace(" ", "")
+        num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = t[len(num):]
+        try:
+            value = int(float(num) * _UNITS[unit.removesuffix("b") if unit not in _UNITS else unit])
+        except (KeyError, ValueError):
+            raise BadInput(f"{FREE_BYTES_ENV}={text!r} is not a size",
+                           hint="Write a number of bytes, or e.g. 60GiB; unset it to ask the file system.") from None
+        return max(0, value), f"{FREE_BYTES_ENV}={text}"
+    return shutil.disk_usage(path).free, "the file system"
+
+
+def largest_file(paths: Iterable[str | os.PathLike]) -> Path | None:
+    """The largest regular file among ``paths`` (directories: the files directly in them), for the read probe."""
+    best: tuple[int, Path] | None = None
+    for p in paths:
+        p = Path(p)
+        for f in (sorted(p.iterdir()) if p.is_dir() else [p]):
+            try:
+                if f.is_file() and not f.is_symlink():
+                    size = f.stat().st_size
+                    if best is None or size > best[0]:
+                        best = (size, f)
+            except OSError:
+                continue
+    return best[1] if best else None
+
+
+@dataclass
+class Rate:
+    """One probe: bytes moved in seconds (None and ``error`` when the probe could not run)."""
+
+    what: str
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def per_second(self) -> float | None:
+        return self.nbytes / max(self.seconds, 1e-6) if self.nbytes and self.error is None else None
+
+    def describe(self) -> str:
+        if self.error is not None:
+            return f"{self.what}: not measured ({self.error})"
+        return f"{self.what}: {human_bytes(self.nbytes)} in {self.seconds * 1000:.1f} ms ({human_bytes(self.per_second)}/s)"
+
+
+def read_probe(source: Path | None, nbytes: int = PROBE_BYTES) -> Rate:
+    """Read up to ``nbytes`` of ``source`` (opened read-only; nothing in the source is changed).
+
+    The range is first dropped from the page cache where the kernel allows (a hint that
+    changes no byte), so the probe times the disk rather than memory when the source is not
+    in use; on a file system without a page cache of its own (tmpfs) it times memory.
+    """
+    if source is None:
+        return Rate("read", error="no source file to read")
+    what = f"read of {source}"
+    try:
+        fd = os.open(source, os.O_RDONLY)
+    except OSError as exc:
+        return Rate(what, error=exc.strerror or str(exc))
+    try:
+        n = min(nbytes, os.fstat(fd).st_size)
+        if n <= 0:
+            return Rate(what, error="the file is empty")
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        t = time.perf_counter()
+        got = 0
+        while got < n:
+            chunk = os.pread(fd, min(1 << 20, n - got), got)
+            if not chunk:
+                break
+            got += len(chunk)
+        return Rate(what, got, time.perf_counter() - t)
+    except OSError as exc:
+        return Rate(what, error=exc.strerror or str(exc))
+    finally:
+        os.close(fd)
+
+
+def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> Rate:
+    """Write ``nbytes`` to a hidden file in ``folder`` (an existing directory: nothing is created
+    for the destination), fsync it, time it, and remove it, whatever happens."""
+    what = f"write to {folder}"
+    path = folder / f".reshard-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    block = secrets.token_bytes(min(nbytes, 1 << 20))  # not zeros: a compressing file system would time nothing
+    try:
+        t = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, block[: nbytes - done])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return Rate(what, done, time.perf_counter() - t)
+    except OSError as exc:
+        return Rate(what, error=exc.strerror or str(exc))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def estimate_dcp_bytes(chunk_bytes: Iterable[int], keys: int) -> int:
+    """What a DCP checkpoint of chunks of these sizes (and ``keys`` keys) takes on disk, as
+    `estimate_output_bytes` counts it (``.metadata`` taken as ~400 bytes per chunk)."""
+    over = _save_overhead()
+    total = items = 0
+    for nbytes in chunk_bytes:
+        total += nbytes + over + (dcp_writer.ALIGN if nbytes >= dcp_writer.ALIGN_FROM else 0)
+        items += 1
+    return total + 500 * items + 400 * keys + 16 * 1024
+
+
+def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
+              force: bool = False, what: str = "the conversion", progress: Any = None,
+              probe: bool = True) -> dict[str, Any]:
+    """Before the first byte: will the output fit at ``dst``, and about how long will it take?
+
+    Refuses (`BadInput`, exit 2) when the destination's file system has less free space than
+    the output ``needed``, naming both figures, unless ``force``: nothing has been written
+    then (no temporary directory, no probe). Otherwise times a read of the largest file of
+    ``sources`` and a write (fsynced, then removed) beside the destination, and estimates
+    the copy as ``read_bytes`` at the read rate plus ``needed`` at the write rate: an
+    estimate, whose basis is recorded with it (caches, other users of the disks and the
+    verification make the real time differ). With ``--overwrite`` the old output is removed
+    only after the new one is in place, so the full amount is needed either way.
+
+    Returns the figures (JSON data) that `plan --dst`, the first lines of a command and its
+    report all show: ``destination, checked, needed_bytes, free_bytes, free_from, enough,
+    forced, read_bytes, seconds, read, write, basis, warning``.
     """
     dst = Path(os.path.abspath(os.fspath(dst)))
-    probe = nearest_existing(dst.parent if not dst.is_dir() else dst)
-    need = estimate_output_bytes(plan) if needed is None else int(needed)
-    free = shutil.disk_usage(probe).free
+    checked = nearest_existing(dst.parent if not dst.is_dir() else dst)
+    free, free_from = free_bytes(checked)
+    need = int(needed)
     enough = free >= need
-    warning = None
+    figures: dict[str, Any] = {
+        "destination": str(dst), "checked": str(checked), "needed_bytes": need, "free_bytes": free,
+        "free_from": free_from, "enough": enough, "forced": bool(force and not enough), "read_bytes": int(read_bytes),
+        "seconds": None, "read": None, "write": None, "basis": None, "warning": None}
+    short = (f"destination {dst} has {human_bytes(free)} free ({free} bytes, from {free_from} at {checked}), "
+             f"{what} writes about {human_bytes(need)} ({need} bytes)")
     if not enough:
-        warning = (f"{dst}: the destination's file system has {human_bytes(free)} ({free} bytes) free at {probe}, "
-                   f"but the converted checkpoint needs about {human_bytes(need)} ({need} bytes); convert would stop "
-                   "with nothing committed. Free space there or choose another destination.")
-    return {"destination": str(dst), "checked": str(probe), "needed_bytes": need, "free_bytes": free,
-            "enough": enough, "warning": warning}
+        if not force:
+            raise BadInput(short, hint="Nothing was written. Free space there, choose another destination (DST), or "
+                                       "pass --force to go ahead anyway (a full disk then stops it with nothing "
+                                       "committed)")
+        figures["warning"] = short + "; going ahead (--force)"
+    if probe:
+        r = read_probe(largest_file(sources))
+        w = write_probe(checked, min(PROBE_BYTES, free // 8)) if free // 8 >= 64 << 10 else \
+            Rate(f"write to {checked}", error="too little free space to probe")
+        figures["read"] = {"bytes": r.nbytes, "seconds": round(r.seconds, 6), "error": r.error, "file": r.what}
+        figures["write"] = {"bytes": w.nbytes, "seconds": round(w.seconds, 6), "error": w.error, "file": w.what}
+        parts = []
+        if r.per_second:
+            parts.append(read_bytes / r.per_second)
+        if w.per_second:
+            parts.append(need / w.per_second)
+        if parts:
+            figures["seconds"] = round(sum(parts), 1)
+        figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
+                            f"two probes ({r.describe()}; {w.describe()}); the copy only, an estimate")
+    if progress is not None:
+        progress.say(space_line(figures))
+    return figures
+
+
+def space_line(figures: dict[str, Any]) -> str:
+    """``checking space: …``: the preflight's figures in one line (the first lines of convert, export, import)."""
+    line = (f"checking space: writes about {human_bytes(figures['needed_bytes'])}, {human_bytes(figures['free_bytes'])} "
+            f"free at {figures['checked']}" + ("" if figures["free_from"] == "the file system"
+                                               else f" ({figures['free_from']})"))
+    if figures.get("warning"):
+        line += " — NOT ENOUGH, going ahead (--force)"
+    if figures.get("seconds") is not None:
+        line += f"; {_about(figures['seconds'])} to copy (measured: {_rates(figures)})"
+    return line
+
+
+def estimate_lines(figures: dict[str, Any]) -> list[str]:
+    """The estimate as `reshard plan` prints it (text): size, free space, time and its basis."""
+    out = [f"estimate: writes about {human_bytes(figures['needed_bytes'])} ({figures['needed_bytes']} bytes), "
+           f"reads {human_bytes(figures['read_bytes'])}"]
+    if figures.get("free_bytes") is not None:
+        out.append(f"  destination {figures['destination']}: {human_bytes(figures['free_bytes'])} free "
+                   f"({figures['free_from']}, at {figures['checked']}): "
+                   + ("enough" if figures["enough"] else "NOT enough, convert refuses without --force"))
+    if figures.get("seconds") is not None:
+        out.append(f"  time: {_about(figures['seconds'])} to copy ({_rates(figures)})")
+    elif figures.get("basis"):
+        out.append(f"  time: not estimated ({figures['basis']})")
+    return out
+
+
+def _about(seconds: float) -> str:
+    text = duration(seconds)
+    return text if text.startswith("under") else f"about {text}"
+
+
+def _rates(figures: dict[str, Any]) -> str:
+    out = []
+    for side in ("read", "write"):
+        r = figures.get(side) or {}
+        if r.get("error") is None and r.get("bytes"):
+            out.append(f"{side} {human_bytes(r['bytes'] / max(r['seconds'], 1e-6))}/s")
+        else:
+            out.append(f"{side} not measured ({r.get('error')})")
+    return ", ".join(out)
+
+
+def duration(seconds: float | None) -> str:
+    """``4 s``, ``3 min 20 s``, ``2 h 05 min``: a time in words for estimates and ETAs."""
+    if seconds is None:
+        return "?"
+    if seconds < 1:
+        return "under 1 s"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
+

@@ -1,30 +1,58 @@
-"""Progress for people at a terminal: a first line at once, then one bar in bytes per long phase.
+"""Progress for people at a terminal and for schedulers: a first line at once, then each long
+phase by bytes, with its throughput and an ETA from bytes.
 
 Why it exists: a conversion, a verification or an export of a real checkpoint reads and
 writes gigabytes, and a command silent for half a minute looks hung. Counting keys or
-chunks says little (one embedding can be a third of the bytes), so every bar counts bytes,
-whose totals the index knows before the work starts (`Entry.nbytes` per key).
+chunks says little (one embedding can be a third of the bytes), so every phase counts bytes,
+whose totals the index knows before the work starts (`Entry.nbytes` per key); its rate is
+the bytes done over the time since the phase began, and its ETA the bytes left at that rate.
 
 Why it looks like this: the commands hold a `Progress` and open a `Phase` per long step
 (``with progress.phase("writing", total) as bar``); the layers below (storage, engine)
 receive only the phase, an object with ``update(nbytes)``, so they import neither this
 module nor tqdm. A phase counts its bytes (``done``) even when nothing is shown, which lets
-a test check the totals without a terminal.
+a test check the totals without a terminal. Each phase belongs to one of the stages an
+operator follows (`STAGES`): ``copy`` (writing, linking), ``verify`` (comparing, checking,
+verifying) and ``commit`` (the fsync and rename that make the output appear).
 
-Quiet unless a person is watching: nothing is printed when stderr is not a terminal (a
-pipe, a file, CI), under ``--json`` (a script reads the output) or with ``--quiet``. This
-module imports nothing heavy, so the first line can be printed before torch is imported.
+Three modes (``--progress``):
+
+* ``auto`` (the default): a bar per phase on a terminal; nothing when stderr is not a
+  terminal (a pipe, a file, CI), under ``--json`` (a script reads the output) or ``--quiet``;
+* ``json``: one JSON object per line on stderr, whatever stderr is, for schedulers and
+  dashboards: ``{"event": "start"|"progress"|"end", "phase": "copy"|"verify"|"commit",
+  "step": NAME, "bytes_done", "bytes_total", "rate" (bytes/s), "eta_s", "elapsed_s"}``,
+  ``{"event": "message", "text": LINE}`` for the lines a terminal shows, at least once a
+  second while a phase is open (so a stalled copy is visible as a stalled count);
+* ``none``: nothing (``--quiet``).
+
+This module imports nothing heavy, so the first line can be printed before torch is imported.
 """
 from __future__ import annotations
 
+import json
 import sys
-from contextlib import contextmanager
+import threading
+import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
 from reshard.units import human_bytes
 
-__all__ = ["Phase", "Progress", "describe_bytes", "phase_of"]
+__all__ = ["MODES", "STAGES", "Phase", "Progress", "describe_bytes", "end_commit", "phase_of", "stage_of", "start_commit"]
+
+MODES = ("auto", "json", "none")
+# the stage of each phase name a command opens (`stage_of`: names starting "checking" verify)
+STAGES = {"writing": "copy", "linking": "copy", "comparing": "verify", "verifying": "verify", "commit": "commit"}
+TICK = 1.0  # seconds between two refreshes of an open phase (a json event, or the bar redrawn)
+
+
+def stage_of(name: str) -> str:
+    """``copy``, ``verify`` or ``commit`` for a phase name (an unknown name is its own stage)."""
+    if name in STAGES:
+        return STAGES[name]
+    return "verify" if name.startswith("checking") else name
 
 
 @dataclass
@@ -35,53 +63,172 @@ class Phase:
     total: int
     done: int = 0
     bar: Any = None  # a tqdm bar, or None when nothing is shown
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    owner: "Progress | None" = field(default=None, repr=False)
+
+    @property
+    def stage(self) -> str:
+        return stage_of(self.name)
 
     def update(self, nbytes: int = 0) -> None:
         """``nbytes`` more bytes of this phase are done (zero or negative: nothing to show)."""
         if nbytes > 0:
             self.done += nbytes
-            if self.bar is not None:
-                self.bar.update(nbytes)
+            if self.owner is not None:
+                self.owner.moved(self, nbytes)
 
     __call__ = update
+
+    def elapsed(self) -> float:
+        return (self.ended if self.ended is not None else time.monotonic()) - self.started
+
+    def rate(self) -> float | None:
+        """Bytes per second since the phase began (None before a measurable time has passed)."""
+        t = self.elapsed()
+        return self.done / t if t > 1e-3 and self.done else None
+
+    def eta(self) -> float | None:
+        """Seconds left: the bytes left at the phase's rate (None while nothing is done)."""
+        r = self.rate()
+        if self.done >= self.total:
+            return 0.0
+        return (self.total - self.done) / r if r else None
+
+    def event(self, kind: str) -> dict[str, Any]:
+        """The JSON event of this phase (``--progress json``)."""
+        rate, eta = self.rate(), self.eta()
+        return {"event": kind, "phase": self.stage, "step": self.name, "bytes_done": self.done,
+                "bytes_total": self.total, "rate": None if rate is None else round(rate, 1),
+                "eta_s": None if eta is None else round(eta, 1), "elapsed_s": round(self.elapsed(), 3)}
 
 
 @dataclass
 class Progress:
-    """What a command shows while it works: `say` a line, `phase` a bar in bytes; nothing when disabled."""
+    """What a command shows while it works: `say` a line, `phase` a bar in bytes; nothing when disabled.
+
+    ``enabled``: bars on ``stream`` (a terminal); ``json``: JSON events on ``stream`` instead.
+    """
 
     enabled: bool = False
     stream: TextIO | None = None
     phases: list[Phase] = field(default_factory=list)  # every phase opened, in order (their byte counts)
+    json: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last: float = 0.0
 
     @classmethod
-    def for_terminal(cls, *, quiet: bool = False, json_out: bool = False, stream: TextIO | None = None) -> "Progress":
-        """Shown only on a terminal (stderr by default), and never under ``--json`` or ``--quiet``."""
+    def for_terminal(cls, *, quiet: bool = False, json_out: bool = False, stream: TextIO | None = None,
+                     mode: str = "auto") -> "Progress":
+        """``mode`` auto: shown only on a terminal (stderr by default), never under ``--json`` or
+        ``--quiet``; ``json``: JSON events on stderr (even beside ``--json``), not under ``--quiet``."""
         out = stream if stream is not None else sys.stderr
-        return cls(enabled=not quiet and not json_out and _is_terminal(out), stream=out)
+        if quiet or mode == "none":
+            return cls(stream=out)
+        if mode == "json":
+            return cls(stream=out, json=True)
+        return cls(enabled=not json_out and _is_terminal(out), stream=out)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is shown at all (bars or events)."""
+        return (self.enabled or self.json) and self.stream is not None
 
     def say(self, line: str) -> None:
         """One line at once (the first thing a long command prints, before its heavy imports)."""
-        if line and self.enabled and self.stream is not None:
+        if line and self.active:
+            self._write(json.dumps({"event": "message", "text": line}, ensure_ascii=False) if self.json else line)
+
+    def _write(self, line: str) -> None:
+        with self._lock:
             self.stream.write(line + "\n")
             self.stream.flush()
+
+    def moved(self, ph: Phase, nbytes: int) -> None:
+        """A phase's bytes moved: the bar follows; a JSON event at most every `TICK` seconds."""
+        if ph.bar is not None:
+            with self._lock:
+                ph.bar.update(nbytes)
+        elif self.json and time.monotonic() - self._last >= TICK:
+            self._emit(ph, "progress")
+
+    def _emit(self, ph: Phase, kind: str) -> None:
+        self._last = time.monotonic()
+        self._write(json.dumps(ph.event(kind)))
 
     @contextmanager
     def phase(self, name: str, total_bytes: int) -> Iterator[Phase]:
         """A bar of ``total_bytes`` named ``name`` while the block runs; the bar is removed after it."""
-        ph = Phase(name, max(0, int(total_bytes)))
-        self.phases.append(ph)
-        if self.enabled:
-            from tqdm import tqdm
-
-            # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G)
-            ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                          file=self.stream, dynamic_ncols=True, mininterval=0.2)
+        ph = self.start(name, total_bytes)
         try:
             yield ph
         finally:
-            if ph.bar is not None:
+            self.end(ph)
+
+    def start(self, name: str, total_bytes: int) -> Phase:
+        """Open a phase that `end` closes (for a phase no ``with`` block can span, e.g. a commit)."""
+        ph = Phase(name, max(0, int(total_bytes)), owner=self)
+        self.phases.append(ph)
+        if self.enabled and self.stream is not None:
+            from tqdm import tqdm
+
+            # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G);
+            # smoothing 0: the rate and ETA from all the bytes since the phase began, as the json events
+            ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                          file=self.stream, dynamic_ncols=True, mininterval=0.2, smoothing=0)
+        elif self.json and self.stream is not None:
+            self._emit(ph, "start")
+        if self.active:
+            ticker = threading.Thread(target=self._tick, args=(ph,), daemon=True, name=f"progress-{name}")
+            ticker.start()
+        return ph
+
+    def end(self, ph: Phase) -> None:
+        """Close a phase: its bar removed, or its ``end`` event written."""
+        if ph.ended is not None:
+            return
+        ph.ended = time.monotonic()
+        if ph.bar is not None:
+            with self._lock:
                 ph.bar.close()
+        elif self.json and self.stream is not None:
+            self._emit(ph, "end")
+
+    def _tick(self, ph: Phase) -> None:
+        """Refresh an open phase every `TICK` seconds, bytes or not: from its first second the
+        elapsed time moves, and a stall shows as a stalled count rather than silence."""
+        while ph.ended is None and ph is self.phases[-1]:  # a later phase supersedes one never ended (an error)
+            time.sleep(TICK / 4)
+            if ph.ended is not None or time.monotonic() - max(self._last, ph.started) < TICK:
+                continue
+            if ph.bar is not None:
+                with self._lock:
+                    if ph.ended is None:
+                        ph.bar.refresh()
+                self._last = time.monotonic()
+            elif self.json:
+                with suppress(ValueError, OSError):  # a stream closed at exit: the daemon ticker just stops
+                    self._emit(ph, "progress")
+
+
+def start_commit(progress: "Progress | None", folder: Any) -> "Phase | None":
+    """Open the "commit" phase: the fsync of every file in ``folder`` (the atomic temporary
+    directory) and its rename into place. Called as the last step inside the atomic block
+    (the commit runs as the block exits), closed by `end_commit` after it; its bytes are the
+    output's, counted done when the commit has returned."""
+    if progress is None:
+        return None
+    from pathlib import Path
+
+    total = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file() and not f.is_symlink())
+    return progress.start("commit", total)
+
+
+def end_commit(progress: "Progress | None", ph: "Phase | None") -> None:
+    """The commit has returned: its phase is done."""
+    if progress is not None and ph is not None:
+        ph.update(ph.total - ph.done)
+        progress.end(ph)
 
 
 def phase_of(progress: "Progress | None", name: str, total_bytes: int) -> Any:
