@@ -229,6 +229,7 @@ def convert(
     window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
     data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
+    restart: bool = typer.Option(False, "--restart", help="Discard what an interrupted conversion into DST left (by default a rerun keeps every item its journal records whose bytes still match their CRC-32)."),
     quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
@@ -316,13 +317,19 @@ def convert(
 
             conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst, force=force,
                                  progress=progress)
-        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io)
+        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
         if report is None:
             raise typer.Exit(0)
     else:
         report = run_convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
+                             restart=restart,
                              data=data, force=force)
     typer.echo(to_json(report) if json_out else render_convert(report) + _estimate_text(report.get("estimate")))
+    if report.get("resume"):  # kept K of N items, or started over and why (reshard.storage.journal)
+        from reshard.storage.journal import describe
+
+        if describe(report["resume"]):
+            typer.echo(describe(report["resume"]), err=True)
     raise typer.Exit(0 if report["verification"]["equal"] else 1)
 
 

@@ -66,6 +66,7 @@ from reshard.semantics.transforms import write_transformed
 from reshard.storage.atomic import atomic_directory, check_destination, fault_point
 from reshard.storage.crcledger import StorageRecord
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.storage.journal import Journal, ResumeKey, source_identity
 from reshard.engine.splice import run_jobs
 from reshard.semantics.manifest import write_manifest
 from reshard.commands import linking
@@ -111,8 +112,12 @@ def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, Ch
 
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
             output_format: str = "dcp", io: IOOptions | None = None, data: str = "copy",
-            force: bool = False) -> dict[str, Any]:
+            force: bool = False, restart: bool = False) -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report.
+
+    A DCP copy is resumable (`reshard.storage.journal`): a run into ``dst`` that was killed
+    leaves its journaled items, and this run keeps the ones still right (``report["resume"]``)
+    unless the resume key differs or ``restart``.
 
     ``data``: ``"copy"`` writes every tensor byte new; ``"link"`` shares the source's data
     files with the output (`convert_link`) and writes only what changes.
@@ -132,7 +137,7 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
         if output_format == "local":
             return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress, estimate=estimate)
         return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions(),
-                            estimate=estimate)
+                            estimate=estimate, restart=restart)
     except OSError as exc:
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
@@ -178,22 +183,34 @@ def refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> N
                          where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
 
 
+def resume_key(plan: Plan, src: Path, output_format: str = "dcp") -> ResumeKey:
+    """What a rerun must share with an interrupted conversion to keep its bytes (`reshard.storage.journal`):
+    the plan, the source files as they are on disk, and what else decides the bytes written."""
+    from reshard import __version__
+
+    return ResumeKey(plan=plan.fingerprint(), source=source_identity(src),
+                     options={"output_format": output_format, "reshard": __version__, "torch": torch.__version__})
+
+
 def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
-                 io: IOOptions, estimate: dict[str, Any] | None = None) -> dict[str, Any]:
+                 io: IOOptions, estimate: dict[str, Any] | None = None, restart: bool = False) -> dict[str, Any]:
     started = _time.time()
     stamp = now_text()
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    journal = Journal(resume_key(plan, src), restart=restart)
+    with atomic_directory(dst, overwrite=overwrite, reuse=journal.choose) as tmp:
+        journal.begin(tmp)
         for key, equal_to in plan.checks.items():
             from reshard.commands.inspect import bitwise_equal
 
             if not bitwise_equal(ix, key, equal_to):
                 raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
                                  where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
-        w = DcpWriter(tmp)
+        w = DcpWriter(tmp, journal=journal)
         try:
             checked = WriteChecks()
             with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
                 write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
+            keep_checked_honest(checked, w)
             w.finish(sync_data=False)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
@@ -214,11 +231,50 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["sidecars"] = carried
         report["estimate"] = estimate
+        report["resume"] = journal.summary()
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the converted checkpoint")
         commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
     end_commit(progress, commit)
     return report
+
+
+class _PieceRecorder:
+    """A copy job's view of the run's ledger that also keeps the pieces the job hands it, so the
+    journal can record them and a resumed run that keeps the item hands them over again."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.pieces: list[list[Any]] = []
+
+    def add(self, rec: StorageRecord, offset: int, nbytes: int, crc: int) -> bool:
+        self.pieces.append([rec.path, rec.key, rec.at, rec.nbytes, rec.crc, offset, nbytes, crc])
+        return self.ledger.add(rec, offset, nbytes, crc)
+
+
+def replay_check(w: DcpWriter, loc: Any, key: str, checked: set[str]) -> None:
+    """An item a resumed run kept, counted as the interrupted run checked it when it wrote it
+    (`DcpWriter.kept_check`): the same counts, the same source pieces into the ledger, so the
+    verification and the report are an uninterrupted run's."""
+    c = w.kept_check(loc)
+    if c is None or not isinstance(checked, WriteChecks):
+        return
+    for path, k, at, nbytes, crc, offset, n, piece in c.get("p") or ():
+        checked.ledger.add(StorageRecord(path, k, int(at), int(nbytes), crc), int(offset), int(n), int(piece))
+    if c.get("k") == "ledger":
+        checked.defer(key, [tuple(s) for s in c.get("s") or ()])
+    elif c.get("k") in ("crc", "read"):
+        checked.count(by_source_crc=c["k"] == "crc")
+
+
+def keep_checked_honest(checked: set[str], w: DcpWriter) -> None:
+    """A key with an item a resumed run kept without its having been checked against the source
+    (the interrupted run was killed before verifying it) leaves the set: it is compared after writing."""
+    for key in w.kept_unchecked():
+        if key in checked:
+            checked.discard(key)
+            if isinstance(checked, WriteChecks):
+                checked.after_writing += 1
 
 
 def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> list[dict[str, Any]]:
@@ -328,6 +384,8 @@ def write_reports(tmp: Path, report: dict[str, Any]) -> None:
     """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
     # no measured figure under SOURCE_DATE_EPOCH: neither the wall time nor the estimate (free space, probes)
     on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if _reproducible() else report
+    if _reproducible() and "resume" in report:
+        on_disk = {**on_disk, "resume": None}  # a resumed run writes the reports an uninterrupted one does
     (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
     fault_point("report.json")
     (tmp / REPORT_MD).write_text(conversion_markdown(on_disk))
@@ -431,23 +489,29 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
         if sources is not None and archive.fits(box.numel * dtype.itemsize):
             fr = archive.framing(dtype, box.sizes)
             loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
-            if w.owns(rank):
+            if w.needs(loc):  # this process's file, and not kept by a resumed run
                 job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
                 fd, path = w.fd(rank), str(w.directory / loc.file)
                 dfd = w.direct_fd(rank) if direct else None
 
-                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, at=loc.offset, path=path, key=e.key):
-                    crc = job.run(fd, at, buffers, files, slab, direct_fd=dfd, ledger=ledger)
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, loc=loc, path=path, key=e.key):
+                    seen = _PieceRecorder(ledger) if ledger is not None else None
+                    crc = job.run(fd, loc.offset, buffers, files, slab, direct_fd=dfd, ledger=seen)
                     if job.ledgered:
                         checked.defer(key, job.ledger_sources)
+                        w.vouch(loc, {"k": "ledger", "p": seen.pieces, "s": [list(s.ident) for s in job.ledger_sources]})
                         return crc
                     if not job.checked:
-                        job.check(path, fd, at, buffers, files, slab)
+                        job.check(path, fd, loc.offset, buffers, files, slab)
                     if isinstance(checked, WriteChecks):
                         checked.count(by_source_crc=job.checked)
+                    # how it was checked, for a resumed run that keeps it (`replay_check`)
+                    w.vouch(loc, {"k": "crc" if job.checked else "read", "p": seen.pieces if seen else []})
                     return crc
 
                 yield work, loc
+            elif w.owns(rank):
+                replay_check(w, loc, e.key, checked)
         elif w.owns(rank):
             all_spliced = False
             w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
@@ -465,10 +529,12 @@ def _band_tensor(w: DcpWriter, e, targets: list[tuple[int, Box]], sources: list,
     for rank, box in targets:  # the same reservations, in the same order, as `_copy_tensor`'s
         fr = archive.framing(dtype, box.sizes)
         loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
-        if w.owns(rank):
+        if w.needs(loc):
             item = bands.BandItem(box, dtype.itemsize, fr, w.fd(rank), w.direct_fd(rank), loc.offset)
             item.write_head()
             items.append((loc, item))
+        elif w.owns(rank):
+            replay_check(w, loc, e.key, checked)
     jobs = []
     for s in sources:
         feeds = [it for _loc, it in items if (x := s.box.intersect(it.box)) is not None and not x.is_empty()]
@@ -494,6 +560,7 @@ class _FinishItems:
 
     def done(self, w: DcpWriter) -> None:
         for loc, item in self.items:
+            w.vouch(loc, {"k": "crc", "p": []})  # its source bytes were checked against their records (a mismatch raised)
             w.filled(loc, item.finish())
             if isinstance(self.checked, WriteChecks):
                 self.checked.count(by_source_crc=True)

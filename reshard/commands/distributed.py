@@ -123,8 +123,15 @@ def _collective(stage: str, world: int, fn: Any, *args: Any) -> None:
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise WorkerFailed(BadInput(
             f"one of the {world} workers stopped while {stage} (its connection closed: {detail})",
-            hint="Nothing was committed; the next run into the destination removes what this one left beside it.",
+            hint="Nothing was committed; the same command run again resumes from what this one left beside the "
+                 "destination (--restart discards it).",
         ).render(), exit_code=2) from None
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """A worker vanished (killed, its connection closed): the run is kept for the next one to resume,
+    as a single process's temporary directory is after a SIGKILL."""
+    return isinstance(exc, WorkerFailed) and exc.worker is None
 
 
 def _gather(dist: Any, obj: Any, world: int, stage: str) -> list[Any]:
@@ -148,8 +155,12 @@ def _raise_first(statuses: list[dict[str, Any]], own: BaseException | None = Non
 
 
 def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
-                        io: Any = None) -> dict[str, Any] | None:
-    """This worker's part of a distributed conversion; the report on worker 0, None elsewhere."""
+                        io: Any = None, restart: bool = False) -> dict[str, Any] | None:
+    """This worker's part of a distributed conversion; the report on worker 0, None elsewhere.
+
+    Resumable as a single process is (`reshard.storage.journal`): worker 0 decides, holding the
+    lock, whether to continue an interrupted run's temporary directory (``restart``: never) and
+    tells every worker with the directory's path; each worker keeps or writes its own files."""
     from reshard.commands import convert as ex
     from reshard.commands.space import estimate_output_bytes
     from reshard.storage.integrity import is_space_error, out_of_space
@@ -165,7 +176,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 
     try:
         return _convert_steps(plan, src, dst, ix, dist, rank, world, own, overwrite=overwrite, progress=progress,
-                              io=io or ex.IOOptions())
+                              io=io or ex.IOOptions(), restart=restart)
     except OSError as exc:  # e.g. the commit itself (fsync, rename) on a full disk
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
@@ -173,7 +184,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 
 
 def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: int, world: int, own: Any, *,
-                   overwrite: bool, progress: Any, io: Any) -> dict[str, Any] | None:
+                   overwrite: bool, progress: Any, io: Any, restart: bool = False) -> dict[str, Any] | None:
     """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
     from reshard.commands import convert as ex
     from reshard.storage.atomic import atomic_directory, fault_point
@@ -181,6 +192,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
     from reshard.semantics.manifest import write_manifest
     from reshard.commands.transition import output_manifest
     from reshard.render.progress import phase_of
+    from reshard.storage.journal import Journal, merge_summaries
 
     started = _time.time()
     stamp = ex.now_text()
@@ -189,21 +201,28 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         # 1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)
         msg: list[Any] = [None]
         failure: BaseException | None = None
+        journal = Journal(ex.resume_key(plan, src), restart=restart)
         if lead:
             try:
-                msg = [{"ok": True, "tmp": str(stack.enter_context(atomic_directory(dst, overwrite=overwrite)))}]
+                made = stack.enter_context(atomic_directory(dst, overwrite=overwrite, reuse=journal.choose,
+                                                            keep=_peer_lost))
+                journal.begin(made)  # a reused directory is cleaned, a new one gets its key, before anyone writes
+                msg = [{"ok": True, "tmp": str(made), "resumed": journal.resumed, "message": journal.message}]
             except Exception as exc:
                 failure = own(exc)
                 msg = [_error_status(failure)]
         _collective("preparing the destination", world, dist.broadcast_object_list, msg, 0)
         _raise_first(msg, failure)
         tmp = Path(msg[0]["tmp"])
+        if not lead:  # worker 0's decision, the same on every worker
+            journal.resumed, journal.message = msg[0]["resumed"], msg[0]["message"]
+            journal.begin(tmp, lead=False)
 
         def owns(file_rank: int) -> bool:
             return file_rank % world == rank
 
         # 2. write this worker's files
-        w = DcpWriter(tmp, owned=owns)
+        w = DcpWriter(tmp, owned=owns, journal=journal)
         try:
             if lead:
                 for key, equal_to in plan.checks.items():
@@ -216,14 +235,17 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
             checked = ex.WriteChecks()
             with phase_of(progress if lead else None, "writing", ex.writing_bytes(plan, ix)) as bar:
                 ex.write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
+            ex.keep_checked_honest(checked, w)
             w.sync_files()
-            status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial()}
+            status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial(),
+                                      "resume": journal.summary()}
         except Exception as exc:  # reported to every worker, then raised everywhere
             w.close()
             failure = own(exc)
             status = _error_status(failure)
         statuses = _gather(dist, status, world, "writing its files")
         _raise_first(statuses, failure)
+        written = statuses
 
         # 3. worker 0 checks the source storages split between workers, then writes .metadata
         status = {"ok": True}
@@ -270,6 +292,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         report = ex.build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["workers"] = world
         report["sidecars"] = carried
+        report["resume"] = merge_summaries([s["resume"] for s in written])
         ex.write_reports(tmp, report)
         ex.refuse_if_different(verification, dst, "the converted checkpoint")
     return report
@@ -532,8 +555,8 @@ def raise_run_error(reports: list[dict[str, Any]], failures: dict[int, int], wor
                 name = f"signal {-code}"
             raise WorkerFailed(BadInput(
                 f"worker {rank} of {workers} was killed by {name} before it finished",
-                hint="Nothing was committed; run the same command again (it removes what the stopped run left "
-                     "beside the destination). If the system killed it for memory, give --window a smaller size.",
+                hint="Nothing was committed; run the same command again (it resumes from what the stopped run left "
+                     "beside the destination; --restart discards it). If the system killed it for memory, give --window a smaller size.",
             ).render(), exit_code=2, worker=rank)
     if ranked:
         r = ranked[0]

@@ -24,6 +24,12 @@ untouched. The kernel releases a dead process's ``flock``, so the lock file does
 the next run, and the next run that takes the lock deletes the stale temporary
 directories of the same ``dst`` (holding the lock, no live run can be using them).
 
+Resuming (`reshard.storage.journal`): with ``reuse``, the lock holder may hand the block an
+interrupted run's temporary directory instead of a new one; the resumable conversion's journal
+lies beside it (`journal_dir`: ``.{dst.name}.reshard-tmp-<hex>.journal``), never inside the
+output, and goes with it (deleted at the commit, or with a stale temporary directory). A
+resumable block interrupted by Ctrl-C (``KeyboardInterrupt``) keeps both for the next run.
+
 `fault_point` is a test hook (see `reshard.commands.convert`): every write event of a conversion
 calls it, and the ``RESHARD_FAULT_*`` environment variables make the process SIGKILL or
 pause itself right after a chosen event.
@@ -42,15 +48,17 @@ import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from reshard.errors import BadInput
 
-__all__ = ["atomic_directory", "check_destination", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "stale_temporaries"]
+__all__ = ["atomic_directory", "check_destination", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
+           "stale_temporaries"]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
 _LOCK_TAG = ".reshard-lock"
+_JOURNAL_SUFFIX = ".journal"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -281,14 +289,29 @@ def stale_temporaries(parent: Path, name: str) -> list[Path]:
         return []
 
 
-def _clean_stale(parent: Path, name: str) -> None:
-    """Delete what killed runs into the same output left behind (call only holding the lock)."""
+def journal_dir(tmp: Path) -> Path:
+    """Where a resumable run into the temporary directory ``tmp`` keeps its journal: beside it, not in it."""
+    return tmp.parent / (tmp.name + _JOURNAL_SUFFIX)
+
+
+def _clean_stale(parent: Path, name: str, keep: Path | None = None) -> None:
+    """Delete what killed runs into the same output left behind, but ``keep`` (resumed) and its journal
+    (call only holding the lock)."""
     for p in stale_temporaries(parent, name):
-        shutil.rmtree(p, ignore_errors=True)
+        if p != keep:
+            shutil.rmtree(p, ignore_errors=True)
+    pat = re.compile(r"^\." + re.escape(name) + re.escape(_TMP_TAG) + r"[0-9a-f]{12}" + re.escape(_JOURNAL_SUFFIX) + "$")
+    with os.scandir(parent) as it:
+        journals = [Path(e.path) for e in it if pat.match(e.name)]
+    for j in journals:
+        if keep is None or j != journal_dir(keep):
+            shutil.rmtree(j, ignore_errors=True)
 
 
 @contextmanager
-def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
+                     reuse: Callable[[list[Path]], Path | None] | None = None,
+                     keep: Callable[[BaseException], bool] | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
 
     - ``dst`` absent or an empty directory: the temporary directory is renamed onto it.
@@ -300,6 +323,12 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
       writing ...") instead of proceeding.
     - Temporary directories left by killed runs into the same ``dst`` are deleted once the
       lock is held; a stale lock file is simply reused.
+
+    - ``reuse`` (a resumable conversion, `reshard.storage.journal.Journal.choose`): called under
+      the lock with the stale temporary directories; the one it returns is yielded as it is
+      (the others are deleted). The journal beside the yielded directory (`journal_dir`) is
+      deleted at the commit or with the directory; a ``KeyboardInterrupt`` keeps both, and so
+      does any exception ``keep`` accepts (a distributed run whose worker was killed).
 
     Missing parent directories of ``dst`` are created (after the checks above pass). Whether
     ``dst`` overlaps the input is the caller's concern.
@@ -317,8 +346,9 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
         # Re-check under the lock: another run may have finished since the first look.
         if _state(dst) == "occupied" and not overwrite:
             raise _refuse(dst)
-        _clean_stale(parent, dst.name)
-        tmp = _make_tmp(parent, dst.name)
+        chosen = reuse(stale_temporaries(parent, dst.name)) if reuse is not None else None
+        _clean_stale(parent, dst.name, keep=chosen)
+        tmp = chosen if chosen is not None else _make_tmp(parent, dst.name)
         try:
             yield tmp
             fsync_tree(tmp)
@@ -331,10 +361,15 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False) -> Iter
                 # rename(2) replaces an empty directory atomically.
                 os.rename(tmp, dst)
                 fsync_dir(parent)
+            shutil.rmtree(journal_dir(tmp), ignore_errors=True)
             fault_point("rename")
-        except BaseException:
+        except BaseException as exc:
+            if reuse is not None and (isinstance(exc, KeyboardInterrupt) or (keep is not None and keep(exc))) \
+                    and os.path.isdir(tmp):
+                raise  # interrupted on purpose: the next run into dst resumes from what is there
             if os.path.lexists(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(journal_dir(tmp), ignore_errors=True)
             raise
     finally:
         _release_lock(lock_fd, lock_path)

@@ -38,6 +38,12 @@ offset, length and storage transforms); the writer never opens those files and r
 no checksum for them. Its own files then need names no linked file has: ``file_name``
 (rank -> name) replaces DCP's ``__{rank}_0.distcp``.
 
+Resuming (``journal``, a `reshard.storage.journal.Journal`): every item written gets a journal
+line, and a rerun of an interrupted conversion reopens the data files the journal vouches for
+and skips every item it keeps (`needs` tells the caller which reserved items still need their
+bytes); the kept items' checksums are the recorded ones, so `checksums` and ``.metadata``
+are what an uninterrupted run produces.
+
 Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
 that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
 otherwise wrap it in a RuntimeError). Every item written and the ``.metadata`` commit are
@@ -150,12 +156,16 @@ class DcpWriter:
     Not thread-safe. After `finish` (or `close`) no further writes are accepted.
     """
 
-    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None):
+    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None, journal: Any = None):
         """``owned``: optional predicate on a rank's file; items of files it rejects are only
         reserved (their bytes are written by another process of a distributed conversion,
         which passes their checksums back through `adopt`). ``file_name``: optional
-        rank -> file name of this writer's data files (default `data_file_name`)."""
+        rank -> file name of this writer's data files (default `data_file_name`).
+        ``journal``: optional `reshard.storage.journal.Journal` (a resumable conversion)."""
         self.directory = Path(directory)
+        self._journal = journal
+        self._kept_unchecked: set[str] = set()  # keys with a kept item not checked against the source when written
+        self._kept_checks: dict[tuple[str, int], dict[str, Any]] = {}  # kept item -> how it was checked when written
         self._owned = owned
         self._file_name = file_name or data_file_name
         self._linked_files: set[str] = set()  # files whose items are declared by `link_chunk` / `link_object`
@@ -225,14 +235,15 @@ class DcpWriter:
             self._foreign.add((loc.file, loc.offset))
         elif archive.fits(t.numel() * t.element_size()):
             fr = archive.framing(t.dtype, tuple(t.shape))
-            data = tensor_bytes(t)
-            scrc = zlib.crc32(data)
-            tail = fr.tail(scrc)
             loc = self._reserve(rank, *_storage_at(fr))
-            write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
-            self._filled(loc, fr.item_crc(scrc, tail))
+            if not self._keep(loc, key):
+                data = tensor_bytes(t)
+                scrc = zlib.crc32(data)
+                tail = fr.tail(scrc)
+                write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
+                self._filled(loc, fr.item_crc(scrc, tail))
         else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
-            loc = self._write_blob(rank, _save_bytes(t))
+            loc = self._write_blob(rank, _save_bytes(t), key)
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -245,7 +256,7 @@ class DcpWriter:
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
         self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
-        loc = self._write_blob(rank, blob)
+        loc = self._write_blob(rank, blob, key)
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -310,7 +321,10 @@ class DcpWriter:
             loc = self._reserve(rank, *_storage_at(fr))
         else:
             loc = self._reserve(rank, length)
-        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+        elif not self._keep(loc, key):
+            self._pending.add((loc.file, loc.offset))
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -318,9 +332,32 @@ class DcpWriter:
         """Like `reserve_chunk`, for an object item."""
         self._check_object_key(key)
         loc = self._reserve(rank, length)
-        (self._pending if self.owns(rank) else self._foreign).add((loc.file, loc.offset))
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+        elif not self._keep(loc, None):
+            self._pending.add((loc.file, loc.offset))
         self._add_object(key, path, loc)
         return loc
+
+    def needs(self, loc: ItemLocation) -> bool:
+        """Whether this writer must still write the bytes of the reserved item ``loc`` (its file is
+        this process's, and a resumed run's journal did not keep it)."""
+        return (loc.file, loc.offset) in self._pending
+
+    def vouch(self, loc: ItemLocation, check: dict[str, Any]) -> None:
+        """How the caller checked item ``loc`` against the source as it wrote it (any thread; JSON
+        data): the journal records it, and a rerun that keeps the item gets it back (`kept_check`)."""
+        if self._journal is not None:
+            self._journal.vouch(loc.file, loc.offset, check)
+
+    def kept_check(self, loc: ItemLocation) -> dict[str, Any] | None:
+        """The check record of an item a resumed run kept (what `vouch` was given), or None."""
+        return self._kept_checks.get((loc.file, loc.offset))
+
+    def kept_unchecked(self) -> set[str]:
+        """Keys with an item a resumed run kept that was not checked against the source when it
+        was written: the verification compares them after writing."""
+        return set(self._kept_unchecked)
 
     def owns(self, rank: int) -> bool:
         """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
@@ -414,6 +451,10 @@ class DcpWriter:
                     where=str(self.directory),
                     hint="This is a bug in the resharding plan; the output was not committed.",
                 )
+        if self._journal is not None and self._journal.resumed:
+            for rank, fd in self._fds.items():  # a reused file ends where the last item ends, as a new one
+                if os.fstat(fd).st_size != self._end[rank]:
+                    os.ftruncate(fd, self._end[rank])
         if sync_data:
             for fd in self._fds.values():
                 os.fsync(fd)
@@ -432,8 +473,10 @@ class DcpWriter:
         return final
 
     def close(self) -> None:
-        """Close the data files without committing (idempotent). `finish` calls it."""
+        """Close the data files (and the journal) without committing (idempotent). `finish` calls it."""
         self._closed = True
+        if self._journal is not None:
+            self._journal.close()
         fds, self._fds = self._fds, {}
         direct, self._direct = self._direct, {}
         for fd in list(fds.values()) + [d for d in direct.values() if d is not None]:
@@ -515,12 +558,15 @@ class DcpWriter:
             raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
         if rank not in self._end:
             if self.owns(rank):
-                # O_EXCL: never reuse or clobber a file that is already there.
+                # O_EXCL: never reuse or clobber a file that is already there (unless a resumed
+                # run's journal vouches for it: its items are checked before it is reopened).
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 name = self._file_name(rank)
                 if name in self._linked_files:
                     raise WriterError(f"data file '{name}' is a linked file; the writer never writes into one",
                                       where=str(self.directory), hint="This is a bug in reshard; nothing was committed.")
+                if self._journal is not None and self._journal.open_file(name):
+                    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
                 self._fds[rank] = os.open(self.directory / name, flags, 0o644)
                 self._fd_of[name] = self._fds[rank]
             self._end[rank] = 0
@@ -531,14 +577,33 @@ class DcpWriter:
         return ItemLocation(self._file_name(rank), start, int(length))
 
     def _filled(self, loc: ItemLocation, crc: int) -> None:
-        self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        digest = self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
         start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
+        if self._journal is not None:
+            self._journal.record(loc.file, loc.offset, loc.length, digest)
         fault_point(f"item {loc.file}:{loc.offset}")
 
-    def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
+    def _keep(self, loc: ItemLocation, key: str | None) -> bool:
+        """Whether a resumed run's journal keeps this owned item (its checksum is then the recorded one)."""
+        if self._journal is None:
+            return False
+        k = self._journal.kept(loc.file, loc.offset, loc.length)
+        if k is None:
+            return False
+        self._checksums[f"{loc.file}:{loc.offset}"] = k[0]
+        if k[1] is None:
+            if key is not None:
+                self._kept_unchecked.add(key)
+        else:
+            self._kept_checks[(loc.file, loc.offset)] = k[1]
+        return True
+
+    def _write_blob(self, rank: int, blob: Any, key: str | None = None) -> ItemLocation:
         loc = self._reserve(rank, len(blob))
         if not self.owns(rank):
             self._foreign.add((loc.file, loc.offset))
+            return loc
+        if self._keep(loc, key):
             return loc
         write_exact(self._fds[rank], [blob], loc.offset)
         self._filled(loc, zlib.crc32(blob))
