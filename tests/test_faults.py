@@ -211,7 +211,7 @@ def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_commit
         dst = request.getfixturevalue("small_tmpfs") / "out"
         check = space_check(plan, dst)  # what `reshard plan --dst` warns about in advance
         assert not check["enough"] and check["needed_bytes"] == needed and str(dst) in check["warning"]
-        r = run(src, dst)
+        r = run(src, dst, "dp=2", "--force")  # past the refusal before the first byte (tests/test_preflight.py)
     else:
         dst = tmp_path / "out"
         r = run(src, dst, preexec=fsize_limit(200_000))
