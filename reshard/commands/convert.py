@@ -11,8 +11,11 @@ Faults
 ------
 * **Killed** (SIGKILL, OOM, power): ``dst`` is untouched (absent, or the previous output
   with ``--overwrite``); at most a hidden temporary directory and the lock file remain
-  beside it, and the next run into ``dst`` deletes the former and reuses the latter
-  (`reshard.storage.atomic`). Running the same command again gives the same bytes.
+  beside it, with the journal of the items written (`reshard.storage.journal`). The next
+  run into ``dst`` with the same plan, source and options continues in that directory: it
+  keeps every journaled item whose bytes still have their CRC-32 and writes the rest
+  (``--restart``, or any change of the resume key: it deletes the directory and starts
+  over, saying why). Running the same command again gives the same bytes either way.
 * **Out of space** (ENOSPC, EFBIG, EDQUOT): `BadInput` (exit 2) naming the destination
   and the estimated bytes needed (`reshard.storage.integrity.estimate_output_bytes`); nothing is
   committed and the temporary directory is removed. `reshard.storage.integrity.space_check`
