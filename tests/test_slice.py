@@ -218,9 +218,9 @@ def test_plan_shows_the_slice_size_and_memory_before_writing(ref4, tmp_path):
     assert p["fingerprint"] != whole["fingerprint"] and "layers" not in whole["options"]
 
 
-NO_PIPELINE = """family = "no-layers"
+NO_PIPELINE = r"""family = "no-layers"
 description = "a family that does not say what a layer is"
-match_params = ['^tok_emb\\\\.weight$']
+match_params = ['^tok_emb\.weight$']
 
 [[param]]
 match = '.*'
@@ -333,3 +333,81 @@ def test_torchtitan_slice_has_the_keys_of_a_two_layer_run(titan):
     native, sliced = md(work / "native2" / "checkpoint" / "step-2"), md(work / "fused-slice" / "checkpoint" / "step-2")
     assert sorted(set(native) ^ set(sliced)) == []
     assert native == sliced
+
+
+# ------------------------------------------------------------------------------ experts (a declared [experts] table)
+
+MOE_WRITER = Path(__file__).parent / "writers" / "moe_toy.py"
+MOE_RULES = r"""family = "toy-moe"
+description = "a per-expert MoE (tests/writers/moe_toy.py): no shipped family declares an expert dimension"
+match_params = ['^layers\.\d+\.moe\.router\.weight$']
+
+[pipeline]
+layer = '^layers\.(?P<layer>\d+)\.'
+num_layers = "n_layers"
+first = ['^emb\.']
+last = ['^norm\.', '^head\.']
+
+[experts]
+match = '^layers\.\d+\.moe\.experts\.(?P<expert>\d+)\.'
+num_experts = "n_experts"
+router = [{ match = '^layers\.\d+\.moe\.router\.weight$', dim = 0 }]
+
+[[param]]
+match = '.*'
+tp = "replicate"
+"""
+MOE_LAYERS, MOE_EXPERTS = [0, 2], [1, 3]  # of 3 layers, of 4 experts
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict[str, Any]:
+    """A 3-layer, 4-expert MoE trained at dp=2 (FSDP2, torchrun), sliced to layers 0,2 and experts 1,3,
+    then loaded (dcp.load, strict planner) into a 2-layer, 2-expert model at dp=2."""
+    from conftest import run_torchrun
+
+    work = tmp_path_factory.mktemp("slice_moe")
+    run_torchrun(MOE_WRITER, 2, "write", work, 3, 4)
+    rules = work / "toy_moe.toml"
+    rules.write_text(MOE_RULES)
+    dst = work / "slice"
+    code, text, err = cli(["convert", work / "ckpt", dst, "--to", "dp=2", "--layers", "0,2", "--experts", "1,3",
+                           "--rules", rules])
+    assert code == 0, text + err
+    run_torchrun(MOE_WRITER, 2, "load", dst, 2, 2, work / "loaded.pt")
+    return {"work": work, "dst": dst, "out": text, "loaded": torch.load(work / "loaded.pt", weights_only=False),
+            "reference": torch.load(work / "reference.pt", weights_only=False)}
+
+
+def _moe_source_name(key: str) -> str:
+    """The source name of a slice key: layer i is MOE_LAYERS[i], expert j is MOE_EXPERTS[j]."""
+    import re
+
+    key = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{MOE_LAYERS[int(m.group(1))]}.", key, count=1)
+    return re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{MOE_EXPERTS[int(m.group(1))]}.", key, count=1)
+
+
+def test_expert_slice_loads_strictly_with_the_kept_experts_and_router_rows(moe):
+    """Every key the 2x2 model asks for is in the slice and every slice key is asked for; each expert's
+    weights and moments are the kept source expert's, each router (and its moments) holds the kept
+    experts' rows, bitwise."""
+    got, ref = moe["loaded"]["values"], moe["reference"]
+    keys = set(CheckpointIndex.open(moe["dst"]).entries)
+    assert set().union(*map(set, moe["loaded"]["requested"])) == keys
+    routers = 0
+    for key, v in got.items():
+        if key == "param_groups":
+            continue
+        want = ref[_moe_source_name(key)]
+        if ".moe.router.weight" in key and not key.endswith(".step"):
+            want = want[MOE_EXPERTS]
+            routers += 1
+        assert bits_equal(v, want), key
+    assert routers == 2 * 3  # the router of each kept layer, and its two moments
+    assert {k.split("experts.")[1].split(".")[0] for k in got if "experts." in k} == {"0", "1"}
+    group = got["param_groups"][0]
+    src_group = ref["param_groups"][0]
+    assert group["lr"] == src_group["lr"] and group["params"] == [
+        p for p in (renumber(renumber(q, MOE_LAYERS, "layers") or "", MOE_EXPERTS, "experts") for q in src_group["params"]) if p]
+    m = read_manifest(moe["dst"])
+    assert m.model.config == {"n_layers": 2, "n_experts": 2}

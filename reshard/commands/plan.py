@@ -916,6 +916,7 @@ def _apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, key
     have = {t.key for t in out if t is not None}
     out += [t for k, t in tensors.items() if t is not None and k not in have and k not in planned]
     keys.tensors[:] = [t for t in out if t is not None]
+    _select_router_rows(sl, cls, keys, target)
     size = sum(int(np.prod(t.shape, dtype=np.int64)) * _dtype_size(t.dtype) for t in keys.tensors if t.dtype)
     moments = {cls.roles[t.copy_from or t.key].param for t in keys.tensors
                if t.role == "optimizer_moment" and (t.copy_from or t.key) in cls.roles}
@@ -928,6 +929,44 @@ def _apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, key
                            "bytes": sum(d["bytes"] for d in dropped.values()), "by_reason": dropped},
                "fqn_lists": lists}
     return _Sliced(sl, summary, renamed, len(moments))
+
+
+def _select_router_rows(sl: slicing_mod.Slice, cls: Any, keys: _Keys, target: Topology) -> None:
+    """``--experts``: a router parameter (and its moments) keeps the rows of the kept experts (transform ``select``).
+
+    The tensor is read whole, its rows picked and re-cut, like a TP-dependent layout
+    (`reshard.semantics.transforms.write_transformed`); convert proves it against the source's rows.
+    """
+    by_key = {a.key: a for a in keys.actions if a.action != "dropped"}
+    changed = []
+    for t in keys.tensors:
+        src = t.copy_from or t.key
+        role = cls.roles.get(src)
+        if role is None or t.role not in ("parameter", "optimizer_moment"):
+            continue
+        rows = sl.rows_kept(role.param)
+        if rows is None:
+            continue
+        dim, index = rows
+        count = next(a.count for a in sl.axes if a.what == "expert")
+        if t.transform or dim >= len(t.shape) or t.shape[dim] != count:
+            raise BadInput(f"router parameter '{src}' cannot keep the rows of experts {list(index)}: "
+                           + ("it is already rewritten for this target (" + t.transform["kind"] + ")" if t.transform
+                              else f"its shape {list(t.shape)} has no dim {dim} of {count} experts"),
+                           where=sl.rules_source,
+                           hint="Check [experts] router in the rules (dim: the axis with one row per expert), "
+                                "or slice the experts at the source's tensor-parallel degree.")
+        shape = tuple(len(index) if d == dim else n for d, n in enumerate(t.shape))
+        owner = t.chunks[0][0] if t.chunks and t.placement.kind == "replicate" else None
+        t.shape, t.transform = shape, {"kind": "select", "dim": dim, "index": list(index), "from_rows": count,
+                                       "to_rows": len(index)}
+        t.chunks = [(owner if owner is not None else r, o, z) for r, o, z in target_chunks_cached(shape, t.placement, target)]
+        a = by_key.get(t.key)
+        if a is not None:
+            a.reason += f"; the rows of experts {','.join(map(str, index))} of {count} kept (--experts)"
+        changed.append(t)
+    if changed:
+        _fill_local_shapes(changed, target)
 
 
 def _sliced_fqn_list(ix: Any, sl: slicing_mod.Slice, key: str, role: str, keys: _Keys,
@@ -955,7 +994,7 @@ def _slice_verdict(verdict: dict[str, Any], sliced: _Sliced, reasons: list[str])
             + (f" (+{len(ends) - 6})" if len(ends) > 6 else "")
             + f"; {s['kept']['tensors']} tensors, {human_bytes(s['kept']['bytes'])}"
             + f"; dropped {s['dropped']['keys']} keys ({human_bytes(s['dropped']['bytes'])}) of the "
-              f"{'/'.join(a.what for a in sliced.slice.axes)}s left out")
+              f"{' and '.join(a.what + 's' for a in sliced.slice.axes)} left out")
     verdict["kept"] = {"model": {"status": "sliced", "note": kept}, **verdict["kept"]}
     opt = verdict["kept"].get("optimizer_state")
     if opt and opt["status"] == "carried":
@@ -1031,6 +1070,8 @@ def _reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction
 
 
 def _describe_transform(t: dict[str, Any]) -> str:
+    if t["kind"] == "select":
+        return f"rows {t['index']} of {t['from_rows']} along dim {t['dim']} kept (a slice of the experts)"
     if t["kind"] == "reinterleave":
         return f"fused parts {t['parts']} re-interleaved for tp {t['from_tp']} -> {t['to_tp']}"
     return f"vocab {t['vocab']} padded {t['from_rows']} -> {t['to_rows']} rows (fill {t['fill']})"

@@ -1231,6 +1231,8 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
         if tr["kind"] == "reinterleave":
             ok = torch.equal(transforms.to_canonical(x, tr["dim"], tr["parts"], tr["from_tp"]),
                              transforms.to_canonical(y, tr["dim"], tr["parts"], tr["to_tp"]))
+        elif tr["kind"] == "select":  # a slice's router rows: exactly the kept experts' rows of the source
+            ok = torch.equal(transforms.select_rows(x, tr["dim"], tr["index"]).to(y.dtype), y)
         else:
             n = min(tr["from_rows"], tr["to_rows"])
             ok = torch.equal(x.narrow(tr["dim"], 0, n), y.narrow(tr["dim"], 0, n))

@@ -79,6 +79,19 @@ class Slice:
     first: tuple[re.Pattern[str], ...] = ()
     last: tuple[re.Pattern[str], ...] = ()
     notes: list[str] = field(default_factory=list, compare=False)
+    # ``[experts] router``: parameters with one row (along ``dim``) per expert, e.g. the router's
+    # gate: the slice keeps the rows of the kept experts, in order
+    routers: tuple[tuple[re.Pattern[str], int], ...] = ()
+
+    def rows_kept(self, param: str | None) -> tuple[int, tuple[int, ...]] | None:
+        """(dim, source rows kept) of a router parameter; None: not one (or no expert slice)."""
+        experts = next((a for a in self.axes if a.what == "expert"), None)
+        if experts is None or not param:
+            return None
+        for pattern, dim in self.routers:
+            if pattern.match(param):
+                return dim, experts.kept
+        return None
 
     def fate(self, key: str, param: str | None = None) -> Fate:
         """The fate of ``key`` (whose parameter FQN is ``param`` when its convention says it).
@@ -252,6 +265,7 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
     config = dict(config or {})
     pl = rules.pipeline
     axes: list[Axis] = []
+    routers: tuple[tuple[re.Pattern[str], int], ...] = ()
     if layers is not None:
         if pl.layer is None or "layer" not in pl.layer.groupindex:
             why = ("declares no [pipeline] table" if not (pl.first or pl.last or pl.layer) else
@@ -283,10 +297,25 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
         n = _count("expert", pattern, params, config, name, rules)
         axes.append(Axis("expert", "--experts", pattern, n,
                          parse_indices(experts, n, flag="--experts", what="expert"), name))
+        routers = _routers(table.get("router", []), rules)
     notes = []
     outside = [p for p in params if all(_locate(p, p, a) is None for a in axes)]
     unplaced = [p for p in outside if not any(x.match(p) for x in (*pl.first, *pl.last))]
     if unplaced and layers is not None:
         notes.append(f"{len(unplaced)} parameters belong to no layer and to neither end of the model "
                      f"(e.g. {unplaced[0]}): kept")
-    return Slice(rules.family, rules.source, tuple(axes), tuple(pl.first), tuple(pl.last), notes)
+    return Slice(rules.family, rules.source, tuple(axes), tuple(pl.first), tuple(pl.last), notes, routers)
+
+
+def _routers(tables: Any, rules: ModelRules) -> tuple[tuple[re.Pattern[str], int], ...]:
+    """``router = [{ match = REGEX, dim = N }]``: the parameters with a row per expert along ``dim``."""
+    out = []
+    for t in tables if isinstance(tables, list) else [tables]:
+        if not isinstance(t, dict) or not isinstance(t.get("match"), str) or not isinstance(t.get("dim", 0), int):
+            raise BadInput("[experts] router must be a list of { match = '<parameter regex>', dim = <int> }",
+                           where=rules.source)
+        try:
+            out.append((re.compile(t["match"]), int(t.get("dim", 0))))
+        except re.error as exc:
+            raise BadInput(f"[experts] router match is not a regular expression ({exc})", where=rules.source) from None
+    return tuple(out)

@@ -72,6 +72,11 @@ def repad_rows(t: torch.Tensor, dim: int, rows: int, fill: float) -> tuple[torch
     return t.narrow(dim, 0, rows).contiguous(), lost
 
 
+def select_rows(t: torch.Tensor, dim: int, index: list[int]) -> torch.Tensor:
+    """The rows ``index`` of ``dim``, in that order (a slice of the experts keeps their router rows)."""
+    return t.index_select(dim, torch.tensor(index, dtype=torch.long)).contiguous()
+
+
 def write_transformed(ix: Any, w: Any, t: Any, source_key: str | None = None) -> None:
     """Tensors whose global layout depends on TP (fused, padded vocab): whole tensor, transformed, re-cut.
 
@@ -85,6 +90,8 @@ def write_transformed(ix: Any, w: Any, t: Any, source_key: str | None = None) ->
         full = reinterleave(full, tr["dim"], tr["parts"], tr["from_tp"], tr["to_tp"])
     elif tr and tr["kind"] == "repad":
         full, _ = repad_rows(full, tr["dim"], tr["to_rows"], tr["fill"])
+    elif tr and tr["kind"] == "select":  # a slice's router: the rows of the kept experts, in order
+        full = select_rows(full, tr["dim"], tr["index"])
     full = full.to(getattr(torch, t.dtype))  # reduced copies (--dtype); a no-op otherwise
     for rank, offsets, sizes in t.chunks:
         box = Box(tuple(offsets), tuple(sizes))
