@@ -67,14 +67,13 @@ import re
 import struct
 import time as _time
 import tomllib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from reshard.commands.space import preflight
+from reshard.commands.space import preflight, space_errors
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
@@ -536,7 +535,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     estimate = preflight(dst, needed=needed, read_bytes=sum(ix.entries[it.key].nbytes for it in plan.items
                                                              if it.key in ix.entries) or total,
                          sources=[src], force=force, what="the export", progress=progress)
-    with _space_errors(dst, needed), atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, needed, "the export"), atomic_directory(dst, overwrite=overwrite) as tmp:
         with phase_of(progress, "writing", total) as bar:
             for shard in shards:
                 if not shard:
@@ -754,25 +753,6 @@ def _estimate_bytes(shards: list[list[_Item]], fmt: str, metadata: Any) -> int:
     if fmt == "safetensors":
         total += sum(len(_st_header(shard, metadata(shard))) for shard in shards if shard)
     return total
-
-
-@contextmanager
-def _space_errors(dst: Path, needed: int) -> Iterator[None]:
-    """A full destination reads like convert's (`reshard.storage.integrity.out_of_space`): destination, bytes, exit 2.
-
-    Outside `atomic_directory`, so it sees the commit's own writes too and the temporary
-    directory is already gone when the error is raised. ``torch.save`` reports a failed
-    write as a RuntimeError whose cause is the OSError; that counts too.
-    """
-    from reshard.storage.integrity import is_space_error, out_of_space
-
-    try:
-        yield
-    except (OSError, RuntimeError) as exc:
-        cause = exc if isinstance(exc, OSError) else (exc.__cause__ or exc.__context__)
-        if isinstance(cause, OSError) and is_space_error(cause):
-            raise out_of_space(dst, needed, cause, what="the export") from None
-        raise
 
 
 def _verify_export(ix, out: Path, plan: _Plan, fmt: str, progress: Any = None) -> dict[str, Any]:

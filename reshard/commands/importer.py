@@ -94,6 +94,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
+from reshard.commands.space import space_errors
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
 REPORT = "import-report.json"
@@ -473,7 +474,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     estimate = import_preflight(src, dst, planned, force=force, progress=progress)
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, rules, topo, output)
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
@@ -512,7 +513,7 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     estimate = import_preflight(src, dst, planned, force=force, progress=progress)
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, None, topo, output)
         manifest.key_convention = mapping.native_convention

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput
 from reshard.storage import dcp_writer
@@ -359,6 +359,26 @@ def _rates(figures: dict[str, Any]) -> str:
         else:
             out.append(f"{side} not measured ({r.get('error')})")
     return ", ".join(out)
+
+
+@contextlib.contextmanager
+def space_errors(dst: str | os.PathLike, needed: int, what: str) -> Iterator[None]:
+    """A full destination inside the block reads as convert's (`reshard.storage.integrity.out_of_space`):
+    destination, bytes needed, exit 2 (after ``--force``, or when the disk filled up meanwhile).
+
+    Put it outside `atomic_directory`, so it sees the commit's own writes too and the temporary
+    directory is already gone when the error is raised. ``torch.save`` reports a failed
+    write as a RuntimeError whose cause is the OSError; that counts too.
+    """
+    from reshard.storage.integrity import is_space_error, out_of_space
+
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        cause = exc if isinstance(exc, OSError) else (exc.__cause__ or exc.__context__)
+        if isinstance(cause, OSError) and is_space_error(cause):
+            raise out_of_space(dst, needed, cause, what=what) from None
+        raise
 
 
 def duration(seconds: float | None) -> str:
