@@ -114,10 +114,10 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
 
 
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
-    """The source bytes a conversion reads: what its "writing" phase counts (every key the plan keeps)."""
-    from reshard.commands.convert import writing_bytes
-
-    return writing_bytes(plan, ix)
+    """The source bytes a conversion reads: the logical bytes of every key the plan keeps (what
+    convert's "writing" phase counts, `reshard.commands.convert.writing_bytes`)."""
+    dropped = {a.key for a in plan.keys if a.action == "dropped"}
+    return sum(e.nbytes for key, e in ix.entries.items() if key not in dropped)
 
 
 def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: bool = False,
