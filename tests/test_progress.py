@@ -67,6 +67,11 @@ def test_first_line_before_torch_then_bytes(name, sides, tmp_path):
     assert torch_line, "the command imported torch (it reads tensors)"
     assert first.start() < torch_line.start(), "the first line must come before torch is imported"
     assert "B/s" in text and PHASES[name] in text, text[-3000:]  # a bar in bytes, named by its phase
+    if name in ("convert", "export", "import"):  # the preflight's figures before the first byte, then a commit bar
+        assert re.search(r"^checking space: writes about .* free at .*to copy \(measured: read ", text, re.M), text[-3000:]
+        assert "commit" in text, text[-3000:]
+    if name == "convert":
+        assert re.search(r"^planning the conversion to dp=2 …$", text, re.M), text[-3000:]
     print(f"\n{name}: first line after {first_line_seconds(r, first.group(0)):.2f} s "
           f"(under -X importtime; exit after {r['pieces'][-1][0]:.2f} s)")
 
@@ -78,6 +83,7 @@ def test_workers_show_one_progress(sides, tmp_path):
     text = r["err"].replace("\r\n", "\n")
     assert len(re.findall(r"^reading .* …$", text, re.M)) == 1, text[-3000:]
     assert len(re.findall(r"converting .* to dp=2 …", text)) == 1, text[-3000:]
+    assert len(re.findall(r"^checking space: ", text, re.M)) == 1, text[-3000:]  # checked once, by worker 0
     assert "B/s" in text and "writing" in text, text[-3000:]
 
 
