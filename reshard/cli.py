@@ -502,7 +502,7 @@ def rehearse(
     reuse_baseline: Optional[Path] = typer.Option(
         None, "--reuse-baseline", help="An earlier rehearsal's --out whose baseline (same layout, recipe, steps) "
         "is reused."),
-    like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint."),
+    like: Optional[Path] = typer.Option(None, "--like", help="Copy structure, recipe and policies from this real checkpoint; with --trainer, a slice of it (convert --layers) that the baseline resumes."),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="Seconds one trainer run may take (default: no limit)."),
     out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
     json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),

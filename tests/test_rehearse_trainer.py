@@ -176,7 +176,7 @@ def test_reuse_of_another_experiments_baseline_is_refused(dp2to3, tmp_path):
     with pytest.raises(BadInput, match="seed 0 there, 1 here"):
         rehearse(from_spec="dp=2", to_spec="dp=4", trainer=FORKED, out=tmp_path, reuse_baseline=dp2to3["_out"],
                  **{**SHARED, "seed": 1})
-    with pytest.raises(BadInput, match="--like scales the reference model"):
+    with pytest.raises(BadInput, match="--like takes a slice of the real checkpoint"):
         rehearse(from_spec="dp=2", to_spec="dp=4", trainer=FORKED, out=tmp_path, like=tmp_path, **RUN)
 
 

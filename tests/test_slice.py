@@ -411,3 +411,75 @@ def test_expert_slice_loads_strictly_with_the_kept_experts_and_router_rows(moe):
         p for p in (renumber(renumber(q, MOE_LAYERS, "layers") or "", MOE_EXPERTS, "experts") for q in src_group["params"]) if p]
     m = read_manifest(moe["dst"])
     assert m.model.config == {"n_layers": 2, "n_experts": 2}
+
+
+# ------------------------------------------------------------------------------ rehearse your trainer on a slice
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_trainer.py"
+DEEPER = Path(__file__).parent / "writers" / "fsdp2_layers.py"
+TRAINER_ARGS = (" --layout {layout} --resume {ckpt_in} --save-at {save_at} --save {ckpt_out} --steps {steps} "
+                "--step-log {log} --micro-batch {micro_batch} --grad-accum {grad_accum} --seed {seed} "
+                "--dataset-len {dataset_len}")
+TINY_RULES = r"""family = "tiny-lm"
+description = "examples/fsdp2_trainer.py's TinyLM"
+match_params = ['^blocks\.\d+\.fc1\.weight$']
+
+[pipeline]
+layer = '^blocks\.(?P<layer>\d+)\.'
+num_layers = "n_layers"
+first = ['^tok\.', '^pos\.']
+last = ['^ln_f\.', '^head\.']
+
+[[param]]
+match = '.*'
+tp = "replicate"
+"""
+
+
+@pytest.fixture(scope="module")
+def trainer_slice(tmp_path_factory) -> dict[str, Any]:
+    """examples/fsdp2_trainer.py trained with 4 blocks at dp=2 to step 2, sliced to blocks 0,3; then
+    `rehearse --trainer` (the example as it is: 2 blocks) dp=2 -> dp=1 starting from the slice."""
+    from reshard.commands.rehearsal import rehearse
+
+    work = tmp_path_factory.mktemp("slice_trainer")
+    res = subprocess.run([sys.executable, str(DEEPER), "4", "--nproc", "2", "--layout", "dp=2", "--steps", "2",
+                          "--save-at", "2", "--save", str(work / "run"), "--micro-batch", "2", "--grad-accum", "2",
+                          "--seed", "0", "--dataset-len", "512"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rules = work / "tiny.toml"
+    rules.write_text(TINY_RULES)
+    slice_dir = work / "slice"
+    code, out, err = cli(["convert", work / "run" / "step_2", slice_dir, "--to", "dp=2", "--layers", "0,3",
+                          "--rules", rules, "--source-micro-batch", "2", "--source-grad-accum", "2"])
+    assert code == 0, out + err
+    forked = "{python} " + str(EXAMPLE) + " --nproc {world}" + TRAINER_ARGS
+    report = rehearse(from_spec="dp=2", to_spec="dp=1", trainer=forked, like=slice_dir, out=work / "rehearsal",
+                      steps=8, switch_at=4, window=4, control="none")
+    return {"report": report, "slice": slice_dir, "work": work}
+
+
+def test_rehearse_your_trainer_on_a_slice(trainer_slice):
+    """The baseline resumes the slice (step 2: its real weights, moments, schedule, data cursor) on dp=2; the
+    transition dp=2 -> dp=1 at step 4 passes with exact coverage, and the report names the slice."""
+    r, slice_dir = trainer_slice["report"], trainer_slice["slice"]
+    assert r["exit_code"] == 0, (r["diverged"], r["errors"])
+    cov = r["coverage"]["resumed"]
+    assert (cov["repeated"], cov["skipped"], cov["exact"]) == (0, 0, True)
+    assert f"--resume {slice_dir}" in r["trainer"]["runs"]["baseline"]["command"]
+    base = [json.loads(ln) for ln in (trainer_slice["work"] / "rehearsal" / "baseline.jsonl").read_text().splitlines()]
+    assert base[0]["step"] == 3  # resumed after the slice's step 2, not from scratch
+    ss = r["setup"]["like"]["slice_start"]
+    assert ss["step"] == 2 and ss["slice"]["layers"]["kept"] == [0, 3] and ss["dataset_len"] == 512
+    md = (trainer_slice["work"] / "rehearsal" / "rehearsal.md").read_text()
+    assert "started from a slice of the real checkpoint" in md and "layers 0,3 of 4" in md
+
+
+def test_rehearse_trainer_like_refuses_a_checkpoint_that_is_no_slice(ref4, tmp_path):
+    from reshard.commands.rehearsal import rehearse
+    from reshard.errors import BadInput
+
+    with pytest.raises(BadInput, match="takes a slice of the real checkpoint"):
+        rehearse(from_spec="dp=2", to_spec="dp=1", trainer="{python} x.py --layout {layout}", like=ref4,
+                 out=tmp_path / "r", steps=8, switch_at=4, window=4, control="none")

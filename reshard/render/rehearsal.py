@@ -121,7 +121,11 @@ def render_markdown(r: dict[str, Any]) -> str:
               f"- recipe: {st['recipe_choice']['note']}",
               f"- randomness: {st['randomness']}",
               f"- data: {st['epoch_boundary']}"]
-    if st.get("like"):
+    if st.get("like") and st["like"].get("slice_start"):  # your trainer resumed a slice of the real checkpoint
+        ss = st["like"]["slice_start"]
+        lines.append(f"- started from a slice of the real checkpoint, {ss['from']} ({ss['slice']['description']}, "
+                     f"step {ss['step']}): {ss['how']}")
+    elif st.get("like"):
         lines.append(f"- copied from the real checkpoint {st['like']['from']}: "
                      + "; ".join(f"{n}: {st['like'][n]}" for n in ("model", "batch", "schedule", "data")
                                  if st["like"].get(n)))

@@ -212,6 +212,7 @@ class _Setup:
     timeout: float | None
     runs: dict[str, RunResult] = field(default_factory=dict)
     say: Callable[[str], None] | None = None  # progress lines on a terminal (None: nobody is watching)
+    start: Path | None = None  # --trainer with --like SLICE: the checkpoint the baseline resumes (None: from scratch)
 
     def tell(self, line: str) -> None:
         """A progress line, when somebody is watching."""
@@ -266,9 +267,7 @@ def _check_arguments(steps: int, switch_at: int, window: int, hooks: dict | None
         raise BadInput(f"unknown hooks {sorted(unknown_hooks)}", hint="Known: after_convert.")
     if control is not None and control not in CONTROLS:
         raise BadInput(f"--control {control}: unknown", hint=f"Known: {', '.join(CONTROLS)}.")
-    if trainer is not None and like is not None:
-        raise BadInput("--like scales the reference model to a real checkpoint; with --trainer your trainer "
-                       "builds its own model", hint="Drop --like, or --trainer to rehearse on the reference model.")
+    # with --trainer, --like is a slice of the real checkpoint (convert --layers), checked in `_slice_start`
     if trainer is not None and dropout:
         raise BadInput(f"--dropout {dropout} sets the reference model's dropout; your trainer's randomness is its own",
                        hint="Turn dropout off in your trainer's command for a deterministic rehearsal.")
@@ -304,7 +303,20 @@ def _make_setup(src: Topology, tgt: Topology, *, trainer: str | None, steps: int
                 grad_accum: int | None, source_micro_batch: int | None, source_grad_accum: int | None,
                 control: str | None, dataset_len: int | None, timeout: float | None) -> _Setup:
     """The trainer command, the recipe (checked against both layouts) and the data length every run needs."""
-    model_kw, copied, warmup = _like_recipe(like, src, steps)
+    start = None
+    if trainer is not None and like is not None:  # your trainer starts from a slice of the real checkpoint
+        model_kw, copied, warmup = {}, _slice_start(Path(like), src, switch_at), 2
+        start = Path(like)
+        sl = copied["slice_start"]
+        source_micro_batch = source_micro_batch or sl["micro_batch"]
+        source_grad_accum = source_grad_accum or sl["grad_accum"]
+        if sl.get("seed") is not None and seed not in (0, sl["seed"]):
+            raise BadInput(f"--seed {seed}, but the slice's data order has seed {sl['seed']}", where=str(like),
+                           hint="Drop --seed: the rehearsal resumes the slice with its own data order.")
+        seed = sl["seed"] if sl.get("seed") is not None else seed
+        dataset_len = dataset_len or sl.get("dataset_len")
+    else:
+        model_kw, copied, warmup = _like_recipe(like, src, steps)
     if copied is not None and "micro_batch" in model_kw:
         source_micro_batch, source_grad_accum = model_kw.pop("micro_batch"), model_kw.pop("grad_accum")
     if trainer is None:
@@ -324,7 +336,51 @@ def _make_setup(src: Topology, tgt: Topology, *, trainer: str | None, steps: int
                        hint=f"Pass at least {need}, or leave it to the rehearsal.")
     return _Setup(src=src, tgt=tgt, steps=steps, switch_at=switch_at, window=window, out=out, seed=seed,
                   dropout=dropout, like=like, command=command, recipe=recipe, model_kw=model_kw, copied=copied,
-                  warmup=warmup, dataset_len=dataset_len, control=kind, timeout=timeout)
+                  warmup=warmup, dataset_len=dataset_len, control=kind, timeout=timeout, start=start)
+
+
+def _slice_start(like: Path, src: Topology, switch_at: int) -> dict[str, Any]:
+    """``--trainer CMD --like SLICE``: the baseline resumes a slice reshard made (`convert --layers`).
+
+    A slice of the real checkpoint carries its real weights, Adam moments, step, schedule and
+    data position: the user's trainer, configured with the slice's layer count, rehearses the
+    transition on them instead of on a fresh model. Refused unless the manifest says it is a
+    slice, it is laid out for ``--from`` and its step comes before the switch; its recipe,
+    seed and data length are the rehearsal's (what the resumed trainer must be given).
+    """
+    from reshard.semantics.manifest import read_manifest
+    from reshard.storage.index import CheckpointIndex
+
+    m = read_manifest(like)
+    slices = [e for e in (m.lineage if m is not None else []) if isinstance(e.policies, dict) and e.policies.get("slice")]
+    if m is None or not slices:
+        raise BadInput("with --trainer, --like takes a slice of the real checkpoint made by reshard (its manifest "
+                       "names the slice); this is not one", where=str(like),
+                       hint="Make one with `reshard convert SRC SLICE --to SPEC --layers RANGE`, or drop --like "
+                            "(your trainer builds its own model).")
+    layout = {k: m.topology.dims.get(k, 1) for k in ("dp_shard", "tp", "pp")}
+    if layout != {"dp_shard": src.dp_shard, "tp": src.tp, "pp": src.pp}:
+        raise BadInput(f"the slice is laid out for {m.topology.dims}, and --from is {layout_spec(src)}",
+                       where=str(like / "manifest.json"),
+                       hint="Rehearse --from the slice's layout, or make the slice with --to at the --from layout.")
+    step = int(m.step or 0)
+    if step >= switch_at:
+        raise BadInput(f"the slice is at step {step}: the switch (--switch-at {switch_at}) must come after it",
+                       where=str(like), hint=f"Pass --switch-at above {step} (and --steps to match): steps are absolute.")
+    ix = CheckpointIndex.open(like)
+
+    def obj(key: str) -> Any:
+        return ix.read_object(key) if key in ix.entries and not ix.entries[key].is_tensor else None
+
+    seed = obj("data.sampler.seed")
+    dataset_len = obj("data.sampler.dataset_len") or (m.data.dataset_len if m.data else None) or None
+    info = {"from": str(like), "step": step, "slice": slices[-1].policies["slice"],
+            "micro_batch": m.batch.micro_batch, "grad_accum": m.batch.grad_accum,
+            "seed": int(seed) if isinstance(seed, int) else (m.data.seed if m.data else None),
+            "dataset_len": int(dataset_len) if dataset_len else None,
+            "how": f"the baseline resumes the slice at step {step} (its real weights, moments, schedule and data "
+                   "position) on --from; the trainer must build the slice's model"}
+    return {"from": str(like), "slice_start": info}
 
 
 def _like_recipe(like: Path | None, src: Topology, steps: int) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
@@ -393,7 +449,7 @@ class _Baseline:
 def _run_baseline(setup: _Setup, reuse: Path | None) -> _Baseline:
     """Run the source layout uninterrupted (or take an earlier rehearsal's run), then the noise floor."""
     k, src, r = setup.switch_at, setup.src, setup.recipe.source
-    spec = setup.spec("baseline", src, r.micro_batch, r.grad_accum, save_at=[k, k + 1])
+    spec = setup.spec("baseline", src, r.micro_batch, r.grad_accum, save_at=[k, k + 1], ckpt_in=setup.start)
     if reuse is not None:
         base = _reused_baseline(setup, spec, reuse)
     else:
@@ -463,7 +519,7 @@ def _check_rules_family(setup: _Setup, src_ckpt: Path) -> None:
     from reshard.storage.index import CheckpointIndex
 
     copied = setup.copied
-    if copied is None:
+    if copied is None or "slice_start" in copied:  # your trainer on a slice: its own model, the real rules
         return
     bix = CheckpointIndex.open(src_ckpt)
     rules_family = select(sorted(x[len("model."):] for x in bix.entries if x.startswith("model.")),
