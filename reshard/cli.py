@@ -174,6 +174,7 @@ def plan(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
     tensors_out: Optional[Path] = typer.Option(None, "--tensors-out", help="Write every tensor's placement and chunks to this file (JSON lines), however large."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Dry run: what a conversion to --to would do, and whether the run stays the same run.
 
@@ -181,6 +182,7 @@ def plan(
     """
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
+    _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
     from reshard.commands.plan import make_plan
     from reshard.render.report import render_plan, to_json
 
@@ -226,7 +228,8 @@ def convert(
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run as M processes on this machine (torchrun), each writing its share of the target files."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="I/O threads per process (default: 4-8 by CPU count)."),
-    window: Optional[str] = typer.Option(None, "--window", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
+    window: Optional[str] = typer.Option(None, "--buffer-memory", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
+    old_window: Optional[str] = typer.Option(None, "--window", hidden=True, help="Renamed --buffer-memory."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
     data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
     restart: bool = typer.Option(False, "--restart", help="Discard what an interrupted conversion into DST left (by default a rerun keeps every item its journal records whose bytes still match their CRC-32)."),
@@ -253,7 +256,12 @@ def convert(
     else:
         _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                     seed=seed, rng_policy=rng_policy))
-    window_bytes = _size(window, "--window")
+    if old_window is not None:  # rehearse's --window counts steps: one name must not mean two units
+        from reshard.errors import BadInput
+
+        raise BadInput("convert --window is now called --buffer-memory (rehearse's --window counts steps)",
+                       hint=f"Write --buffer-memory {old_window}.")
+    window_bytes = _size(window, "--buffer-memory")
     from reshard.commands.distributed import ERRORS_ENV, in_torchrun
 
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
@@ -462,6 +470,7 @@ def import_(
 
     Exit 0 imported, 2 bad input (options, source, destination).
     """
+    args.check_import(fmt=fmt)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.importer import import_checkpoint
     from reshard.render.report import to_json
@@ -506,12 +515,15 @@ def rehearse(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, help="Seconds one trainer run may take (default: no limit)."),
     out: Path = typer.Option(Path("rehearsal-out"), "--out", help="Where the report, logs and figure go."),
     json_out: bool = typer.Option(False, "--json", help="Print the rehearsal result as JSON."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Rehearse a transition with your trainer (or the reference one): baseline, converted resume, naive control.
 
     Exit 0 within tolerances with exact coverage, 1 otherwise, 2 bad input.
     """
     _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
+    progress = _progress(f"rehearsing {from_spec} -> {to} in {out}: baseline, converted resume, control …",
+                         json_out=json_out, quiet=quiet)
     from reshard.commands.rehearsal import render_rehearsal, rehearse as run_rehearsal
     from reshard.render.report import to_json
 
@@ -519,7 +531,7 @@ def rehearse(
                       window=window, micro_batch=micro_batch, grad_accum=grad_accum,
                       source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, control=control,
                       dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out,
-                      timeout=timeout)
+                      timeout=timeout, say=progress.say if progress.enabled else None)
     typer.echo(to_json(r) if json_out else render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 
@@ -531,11 +543,13 @@ def window(
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Checkpoint (or manifest.json) whose lineage names the transition."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write window.json, window.md and window.png here."),
     json_out: bool = typer.Option(False, "--json", help="Print the judgement as JSON."),
+    quiet: bool = _QUIET,
 ) -> None:
     """Judge the verification window after a real transition: loss, grad norm, throughput, coverage.
 
     Exit 0 within tolerances, 1 outside them, 2 bad input (unreadable logs or manifest).
     """
+    _progress(f"reading the step logs {before} and {after} …", json_out=json_out, quiet=quiet)
     from reshard.render.report import to_json
     from reshard.commands.window import judge
     from reshard.render.window import render_window
@@ -549,14 +563,18 @@ def window(
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
     steps: int = typer.Option(6, "--steps", min=1, help="Optimizer steps the reference trainer runs."),
+    quiet: bool = _QUIET,
 ) -> None:
     """The canonical transition in miniature: train on 4 CPU ranks, inspect, plan, convert to 2, verify, resume, rehearse.
 
-    Exit 0 every step as expected, 1 a step found a difference, 2 bad input.
+    Exit 0 every step as expected, 1 a step found a difference, 2 bad input. The transcript
+    goes to stdout; on a terminal, stderr also shows a line per training step.
     """
+    progress = _progress(f"demo into {out}: train on 4 CPU ranks, convert to 2, resume, rehearse …",
+                         json_out=False, quiet=quiet)
     from reshard.commands.demo import run_demo
 
-    raise typer.Exit(run_demo(out, steps=steps))
+    raise typer.Exit(run_demo(out, steps=steps, say=progress.say if progress.enabled else None))
 
 
 def main(argv: list[str] | None = None) -> None:
