@@ -55,6 +55,15 @@ def renumber(key: str, kept: list[int], layer: str = "blocks") -> str | None:
     return None if old not in kept else key[:m.start(1)] + str(kept.index(old)) + key[m.end(1):]
 
 
+def rules_toml(family: str, layer: str, ends: list[str], extra: str = "") -> str:
+    """A test-only partition rules file: a [pipeline] table (first and last stage both ``ends``), every
+    parameter replicated, and ``extra`` tables."""
+    quoted = ", ".join(f"'{e}'" for e in ends)
+    return (f'family = "{family}"\ndescription = "a test family"\n\n[pipeline]\nlayer = \'{layer}\'\n'
+            f'num_layers = "n_layers"\nfirst = [{quoted}]\nlast = [{quoted}]\n{extra}\n'
+            '[[param]]\nmatch = \'.*\'\ntp = "replicate"\n')
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                      b.reshape(-1).view(torch.uint8))
@@ -338,25 +347,12 @@ def test_torchtitan_slice_has_the_keys_of_a_two_layer_run(titan):
 # ------------------------------------------------------------------------------ experts (a declared [experts] table)
 
 MOE_WRITER = Path(__file__).parent / "writers" / "moe_toy.py"
-MOE_RULES = r"""family = "toy-moe"
-description = "a per-expert MoE (tests/writers/moe_toy.py): no shipped family declares an expert dimension"
-match_params = ['^layers\.\d+\.moe\.router\.weight$']
-
-[pipeline]
-layer = '^layers\.(?P<layer>\d+)\.'
-num_layers = "n_layers"
-first = ['^emb\.']
-last = ['^norm\.', '^head\.']
-
+MOE_RULES = rules_toml("toy-moe", r"^layers\.(?P<layer>\d+)\.", [r"^emb\.", r"^norm\.", r"^head\."], r"""
 [experts]
 match = '^layers\.\d+\.moe\.experts\.(?P<expert>\d+)\.'
 num_experts = "n_experts"
 router = [{ match = '^layers\.\d+\.moe\.router\.weight$', dim = 0 }]
-
-[[param]]
-match = '.*'
-tp = "replicate"
-"""
+""")
 MOE_LAYERS, MOE_EXPERTS = [0, 2], [1, 3]  # of 3 layers, of 4 experts
 
 
@@ -420,20 +416,7 @@ DEEPER = Path(__file__).parent / "writers" / "fsdp2_layers.py"
 TRAINER_ARGS = (" --layout {layout} --resume {ckpt_in} --save-at {save_at} --save {ckpt_out} --steps {steps} "
                 "--step-log {log} --micro-batch {micro_batch} --grad-accum {grad_accum} --seed {seed} "
                 "--dataset-len {dataset_len}")
-TINY_RULES = r"""family = "tiny-lm"
-description = "examples/fsdp2_trainer.py's TinyLM"
-match_params = ['^blocks\.\d+\.fc1\.weight$']
-
-[pipeline]
-layer = '^blocks\.(?P<layer>\d+)\.'
-num_layers = "n_layers"
-first = ['^tok\.', '^pos\.']
-last = ['^ln_f\.', '^head\.']
-
-[[param]]
-match = '.*'
-tp = "replicate"
-"""
+TINY_RULES = rules_toml("tiny-lm", r"^blocks\.(?P<layer>\d+)\.", [r"^tok\.", r"^pos\.", r"^ln_f\.", r"^head\."])
 
 
 @pytest.fixture(scope="module")

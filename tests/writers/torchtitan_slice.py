@@ -17,8 +17,6 @@ reuses with another layer count:
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -105,28 +103,15 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
             "differences": [d for part in gathered for d in part]}
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["write", "load"])
-    ap.add_argument("spec", type=Path)
-    ap.add_argument("result", type=Path, nargs="?")
-    a = ap.parse_args(argv)
-    jobs = json.loads(a.spec.read_text())
-    dist.init_process_group("gloo")
-    tr.cpu_mesh()
-    results = []
-    for spec in jobs:
-        if a.mode == "write":
-            tr.LAYERS = spec["layers"]
-            tr.write(spec)
-        else:
-            results.append(load(spec))
-    if a.mode == "load" and dist.get_rank() == 0 and a.result is not None:
-        a.result.write_text(json.dumps({"world_size": dist.get_world_size(), "jobs": results}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+_WRITE = tr.write
+
+
+def write(spec: dict[str, Any]) -> None:
+    """torchtitan_run's write with a model of ``layers`` blocks."""
+    tr.LAYERS = spec["layers"]
+    _WRITE(spec)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    tr.write, tr.load = write, load  # torchtitan_run's launcher, its jobs run by these two
+    sys.exit(tr.main(sys.argv[1:]))
