@@ -195,6 +195,8 @@ def test_slice_verdict_manifest_lineage_and_report(ref4, ref_slices, name):
     assert sl["dropped"]["keys"] == 2 * 64 and sl["dropped"]["bytes"] == 2 * per_layer
     assert set(sl["dropped"]["by_reason"]) == {f"layer {i} not in the slice (--layers)" for i in range(4)
                                                if i not in c["kept"]}
+    md = (c["dst"] / "reshard-report.md").read_text()
+    assert "## Slice of the model" in md and all(f"| {why} | 64 | {per_layer} |" in md for why in sl["dropped"]["by_reason"])
     drops = [k for k in report["plan"]["keys"] if k["action"] == "dropped" and "not in the slice" in k["reason"]]
     assert drops and all(k["key"].split(".")[2] not in map(str, c["kept"]) for k in drops)
     m = read_manifest(c["dst"])

@@ -34,6 +34,13 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         lines += ["## Files beside the data (sidecars)", "", "| file | bytes | format | policy | writer |", "|---|---|---|---|---|"]
         lines += [f"| `{s['name']}` | {s['size']} | {s['format']} | {s['policy']} | {s.get('writer') or '-'} |"
                   for s in r["sidecars"]] + [""]
+    sl = p.get("slice")
+    if sl:  # --layers / --experts: what the slice left out, counted with its bytes
+        lines += ["## Slice of the model", "", f"{sl['description']}: {sl['kept']['tensors']} tensors, "
+                  f"{sl['kept']['bytes']} bytes kept; {sl['renamed']['keys']} keys renumbered; "
+                  f"{sl['dropped']['keys']} keys, {sl['dropped']['bytes']} bytes left out.", "",
+                  "| left out | keys | bytes |", "|---|---|---|"]
+        lines += [f"| {why} | {d['keys']} | {d['bytes']} |" for why, d in sl["dropped"]["by_reason"].items()] + [""]
     if v.get("kept"):
         lines += ["## What was kept", "", "| state | status | note |", "|---|---|---|"]
         lines += [f"| {facet.replace('_', ' ')} | {k['status']} | {k['note']} |" for facet, k in v["kept"].items()] + [""]
