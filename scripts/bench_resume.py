@@ -23,6 +23,7 @@ uninterrupted run's (every file, reports included), and so is the restarted one.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -39,10 +40,12 @@ EPOCH = "0"
 
 
 def files_equal(a: Path, b: Path) -> list[str]:
-    """Names of the files that differ (or exist on one side only)."""
+    """Names of the files that differ (or exist on one side only), compared in blocks: reading
+    them whole would raise this process's RSS, which every run it starts inherits in its
+    ``ru_maxrss`` (the kernel keeps the maximum across fork and exec)."""
     names = sorted({p.name for p in a.iterdir()} | {p.name for p in b.iterdir()})
     return [n for n in names if not ((a / n).is_file() and (b / n).is_file()
-                                     and (a / n).read_bytes() == (b / n).read_bytes())]
+                                     and filecmp.cmp(a / n, b / n, shallow=False))]
 
 
 def items(count_file: Path) -> int:
@@ -63,6 +66,14 @@ def convert(py: str, src: Path, dst: Path, to: str, log: Path, name: str, *extra
         os.environ.update(saved)
     r.pop("samples", None)
     return r
+
+
+def commit() -> str:
+    import subprocess
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent)
+    return r.stdout.strip() or "?"
 
 
 def output_bytes(d: Path) -> int:
@@ -106,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         dst.rename(ref)
         kill_at = max(1, round(total * args.kill_at))
         result: dict = {"machine": machine(), "size_gib": src_bytes / GIB, "n_tensors": n, "items": total,
-                        "kill_after_items": kill_at, "output_bytes": written_full, "build_s": round(build_s, 1)}
+                        "kill_after_items": kill_at, "output_bytes": written_full, "build_s": round(build_s, 1),
+                        "load_start": round(os.getloadavg()[0], 2), "commit": commit()}
         for how, extra in (("resume", ()), ("restart", ("--restart",))):
             k = convert(py, src, dst, args.to, log, f"killed-{how}", timeout=args.timeout,
                         RESHARD_FAULT_KILL_AT=str(kill_at))
@@ -123,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[how] = r
             shutil.rmtree(dst)
         result["runs"] = runs
+        result["load_end"] = round(os.getloadavg()[0], 2)
         print(render(result))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -140,7 +153,9 @@ def render(res: dict) -> str:
     lines = [
         f"Source: {res['n_tensors']} float32 tensors, {res['size_gib']:.2f} GiB, {res['items']} target items "
         f"({res['output_bytes'] / gib:.2f} GiB of output); SIGKILL after item {res['kill_after_items']} "
-        f"({100 * res['kill_after_items'] / res['items']:.0f} %). {res['machine'].get('nproc', '?')} CPUs, {res['machine'].get('mem_total_gib', '?')} GiB; warm page cache.",
+        f"({100 * res['kill_after_items'] / res['items']:.0f} %). {res['machine'].get('nproc', '?')} CPUs, "
+        f"{res['machine'].get('mem_total_gib', '?')} GiB, load average {res['load_start']} at the start and "
+        f"{res['load_end']} at the end (the machine is shared); warm page cache; commit `{res['commit']}`.",
         "",
         "| run | wall s | CPU s | peak RSS MiB | items written | bytes not rewritten | byte-identical to uninterrupted |",
         "|---|---:|---:|---:|---:|---:|---|",
