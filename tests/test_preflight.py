@@ -181,7 +181,9 @@ def _check_phases(events: list[dict]) -> list[str]:
     for e in events:
         if e["event"] == "message":
             continue
-        assert {"phase", "step", "bytes_done", "bytes_total", "rate", "eta_s", "elapsed_s"} <= set(e), e
+        assert {"phase", "step", "bytes_done", "bytes_total", "rate", "eta_s", "eta_from", "elapsed_s"} <= set(e), e
+        assert e["eta_from"] in (None, "probe", "bytes") and (e["rate"] is None) == (e["eta_from"] != "bytes") or \
+            e["event"] == "end", e
         key = (e["phase"], e["step"])
         if e["event"] == "start":
             assert e["bytes_done"] == 0 and key not in open_, e
@@ -213,6 +215,9 @@ def test_progress_json_events_on_stderr(name, reference_ckpt, exported, tmp_path
     assert [s for i, s in enumerate(stages) if s not in stages[:i]] == expected, stages
     if name != "verify":
         assert any(e.get("text", "").startswith("checking space: writes about ") for e in events), events
+        # an ETA from the first second: before the copy's first byte, from the preflight's probes
+        start = next(e for e in events if e["event"] == "start" and e["phase"] == "copy")
+        assert start["eta_from"] == "probe" and start["eta_s"] is not None and start["rate"] is None, start
 
 
 def test_quiet_and_none_silence_the_events(reference_ckpt):

@@ -310,11 +310,13 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
         if w.per_second:
             parts.append(need / w.per_second)
         if parts:
-            figures["seconds"] = round(sum(parts), 1)
+            figures["seconds"] = round(sum(parts), 3)
         figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
                             f"two probes ({r.describe()}; {w.describe()}); the copy only, an estimate")
     if progress is not None:
         progress.say(space_line(figures))
+        if figures["seconds"] and hasattr(progress, "expect"):  # the copy's ETA from its first second
+            progress.expect("copy", read_bytes / max(figures["seconds"], 1e-3))
     return figures
 
 

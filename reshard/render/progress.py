@@ -89,18 +89,25 @@ class Phase:
         return self.done / t if t > 1e-3 and self.done else None
 
     def eta(self) -> float | None:
-        """Seconds left: the bytes left at the phase's rate (None while nothing is done)."""
-        r = self.rate()
+        """Seconds left: the bytes left at the phase's rate; before a byte is done, at the rate the
+        preflight's probes predicted for this stage (`Progress.expect`), else None."""
         if self.done >= self.total:
             return 0.0
+        r = self.rate() or self.expected()
         return (self.total - self.done) / r if r else None
 
+    def expected(self) -> float | None:
+        return self.owner.expected.get(self.stage) if self.owner is not None else None
+
     def event(self, kind: str) -> dict[str, Any]:
-        """The JSON event of this phase (``--progress json``)."""
+        """The JSON event of this phase (``--progress json``); ``eta_from``: ``bytes`` (the phase's
+        own rate), ``probe`` (the preflight's estimate, before the first byte) or None."""
         rate, eta = self.rate(), self.eta()
+        basis = "bytes" if rate else ("probe" if eta is not None and self.done < self.total else None)
         return {"event": kind, "phase": self.stage, "step": self.name, "bytes_done": self.done,
                 "bytes_total": self.total, "rate": None if rate is None else round(rate, 1),
-                "eta_s": None if eta is None else round(eta, 1), "elapsed_s": round(self.elapsed(), 3)}
+                "eta_s": None if eta is None else round(eta, 1), "eta_from": basis if kind != "end" else None,
+                "elapsed_s": round(self.elapsed(), 3)}
 
 
 @dataclass
@@ -114,6 +121,7 @@ class Progress:
     stream: TextIO | None = None
     phases: list[Phase] = field(default_factory=list)  # every phase opened, in order (their byte counts)
     json: bool = False
+    expected: dict[str, float] = field(default_factory=dict)  # stage -> bytes/s the preflight's probes predict
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: float = 0.0
 
@@ -133,6 +141,12 @@ class Progress:
     def active(self) -> bool:
         """Whether anything is shown at all (bars or events)."""
         return (self.enabled or self.json) and self.stream is not None
+
+    def expect(self, stage: str, rate: float | None) -> None:
+        """The rate (bytes/s) a stage is expected to move at, from a measurement made before it
+        starts (`reshard.commands.space.preflight`): its ETA until its own bytes give one."""
+        if rate:
+            self.expected[stage] = float(rate)
 
     def say(self, line: str) -> None:
         """One line at once (the first thing a long command prints, before its heavy imports)."""
