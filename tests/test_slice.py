@@ -468,3 +468,17 @@ def test_rehearse_trainer_like_refuses_a_checkpoint_that_is_no_slice(ref4, tmp_p
     with pytest.raises(BadInput, match="takes a slice of the real checkpoint"):
         rehearse(from_spec="dp=2", to_spec="dp=1", trainer="{python} x.py --layout {layout}", like=ref4,
                  out=tmp_path / "r", steps=8, switch_at=4, window=4, control="none")
+
+
+def test_convert_executes_a_printed_slice_plan(ref4, tmp_path):
+    """`plan --layers --json` then `convert --plan`: the options (the slice) are in the plan, its fingerprint matches."""
+    code, out, err = cli(["plan", ref4, "--to", "dp=2", "--layers", "0,3", "--json"])
+    assert code == 0, err
+    plan = tmp_path / "plan.json"
+    plan.write_text(out)
+    assert json.loads(out)["options"]["layers"] == "0,3"
+    code, out, err = cli(["convert", ref4, tmp_path / "out", "--plan", plan])
+    assert code == 0 and "equal to the source" in out, out + err
+    assert read_manifest(tmp_path / "out").model.config["n_layers"] == 2
+    code, out, err = cli(["convert", ref4, tmp_path / "out2", "--plan", plan, "--layers", "0-1"])
+    assert code == 2 and "--layers has no effect beside --plan" in err, out + err
