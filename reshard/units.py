@@ -1,7 +1,8 @@
-"""Byte counts in words people read (KiB, MiB, GiB): one spelling for every message and report."""
+"""Numbers in words people read: byte counts (KiB, MiB, GiB) and runs of integers (0-3,7), one
+spelling for every message and report."""
 from __future__ import annotations
 
-__all__ = ["human_bytes"]
+__all__ = ["consecutive_runs", "human_bytes"]
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -13,3 +14,17 @@ def human_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def consecutive_runs(values) -> list[tuple[int, int]]:
+    """``[1, 2, 3, 7]`` -> ``[(1, 3), (7, 7)]``: the runs of consecutive integers, in the order given
+    (sort first for sets); how a list of layers, steps or sample ids is written short."""
+    xs = list(values)
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append((xs[i], xs[j]))
+        i = j + 1
+    return out

@@ -556,7 +556,7 @@ def raise_run_error(reports: list[dict[str, Any]], failures: dict[int, int], wor
             raise WorkerFailed(BadInput(
                 f"worker {rank} of {workers} was killed by {name} before it finished",
                 hint="Nothing was committed; run the same command again (it resumes from what the stopped run left "
-                     "beside the destination; --restart discards it). If the system killed it for memory, give --window a smaller size.",
+                     "beside the destination; --restart discards it). If the system killed it for memory, give --buffer-memory a smaller size.",
             ).render(), exit_code=2, worker=rank)
     if ranked:
         r = ranked[0]

@@ -48,6 +48,7 @@ import numpy as np
 from reshard.render.window import window_markdown, window_title
 from reshard.semantics import manifest as mf
 from reshard.errors import BadInput
+from reshard.units import consecutive_runs
 from reshard.semantics.steplog import StepRecord, read_steplog
 
 LOSS_K = 4.0
@@ -101,14 +102,8 @@ def _finite(v) -> float | None:
 
 def _ranges(values: list[int]) -> str:
     """[1, 2, 3, 7] -> '1..3, 7' (sorted, deduplicated)."""
-    vs, out, i = sorted(set(values)), [], 0
-    while i < len(vs):
-        j = i
-        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
-            j += 1
-        out.append(str(vs[i]) if i == j else f"{vs[i]}..{vs[j]}")
-        i = j + 1
-    return ", ".join(out if len(out) <= 8 else out[:8] + [f"... ({len(vs)} in all)"])
+    out = [str(a) if a == b else f"{a}..{b}" for a, b in consecutive_runs(sorted(set(values)))]
+    return ", ".join(out if len(out) <= 8 else out[:8] + [f"... ({len(set(values))} in all)"])
 
 
 def _steps_text(steps: list[int]) -> str:

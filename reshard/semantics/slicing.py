@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from reshard.errors import BadInput
+from reshard.units import consecutive_runs
 from reshard.semantics.rules import ModelRules, evaluate
 
 # The roles whose keys name a parameter (model keys, their optimizer state and per-parameter
@@ -153,15 +154,7 @@ class Slice:
 
 def _ranges(xs: Iterable[int]) -> str:
     """``0-1,5,7-9``."""
-    xs = list(xs)
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out)
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in consecutive_runs(xs))
 
 
 def _locate(key: str, param: str | None, axis: Axis) -> tuple[int, int, int] | None:
