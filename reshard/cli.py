@@ -319,15 +319,18 @@ def convert(
     if distributed:
         if output_format != "dcp":
             raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
+        estimate = None
         if lead:  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
             from reshard.commands.space import conversion_preflight
             from reshard.storage.index import CheckpointIndex
 
-            conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst, force=force,
-                                 progress=progress)
+            estimate = conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst,
+                                            force=force, progress=progress)
         report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
         if report is None:
             raise typer.Exit(0)
+        if estimate is not None:  # the figures the single-process report carries too
+            report["estimate"] = estimate
     else:
         report = run_convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
                              restart=restart,

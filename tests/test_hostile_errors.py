@@ -135,9 +135,9 @@ def exported(reference_ckpt, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("how", ["rlimit_fsize", "tmpfs"])
 def test_export_to_a_full_destination_exit_2_naming_destination_and_bytes(reference_ckpt, exported, tmp_path, how,
                                                                            fmt, request):
-    if how == "tmpfs":
+    if how == "tmpfs":  # --force: past the check before the first byte (tests/test_preflight.py), into a full disk
         dst = request.getfixturevalue("tiny_tmpfs") / "out"
-        p = _reshard(["export", reference_ckpt, dst, "--format", fmt])
+        p = _reshard(["export", reference_ckpt, dst, "--format", fmt, "--force"])
     else:
         dst = tmp_path / "out"
         p = _reshard(["export", reference_ckpt, dst, "--format", fmt], preexec=fsize_limit(50_000))
@@ -164,7 +164,8 @@ def read_only_dir(tmp_path):
 
 @pytest.mark.parametrize("command", ["export", "convert"])
 def test_a_read_only_destination_is_one_paragraph_naming_the_file(reference_ckpt, read_only_dir, command, capsys):
-    """An OSError no caller maps (EROFS here) is still one paragraph naming the file, exit 2, not "unexpected"."""
+    """A read-only destination is one paragraph naming it and EROFS, exit 2, before anything is written (the
+    check before the first byte asks the file system; it would otherwise report free space it never gives)."""
     dst = read_only_dir / "out"
     args = [command, reference_ckpt, dst] + (["--to", "dp=2"] if command == "convert" else [])
     code, _, err = run_cli(args, capsys)

@@ -291,3 +291,30 @@ def test_workers_2_killed_worker_rerun_resumes_and_is_byte_identical(src, tmp_pa
     assert f"resumed: {resume['items_kept']:,} of {resume['items']:,} items kept" in r.stderr
     assert_identical(dst, reference)
     assert_clean(dst)
+
+
+def test_the_space_check_counts_what_the_interrupted_run_holds(src, uninterrupted, tmp_path):
+    """Killed at half, the partial output holds disk space the rerun reuses: the check before the
+    first byte counts it as free, so a disk that holds the output only with it still resumes,
+    while the same free space refuses a fresh destination."""
+    from reshard.storage.atomic import reclaimable_bytes
+
+    dst = tmp_path / "dst"
+    assert run(src, dst, RESHARD_FAULT_KILL_AT=str(uninterrupted["items"] // 2)).returncode == -signal.SIGKILL
+    held = reclaimable_bytes(dst)
+    assert held > 0
+    plan = subprocess.run([sys.executable, "-m", "reshard", "plan", str(src), "--to", "dp=2", "--dst", str(dst),
+                           "--json"], env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert plan.returncode == 0, plan.stderr
+    needed = json.loads(plan.stdout)["space"]["needed_bytes"]
+    free = str(max(0, needed - held // 2))  # short of the output by half of what the killed run holds
+
+    fresh = run(src, tmp_path / "fresh", RESHARD_FREE_BYTES=free)
+    assert fresh.returncode == 2 and "Nothing was written" in fresh.stderr, fresh.stderr
+    assert not (tmp_path / "fresh").exists()
+
+    r = run(src, dst, RESHARD_FREE_BYTES=free)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["resume"]["resumed"] and report["resume"]["items_kept"] > 0
+    assert report["estimate"]["enough"] and "held by an interrupted run" in report["estimate"]["free_from"]

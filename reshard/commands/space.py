@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput
 from reshard.storage import dcp_writer
+from reshard.storage.atomic import reclaimable_bytes
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.integrity import nearest_existing
 from reshard.units import human_bytes
@@ -263,6 +264,17 @@ def estimate_dcp_bytes(chunk_bytes: Iterable[int], keys: int) -> int:
     return total + 500 * items + 400 * keys + 16 * 1024
 
 
+def _refuse_read_only(dst: Path, checked: Path) -> None:
+    """A read-only file system reports free space it will never give: say what is wrong instead."""
+    try:
+        read_only = bool(os.statvfs(checked).f_flag & os.ST_RDONLY)
+    except OSError:
+        return  # the write itself will say what is wrong
+    if read_only:
+        raise BadInput(f"{dst}: cannot be written: the file system holding {checked} is mounted read-only (EROFS)",
+                       hint="Nothing was written. Choose a destination on a writable file system.")
+
+
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
               probe: bool = True) -> dict[str, Any]:
@@ -283,7 +295,12 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
     """
     dst = Path(os.path.abspath(os.fspath(dst)))
     checked = nearest_existing(dst.parent if not dst.is_dir() else dst)
+    _refuse_read_only(dst, checked)
     free, free_from = free_bytes(checked)
+    reclaim = reclaimable_bytes(dst)
+    if reclaim:  # an interrupted run's output: resumed into or deleted before the first byte
+        free += reclaim
+        free_from += f" + {human_bytes(reclaim)} held by an interrupted run into it"
     need = int(needed)
     enough = free >= need
     figures: dict[str, Any] = {

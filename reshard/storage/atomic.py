@@ -53,7 +53,7 @@ from typing import Callable, Iterator
 from reshard.errors import BadInput
 
 __all__ = ["atomic_directory", "check_destination", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
-           "stale_temporaries"]
+           "reclaimable_bytes", "stale_temporaries"]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
@@ -287,6 +287,25 @@ def stale_temporaries(parent: Path, name: str) -> list[Path]:
             return sorted(Path(e.path) for e in it if pat.match(e.name))
     except FileNotFoundError:
         return []
+
+
+def reclaimable_bytes(dst: str | os.PathLike) -> int:
+    """Disk space that killed runs into ``dst`` hold (their temporary directories and journals):
+    the next run into ``dst`` either resumes into it or deletes it before writing, so a space
+    check counts it as free. Allocated blocks of regular files, symlinks not followed."""
+    dst = Path(os.path.abspath(os.fspath(dst)))
+    total = 0
+    for tmp in stale_temporaries(dst.parent, dst.name):
+        for top in (tmp, journal_dir(tmp)):
+            for dirpath, _dirs, files in os.walk(top):
+                for name in files:
+                    try:
+                        st = os.lstat(os.path.join(dirpath, name))
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_blocks * 512
+    return total
 
 
 def journal_dir(tmp: Path) -> Path:
