@@ -180,6 +180,7 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
+    args.check_slice(layers=layers, experts=experts)
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
     _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
@@ -262,6 +263,8 @@ def convert(
         raise BadInput("convert --window is now called --buffer-memory (rehearse's --window counts steps)",
                        hint=f"Write --buffer-memory {old_window}.")
     window_bytes = _size(window, "--buffer-memory")
+    args.check_slice(layers=layers, experts=experts)
+    args.check_restart(restart=restart, output_format=output_format, data=data)
     from reshard.commands.distributed import ERRORS_ENV, in_torchrun
 
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if

@@ -76,6 +76,10 @@ MISTAKES = {
     "value: --buffer-memory size": (["convert", "ckpt", "out", "--to", "dp=2", "--buffer-memory", "lots"], ["--buffer-memory", "size"]),
     "renamed: convert --window": (["convert", "ckpt", "out", "--to", "dp=2", "--window", "1GiB"], ["--buffer-memory", "steps"]),
     "unknown option": (["plan", "ckpt", "--to", "dp=2", "--grad-acum", "2"], ["--grad-acum"]),
+    "value: --layers": (["plan", "ckpt", "--to", "dp=2", "--layers", "0-x"], ["--layers '0-x'", "layer indices"]),
+    "value: --layers order": (["convert", "ckpt", "out", "--to", "dp=2", "--layers", "3,1"], ["increasing order"]),
+    "combination: --restart with --data link": (["convert", "ckpt", "out", "--to", "dp=2", "--data", "link",
+                                                 "--restart"], ["--restart has no effect", "--data link"]),
     "choice: import --format": (["import", "ckpt", "out", "--format", "torchtitn"],
                                 ["unknown import format 'torchtitn'", "torchtitan", "llama-fused"]),
 }

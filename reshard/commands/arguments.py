@@ -28,7 +28,7 @@ CONTROLS = ("relaunch", "naive-state", "none")
 
 __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
-           "import_formats", "check_import"]
+           "import_formats", "check_import", "check_slice", "check_restart"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -120,3 +120,20 @@ def check_import(*, fmt: str) -> None:
     if fmt not in known:
         raise BadInput(f"unknown import format '{fmt}'",
                        hint="Use one of: " + ", ".join(known) + ".")
+
+
+def check_slice(*, layers: str | None, experts: str | None) -> None:
+    """``--layers`` / ``--experts``: how they are written (which indices exist is known only from the source)."""
+    from reshard.semantics.slicing import parse_indices
+
+    for flag, what, spec in (("--layers", "layer", layers), ("--experts", "expert", experts)):
+        if spec is not None:
+            parse_indices(spec, None, flag=flag, what=what)
+
+
+def check_restart(*, restart: bool, output_format: str, data: str) -> None:
+    """``--restart`` discards a resumable run's work; local output and linked data are never resumed."""
+    if restart and (output_format != "dcp" or data != "copy"):
+        given = f"--output-format {output_format}" if output_format != "dcp" else f"--data {data}"
+        raise BadInput(f"--restart has no effect with {given}: such a conversion always starts over",
+                       hint="Drop --restart (only DCP output copied by convert resumes after a kill).")

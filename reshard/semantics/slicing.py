@@ -179,32 +179,37 @@ def _renamed_param(param: str, axis: Axis, new: int) -> str:
     return param[:m.start(axis.what)] + str(new) + param[m.end(axis.what):]
 
 
-def parse_indices(spec: str, count: int, *, flag: str, what: str) -> tuple[int, ...]:
-    """``0-1`` / ``0,5,79`` / ``0-2,7``: inclusive ranges and single indices, increasing, within ``count``."""
-    out: list[int] = []
+def parse_indices(spec: str, count: int | None, *, flag: str, what: str) -> tuple[int, ...]:
+    """``0-1`` / ``0,5,79`` / ``0-2,7``: inclusive ranges and single indices, increasing, within ``count``.
+
+    ``count`` None checks the writing only (the command line does, before the source is read)."""
+    runs: list[tuple[int, int]] = []
     try:
         for part in str(spec).split(","):
             a, dash, b = part.strip().partition("-")
             lo, hi = int(a), int(b) if dash else int(a)
-            if hi < lo:
+            if hi < lo or lo < 0:
                 raise ValueError
-            out.extend(range(lo, hi + 1))
+            runs.append((lo, hi))
     except ValueError:
         raise BadInput(f"{flag} '{spec}' is not a list of {what} indices",
                        hint=f"Write inclusive ranges or single {what}s, in increasing order, e.g. {flag} 0-1 "
-                            f"or {flag} 0,5,{max(count - 1, 0)}.") from None
-    if any(b <= a for a, b in zip(out, out[1:])):
+                            f"or {flag} 0,2,5.") from None
+    if any(b[0] <= a[1] for a, b in zip(runs, runs[1:])):
         raise BadInput(f"{flag} '{spec}' repeats a {what} or is not in increasing order",
                        hint=f"Give each {what} once, in the source's order: the slice keeps their order and "
                             "renumbers them densely.")
-    bad = [i for i in out if i >= count]
-    if bad:
-        raise BadInput(f"{flag} '{spec}' names {what} {bad[0]}, but the source has {count} {what}s "
+    if count is None:
+        return ()
+    if runs[-1][1] >= count:  # checked on the ranges, before they are spelled out
+        bad = next(lo if lo >= count else count for lo, hi in runs if hi >= count)
+        raise BadInput(f"{flag} '{spec}' names {what} {bad}, but the source has {count} {what}s "
                        f"(0-{count - 1})", hint=f"Choose {what}s between 0 and {count - 1}.")
+    out = tuple(i for lo, hi in runs for i in range(lo, hi + 1))
     if len(out) == count:
         raise BadInput(f"{flag} '{spec}' keeps every {what} of the source: that is no slice",
                        hint=f"Drop {flag} to convert the whole model, or leave some {what}s out.")
-    return tuple(out)
+    return out
 
 
 def _count(axis_what: str, pattern: re.Pattern[str], params: list[str], config: dict[str, Any],
