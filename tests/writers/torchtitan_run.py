@@ -335,6 +335,28 @@ def write(spec: dict[str, Any]) -> None:
     job.checkpointer.close()
 
 
+def load_on_every_rank(job: Job, step: int) -> tuple[bool, str | None]:
+    """``CheckpointManager.load(step)`` on every rank: (what it returned, the first rank's error or None).
+
+    An error raised by torchtitan's load is the job's answer (its type and the message's last
+    ``...Error:`` line), agreed on by every rank; the checkpointer is closed when there is one.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        loaded, error = job.checkpointer.load(step=step), None
+    except (Exception, CheckpointException) as exc:  # the job's answer: what torchtitan says about this checkpoint
+        text = str(exc)
+        cause = [ln.strip() for ln in text.splitlines() if "Error:" in ln]
+        loaded, error = False, f"{type(exc).__name__}: {cause[-1] if cause else text[:300]}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        job.checkpointer.close()
+    return bool(loaded), first
+
+
 def load(spec: dict[str, Any]) -> dict[str, Any]:
     """CheckpointManager.load(step) at this world size; every value compared bitwise with the reference.
 
@@ -346,20 +368,9 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
     job = build(Path(spec["dump"]), spec.get("fuse_qkv", True), exclude)
     ref_dir = Path(spec["ref"])
     fresh_loader = job.dataloader.state_dict()
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
-    try:
-        loaded = job.checkpointer.load(step=spec["step"])
-        error = None
-    except (Exception, CheckpointException) as exc:  # the job's answer: what torchtitan says about this checkpoint
-        text = str(exc)
-        cause = [ln.strip() for ln in text.splitlines() if "Error:" in ln]
-        loaded, error = False, f"{type(exc).__name__}: {cause[-1] if cause else text[:300]}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        job.checkpointer.close()
-        return {"name": spec["name"], "loaded": False, "error": next(e for e in errors if e), "differences": []}
+    loaded, error = load_on_every_rank(job, spec["step"])
+    if error:
+        return {"name": spec["name"], "loaded": False, "error": error, "differences": []}
     got = snapshot(job)
     diffs = [] if loaded else ["CheckpointManager.load returned False"]
     compared: dict[str, int] = {}

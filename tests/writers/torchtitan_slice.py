@@ -71,20 +71,9 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
     tr.LAYERS = spec["layers"]
     job = tr.build(Path(spec["dump"]), spec.get("fuse_qkv", True), [])
     ref_dir = Path(spec["ref"])
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        loaded = job.checkpointer.load(step=spec["step"])
-        error = None
-    except (Exception, CheckpointException) as exc:  # the job's answer, reported by the test
-        text = str(exc)
-        cause = [ln.strip() for ln in text.splitlines() if "Error:" in ln]
-        loaded, error = False, f"{type(exc).__name__}: {cause[-1] if cause else text[:300]}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        job.checkpointer.close()
-        return {"name": spec["name"], "loaded": False, "error": next(e for e in errors if e), "differences": []}
+    loaded, error = tr.load_on_every_rank(job, spec["step"])
+    if error:
+        return {"name": spec["name"], "loaded": False, "error": error, "differences": []}
     got = tr.snapshot(job)
     diffs = [] if loaded else ["CheckpointManager.load returned False"]
     compared: dict[str, int] = {}
