@@ -1,9 +1,15 @@
-"""Shared, session-scoped checkpoints written by real torch code (spawned gloo ranks).
+"""Shared checkpoints written by real torch code (spawned gloo ranks, torchrun, real trainers).
 
-Fixtures that a test mutates are copied first: the session copies are never modified.
+The suite runs on every core (pytest-xdist, `-n auto`); a checkpoint that several tests read
+is written ONCE PER RUN, whichever worker asks first, through `once_per_run` (a file lock in
+the directory all workers share), and never modified afterwards: tests that damage one copy
+it first (`copy_of`), and every shared checkpoint's files are hashed when written and checked
+again when the worker's session ends, so a test that writes into one fails the run.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import resource
 import shutil
@@ -11,8 +17,84 @@ import signal
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
+
+_SHARED_USED: dict[Path, dict[str, str]] = {}
+
+
+def _run_root(tmp_path_factory) -> Path:
+    """The directory every worker of this run shares (the basetemp's parent under xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _fingerprint(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def once_per_run(tmp_path_factory, key: str, make: Callable[[Path], Any]) -> Any:
+    """``make(work)`` run once per test run for ``key`` (by the first worker to ask), its JSON result shared.
+
+    ``work`` is an empty directory that outlives the worker that made it; the result (paths as
+    strings, or a dict of them) is what every later caller gets back. A failure is recorded
+    and raised again in every worker that asks, rather than retried. The files under ``work``
+    are fingerprinted and checked unchanged when each worker's session ends.
+    """
+    from filelock import FileLock
+
+    root = _run_root(tmp_path_factory) / "shared"
+    root.mkdir(exist_ok=True)
+    work, done, failed = root / key, root / f"{key}.json", root / f"{key}.failed"
+    with FileLock(str(root / f"{key}.lock")):
+        if failed.exists():
+            raise RuntimeError(f"shared checkpoint {key} failed in another worker:\n{failed.read_text()}")
+        if not done.exists():
+            work.mkdir()
+            try:
+                result = make(work)
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}"[-8000:])
+                raise
+            done.write_text(json.dumps({"result": result, "files": _fingerprint(work)}, default=str))
+        record = json.loads(done.read_text())
+    _SHARED_USED[work] = record["files"]
+    return record["result"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_checkpoints_unchanged():
+    """At the end of the session: every shared checkpoint this worker used is byte for byte as written."""
+    yield
+    changed = {str(w): sorted(set(f) ^ set(now) | {n for n in f if now.get(n) != f[n]})
+               for w, f in _SHARED_USED.items() if (now := _fingerprint(w)) != f}
+    assert not changed, f"a test modified a shared checkpoint in place (copy it first): {changed}"
+
+
+# The modules that take longest (docs/testing.md, measured), started first: under
+# `--dist loadfile` a module runs on one worker, and a long one begun last would leave the
+# other core idle at the end of the run (longest-first scheduling).
+SLOWEST_FIRST = [
+    "test_faults", "test_rehearse", "test_hostile_distributed", "test_slice", "test_resume", "test_first_line",
+    "test_progress", "test_convert", "test_tp_pp", "test_reference_pipeline", "test_distributed",
+    "test_rehearse_trainer", "test_hf_roundtrip", "test_reference_trainer", "test_preflight", "test_cli_validation",
+    "test_fuzz", "test_hostile_errors", "test_interop_accelerate", "test_interop_lightning", "test_data_link",
+]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).stem, len(rank)))  # stable: file order kept otherwise
+
+
+def writer_key(script: Path, *packages: str) -> str:
+    """A cache key for a writer script: its name, its content and the versions of the packages it runs."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    return "-".join([script.stem, digest, *(f"{p}{version(p)}" for p in packages)])
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +102,12 @@ def reference_ckpt(tmp_path_factory) -> Path:
     """A 4-rank FSDP2 checkpoint from the reference trainer, reshard convention, with manifest."""
     from reshard.reference import TrainConfig, run_reference
 
-    out = tmp_path_factory.mktemp("reference")
-    cfg = TrainConfig(dp=4, tp=1, steps=3, save_at=[3], out=str(out), log=str(out / "steps.jsonl"),
-                      experiment_id="test-ref")
-    return run_reference(cfg)[-1]
+    def make(out: Path) -> str:
+        cfg = TrainConfig(dp=4, tp=1, steps=3, save_at=[3], out=str(out), log=str(out / "steps.jsonl"),
+                          experiment_id="test-ref")
+        return str(run_reference(cfg)[-1])
+
+    return Path(once_per_run(tmp_path_factory, "reference", make))
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +115,11 @@ def torchtitan_ckpt(tmp_path_factory) -> Path:
     """A 2-rank checkpoint in torchtitan's key layout, without manifest."""
     from reshard.reference import TrainConfig, run_reference
 
-    out = tmp_path_factory.mktemp("titan")
-    cfg = TrainConfig(dp=2, tp=1, steps=2, save_at=[2], out=str(out), convention="torchtitan")
-    return run_reference(cfg)[-1]
+    def make(out: Path) -> str:
+        cfg = TrainConfig(dp=2, tp=1, steps=2, save_at=[2], out=str(out), convention="torchtitan")
+        return str(run_reference(cfg)[-1])
+
+    return Path(once_per_run(tmp_path_factory, "titan", make))
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +127,7 @@ def plain_fsdp2_ckpt(tmp_path_factory) -> Path:
     """A checkpoint from a plain FSDP2 script (get_state_dict + dcp.save, no manifest)."""
     from reshard.synthetic import make_plain_fsdp2
 
-    return make_plain_fsdp2(tmp_path_factory.mktemp("plain") / "ckpt", world_size=4)
+    return Path(once_per_run(tmp_path_factory, "plain", lambda w: str(make_plain_fsdp2(w / "ckpt", world_size=4))))
 
 
 @pytest.fixture

@@ -38,8 +38,10 @@ def _torchrun(args: list[str], nproc: int = 2, **env: str) -> subprocess.Complet
 
 
 def _single(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard", *args], env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    """One process (forked from a server that imported reshard once, `tests/forked.py`); torchrun keeps its own."""
+    import forked
+
+    return forked.run(args, env=_env(), timeout=TIMEOUT)
 
 
 def _payload(d: Path) -> dict[str, bytes]:

@@ -1,7 +1,8 @@
 """Faults during `reshard convert`: killed runs, full disks, concurrent runs, corrupt bytes.
 
-Every conversion here runs as a real ``python -m reshard convert`` subprocess (except where
-noted) with ``SOURCE_DATE_EPOCH`` set, and every test asserts the source directory is
+Every conversion here runs as a real process (except where noted: a child forked from a
+server that imported reshard and torch once, `tests/forked.py`, so a kill is a real SIGKILL of
+a real process without a torch import per run) with ``SOURCE_DATE_EPOCH`` set, and every test asserts the source directory is
 untouched (`snapshot`: sha256, mtime and size of every file). Fault injection uses the
 test hooks documented in `reshard.commands.convert` (``RESHARD_FAULT_KILL_AT`` / ``_SLEEP_AT`` /
 ``_COUNT``). `scripts/soak_faults.py` runs the kill loop at every event and random byte
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fsize_limit, mounted_tmpfs, run_cli
+import forked
+from conftest import mounted_tmpfs, run_cli
 from reshard.storage.atomic import stale_temporaries
 
 EPOCH = "1700000000"
@@ -57,20 +59,20 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _cmd(src: Path, dst: Path, to: str = "dp=2", *extra: str) -> list[str]:
-    return [sys.executable, "-m", "reshard", "convert", str(src), str(dst), "--to", to, *extra]
+    return ["convert", str(src), str(dst), "--to", to, *extra]
 
 
-def start(src: Path, dst: Path, to: str = "dp=2", *extra: str, preexec=None, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(_cmd(src, dst, to, *extra), env=_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+def start(src: Path, dst: Path, to: str = "dp=2", *extra: str, file_size_limit: int | None = None,
+          **env: str) -> forked.ForkedCLI:
+    return forked.start(_cmd(src, dst, to, *extra), env=_env(**env), file_size_limit=file_size_limit)
 
 
-def run(src: Path, dst: Path, to: str = "dp=2", *extra: str, preexec=None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(src, dst, to, *extra), env=_env(**env), capture_output=True, text=True,
-                          preexec_fn=preexec, timeout=300)
+def run(src: Path, dst: Path, to: str = "dp=2", *extra: str, file_size_limit: int | None = None,
+        **env: str) -> subprocess.CompletedProcess:
+    return finish(start(src, dst, to, *extra, file_size_limit=file_size_limit, **env))
 
 
-def finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+def finish(p: forked.ForkedCLI) -> subprocess.CompletedProcess:
     out, err = p.communicate(timeout=300)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
@@ -214,7 +216,7 @@ def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_commit
         r = run(src, dst, "dp=2", "--force")  # past the refusal before the first byte (tests/test_preflight.py)
     else:
         dst = tmp_path / "out"
-        r = run(src, dst, preexec=fsize_limit(200_000))
+        r = run(src, dst, file_size_limit=200_000)
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()
     assert err.startswith(f"error: {dst}: out of space") and "\n" not in err and "Traceback" not in err
@@ -322,8 +324,7 @@ def test_concurrent_runs_into_same_destination_one_wins_other_exits_2(src, tmp_p
     manifest = json.loads((dst / "manifest.json").read_text())
     assert manifest["topology"]["dims"]["dp_shard"] == int(winner.split("=")[1])
     assert_clean(dst)
-    r = subprocess.run([sys.executable, "-m", "reshard", "verify", str(src), str(dst)], env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = forked.run(["verify", src, dst], env=_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert snapshot(src) == before
 

@@ -9,8 +9,8 @@ fuzzer): exit code in {0, 1, 2}, no traceback, a one-paragraph `error:`, nothing
 by a failed convert, and exit 2 when the mutation makes the input structurally invalid by
 an oracle independent of reshard's reader.
 
-Most cases run in-process (`run_cli`); a few go through `python -m reshard` subprocesses
-with a timeout for the traceback/hang properties.
+Most cases run in-process (`run_cli`); a few go through real processes (forked from a server
+that imported reshard once, `tests/forked.py`) with a timeout for the traceback/hang properties.
 """
 from __future__ import annotations
 
@@ -116,6 +116,24 @@ def test_text_inspect_of_damaged_checkpoint_prints_its_report(damage, reference_
 
 
 # ------------------------------------------------------------------- subprocesses: no traceback, no hang
+def _process_runner(timeout: float = 60.0):
+    """`scripts/fuzz_inputs.subprocess_runner`'s contract (-999 on a timeout) on forked processes."""
+    import os
+    import subprocess
+
+    import forked
+
+    env = {k: v for k, v in os.environ.items() if k != "RESHARD_DEBUG"}
+
+    def run(args: list) -> tuple[int, str, str]:
+        try:
+            p = forked.run(args, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -999, "", f"TIMEOUT after {timeout} s"
+        return p.returncode, p.stdout, p.stderr
+
+    return run
+
 
 @pytest.mark.parametrize("mutation", [
     pytest.param(("metadata", 7), id="metadata"),
@@ -126,7 +144,7 @@ def test_mutations_as_subprocesses(mutation, reference_ckpt, regions, tmp_path):
     m = fz.draw_mutation(random.Random(seed), reference_ckpt, regions, target)
     commands = fz.COMMANDS if target == "metadata" else ("inspect", "inspect_deep", "convert")
     (tmp_path / "w").mkdir()
-    r = fz.run_case(reference_ckpt, regions, m, tmp_path / "w", fz.subprocess_runner(timeout=60), commands)
+    r = fz.run_case(reference_ckpt, regions, m, tmp_path / "w", _process_runner(timeout=60), commands)
     assert not r.failures and not r.unexpected, _report(r)
     assert all(c != -999 for c in r.codes.values())
 
@@ -350,6 +368,6 @@ def test_fifo_metadata_as_a_subprocess(reference_ckpt, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(reference_ckpt, ck)
     s = fz.plant_special(ck, ".metadata", "fifo", outside=tmp_path / "private")
-    code, out, err = fz.subprocess_runner(timeout=60)(["inspect", ck])
+    code, out, err = _process_runner(timeout=60)(["inspect", ck])
     assert code != -999, "inspect hung on a FIFO .metadata"
     _assert_safe(s, (code, out, err))

@@ -30,6 +30,8 @@ import zlib
 from pathlib import Path
 
 import pytest
+
+import forked
 import torch
 
 from test_hostile_corruption import flip_payload_byte
@@ -51,8 +53,7 @@ def _env() -> dict[str, str]:
 
 
 def _reshard(args: list) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return forked.run(args, env=_env(), timeout=TIMEOUT)
 
 
 def _torchrun(args: list) -> subprocess.CompletedProcess:

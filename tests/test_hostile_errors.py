@@ -29,7 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fsize_limit, mounted_tmpfs, run_cli
+import forked
+
+from conftest import mounted_tmpfs, run_cli
 
 EPOCH = "1700000000"
 TIMEOUT = 300
@@ -48,9 +50,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _reshard(args: list, preexec=None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], env=_env(**env), capture_output=True,
-                          text=True, timeout=TIMEOUT, preexec_fn=preexec)
+def _reshard(args: list, file_size_limit: int | None = None, **env: str) -> subprocess.CompletedProcess:
+    """A real process (forked, `tests/forked.py`): what the user sees of an uncaught error, a timeout as a hang guard."""
+    return forked.run(args, env=_env(**env), timeout=TIMEOUT, file_size_limit=file_size_limit)
 
 
 def _paragraph(err: str) -> str:
@@ -140,7 +142,7 @@ def test_export_to_a_full_destination_exit_2_naming_destination_and_bytes(refere
         p = _reshard(["export", reference_ckpt, dst, "--format", fmt, "--force"])
     else:
         dst = tmp_path / "out"
-        p = _reshard(["export", reference_ckpt, dst, "--format", fmt], preexec=fsize_limit(50_000))
+        p = _reshard(["export", reference_ckpt, dst, "--format", fmt], file_size_limit=50_000)
     assert p.returncode == 2, p.stderr
     err = _paragraph(p.stderr)
     assert err.startswith(f"error: {dst}: out of space writing the export")

@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+import forked
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -38,8 +40,7 @@ def _one_paragraph(err: str, *names: str) -> str:
 
 def _cli_subprocess(args: list, timeout: float = 120) -> subprocess.CompletedProcess:
     """The CLI in its own process, with a timeout: a FIFO must not be able to hang the suite."""
-    return subprocess.run([PY, "-m", "reshard", *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "RESHARD_DEBUG": ""})
+    return forked.run(args, timeout=timeout, env={**os.environ, "RESHARD_DEBUG": ""})
 
 
 def _rank_files(ck: Path) -> list[Path]:

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+import forked
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,8 +85,7 @@ def _out(tmp_path: Path) -> tuple[Path, Path]:
 
 def _cli_subprocess(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=HANG_GUARD)
+    return forked.run(args, env=env, timeout=HANG_GUARD)
 
 
 def _imported_equals(dst: Path, tensors: dict[str, torch.Tensor]) -> None:

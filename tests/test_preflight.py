@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+import forked
+
 from conftest import cli, mounted_tmpfs
 from reshard.render.progress import Progress
 
@@ -45,8 +47,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(args: list, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard", *map(str, args)], env=_env(**env), capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    """A real process (forked, `tests/forked.py`): the command's own exit status and streams."""
+    return forked.run(args, env=_env(**env), timeout=600, cwd=ROOT)
 
 
 def _snapshot(d: Path) -> dict[str, str]:

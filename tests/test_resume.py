@@ -1,6 +1,8 @@
 """Resuming a killed conversion (`reshard.storage.journal`): the rerun keeps what its journal vouches for.
 
-Real ``python -m reshard convert`` processes (and ``--workers 2``, which runs torchrun) on a
+Real ``reshard convert`` processes (forked from a server that imported reshard and torch
+once, `tests/forked.py`: a real process, a real SIGKILL, no torch import per run; and
+``--workers 2``, which runs torchrun) on a
 private copy of the session's reference checkpoint, killed with SIGKILL at write events
 (``RESHARD_FAULT_KILL_AT``, the test hook of `reshard.commands.convert`), then run again with
 the same command. ``SOURCE_DATE_EPOCH`` makes the reports reproducible, so "byte-identical to
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import forked
 from reshard.storage.atomic import journal_dir, stale_temporaries
 
 EPOCH = "1700000000"
@@ -37,15 +40,14 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def command(src: Path, dst: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "reshard", "convert", str(src), str(dst), "--to", "dp=2", "--json", *extra]
+    return ["convert", str(src), str(dst), "--to", "dp=2", "--json", *extra]
 
 
-def start(src: Path, dst: Path, *extra: str, **fault: str) -> subprocess.Popen:
-    return subprocess.Popen(command(src, dst, *extra), env=env(**fault), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start(src: Path, dst: Path, *extra: str, **fault: str) -> forked.ForkedCLI:
+    return forked.start(command(src, dst, *extra), env=env(**fault))
 
 
-def finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+def finish(p: forked.ForkedCLI) -> subprocess.CompletedProcess:
     out, err = p.communicate(timeout=TIMEOUT)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
@@ -212,8 +214,7 @@ def test_restart_and_a_changed_plan_discard_the_work_with_their_reason(src, unin
     assert r.returncode == -signal.SIGKILL  # killed again, after 40 items of a new journal: nothing was kept
     jd = journal_dir(the_temporary(dst))
     assert sum(len(p.read_text().splitlines()) for p in jd.glob("*.jsonl")) == 40
-    r = subprocess.run([sys.executable, "-m", "reshard", "convert", str(src), str(dst), "--to", "dp=1", "--json"],
-                       env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    r = forked.run(["convert", src, dst, "--to", "dp=1", "--json"], env=env(), timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr
     assert "starting over: the plan changed since the interrupted run (fingerprint " in r.stderr
     assert json.loads(r.stdout)["resume"]["items_kept"] == 0
@@ -303,8 +304,7 @@ def test_the_space_check_counts_what_the_interrupted_run_holds(src, uninterrupte
     assert run(src, dst, RESHARD_FAULT_KILL_AT=str(uninterrupted["items"] // 2)).returncode == -signal.SIGKILL
     held = reclaimable_bytes(dst)
     assert held > 0
-    plan = subprocess.run([sys.executable, "-m", "reshard", "plan", str(src), "--to", "dp=2", "--dst", str(dst),
-                           "--json"], env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    plan = forked.run(["plan", src, "--to", "dp=2", "--dst", dst, "--json"], env=env(), timeout=TIMEOUT)
     assert plan.returncode == 0, plan.stderr
     needed = json.loads(plan.stdout)["space"]["needed_bytes"]
     free = str(max(0, needed - held // 2))  # short of the output by half of what the killed run holds

@@ -315,6 +315,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
                                        "pass --force to go ahead anyway (a full disk then stops it with nothing "
                                        "committed)")
         figures["warning"] = short + "; going ahead (--force)"
+    exact_seconds: float | None = None
     if probe:
         r = read_probe(largest_file(sources))
         w = write_probe(checked, min(PROBE_BYTES, free // 8)) if free // 8 >= 64 << 10 else \
@@ -327,13 +328,16 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
         if w.per_second:
             parts.append(need / w.per_second)
         if parts:
-            figures["seconds"] = round(sum(parts), 3)
+            exact_seconds = sum(parts)
+            figures["seconds"] = round(exact_seconds, 3)
         figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
                             f"two probes ({r.describe()}; {w.describe()}); the copy only, an estimate")
     if progress is not None:
         progress.say(space_line(figures))
-        if figures["seconds"] and hasattr(progress, "expect"):  # the copy's ETA from its first second
-            progress.expect("copy", read_bytes / max(figures["seconds"], 1e-3))
+        # the copy's ETA from its first second; from the unrounded estimate, which a small copy on a
+        # fast disk would round to 0.0 s (and so lose its ETA)
+        if exact_seconds is not None and hasattr(progress, "expect"):
+            progress.expect("copy", read_bytes / max(exact_seconds, 1e-6))
     return figures
 
 

@@ -1,0 +1,170 @@
+"""Real `reshard` processes without a torch import each: forked from a server that imported it once.
+
+Where the process is the point of a test (it is killed by SIGKILL, interrupted by SIGINT, its
+file size limited, run concurrently with another, its exit status read from the OS), the test
+needs a real process, not an in-process call. It does not need that process to spend 2-20 s
+importing torch again: `python -m reshard` and a child forked here differ only in that import.
+
+A child is forked by `multiprocessing`'s fork server, a single-threaded process started once
+per test worker that has imported `reshard.cli` and torch (with no torch op run, so no thread
+pool to break by forking). The child sets the environment it was given, redirects its
+stdout/stderr to files, runs `reshard.cli.main(argv)` and exits with its code; a signal that
+kills it shows as a negative return code, as with `subprocess`. Tests about the interpreter
+itself (import order, `-X importtime`, `python -m reshard --help`, torchrun) keep `subprocess`.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Callable
+
+# The fork server is one per process, shared with `reshard.synthetic.spawn_ranks` (whichever
+# starts it first sets what it preloads), so this list holds what both need.
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+            "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "safetensors",
+            "reshard.synthetic", "reshard.cli"]
+_context = None
+
+
+def _ctx():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """The child would re-import the parent's ``__main__`` (pytest's): pure cost, so hide it while starting."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _child(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str | None,
+           file_size_limit: int | None, new_session: bool) -> None:
+    """In the forked child: become `python -m reshard ARGV` with this environment, then exit with its code."""
+    if new_session:
+        os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    fo = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fe = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fo, 1)
+    os.dup2(fe, 2)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    if file_size_limit is not None:  # writes past it fail with EFBIG instead of killing the child
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+    sys.argv = ["reshard", *argv]
+    code = 0
+    try:
+        from reshard.cli import main
+
+        main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: a traceback and exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+class ForkedCLI:
+    """A `subprocess.Popen`-like handle on one forked `reshard` run (text mode, stdout/stderr captured)."""
+
+    def __init__(self, args: list, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                 file_size_limit: int | None = None, start_new_session: bool = False) -> None:
+        self.args = [str(a) for a in args]
+        self._dir = tempfile.mkdtemp(prefix="forked-cli-")
+        self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
+        self._proc = _ctx().Process(target=_child, args=(self.args, dict(os.environ if env is None else env),
+                                                         self._out, self._err, str(cwd) if cwd else None,
+                                                         file_size_limit, start_new_session))
+        with _main_not_reimported():
+            self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._proc.exitcode is not None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def output(self) -> tuple[str, str]:
+        """What the child wrote to stdout and stderr so far."""
+        read = (lambda p: Path(p).read_text(errors="replace") if os.path.exists(p) else "")
+        return read(self._out), read(self._err)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        out = self.output()
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return out
+
+
+def start(args: list, **kw) -> ForkedCLI:
+    """Start `reshard ARGS` in a forked child (see the module's docstring); keywords as `ForkedCLI`."""
+    return ForkedCLI(args, **kw)
+
+
+def run(args: list, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """`reshard ARGS` in a forked child, to completion: a `CompletedProcess` like `subprocess.run`'s."""
+    p = ForkedCLI(args, **kw)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60, every: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` s; whether it became true."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
