@@ -35,13 +35,14 @@ import re
 import socket
 import sys
 import time
-import types
 import warnings
 from datetime import timedelta
 from math import prod
 from typing import Any, Callable, Sequence
 
 import torch
+
+from reshard.train.launch import default_start_method, main_not_reimported
 
 __all__ = [
     "SyntheticCheckpointError",
@@ -213,34 +214,6 @@ _PRELOAD = [
 ]
 
 
-def _default_start_method() -> str:
-    import multiprocessing
-
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-
-
-@contextlib.contextmanager
-def _main_not_reimported(fn: Callable[..., None]):
-    """Keep the children from re-importing the caller's ``__main__``.
-
-    multiprocessing re-runs the parent's main module in every spawned/forkserver child
-    (so that functions defined there can be unpickled). Our workers live in this module,
-    so that import is pure cost (under pytest ~0.5 s of CPU per rank) and a hazard (a
-    script without an ``if __name__ == "__main__":`` guard would recurse). While the
-    children are being launched ``__main__`` is swapped for an empty module, which
-    ``multiprocessing.spawn.get_preparation_data`` then has nothing to record about.
-    """
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" or main is None:
-        yield
-        return
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
 def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: float, start_method: str | None = None) -> None:
     """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` fresh processes.
 
@@ -249,20 +222,15 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: 
     never ran it, so fork-safe), and only the first job of a process pays for importing
     torch. ``"spawn"`` works too but costs a full torch import per rank per job (about
     7 s for 4 ranks on 2 cores). The caller's main module is not re-imported in the
-    children (see :func:`_main_not_reimported`), so callers need no main guard.
+    children (see :func:`reshard.train.launch.main_not_reimported`), so callers need no main guard.
     """
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    start_method = start_method or _default_start_method()
-    if start_method == "forkserver":
-        # only affects a forkserver that has not started yet; never preload __main__
-        multiprocessing.set_forkserver_preload(list(_PRELOAD))
+    start_method = start_method or default_start_method(_PRELOAD)
     port = _free_port()
-    with warnings.catch_warnings(), _main_not_reimported(fn):
+    with warnings.catch_warnings(), main_not_reimported(fn):
         warnings.simplefilter("ignore")
         ctx = mp.start_processes(fn, args=(world_size, port) + tuple(args), nprocs=world_size, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout

@@ -130,6 +130,29 @@ def plain_fsdp2_ckpt(tmp_path_factory) -> Path:
     return Path(once_per_run(tmp_path_factory, "plain", lambda w: str(make_plain_fsdp2(w / "ckpt", world_size=4))))
 
 
+TORCHTITAN_WRITER = Path(__file__).parent / "writers" / "torchtitan_run.py"
+
+
+@pytest.fixture(scope="session")
+def torchtitan_sources(tmp_path_factory) -> dict[str, Path]:
+    """torchtitan 0.3.0's own training and ``CheckpointManager.save`` (tests/writers/torchtitan_run.py):
+    a 2-layer Llama at dp_shard=2, 2 steps, fused and separate QKV, in one 2-rank launch, written
+    once per run (keyed by the writer's content and torchtitan's version) and shared by every
+    module that reads it. ``<dump>/checkpoint/step-2`` is the checkpoint, ``<dump>/reference``
+    the full state the writer saved beside it."""
+    require_packages("torchtitan")
+
+    def make(work: Path) -> dict[str, str]:
+        jobs = [{"dump": str(work / "fused"), "fuse_qkv": True, "steps": 2},
+                {"dump": str(work / "unfused"), "fuse_qkv": False, "steps": 2}]
+        (work / "write.json").write_text(json.dumps(jobs))
+        run_torchrun(TORCHTITAN_WRITER, 2, "write", work / "write.json")
+        return {"fused": str(work / "fused"), "unfused": str(work / "unfused")}
+
+    made = once_per_run(tmp_path_factory, writer_key(TORCHTITAN_WRITER, "torchtitan"), make)
+    return {k: Path(v) for k, v in made.items()}
+
+
 @pytest.fixture
 def copy_of(tmp_path):
     """Copy a session checkpoint so a test may damage it."""
@@ -160,6 +183,18 @@ def require_packages(*names: str) -> None:
                                "run the README's test command")
         pytest.skip(f"{', '.join(missing)} not installed (pip install -c constraints.txt -e '.[interop]')",
                     allow_module_level=True)
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` fresh processes, forked from a server that imported torch
+    once (`reshard.train.launch`), instead of ``spawn``'s torch import per rank; joins, raises
+    on a failed rank as ``torch.multiprocessing.start_processes`` does."""
+    import torch.multiprocessing as mp
+
+    from reshard.train.launch import default_start_method, main_not_reimported
+
+    with main_not_reimported(fn):
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=default_start_method())
 
 
 def run_torchrun(script: Path, nproc: int, *args: str | Path) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, run_cli
+from conftest import cli, run_cli, start_ranks
 from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import dcp as dcp_io
@@ -185,8 +185,7 @@ def loaded(root, conversions) -> dict[str, list[dict]]:
     out_dir = root / "loaded"
     out_dir.mkdir()
     t = time.perf_counter()
-    mp.start_processes(_dcp_load_worker.worker, args=(jobs, str(out_dir)), nprocs=max(j["n"] for j in jobs),
-                       join=True, start_method="spawn")
+    start_ranks(_dcp_load_worker.worker, (jobs, str(out_dir)), max(j["n"] for j in jobs))
     TIMINGS["spawn 4 ranks: load 4 outputs"] = time.perf_counter() - t
     results = {}
     for job in jobs:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli
+from conftest import cli, start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest
@@ -100,8 +100,7 @@ def loaded(root, links) -> dict[str, list[dict]]:
              "cfg": {"dp": c["n"], "micro_batch": 2, "grad_accum": 24 // (2 * c["n"])}} for name, c in links.items()]
     out_dir = root / "loaded"
     out_dir.mkdir()
-    mp.start_processes(_dcp_load_worker.worker, args=(jobs, str(out_dir)), nprocs=max(j["n"] for j in jobs),
-                       join=True, start_method="spawn")
+    start_ranks(_dcp_load_worker.worker, (jobs, str(out_dir)), max(j["n"] for j in jobs))
     results = {}
     for job in jobs:
         per_rank = [torch.load(out_dir / f"{job['tag']}_rank{r}.pt", weights_only=False) for r in range(job["n"])]

@@ -2,11 +2,12 @@
 the source model; import of that export -> torchtitan's own CheckpointManager at dp=2,tp=2 -> the
 source weights bitwise; verify SRC EXPORT through the same declared transforms.
 
-Sources (module-scoped, written once):
+Sources:
 
 - torchtitan 0.3.0, fused QKV and separate q/k/v: ``tests/writers/torchtitan_run.py`` write mode
-  (torchtitan's own Llama3Model, parallelize_llama with FSDP2 at dp_shard=2, AdamW, 3 training
-  steps, CheckpointManager.save), as tests/test_interop_torchtitan.py writes them;
+  (torchtitan's own Llama3Model, parallelize_llama with FSDP2 at dp_shard=2, AdamW, 2 training
+  steps, CheckpointManager.save), written once per run and shared with
+  tests/test_interop_torchtitan.py (``conftest.torchtitan_sources``);
 - the names before torchtitan 0.3 (``layers.N.attention.wq``, ``output.weight``):
   ``reshard.synthetic_llama`` at tp=2 (vocab 100 padded to 112 rows, so the trim is exercised).
   No torchtitan before 0.3 is installed to run that model, so its source forward is torchtitan
@@ -65,19 +66,16 @@ def _to_03(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict[str, Any]:
+def world(torchtitan_sources, tmp_path_factory) -> dict[str, Any]:
     """Sources, their exports and imports, and torchtitan's forwards and loads of them (one launch each)."""
     from reshard.synthetic_llama import LlamaShape, load_global, make_llama_checkpoint
 
     work = tmp_path_factory.mktemp("hf")
-    jobs = [{"dump": str(work / "fused"), "fuse_qkv": True, "steps": 3},
-            {"dump": str(work / "unfused"), "fuse_qkv": False, "steps": 3}]
-    (work / "write.json").write_text(json.dumps(jobs))
-    _torchrun(WRITERS / "torchtitan_run.py", 2, "write", str(work / "write.json"))
     shape = LlamaShape(n_layers=2, dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=96, vocab_size=100, vocab_multiple=8)
     legacy = make_llama_checkpoint(work / "legacy", shape=shape, tp=2, dp=1, fused=False)
 
-    src = {"fused": work / "fused" / "checkpoint" / "step-3", "unfused": work / "unfused" / "checkpoint" / "step-3",
+    dumps = torchtitan_sources  # written once per run, shared with tests/test_interop_torchtitan.py
+    src = {"fused": dumps["fused"] / "checkpoint" / "step-2", "unfused": dumps["unfused"] / "checkpoint" / "step-2",
            "legacy": legacy}
     out: dict[str, Any] = {"work": work, "src": src, "export": {}, "import": {}, "export_code": {}, "import_code": {},
                            "weights": {}, "model": {}}
@@ -99,7 +97,7 @@ def world(tmp_path_factory) -> dict[str, Any]:
                 weights[k] = weights[k][:100].clone()  # the real vocabulary; rows 100..111 are TP padding
             out["model"][v] = dict(LEGACY, fuse_qkv=False)
         else:
-            weights = torch.load(work / v / "reference" / "state.pt", weights_only=False)["model"]
+            weights = torch.load(dumps[v] / "reference" / "state.pt", weights_only=False)["model"]
             out["model"][v] = dict(TITAN, fuse_qkv=v == "fused")
         out["weights"][v] = work / f"{v}-weights.pt"
         torch.save(weights, out["weights"][v])
@@ -153,7 +151,7 @@ def test_export_is_a_transformers_directory(world, variant):
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
     assert names == expected
-    step = 10 if variant == "legacy" else 3  # what `reshard inspect` finds (synthetic: manifest; torchtitan: train_state)
+    step = 10 if variant == "legacy" else 2  # what `reshard inspect` finds (synthetic: manifest; torchtitan: train_state)
     code, text, _ = cli(["inspect", world["src"][variant], "--json"])
     assert json.loads(text)["step"] == step
     assert json.loads(meta["step"]) == step and r["essentials"]["step"] == step

@@ -72,13 +72,10 @@ def _launch(mode: str, jobs: list[dict[str, Any]], nproc: int, work: Path, tag: 
 
 
 @pytest.fixture(scope="module")
-def titan(tmp_path_factory) -> dict[str, Path]:
-    """Both source checkpoints (fused / separate QKV) from one 2-rank launch of torchtitan's own save."""
-    work = tmp_path_factory.mktemp("torchtitan")
-    jobs = [{"dump": str(work / "fused"), "fuse_qkv": True, "steps": 2},
-            {"dump": str(work / "unfused"), "fuse_qkv": False, "steps": 2}]
-    _launch("write", jobs, 2, work, "write")
-    return {"work": work, "fused": work / "fused", "unfused": work / "unfused"}
+def titan(torchtitan_sources, tmp_path_factory) -> dict[str, Path]:
+    """Both source checkpoints (fused / separate QKV) from one 2-rank launch of torchtitan's own save
+    (`conftest.torchtitan_sources`, written once per run), and this module's own work directory."""
+    return {"work": tmp_path_factory.mktemp("torchtitan"), **torchtitan_sources}
 
 
 def _step(dump: Path) -> Path:

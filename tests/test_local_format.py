@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import run_cli, start_ranks
 from reshard.errors import BadInput
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
@@ -180,7 +180,7 @@ def test_files_equal_the_local_shards_of_a_real_fsdp2_job(ref_out):
     out_dir.mkdir()
     job = {"tag": "dp2", "n": 2, "dst": str(ref_out["dcp"]), "port": free_port(),
            "cfg": {"dp": 2, "micro_batch": 2, "grad_accum": 4}}
-    mp.start_processes(_dcp_load_worker.worker, args=([job], str(out_dir)), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_dcp_load_worker.worker, ([job], str(out_dir)), 2)
     index = json.loads((ref_out["local"] / INDEX_FILE).read_text())
     moments = 0
     for r in range(2):

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import cli
+from conftest import cli, start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest
@@ -103,7 +103,7 @@ def ref_loaded(ref_slices, tmp_path_factory) -> dict[str, list[dict]]:
     jobs = [{"tag": name, "n": 2, "dst": str(c["dst"]), "port": free_port(),
              "cfg": {"dp": 2, "n_layers": 2, "micro_batch": 2, "grad_accum": 2}} for name, c in ref_slices.items()]
     out_dir = tmp_path_factory.mktemp("slice_loaded")
-    mp.start_processes(_dcp_load_worker.worker, args=(jobs, str(out_dir)), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_dcp_load_worker.worker, (jobs, str(out_dir)), 2)
     results = {}
     for job in jobs:
         per_rank = [torch.load(out_dir / f"{job['tag']}_rank{r}.pt", weights_only=False) for r in range(2)]

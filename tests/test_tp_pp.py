@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, run_cli
+from conftest import cli, run_cli, start_ranks
 from reshard.semantics import manifest as mf
 from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.reference import TrainConfig
@@ -117,7 +117,7 @@ def sources(root) -> dict[str, Path]:
     jobs = [{"n": 4, "port": free_port(), "cfgs": [asdict(tp)]},
             {"n": 2, "port": free_port(), "cfgs": [asdict(pp2_n2), asdict(pp2_n4)]}]
     t = time.perf_counter()
-    mp.start_processes(_tp_pp_worker.train_worker, args=(jobs,), nprocs=4, join=True, start_method="spawn")
+    start_ranks(_tp_pp_worker.train_worker, (jobs,), 4)
     TIMINGS["spawn: train sources"] = time.perf_counter() - t
     return {name: root / name / f"step_{STEPS}" for name in ("tp_src", "pp2_n2", "pp2_n4")}
 
@@ -162,8 +162,7 @@ def loaded(root, sources, converted) -> dict[str, list[dict]]:
     out_dir = root / "loaded"
     out_dir.mkdir()
     t = time.perf_counter()
-    mp.start_processes(_tp_pp_worker.load_worker, args=(runnable, str(out_dir)), nprocs=4, join=True,
-                       start_method="spawn")
+    start_ranks(_tp_pp_worker.load_worker, (runnable, str(out_dir)), 4)
     TIMINGS["spawn: load outputs"] = time.perf_counter() - t
     return {job["tag"]: [torch.load(out_dir / f"{job['tag']}_rank{r}.pt", weights_only=False) for r in range(job["n"])]
             for job in runnable}

@@ -548,7 +548,7 @@ def checkpoint_dirs(cfg: TrainConfig) -> list[Path]:
 
 
 def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None = None, *,
-                  start_method: str = "spawn") -> list[Path]:
+                  start_method: str | None = None) -> list[Path]:
     """Spawn ``nprocs`` (default pp*dp*tp) local gloo processes, train, return after all exit.
 
     ``cfg`` may be a list of configs with the same world size: they run one after the
@@ -558,9 +558,11 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
     2-core machines. Raises if any rank failed
     (``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``).
     Returns the checkpoint directories written (``<out>/step_<k>``), in order.
-    ``start_method="fork"`` forks the ranks from this process instead (no second import of
-    torch per rank: seconds per run on a small machine); only for a process that has run no
-    torch op or thread yet, such as ``python -m reshard.reference --spawn`` (the rehearsal's).
+    The ranks are forked from a fork server that imported torch once (`reshard.train.launch`:
+    no torch import per rank, seconds per run on a small machine), or spawned where the
+    platform has no fork server (or ``start_method="spawn"``). ``start_method="fork"`` forks
+    them from this process; only for a process that has run no torch op or thread yet, such as
+    ``python -m reshard.reference --spawn`` (the rehearsal's).
     """
     cfgs = [cfg] if isinstance(cfg, TrainConfig) else list(cfg)
     if not cfgs:
@@ -575,7 +577,11 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
             Path(c.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp
 
+    from reshard.train.launch import PRELOAD, default_start_method, main_not_reimported
+
+    start_method = start_method or default_start_method((*PRELOAD, __name__))
     for c in cfgs:
-        mp.start_processes(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True,
-                           start_method=start_method)
+        with main_not_reimported(_spawned_worker):
+            mp.start_processes(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True,
+                               start_method=start_method)
     return [p for c in cfgs for p in checkpoint_dirs(c)]
