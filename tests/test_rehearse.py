@@ -110,14 +110,22 @@ def test_tp2_to_tp1_derived_tolerance(tmp_path):
 PARAM = "blocks.0.mlp.fc1.weight"
 
 
-def test_hook_zeroed_exp_avg_is_named(tmp_path):
+@pytest.fixture(scope="module")
+def zeroed(tmp_path_factory) -> dict:
+    """dp=2 -> dp=1 with one parameter's exp_avg zeroed after the conversion (its baseline reused below)."""
     key = f"optim.state.{PARAM}.exp_avg"
 
     def zero_one(dst: Path) -> Path:
         return rewrite_checkpoint(dst, dst.parent / "broken", tensor_fn=lambda k: torch.zeros_like if k == key else None)
 
-    r = rehearse(from_spec="dp=2", to_spec="dp=1", steps=5, switch_at=2, window=3, out=tmp_path,
+    out = tmp_path_factory.mktemp("rehearse_zeroed")
+    r = rehearse(from_spec="dp=2", to_spec="dp=1", steps=5, switch_at=2, window=3, out=out,
                  hooks={"after_convert": zero_one})
+    return r | {"_out": out, "_key": key}
+
+
+def test_hook_zeroed_exp_avg_is_named(zeroed):
+    r, key, tmp_path = zeroed, zeroed["_key"], zeroed["_out"]
     assert r["exit_code"] == 1
     assert any(d.startswith(f"moments of {PARAM}: exp_avg") for d in r["diverged"]), r["diverged"]
     assert not any(d.startswith("moments of") and PARAM not in d for d in r["diverged"]), r["diverged"]
@@ -126,12 +134,14 @@ def test_hook_zeroed_exp_avg_is_named(tmp_path):
     assert f"moments of {PARAM}" in (tmp_path / "rehearsal.md").read_text()
 
 
-def test_hook_rewritten_cursor_is_named(tmp_path):
+def test_hook_rewritten_cursor_is_named(zeroed, tmp_path):
+    """The same transition (its baseline, the same layout, recipe, steps and seed, reused: the hook acts after it)."""
     def rewind(dst: Path) -> Path:
         return rewrite_checkpoint(dst, dst.parent / "broken", objects={"data.sampler.cursor": 0})
 
     r = rehearse(from_spec="dp=2", to_spec="dp=1", steps=5, switch_at=2, window=3, out=tmp_path,
-                 hooks={"after_convert": rewind})
+                 hooks={"after_convert": rewind}, reuse_baseline=zeroed["_out"])
+    assert r["trainer"]["baseline_reused_from"] == str(zeroed["_out"])
     assert r["exit_code"] == 1
     cov = [d for d in r["diverged"] if d.startswith("coverage")]
     assert cov and r["coverage"]["resumed"]["repeated"] > 0, r["diverged"]
