@@ -53,6 +53,15 @@ def _main_not_reimported():
             sys.modules["__main__"] = main
 
 
+def _open_for_writing(path: str) -> int:
+    import stat
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOCTTY)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.ftruncate(fd, 0)
+    return fd
+
+
 def _child(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str | None,
            file_size_limit: int | None, new_session: bool) -> None:
     """In the forked child: become `python -m reshard ARGV` with this environment, then exit with its code."""
@@ -62,10 +71,9 @@ def _child(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str | 
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
-    fo = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    fe = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fo, 1)
-    os.dup2(fe, 2)
+    # stdout/stderr: files, FIFOs or a pseudo-terminal's slave (never our controlling terminal)
+    os.dup2(_open_for_writing(out), 1)
+    os.dup2(_open_for_writing(err), 2)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     if file_size_limit is not None:  # writes past it fail with EFBIG instead of killing the child
@@ -98,10 +106,14 @@ class ForkedCLI:
     """A `subprocess.Popen`-like handle on one forked `reshard` run (text mode, stdout/stderr captured)."""
 
     def __init__(self, args: list, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 file_size_limit: int | None = None, start_new_session: bool = False) -> None:
+                 file_size_limit: int | None = None, start_new_session: bool = False,
+                 stdout: str | None = None, stderr: str | None = None) -> None:
+        """``stdout``/``stderr``: a path the child writes that stream to (a FIFO, a terminal's
+        slave); by default a file this handle reads back (`output`, `communicate`)."""
         self.args = [str(a) for a in args]
         self._dir = tempfile.mkdtemp(prefix="forked-cli-")
-        self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
+        self._out = stdout or os.path.join(self._dir, "out")
+        self._err = stderr or os.path.join(self._dir, "err")
         self._proc = _ctx().Process(target=_child, args=(self.args, dict(os.environ if env is None else env),
                                                          self._out, self._err, str(cwd) if cwd else None,
                                                          file_size_limit, start_new_session))

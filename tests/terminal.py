@@ -1,4 +1,4 @@
-"""Run ``python -m reshard`` with its stderr on a pseudo-terminal, recording when each piece arrives.
+"""Run ``reshard`` with its stderr on a pseudo-terminal, recording when each piece arrives.
 
 Shared by the tests of what a person at a terminal sees (tests/test_progress.py,
 tests/test_first_line.py): the progress shown only on a terminal, the first line before
@@ -10,6 +10,7 @@ import fcntl
 import os
 import pty
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -33,25 +34,80 @@ def _env() -> dict[str, str]:
 
 def run_on_terminal(args: list[str], *, terminal: bool, importtime: bool = False, timeout: float = 300,
                     stop_when: Callable[[str, str], bool] | None = None) -> dict:
-    """``python -m reshard ARGS`` with stderr on a pseudo-terminal (``terminal``) or a pipe; stdout a pipe.
+    """``reshard ARGS`` with stderr on a pseudo-terminal (``terminal``) or a pipe; stdout a pipe.
 
     Returns the exit code, stdout, stderr and when each piece of stderr arrived (seconds
     after the start), both read as they come so the child never blocks. ``stop_when(out,
     err)``: once it holds, the command and every process it started (its session) are
     killed: the beginning of a long command (the demo, a rehearsal) is enough to see what it
     shows first. ``stopped`` says whether that happened.
+
+    With ``importtime`` the command is a fresh ``python -X importtime -m reshard`` (what it
+    prints before torch is imported is the point); otherwise it is forked from a server that
+    imported torch once (`tests/forked.py`), stdout a FIFO and stderr the terminal's slave (or
+    a FIFO) opened by name: the same process on the same terminal, without a torch import.
     """
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "reshard", *args]
-    master = slave = None
-    if terminal:
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal of 160 columns
+    import tempfile
+
+    import forked
+
+    master, slave = _terminal() if terminal else (None, None)
+    work = Path(tempfile.mkdtemp(prefix="terminal-"))
+    held: list[int] = []  # writing ends this process holds until the child has exited (see `_stream`)
     started = time.monotonic()
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=slave if terminal else subprocess.PIPE, env=_env(), cwd=ROOT, start_new_session=True)
-    if slave is not None:
-        os.close(slave)
-    err_fd = master if terminal else p.stderr.fileno()
+    try:
+        if importtime:
+            p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "reshard", *args], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=slave if terminal else subprocess.PIPE, env=_env(),
+                                 cwd=ROOT, start_new_session=True)
+            out_fd, err_fd = p.stdout.fileno(), (master if terminal else p.stderr.fileno())
+            if slave is not None:
+                os.close(slave)  # the child has its own copy
+        else:
+            out_fd = _fifo(work / "stdout", held)
+            err_fd = master if terminal else _fifo(work / "stderr", held)
+            if slave is not None:
+                held.append(slave)
+            p = forked.start(args, env=_env(), cwd=ROOT, start_new_session=True, stdout=str(work / "stdout"),
+                             stderr=os.ttyname(slave) if terminal else str(work / "stderr"))
+        return _stream(p, out_fd, err_fd, started, timeout, stop_when, held)
+    finally:
+        if master is not None:
+            os.close(master)
+        if importtime:
+            p.stdout.close()
+            if p.stderr is not None:
+                p.stderr.close()
+        else:
+            for fd in {out_fd, err_fd} - {master}:
+                os.close(fd)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _terminal() -> tuple[int, int]:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a terminal of 160 columns
+    return master, slave
+
+
+def _fifo(path: Path, held: list[int]) -> int:
+    """A FIFO at ``path``: its reading end, returned, and a writing end appended to ``held`` so
+    that the reader sees no end of file before the child has opened it by name."""
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    held.append(os.open(path, os.O_WRONLY))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _stream(p, out_fd: int, err_fd: int, started: float, timeout: float,
+            stop_when: Callable[[str, str], bool] | None, held: list[int]) -> dict:
+    """Read both streams as they come until the process ends (or ``stop_when`` kills its session).
+
+    ``held``: writing ends (a FIFO's, a terminal's slave) this process holds for a child that
+    opens them by name; closed once the child has exited, so the readers drain what is left,
+    then see the end.
+    """
     pieces: list[tuple[float, str]] = []
     out_parts: list[str] = []
     stopped = threading.Event()
@@ -78,7 +134,7 @@ def run_on_terminal(args: list[str], *, terminal: bool, importtime: bool = False
 
     readers = [threading.Thread(target=read, args=(err_fd, lambda t: pieces.append((time.monotonic() - started, t))),
                                 daemon=True),
-               threading.Thread(target=read, args=(p.stdout.fileno(), out_parts.append), daemon=True)]
+               threading.Thread(target=read, args=(out_fd, out_parts.append), daemon=True)]
     for r in readers:
         r.start()
     try:
@@ -86,13 +142,11 @@ def run_on_terminal(args: list[str], *, terminal: bool, importtime: bool = False
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        for fd in held:
+            os.close(fd)
         for r in readers:
             r.join(timeout=10)
-        if master is not None:
-            os.close(master)
-        p.stdout.close()
-        if p.stderr is not None:
-            p.stderr.close()
     return {"code": p.returncode, "out": "".join(out_parts), "err": "".join(t for _, t in pieces), "pieces": pieces,
             "stopped": stopped.is_set()}
 
