@@ -27,13 +27,11 @@ Typical cost on 2 CPUs: 1-3 s per job, plus ~2 s once per process to start the s
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import pickle
 import re
 import socket
-import sys
 import time
 import warnings
 from datetime import timedelta
@@ -42,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from reshard.train.launch import default_start_method, main_not_reimported
+from reshard.train.launch import PRELOAD, default_start_method, main_not_reimported
 
 __all__ = [
     "SyntheticCheckpointError",
@@ -204,14 +202,7 @@ def finish_worker() -> None:
         dist.destroy_process_group()
 
 
-_PRELOAD = [
-    "torch",
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "reshard.synthetic",
-]
+_PRELOAD = (*PRELOAD, "reshard.synthetic")
 
 
 def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: float, start_method: str | None = None) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -262,14 +260,6 @@ def cli(args: list) -> tuple[int, str, str]:
     cap = _Capture()
     with contextlib.redirect_stdout(cap.out), contextlib.redirect_stderr(cap.err):
         return run_cli(args, cap)
-
-
-def fsize_limit(limit: int):
-    """A ``preexec_fn`` capping the size of every file the child writes (writes past it fail with EFBIG)."""
-    def pre() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return pre
 
 
 @contextmanager

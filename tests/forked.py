@@ -14,43 +14,18 @@ itself (import order, `-X importtime`, `python -m reshard --help`, torchrun) kee
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
-import time
-import types
 from pathlib import Path
-from typing import Callable
 
-# The fork server is one per process, shared with `reshard.synthetic.spawn_ranks` (whichever
-# starts it first sets what it preloads), so this list holds what both need.
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-            "torch.distributed.fsdp", "torch.distributed.tensor", "numpy", "safetensors",
-            "reshard.synthetic", "reshard.cli"]
-_context = None
+from reshard.train.launch import PRELOAD, default_start_method, main_not_reimported
 
-
-def _ctx():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
-    return _context
-
-
-@contextlib.contextmanager
-def _main_not_reimported():
-    """The child would re-import the parent's ``__main__`` (pytest's): pure cost, so hide it while starting."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
+# The fork server is one per process, shared with `reshard.train.launch`'s callers (whichever
+# starts it first sets what it preloads), so this list holds what they all need.
+_PRELOAD = (*PRELOAD, "numpy", "safetensors", "reshard.synthetic", "reshard.reference.trainer", "reshard.cli")
 
 
 def _open_for_writing(path: str) -> int:
@@ -114,10 +89,10 @@ class ForkedCLI:
         self._dir = tempfile.mkdtemp(prefix="forked-cli-")
         self._out = stdout or os.path.join(self._dir, "out")
         self._err = stderr or os.path.join(self._dir, "err")
-        self._proc = _ctx().Process(target=_child, args=(self.args, dict(os.environ if env is None else env),
-                                                         self._out, self._err, str(cwd) if cwd else None,
-                                                         file_size_limit, start_new_session))
-        with _main_not_reimported():
+        with main_not_reimported(_child):  # the child would re-import pytest's __main__: pure cost
+            self._proc = multiprocessing.get_context(default_start_method(_PRELOAD)).Process(
+                target=_child, args=(self.args, dict(os.environ if env is None else env), self._out, self._err,
+                                     str(cwd) if cwd else None, file_size_limit, start_new_session))
             self._proc.start()
         self.pid = self._proc.pid
         self.returncode: int | None = None
@@ -171,12 +146,3 @@ def run(args: list, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     out, err = p.communicate(timeout=timeout)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 60, every: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` s; whether it became true."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(every)
-    return predicate()

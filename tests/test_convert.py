@@ -170,8 +170,6 @@ def conversions(root, sources, second, first_conversions) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def loaded(root, conversions) -> dict[str, list[dict]]:
     """Spawn 3 (4 ranks): every item-1 output loaded by an FSDP2 job of its target size."""
-    import torch.multiprocessing as mp
-
     import _dcp_load_worker
 
     for name in CONVERSIONS:

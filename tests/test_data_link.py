@@ -90,8 +90,6 @@ def links(root, source, before) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def loaded(root, links) -> dict[str, list[dict]]:
     """One spawn of 3 processes: a 2-rank and a 3-rank FSDP2 job, each `dcp.load`s its output."""
-    import torch.multiprocessing as mp
-
     import _dcp_load_worker
 
     for name, c in links.items():

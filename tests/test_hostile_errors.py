@@ -24,7 +24,6 @@ import pickle
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -169,8 +169,6 @@ def test_verify_and_inspect_accept_the_local_output(ref_out, capsys):
 # ------------------------------------------------------------------------------ 2. real DTensor shards
 def test_files_equal_the_local_shards_of_a_real_fsdp2_job(ref_out):
     """2 gloo ranks build the reference model at dp=2, dcp.load the DCP output, compare to_local()."""
-    import torch.multiprocessing as mp
-
     import _dcp_load_worker
     from reshard.reference.trainer import free_port
 

@@ -94,8 +94,6 @@ def ref_slices(ref4, tmp_path_factory) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def ref_loaded(ref_slices, tmp_path_factory) -> dict[str, list[dict]]:
     """One spawn of 2 processes: the trainer's 2-layer model at dp=2 `dcp.load`s each slice (strict planner)."""
-    import torch.multiprocessing as mp
-
     import _dcp_load_worker
 
     for name, c in ref_slices.items():

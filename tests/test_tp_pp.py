@@ -102,8 +102,6 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sources(root) -> dict[str, Path]:
     """Spawn 1 (4 processes): the dp=2,tp=2 source (4 ranks), then the pp=2 sources (2 ranks)."""
-    import torch.multiprocessing as mp
-
     import _tp_pp_worker
 
     tp = TrainConfig(dp=2, tp=2, steps=STEPS, save_at=[STEPS], out=str(root / "tp_src"), experiment_id="tp-src",
@@ -140,8 +138,6 @@ def converted(root, sources) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def loaded(root, sources, converted) -> dict[str, list[dict]]:
     """Spawn 2 (4 processes): every output loaded by the reference trainer built at its layout."""
-    import torch.multiprocessing as mp
-
     import _tp_pp_worker
 
     jobs = [{"tag": "tp_src", "cfg": {"dp": 2, "tp": 2, **TP_BASE}, "path": str(sources["tp_src"]),
