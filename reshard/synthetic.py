@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from reshard.train.launch import PRELOAD, default_start_method, main_not_reimported
+from reshard.train.launch import PRELOAD, start_ranks
 
 __all__ = [
     "SyntheticCheckpointError",
@@ -219,11 +219,9 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: 
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    start_method = start_method or default_start_method(_PRELOAD)
     port = _free_port()
-    with warnings.catch_warnings(), main_not_reimported(fn):
-        warnings.simplefilter("ignore")
-        ctx = mp.start_processes(fn, args=(world_size, port) + tuple(args), nprocs=world_size, join=False, start_method=start_method)
+    ctx = start_ranks(fn, (world_size, port) + tuple(args), world_size, join=False, start_method=start_method,
+                      preload=_PRELOAD)
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=0.1):

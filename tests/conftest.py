@@ -183,18 +183,6 @@ def require_packages(*names: str) -> None:
                     allow_module_level=True)
 
 
-def start_ranks(fn, args: tuple, nprocs: int) -> None:
-    """``fn(rank, *args)`` on ``nprocs`` fresh processes, forked from a server that imported torch
-    once (`reshard.train.launch`), instead of ``spawn``'s torch import per rank; joins, raises
-    on a failed rank as ``torch.multiprocessing.start_processes`` does."""
-    import torch.multiprocessing as mp
-
-    from reshard.train.launch import default_start_method, main_not_reimported
-
-    with main_not_reimported(fn):
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=default_start_method())
-
-
 def run_torchrun(script: Path, nproc: int, *args: str | Path) -> None:
     """Run a writer script of tests/writers/ under torchrun; a failure shows the script's own output."""
     import sys

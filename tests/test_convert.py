@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, run_cli, start_ranks
+from conftest import cli, run_cli
+from reshard.train.launch import start_ranks
 from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import dcp as dcp_io

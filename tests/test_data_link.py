@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, start_ranks
+from conftest import cli
+from reshard.train.launch import start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest

@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import run_cli, start_ranks
+from conftest import run_cli
+from reshard.train.launch import start_ranks
 from reshard.errors import BadInput
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex

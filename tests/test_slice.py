@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import cli, start_ranks
+from conftest import cli
+from reshard.train.launch import start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest

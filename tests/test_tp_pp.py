@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, run_cli, start_ranks
+from conftest import cli, run_cli
+from reshard.train.launch import start_ranks
 from reshard.semantics import manifest as mf
 from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.reference import TrainConfig

@@ -575,13 +575,9 @@ def run_reference(cfg: TrainConfig | Sequence[TrainConfig], nprocs: int | None =
             raise ValueError(f"nprocs {nprocs} != pp {c.pp} x dp {c.dp} x tp {c.tp}")
         if c.out:
             Path(c.out).mkdir(parents=True, exist_ok=True)
-    import torch.multiprocessing as mp
+    from reshard.train.launch import PRELOAD, start_ranks
 
-    from reshard.train.launch import PRELOAD, default_start_method, main_not_reimported
-
-    start_method = start_method or default_start_method((*PRELOAD, __name__))
     for c in cfgs:
-        with main_not_reimported(_spawned_worker):
-            mp.start_processes(_spawned_worker, args=(nprocs, free_port(), [asdict(c)]), nprocs=nprocs, join=True,
-                               start_method=start_method)
+        start_ranks(_spawned_worker, (nprocs, free_port(), [asdict(c)]), nprocs, start_method=start_method,
+                    preload=(*PRELOAD, __name__))
     return [p for c in cfgs for p in checkpoint_dirs(c)]

@@ -13,7 +13,7 @@ import contextlib
 import multiprocessing
 import sys
 import types
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 # What a rank of the reference trainer or of a checkpoint maker imports anyway.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
@@ -48,3 +48,19 @@ def main_not_reimported(fn: Callable[..., object]) -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def start_ranks(fn: Callable[..., object], args: tuple, nprocs: int, *, join: bool = True,
+                start_method: str | None = None, preload: Sequence[str] = PRELOAD) -> Any:
+    """``fn(rank, *args)`` on ``nprocs`` fresh processes (`torch.multiprocessing.start_processes`),
+    by default forked from the fork server (``default_start_method(preload)``), the caller's
+    ``__main__`` not re-imported. Returns what ``start_processes`` returns (its context when
+    ``join`` is False); with ``join`` it raises as that does when a rank fails."""
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    with warnings.catch_warnings(), main_not_reimported(fn):
+        warnings.simplefilter("ignore")
+        return mp.start_processes(fn, args=args, nprocs=nprocs, join=join,
+                                  start_method=start_method or default_start_method(preload))
