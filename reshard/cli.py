@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from reshard.commands import arguments as args
+from reshard import arguments as args
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -94,9 +94,9 @@ def inspect(
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.inspect import inspect_checkpoint
-    from reshard.commands.options import Given, build_options
-    from reshard.commands.plan import user_conventions
+    from reshard.planning.describe import inspect_checkpoint
+    from reshard.planning.options import Given, build_options
+    from reshard.planning.options import user_conventions
     from reshard.render.report import render_inspect, to_json
 
     opts = build_options(Given(from_spec=from_spec, trust_pickle=trust_pickle,
@@ -118,8 +118,8 @@ def inspect(
 
 
 def _options(ckpt: Path, to: Optional[str], **given) -> object:
-    """The plan options: these flags, completed by a profile and a trainer config (reshard.commands.options)."""
-    from reshard.commands.options import Given, build_options
+    """The plan options: these flags, completed by a profile and a trainer config (reshard.planning.options)."""
+    from reshard.planning.options import Given, build_options
 
     for name in ("conventions", "model_config", "keep", "drop", "ties"):
         given[name] = [str(v) for v in given.get(name) or []]
@@ -184,7 +184,7 @@ def plan(
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
     _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.plan import make_plan
+    from reshard.planning.plan import make_plan
     from reshard.render.report import render_plan, to_json
 
     p = make_plan(ckpt, _sliced(_options(
@@ -198,7 +198,7 @@ def plan(
     if tensors_out is not None:
         d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
     if dst is not None:
-        from reshard.commands.space import space_check
+        from reshard.engine.space import space_check
 
         d["space"] = space_check(p, dst, probe=True)  # the figures convert checks and reports (size, free, time)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
@@ -265,7 +265,7 @@ def convert(
     window_bytes = _size(window, "--buffer-memory")
     args.check_slice(layers=layers, experts=experts)
     args.check_restart(restart=restart, output_format=output_format, data=data)
-    from reshard.commands.distributed import ERRORS_ENV, in_torchrun
+    from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
     # --workers, has already said the first line)
@@ -273,7 +273,8 @@ def convert(
     progress = _progress("" if in_torchrun() and os.environ.get(ERRORS_ENV) else f"reading {src} …",
                          json_out=json_out, quiet=quiet, shown=lead, mode=progress_mode)
     from reshard.commands.convert import convert as run_convert
-    from reshard.commands.plan import check_plan_matches, make_plan, options_from_plan
+    from reshard.planning.options import check_plan_matches, options_from_plan
+    from reshard.planning.plan import make_plan
     from reshard.render.report import render_convert, to_json
     from reshard.errors import BadInput
 
@@ -303,7 +304,7 @@ def convert(
         opts = _sliced(opts, layers, experts)
     if output_format not in ("dcp", "local"):
         raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
-    from reshard.commands.distributed import convert_distributed, launch_workers
+    from reshard.engine.distributed import convert_distributed, launch_workers
     from reshard.commands.convert import IOOptions, check_data_mode
 
     distributed = in_torchrun()
@@ -324,7 +325,7 @@ def convert(
             raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
         estimate = None
         if lead:  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
-            from reshard.commands.space import conversion_preflight
+            from reshard.engine.space import conversion_preflight
             from reshard.storage.index import CheckpointIndex
 
             estimate = conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst,
@@ -348,10 +349,10 @@ def convert(
 
 
 def _estimate_text(figures: Optional[dict]) -> str:
-    """The size, free-space and time estimate under a text plan or report (reshard.commands.space)."""
+    """The size, free-space and time estimate under a text plan or report (reshard.engine.space)."""
     if not figures:
         return ""
-    from reshard.commands.space import estimate_lines
+    from reshard.engine.space import estimate_lines
 
     return "\n" + "\n".join(estimate_lines(figures))
 
@@ -408,9 +409,9 @@ def verify(
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
     progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.render.report import to_json
-    from reshard.commands.verify import render_verify, verify_checkpoints
+    from reshard.verification.checkpoints import render_verify, verify_checkpoints
 
-    # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.commands.verify)
+    # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.verification.checkpoints)
     r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, recompute=True, strict=strict,
                            direct=not buffered, progress=progress)
     text = render_verify(r)
@@ -530,7 +531,7 @@ def rehearse(
     _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
     progress = _progress(f"rehearsing {from_spec} -> {to} in {out}: baseline, converted resume, control …",
                          json_out=json_out, quiet=quiet)
-    from reshard.commands.rehearsal import render_rehearsal, rehearse as run_rehearsal
+    from reshard.rehearsal import render_rehearsal, rehearse as run_rehearsal
     from reshard.render.report import to_json
 
     r = run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
@@ -590,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     flushing its output: interpreter teardown with a live gloo process group can abort
     (SIGABRT) on small machines, which would turn a clean exit code into a crash.
     """
-    from reshard.commands.distributed import in_torchrun
+    from reshard.engine.distributed import in_torchrun
 
     if in_torchrun():
         code = 0
@@ -681,10 +682,10 @@ def _warn_trusted() -> None:
     """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.dcp collects them).
 
     A worker of a distributed run hands its items to the one process that prints the run's
-    line (`reshard.commands.distributed.pass_on_trusted`: the --workers command, or worker 0
+    line (`reshard.engine.distributed.pass_on_trusted`: the --workers command, or worker 0
     of a plain torchrun), so a command warns once however many processes ran it.
     """
-    from reshard.commands.distributed import in_torchrun, pass_on_trusted
+    from reshard.engine.distributed import in_torchrun, pass_on_trusted
 
     if in_torchrun() and pass_on_trusted():
         return
@@ -696,7 +697,7 @@ def _warn_trusted() -> None:
 
 def _say_error(exc: BaseException, code: int, paragraph: str) -> bool:
     """Whether this process prints its error: a worker of a distributed run may leave it to its launcher."""
-    from reshard.commands.distributed import in_torchrun, report_worker_error
+    from reshard.engine.distributed import in_torchrun, report_worker_error
 
     return not in_torchrun() or report_worker_error(exc, code, paragraph)
 

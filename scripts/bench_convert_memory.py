@@ -4,7 +4,7 @@ Acceptance criterion: converting checkpoints of 0.5 GiB and 2 GiB whose largest 
 the same must differ by less than 64 MiB of peak RSS.
 
 For each size in ``--sizes`` (GiB, default ``0.5,2``) the script builds a real DCP
-checkpoint with :func:`reshard.synthetic.make_sharded` on ``--world-size`` ranks (default
+checkpoint with :func:`reshard.testing.synthetic.make_sharded` on ``--world-size`` ranks (default
 4): float32 tensors ``model.layers.{i}.weight`` of ``--tensor-mib`` MiB each (default 16,
 i.e. 2048 x 2048, sharded on dim 0), as many as make up the size (0.5 GiB = 32 tensors,
 2 GiB = 128), so the largest tensor (and the largest chunk) is the same in every case.
@@ -190,7 +190,7 @@ def tensor_shape(tensor_mib: float) -> tuple[int, int]:
 
 def add_manifest(ckpt: Path, *, world_size: int) -> None:
     """A minimal valid manifest (plain dp_shard=world_size run, no optimizer state)."""
-    from reshard.synthetic import minimal_manifest
+    from reshard.testing.synthetic import minimal_manifest
 
     minimal_manifest(ckpt, world_size=world_size, tool="scripts/bench_convert_memory.py",
                      experiment_id="bench-convert-memory")
@@ -288,7 +288,7 @@ def render_markdown(result: dict) -> str:
 
 # ------------------------------------------------------------------------- main
 def run_case(args, size_gib: float, shape, tmp: Path, log_dir: Path) -> dict:
-    from reshard.synthetic import make_sharded
+    from reshard.testing.synthetic import make_sharded
 
     tensor_bytes = shape[0] * shape[1] * ELEMENT_SIZE
     n = max(1, round(size_gib * GIB / tensor_bytes))
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     log_dir.mkdir()
     cases = []
     try:
-        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.commands.convert, reshard.commands.verify"],
+        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.commands.convert, reshard.verification.checkpoints"],
                            timeout=args.timeout, sample_ms=args.sample_ms, log_dir=log_dir, name="baseline")
         baseline.pop("stdout")
         for size in sizes:

@@ -4,7 +4,7 @@ Acceptance criterion: exporting checkpoints of 1 GiB and 4 GiB whose largest ten
 same, with ``--max-shard-size 256MB``, must differ by less than 64 MiB of peak RSS.
 
 For each size in ``--sizes`` (GiB, default ``1,4``) a real DCP checkpoint is built with
-:func:`reshard.synthetic.make_sharded` on ``--world-size`` ranks (default 4): float32
+:func:`reshard.testing.synthetic.make_sharded` on ``--world-size`` ranks (default 4): float32
 tensors ``model.layers.{i}.weight`` of ``--tensor-mib`` MiB (default 16), as many as make
 up the size. Then, in a fresh subprocess (peak RSS = ``ru_maxrss`` of ``os.wait4`` on that
 pid, with ``VmRSS`` sampled to say when; the helpers are ``scripts/bench_convert_memory.py``'s)::
@@ -58,7 +58,7 @@ def export_cmd(args, src: Path, dst: Path) -> list[str]:
 
 
 def run_case(args, size_gib: float, shape, tmp: Path, log_dir: Path) -> dict:
-    from reshard.synthetic import make_sharded
+    from reshard.testing.synthetic import make_sharded
 
     n = max(1, round(size_gib * GIB / (shape[0] * shape[1] * 4)))
     tag = f"{size_gib:g}gib"

@@ -1,7 +1,7 @@
 """Benchmark (issue 18): the metadata path at frontier scale, against torch's own read_metadata.
 
 For each scale (a Llama-3 flavour at a rank count), builds a metadata-only checkpoint with
-:func:`reshard.synthetic_metadata.make_llama_metadata_checkpoint` (the `.metadata` that
+:func:`reshard.testing.synthetic_metadata.make_llama_metadata_checkpoint` (the `.metadata` that
 ``dcp.save`` writes for FSDP2 + AdamW from ``get_state_dict``, checked against real jobs in
 ``tests/test_synthetic_metadata.py``; sparse data files of the right sizes) in a temporary
 directory, then runs, each in a fresh subprocess:

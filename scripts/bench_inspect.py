@@ -1,6 +1,6 @@
 """Benchmark: how much slower is ``reshard inspect`` on 10,000 entries than on 10?
 
-Builds two real DCP checkpoints with :func:`reshard.synthetic.make_many_entries` (a
+Builds two real DCP checkpoints with :func:`reshard.testing.synthetic.make_many_entries` (a
 single-process ``dcp.save``; by default 10 and 10,000 float32 tensors of 4 elements) in a
 temporary directory, then times the CLI exactly as a user runs it::
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     if args.runs < 1:
         ap.error("--runs must be >= 1")
 
-    from reshard.synthetic import make_many_entries
+    from reshard.testing.synthetic import make_many_entries
 
     tmp = tempfile.mkdtemp(prefix="bench-inspect-")
     cases = []

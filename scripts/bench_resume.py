@@ -8,7 +8,7 @@ the same destination, each from the same killed state:
 
 Source: ``--size-gib`` (default 4) of float32 tensors of ``--tensor-mib`` MiB (default 16),
 ``Shard(0)`` over ``--world-size`` gloo ranks with a real ``dcp.save``
-(`reshard.synthetic.make_sharded`) and a minimal manifest (``scripts/bench_convert_memory.py``).
+(`reshard.testing.synthetic.make_sharded`) and a minimal manifest (``scripts/bench_convert_memory.py``).
 Every run is a fresh subprocess measured by ``os.wait4`` (wall, CPU, peak RSS), with
 ``SOURCE_DATE_EPOCH=0`` so outputs are comparable byte for byte; every run writes into the
 same destination path (the reports name it). The kill is the conversion's own test hook
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0)
     args = ap.parse_args(argv)
     py = sys.executable
-    from reshard.synthetic import make_sharded
+    from reshard.testing.synthetic import make_sharded
 
     root = Path(tempfile.mkdtemp(prefix="bench-resume-", dir=args.workdir))
     log = root / "logs"

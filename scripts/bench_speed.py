@@ -2,7 +2,7 @@
 
 Resharding is I/O: the floor is copying the checkpoint. Speed is measured as a MARGINAL
 cost: for checkpoints of two sizes (``--sizes``, GiB, default ``1,4``) built with a real
-multi-rank ``dcp.save`` (:func:`reshard.synthetic.make_sharded`, gloo, ``--world-size``
+multi-rank ``dcp.save`` (:func:`reshard.testing.synthetic.make_sharded`, gloo, ``--world-size``
 ranks, default 4) from the same tensors (``--tensor-mib`` MiB float32, default 16,
 ``Shard(0)``; more of them for the larger size), each command's
 
@@ -271,7 +271,7 @@ def tp_preflight(args, src: Path, rules: Path) -> str | None:
 
 # ------------------------------------------------------------------------- one size
 def run_case(args, size_gib: float, shape, tmp: Path, log_dir: Path, cold: bool, state: dict) -> dict:
-    from reshard.synthetic import make_sharded
+    from reshard.testing.synthetic import make_sharded
 
     tensor_bytes = shape[0] * shape[1] * ELEMENT_SIZE
     n = max(1, round(size_gib * GIB / tensor_bytes))
@@ -493,7 +493,7 @@ def summarise(cases: list[dict], result: dict) -> dict:
 def inspect_bench(args, tmp: Path) -> dict:
     from bench_inspect import time_inspect
 
-    from reshard.synthetic import make_many_entries
+    from reshard.testing.synthetic import make_many_entries
 
     res = {}
     for n in (10, 10_000):

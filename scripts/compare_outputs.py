@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def _make(work: Path, mib: int) -> dict[str, Path]:
     from reshard.reference import TrainConfig, run_reference
-    from reshard.synthetic import make_plain_fsdp2, make_sharded
+    from reshard.testing.synthetic import make_plain_fsdp2, make_sharded
 
     n = max(1, mib // 16)
     ck = {"sharded": make_sharded(work / "sharded", world_size=4, n_tensors=n, shape=(1024, 4096)),

@@ -123,7 +123,7 @@ def torchtitan_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def plain_fsdp2_ckpt(tmp_path_factory) -> Path:
     """A checkpoint from a plain FSDP2 script (get_state_dict + dcp.save, no manifest)."""
-    from reshard.synthetic import make_plain_fsdp2
+    from reshard.testing.synthetic import make_plain_fsdp2
 
     return Path(once_per_run(tmp_path_factory, "plain", lambda w: str(make_plain_fsdp2(w / "ckpt", world_size=4))))
 

@@ -25,7 +25,7 @@ from reshard.train.launch import PRELOAD, default_start_method, main_not_reimpor
 
 # The fork server is one per process, shared with `reshard.train.launch`'s callers (whichever
 # starts it first sets what it preloads), so this list holds what they all need.
-_PRELOAD = (*PRELOAD, "numpy", "safetensors", "reshard.synthetic", "reshard.reference.trainer", "reshard.cli")
+_PRELOAD = (*PRELOAD, "numpy", "safetensors", "reshard.testing.synthetic", "reshard.reference.trainer", "reshard.cli")
 
 
 def _open_for_writing(path: str) -> int:

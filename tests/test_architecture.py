@@ -3,7 +3,7 @@
 Every module's imports are read from its source (module level and inside functions, since a
 lazy import is still a dependency) and checked against the layer order written once, in the
 architecture page, docs/architecture.md (the table between the ``layers:begin`` / ``layers:end``
-markers). Within the commands layer the modules have an order of their own, written there too.
+markers). A command imports no other command and stays short: the logic lives in the layers below.
 """
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def _rows() -> list[list[str]]:
     return rows
 
 
-def _declared() -> tuple[list[list[str]], list[str]]:
-    """(layers bottom-up, each a list of module prefixes; the commands' own order) from the README."""
-    layers = [re.findall(r"`(reshard[\w./]*)`", cells[1]) for cells in _rows()]
-    order = re.search(r"commands in order: (.*)", _block())
-    assert order, "docs/architecture.md names the order of the commands"
-    return layers, re.findall(r"`(reshard[\w.]*)`", order.group(1))
+def _declared() -> list[list[str]]:
+    """Layers bottom-up, each a list of module prefixes, from docs/architecture.md."""
+    return [re.findall(r"`(reshard[\w./]*)`", cells[1]) for cells in _rows()]
+
+
+MAX_COMMAND_LINES = int(re.search(r"no module of `reshard/commands/` is longer than (\d+) lines", _block()).group(1))
 
 
 def _allowed() -> list[dict[int, set[str] | None]]:
@@ -116,25 +116,45 @@ def _layer_of(mod: str, layers: list[list[str]]) -> int:
     return where
 
 
-def _command_rank(mod: str, order: list[str]) -> int | None:
-    for i, p in enumerate(order):
-        if mod == p or mod.startswith(p + "."):
-            return i
-    return None
+def _command(mod: str) -> str | None:
+    """The command a module belongs to (``reshard.commands.convert``), or None outside the commands."""
+    parts = mod.split(".")
+    return ".".join(parts[:3]) if parts[:2] == ["reshard", "commands"] and len(parts) > 2 else None
 
 
-def test_every_module_belongs_to_one_layer_and_the_folders_match():
-    layers, order = _declared()
+def test_every_module_belongs_to_one_layer():
+    layers = _declared()
     assert len(layers) >= 6
     for m in MODS:
         _layer_of(m, layers)
-    commands = [m for m in MODS if m.startswith("reshard.commands.") and m.count(".") == 2]
-    for m in commands:
-        assert _command_rank(m, order) is not None, f"{m} is not in docs/architecture.md's order of commands"
+
+
+def test_a_command_imports_no_other_command():
+    wrong = []
+    for m in sorted(MODS):
+        if _command(m) is None:
+            continue
+        for tgt, line, _ in _imports(m):
+            if _command(tgt) is not None and _command(tgt) != _command(m):
+                wrong.append(f"{m}:{line} imports {tgt}: a command imports no other command "
+                             "(what two commands share belongs in a layer below)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_commands_orchestrate_in_a_few_hundred_lines():
+    long = {m: n for m in MODS if _command(m) is not None
+            for n in [len(MODS[m].read_text().splitlines())] if n > MAX_COMMAND_LINES}
+    assert not long, f"commands longer than {MAX_COMMAND_LINES} lines (move the logic to a layer below): {long}"
+
+
+def test_cli_only_parses_and_calls():
+    """The CLI module holds no logic of its own: no class, and every function is a command's entry or short."""
+    tree = ast.parse(MODS["reshard.cli"].read_text())
+    assert not [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
 
 
 def test_imports_point_down_the_declared_layers():
-    layers, order = _declared()
+    layers = _declared()
     allowed = _allowed()
     wrong = []
     for m in sorted(MODS):
@@ -149,11 +169,7 @@ def test_imports_point_down_the_declared_layers():
                 wrong.append(f"{m}:{line} imports {tgt} (layer {lt} above {lm})")
             elif lt < lm and (lt not in allowed[lm] or (allowed[lm][lt] is not None
                                                         and m.rsplit(".", 1)[-1] not in allowed[lm][lt])):
-                wrong.append(f"{m}:{line} imports {tgt}: layer {lm} may not import layer {lt} (README's 'may import')")
-            elif lt == lm and m.startswith("reshard.commands.") and tgt.startswith("reshard.commands."):
-                rm, rt = _command_rank(m, order), _command_rank(tgt, order)
-                if rm is not None and rt is not None and rt > rm:
-                    wrong.append(f"{m}:{line} imports {tgt}, a later command")
+                wrong.append(f"{m}:{line} imports {tgt}: layer {lm} may not import layer {lt} (docs/architecture.md's 'may import')")
     assert not wrong, "\n".join(wrong)
 
 

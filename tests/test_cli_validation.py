@@ -207,7 +207,7 @@ def test_a_micro_batch_the_plan_changes_is_in_the_change_list(reference_ckpt, ca
 
 
 def test_rng_choices_agree_with_the_rng_policies():
-    from reshard.commands.arguments import RNG_POLICIES
+    from reshard.arguments import RNG_POLICIES
     from reshard.semantics.rng import POLICIES
 
     assert tuple(RNG_POLICIES) == tuple(POLICIES)
@@ -215,7 +215,7 @@ def test_rng_choices_agree_with_the_rng_policies():
 
 def test_import_format_names_agree_with_the_importer():
     """The early check reads formats/hf/ itself (no torch): every name it admits is one the importer maps."""
-    from reshard.commands.arguments import import_formats
+    from reshard.arguments import import_formats
     from reshard.commands.importer import native_mapping
     from reshard.semantics import hf
 

@@ -69,7 +69,7 @@ def test_random_pickles_at_every_protocol_and_budget(obj, protocol, frac):
 
 @pytest.fixture(scope="module")
 def real_pickles(tmp_path_factory) -> list[bytes]:
-    from reshard.synthetic import make_many_entries
+    from reshard.testing.synthetic import make_many_entries
 
     ck = make_many_entries(tmp_path_factory.mktemp("costscan") / "many", 40)
     buf = io.BytesIO()

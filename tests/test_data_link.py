@@ -268,7 +268,7 @@ def test_a_second_link_conversion_of_a_linked_output(links, source, root):
 # ------------------------------------------------------------------------------ refusals
 @pytest.fixture(scope="module")
 def fused(root) -> Path:
-    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
     return make_llama_checkpoint(root / "fused_tp2", shape=LlamaShape(), tp=2, dp=1, fused=True, seed=5)
 
@@ -340,7 +340,7 @@ def test_source_never_modified(source, before, links, loaded):
 
 # ------------------------------------------------------------------------------ pieces
 def test_new_files_never_take_a_shared_name():
-    from reshard.commands.linking import linked_name, new_file_namer
+    from reshard.planning.linking import linked_name, new_file_namer
 
     assert linked_name("__3_0.distcp") == "linked__3_0.distcp"
     assert linked_name("linked__3_0.distcp") == "linked__3_0.distcp"
@@ -355,7 +355,7 @@ def test_overlap_sweep_equals_every_pair():
 
     import numpy as np
 
-    from reshard.commands.linking import overlaps
+    from reshard.planning.linking import overlaps
 
     def grid(shape, cuts):
         edges = [sorted({0, d, *c}) for d, c in zip(shape, cuts)]

@@ -17,7 +17,7 @@ from reshard.commands.export import RenameRules, export, parse_size
 from reshard.commands.importer import import_checkpoint
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.safetensors_format import ExportIndex, is_export
-from reshard.commands.verify import verify_checkpoints
+from reshard.verification.checkpoints import verify_checkpoints
 
 RENAME = Path(__file__).resolve().parent.parent / "formats" / "renames" / "torchtitan-to-hf-llama.toml"
 
@@ -33,7 +33,7 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory) -> Path:
-    from reshard.synthetic_llama import make_llama_checkpoint
+    from reshard.testing.synthetic_llama import make_llama_checkpoint
 
     return make_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", tp=1, dp=2, fused=False)
 
@@ -80,7 +80,7 @@ def test_safetensors_round_trip_fp32_and_warm_start(reference_ckpt, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.planning.describe import inspect_checkpoint
     from reshard.semantics.manifest import read_manifest
 
     exp = tmp_path / "export"
@@ -208,7 +208,7 @@ def test_torch_format_round_trip_and_refusals(reference_ckpt, tmp_path):
 def test_llama_export_with_rename(llama_ckpt, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from reshard.synthetic_llama import LlamaShape, param_names
+    from reshard.testing.synthetic_llama import LlamaShape, param_names
 
     exp = tmp_path / "hf"
     rep = export(llama_ckpt, exp, fmt="safetensors", rename=RENAME)

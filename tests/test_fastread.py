@@ -91,7 +91,7 @@ def test_every_item_of_a_mixed_dcp_save(mixed_ckpt):
 
 
 def test_every_item_of_make_sharded(tmp_path):
-    from reshard.synthetic import make_sharded
+    from reshard.testing.synthetic import make_sharded
 
     ck = make_sharded(tmp_path / "s", world_size=2, n_tensors=3, shape=(8, 6), seed=1)
     assert _check_all(ck) == 6

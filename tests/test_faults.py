@@ -222,8 +222,9 @@ def small_tmpfs(tmp_path):
 
 @pytest.mark.parametrize("how", ["rlimit_fsize", "tmpfs"])
 def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_committed(src, tmp_path, how, request):
-    from reshard.commands.space import estimate_output_bytes, space_check
-    from reshard.commands.plan import Options, make_plan
+    from reshard.engine.space import estimate_output_bytes, space_check
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
 
     before = snapshot(src)
     plan = make_plan(src, Options(to="dp=2"))
@@ -248,8 +249,9 @@ def test_disk_full_stops_with_exit_2_naming_destination_and_bytes_nothing_commit
 
 def test_space_check_compares_estimate_with_free_space(src, tmp_path, capsys):
     """space_check(plan, dst): metadata only; the estimate is close to what convert writes."""
-    from reshard.commands.space import space_check
-    from reshard.commands.plan import Options, make_plan
+    from reshard.engine.space import space_check
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
 
     plan = make_plan(src, Options(to="dp=2"))
     ok = space_check(plan, tmp_path / "not" / "yet" / "there")

@@ -8,7 +8,7 @@ import torch
 
 from conftest import run_cli
 from reshard.storage.index import CheckpointIndex
-from reshard.synthetic_llama import LlamaShape, canonical_weights, load_global, make_llama_checkpoint
+from reshard.testing.synthetic_llama import LlamaShape, canonical_weights, load_global, make_llama_checkpoint
 from reshard.semantics.transforms import to_canonical
 
 SHAPE = LlamaShape()  # 8 query heads, 2 KV heads, head_dim 8, ffn 96, vocab 100 padded to multiples of 8 x tp

@@ -9,7 +9,7 @@ Sources:
   steps, CheckpointManager.save), written once per run and shared with
   tests/test_interop_torchtitan.py (``conftest.torchtitan_sources``);
 - the names before torchtitan 0.3 (``layers.N.attention.wq``, ``output.weight``):
-  ``reshard.synthetic_llama`` at tp=2 (vocab 100 padded to 112 rows, so the trim is exercised).
+  ``reshard.testing.synthetic_llama`` at tp=2 (vocab 100 padded to 112 rows, so the trim is exercised).
   No torchtitan before 0.3 is installed to run that model, so its source forward is torchtitan
   0.3.0's Llama3Model loaded with the same weights under the 0.3.0 names (the two generations
   differ in names only); its weights round trip bitwise besides.
@@ -68,7 +68,7 @@ def _to_03(name: str) -> str:
 @pytest.fixture(scope="module")
 def world(torchtitan_sources, tmp_path_factory) -> dict[str, Any]:
     """Sources, their exports and imports, and torchtitan's forwards and loads of them (one launch each)."""
-    from reshard.synthetic_llama import LlamaShape, load_global, make_llama_checkpoint
+    from reshard.testing.synthetic_llama import LlamaShape, load_global, make_llama_checkpoint
 
     work = tmp_path_factory.mktemp("hf")
     shape = LlamaShape(n_layers=2, dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=96, vocab_size=100, vocab_multiple=8)
@@ -319,7 +319,7 @@ def test_import_is_a_documented_warm_start_in_torchtitan_keys(world, variant):
 @pytest.fixture(scope="module")
 def fused_family(world) -> dict[str, Any]:
     """llama-fused (linear_qkv, linear_fc1 in the per-TP-rank layout) at tp=2, same shape and seed as 'legacy'."""
-    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
     shape = LlamaShape(n_layers=2, dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=96, vocab_size=100, vocab_multiple=8)
     ckpt = make_llama_checkpoint(world["work"] / "megatron", shape=shape, tp=2, dp=1, fused=True)
@@ -334,7 +334,7 @@ def test_fused_qkv_and_gate_up_are_split(world, fused_family):
     Megatron-Core rotates halves, as HF does); from_pretrained finds every weight and no other."""
     import transformers
     from safetensors.torch import load_file
-    from reshard.synthetic_llama import load_global
+    from reshard.testing.synthetic_llama import load_global
 
     r = _ok(fused_family["code"])
     assert r["hf"]["transforms"]["model.layers.0.self_attn.k_proj.weight"] == "split part 2/3 of dim 0 (TP layout of tp=2)"

@@ -239,7 +239,7 @@ def test_ledger_chains_overlapping_reads_and_catches_a_changed_file():
 def test_compare_counts_how_each_storage_was_checked(reference_ckpt, copy_of):
     """verify's byte comparison checks every storage it read whole; a distributed worker's part
     reports the storages it read only in part as not checked (never silently)."""
-    from reshard.engine.compare import compare_tensors
+    from reshard.verification.compare import compare_tensors
 
     ia = CheckpointIndex.open(reference_ckpt)
     ib = CheckpointIndex.open(copy_of(reference_ckpt))

@@ -292,7 +292,7 @@ def test_a_plan_file_that_is_missing_or_not_json_exits_2_naming_it(reference_ckp
 
 def test_the_run_error_is_the_cause_not_its_echoes():
     """How `launch_workers` picks the run's error from what the workers left and how they ended."""
-    from reshard.commands.distributed import WorkerFailed, raise_run_error
+    from reshard.engine.distributed import WorkerFailed, raise_run_error
 
     own = {"rank": 1, "exit_code": 2, "paragraph": "src: incomplete", "relayed": False, "time": 2.0}
     echo = {"rank": 0, "exit_code": 2, "paragraph": "src: incomplete", "relayed": True, "time": 1.0}

@@ -415,7 +415,7 @@ def test_pickle_cost_counts_the_expanded_tree(obj, protocol):
 
 def test_pickle_cost_of_real_metadata_leaves_margin(tmp_path):
     """The factor is measured, not guessed: DCP's own `.metadata` costs a fraction of the budget."""
-    from reshard.synthetic import make_many_entries
+    from reshard.testing.synthetic import make_many_entries
 
     ck = make_many_entries(tmp_path / "many", 2_000)
     data = (ck / ".metadata").read_bytes()

@@ -25,7 +25,7 @@ from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.commands.verify import identical, object_difference
+from reshard.verification.checkpoints import identical, object_difference
 
 MOMENT = "optim.state.blocks.0.mlp.fc1.weight.exp_avg_sq"
 WEIGHT = "blocks.0.mlp.fc1.weight"

@@ -127,7 +127,7 @@ def test_missing_data_file(reference_ckpt, copy_of, capsys):
 
 @pytest.mark.parametrize("embed", [True, False])
 def test_malicious_metadata_never_runs(reference_ckpt, copy_of, tmp_path, capsys, embed):
-    from reshard.synthetic import write_malicious_metadata
+    from reshard.testing.synthetic import write_malicious_metadata
 
     ck = copy_of(reference_ckpt)
     marker = tmp_path / "pwned"
@@ -231,7 +231,7 @@ def test_per_rank_rng_gap_is_inconsistent(tmp_path, capsys):
 
 def test_read_box_reads_only_what_it_needs(tmp_path):
     from reshard.model.geometry import Box
-    from reshard.synthetic import make_sharded, synthetic_value
+    from reshard.testing.synthetic import make_sharded, synthetic_value
 
     ck = make_sharded(tmp_path / "ck", world_size=2, n_tensors=2, shape=(6, 5), shard_dim=0)
     ix = CheckpointIndex.open(ck)

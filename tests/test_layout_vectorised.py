@@ -53,9 +53,9 @@ def test_plan_memory_equals_the_per_rank_sum(tmp_path):
     """A real plan (FSDP2 checkpoint of 4 ranks -> 3, uneven): per-rank bytes equal the per-rank loop."""
     import torch
 
-    from reshard.commands.options import Given, build_options
-    from reshard.commands.plan import make_plan
-    from reshard.synthetic import make_plain_fsdp2
+    from reshard.planning.options import Given, build_options
+    from reshard.planning.plan import make_plan
+    from reshard.testing.synthetic import make_plain_fsdp2
 
     ck = make_plain_fsdp2(tmp_path / "ck", 4)
     p = make_plan(ck, build_options(Given(to="dp_shard=3", no_profile=True), ck))

@@ -28,7 +28,8 @@ from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.local_format import INDEX_FILE, SHARED_OBJECTS, LocalIndex, open_any, open_local, rank_file
 from reshard.model.layout import local_box
-from reshard.commands.plan import Options, make_plan
+from reshard.model.plan import Options
+from reshard.planning.plan import make_plan
 
 
 class _Capture:
@@ -200,7 +201,7 @@ def test_files_equal_the_local_shards_of_a_real_fsdp2_job(ref_out):
 
 # ------------------------------------------------------------------------------ 3. fused TP layouts
 def test_fused_tp2_to_tp1_dp2_slices_are_canonical(tmp_path, capsys):
-    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
     from reshard.semantics.transforms import to_canonical
 
     src = make_llama_checkpoint(tmp_path / "tp2", shape=LlamaShape(), tp=2, dp=1, fused=True, seed=3)

@@ -6,7 +6,7 @@ values the rules declare tensor dimensions (`[config.NAME] from = ..., axis = N`
 from the checkpoint, a given value that contradicts the shape is refused naming both, and
 whatever else the target really needs is asked for in one message. A TP degree that stays
 needs nothing. The checkpoints are real TP x FSDP2 DCP checkpoints written by spawned gloo
-ranks (reshard.synthetic_llama), the manifest-less ones with their manifest removed.
+ranks (reshard.testing.synthetic_llama), the manifest-less ones with their manifest removed.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_cli
 from reshard.paths import formats_root
-from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.synthetic import write_malicious_metadata
+from reshard.testing.synthetic import write_malicious_metadata
 
 
 class Evil:

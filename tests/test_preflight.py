@@ -94,7 +94,7 @@ def test_refused_on_a_small_tmpfs_before_anything_is_written_force_goes_ahead(na
 @pytest.fixture(scope="module")
 def llama8b(tmp_path_factory) -> Path:
     """Llama-3-8B with AdamW saved from 8 ranks: metadata-faithful, 90 GB of sparse data files."""
-    from reshard.synthetic_metadata import make_llama_metadata_checkpoint
+    from reshard.testing.synthetic_metadata import make_llama_metadata_checkpoint
 
     return make_llama_metadata_checkpoint(tmp_path_factory.mktemp("llama8b") / "ckpt", "8B", ranks=8).path
 

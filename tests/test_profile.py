@@ -296,7 +296,7 @@ def test_the_readme_quickstart_runs_as_written(plain_fsdp2_ckpt, tmp_path, capsy
 
 def test_export_hf_takes_the_values_config_json_needs_from_the_profile(tmp_path, capsys):
     """A Hugging Face export asks for what the shapes cannot say; a profile's [model] says it once."""
-    from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
     src = make_llama_checkpoint(tmp_path / "run" / "step-3", shape=LlamaShape(), tp=1, dp=2, fused=False, seed=7,
                                 manifest=False)

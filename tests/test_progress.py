@@ -104,8 +104,9 @@ def test_phases_count_to_the_index_bytes(sides, tmp_path):
     from reshard.commands.convert import convert, writing_bytes
     from reshard.commands.export import export
     from reshard.commands.importer import import_checkpoint
-    from reshard.commands.plan import Options, make_plan
-    from reshard.commands.verify import progress_bytes, verify_checkpoints
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
+    from reshard.verification.checkpoints import progress_bytes, verify_checkpoints
     from reshard.storage.index import CheckpointIndex
 
     ckpt = sides["ckpt"]

@@ -1,4 +1,4 @@
-"""`reshard.commands.rehearsal.rehearse`: real restore rehearsals on CPU gloo ranks.
+"""`reshard.rehearsal.rehearse`: real restore rehearsals on CPU gloo ranks.
 
 The reference trainer runs through the trainer contract (its default command), like a user's.
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from reshard.errors import BadInput
-from reshard.commands.rehearsal import rehearse, rewrite_checkpoint
+from reshard.rehearsal import rehearse, rewrite_checkpoint
 
 PANELS = ("loss", "grad_norm", "control_coverage")
 
@@ -158,7 +158,7 @@ def test_bad_inputs(tmp_path):
 
 
 def test_like_copies_from_a_reference_checkpoint_and_refuses_other_families(dp4to2, tmp_path):
-    from reshard.commands.rehearsal.rehearse import _from_like
+    from reshard.rehearsal.rehearse import _from_like
     from reshard.model.topology import parse_spec
 
     real = dp4to2["_out"] / "baseline" / "step_4"

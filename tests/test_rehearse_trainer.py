@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import BadInput
-from reshard.commands.rehearsal import TrainerCommand, pick_recipe, rehearse
-from reshard.commands.rehearsal.contract import RunSpec
+from reshard.rehearsal import TrainerCommand, pick_recipe, rehearse
+from reshard.rehearsal.contract import RunSpec
 from reshard.model.topology import parse_spec
 from reshard.semantics.batch import Recipe, keep_global_batch
 
@@ -190,7 +190,7 @@ def test_example_trainer_imports_nothing_of_reshard():
 
 def test_a_hung_run_is_stopped_with_its_children(tmp_path):
     """--timeout: the run's whole process group goes (torchrun's workers too), and the report says so."""
-    from reshard.commands.rehearsal.contract import run
+    from reshard.rehearsal.contract import run
 
     pidfile = tmp_path / "child.pid"
     cmd = TrainerCommand(f"sh -c 'sleep 60 & echo $! > {pidfile}; wait' {{world}} {{ckpt_in}} {{ckpt_out}} "

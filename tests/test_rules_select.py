@@ -1,7 +1,7 @@
 """`--rules NAME|FILE` (issue 16): a shipped family by name or a rules TOML by path, and a rule
 that contradicts the checkpoint's own TP cut refused, on real TP x FSDP2 DCP checkpoints.
 
-The checkpoints are written by spawned gloo ranks (reshard.synthetic_llama): a torchtitan-named
+The checkpoints are written by spawned gloo ranks (reshard.testing.synthetic_llama): a torchtitan-named
 Llama at dp=2,tp=2, whose row-parallel weights (attention.wo, feed_forward.w2) are stored cut
 along dim 1 and every other TP weight along dim 0, and a fused (Megatron-named) Llama at tp=2.
 """
@@ -16,7 +16,7 @@ import pytest
 from conftest import run_cli
 from reshard.paths import formats_root
 from reshard.semantics.rules import shipped_families
-from reshard.synthetic_llama import LlamaShape, make_llama_checkpoint
+from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

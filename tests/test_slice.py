@@ -424,7 +424,7 @@ TINY_RULES = rules_toml("tiny-lm", r"^blocks\.(?P<layer>\d+)\.", [r"^tok\.", r"^
 def trainer_slice(tmp_path_factory) -> dict[str, Any]:
     """examples/fsdp2_trainer.py trained with 4 blocks at dp=2 to step 2, sliced to blocks 0,3; then
     `rehearse --trainer` (the example as it is: 2 blocks) dp=2 -> dp=1 starting from the slice."""
-    from reshard.commands.rehearsal import rehearse
+    from reshard.rehearsal import rehearse
 
     work = tmp_path_factory.mktemp("slice_trainer")
     res = subprocess.run([sys.executable, str(DEEPER), "4", "--nproc", "2", "--layout", "dp=2", "--steps", "2",
@@ -461,7 +461,7 @@ def test_rehearse_your_trainer_on_a_slice(trainer_slice):
 
 
 def test_rehearse_trainer_like_refuses_a_checkpoint_that_is_no_slice(ref4, tmp_path):
-    from reshard.commands.rehearsal import rehearse
+    from reshard.rehearsal import rehearse
     from reshard.errors import BadInput
 
     with pytest.raises(BadInput, match="takes a slice of the real checkpoint"):

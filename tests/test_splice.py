@@ -1,6 +1,6 @@
 """`reshard.engine.splice`: re-cut tensors are copied as bytes, and the result is exactly the decoded path's.
 
-Sources are real ``dcp.save`` checkpoints (spawned gloo ranks, `reshard.synthetic.make_sharded`),
+Sources are real ``dcp.save`` checkpoints (spawned gloo ranks, `reshard.testing.synthetic.make_sharded`),
 sharded along dim 0 (FSDP2) or dim 1. Each conversion is run twice: with byte splicing (the
 default) and with every chunk decoded by torch and re-encoded (``IOOptions(splice=False)``);
 the two output directories must be the same bytes, file for file, whatever the thread count
@@ -26,8 +26,9 @@ from reshard.storage.index import CheckpointIndex
 from reshard.engine import bands, splice
 from reshard.storage import dcp_writer, fileio
 from reshard.storage.crcledger import CorruptItem
-from reshard.commands.plan import Options, make_plan
-from reshard.synthetic import make_sharded
+from reshard.model.plan import Options
+from reshard.planning.plan import make_plan
+from reshard.testing.synthetic import make_sharded
 
 SHAPE = (96, 40)          # small, but not divisible by 3 or by the slab row counts used below
 RULES = r"""

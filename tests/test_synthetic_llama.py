@@ -13,7 +13,7 @@ from reshard.semantics import conventions
 from reshard.semantics import manifest as mf
 from reshard.semantics import rules as R
 from reshard.storage.index import CheckpointIndex
-from reshard.synthetic_llama import (
+from reshard.testing.synthetic_llama import (
     LlamaShape,
     canonical_weights,
     load_global,

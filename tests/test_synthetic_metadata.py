@@ -1,10 +1,10 @@
-"""The metadata-only checkpoints of `reshard.synthetic_metadata` are what `dcp.save` writes.
+"""The metadata-only checkpoints of `reshard.testing.synthetic_metadata` are what `dcp.save` writes.
 
 The gold standard is a real job: a tiny Llama (torchtitan's pre-0.3 names, GQA, a vocabulary
 that does not divide, k/v projections with fewer rows than ranks) under FSDP2 ``fully_shard``
 on 2 and 4 spawned gloo ranks, one AdamW step, ``get_state_dict`` + ``dcp.save``; and a
 2 x 2 FSDP2 x TP job (DTensors with the placements FSDP2 x TP give, written by
-``reshard.synthetic_llama``). The builder, given only the state dict's description (keys,
+``reshard.testing.synthetic_llama``). The builder, given only the state dict's description (keys,
 shapes, dtypes, TP dims, objects), must reproduce the `.metadata` and the data file sizes.
 
 Run as a script (``python tests/test_synthetic_metadata.py OUT``) this file is the writer:
@@ -100,7 +100,7 @@ def _build_model():
 def _fsdp2_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import torch
 
-    from reshard.synthetic import finish_worker, init_worker
+    from reshard.testing.synthetic import finish_worker, init_worker
 
     init_worker(rank, world_size, port)
     try:
@@ -125,7 +125,7 @@ def _fsdp2_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def _write(out: Path) -> None:
-    from reshard.synthetic import spawn_ranks
+    from reshard.testing.synthetic import spawn_ranks
 
     for n in (2, 4):
         spawn_ranks(_fsdp2_worker, n, (str(out / f"fsdp2-{n}"),), timeout=180)
@@ -148,7 +148,7 @@ def real_fsdp2(tmp_path_factory) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def real_tp(tmp_path_factory) -> Path:
-    from reshard.synthetic_llama import make_llama_checkpoint
+    from reshard.testing.synthetic_llama import make_llama_checkpoint
 
     return make_llama_checkpoint(tmp_path_factory.mktemp("real-tp") / "ckpt", tp=2, dp=2, fused=False, manifest=False)
 
@@ -272,8 +272,8 @@ def test_fsdp2_tp_metadata_equals_dcp_save(real_tp, tmp_path):
     import torch
 
     from reshard import synthetic_metadata as sm
-    from reshard.synthetic_llama import LR as TP_LR
-    from reshard.synthetic_llama import STEP, LlamaShape, canonical_tensor, param_names, tp_global, tp_layout
+    from reshard.testing.synthetic_llama import LR as TP_LR
+    from reshard.testing.synthetic_llama import STEP, LlamaShape, canonical_tensor, param_names, tp_global, tp_layout
 
     shape = LlamaShape()
     entries = []

@@ -1,10 +1,10 @@
-"""`reshard verify`'s fast path (`reshard.engine.compare`) and the crc32 integrity record.
+"""`reshard verify`'s fast path (`reshard.verification.compare`) and the crc32 integrity record.
 
 Real checkpoints throughout: a 4-rank ``dcp.save`` (gloo ranks, `make_sharded`) and the same
 global values written by `DcpWriter` in other chunkings (dim 1 and a 2-D grid, so the
 intersections are strided in one side or both). The fast path must give exactly the result
 of the reference path (``fast=False``: every chunk decoded with torch.load), and must
-really be the path taken (`reshard.engine.compare.COUNTERS`).
+really be the path taken (`reshard.verification.compare.COUNTERS`).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from reshard.storage.index import CheckpointIndex
 from reshard.engine import compare
 from reshard.storage import dcp as rdcp
 from reshard.storage.dcp_writer import DcpWriter
-from reshard.synthetic import make_sharded, minimal_manifest, synthetic_value
-from reshard.commands.verify import progress_bytes, verify_checkpoints
+from reshard.testing.synthetic import make_sharded, minimal_manifest, synthetic_value
+from reshard.verification.checkpoints import progress_bytes, verify_checkpoints
 from reshard.render.progress import Progress
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

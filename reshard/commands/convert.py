@@ -59,7 +59,7 @@ import torch
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
-from reshard.commands.space import conversion_preflight
+from reshard.engine.space import conversion_preflight
 from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import archive, fastread, sidecars
@@ -72,9 +72,9 @@ from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.storage.journal import Journal, ResumeKey, source_identity
 from reshard.engine.splice import run_jobs
 from reshard.semantics.manifest import write_manifest
-from reshard.commands import linking
-from reshard.commands.plan import Plan
-from reshard.commands.transition import output_manifest
+from reshard.planning import linking
+from reshard.model.plan import Plan
+from reshard.semantics.transition import output_manifest
 from reshard.render.conversion import conversion_markdown
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
@@ -126,7 +126,7 @@ def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progre
     files with the output (`convert_link`) and writes only what changes.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by bytes.
-    ``force``: go ahead when the destination lacks the space (`reshard.commands.space.preflight`
+    ``force``: go ahead when the destination lacks the space (`reshard.engine.space.preflight`
     refuses before anything is written otherwise; its figures are the report's ``estimate``).
     """
     check_data_mode(data, output_format=output_format)
@@ -203,7 +203,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
     with atomic_directory(dst, overwrite=overwrite, reuse=journal.choose) as tmp:
         journal.begin(tmp)
         for key, equal_to in plan.checks.items():
-            from reshard.commands.inspect import bitwise_equal
+            from reshard.storage.index import bitwise_equal
 
             if not bitwise_equal(ix, key, equal_to):
                 raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
@@ -293,7 +293,7 @@ class PieceLedger(splice.SourceLedger):
     """The copy's `reshard.storage.crcledger.CrcLedger` that also keeps the pieces of every storage
     it has not checked yet, so a worker of a distributed run can hand the storages it read only in
     part (the rest went to another worker) to the one that checks them against their records
-    (`reshard.commands.distributed`). A storage's pieces are dropped once it is checked."""
+    (`reshard.engine.distributed`). A storage's pieces are dropped once it is checked."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -403,7 +403,7 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
     (rewritten, transformed or cast tensors, objects) are written by this thread in
     between. Items are reserved in one fixed order, so the files are the same bytes for
     any pool size, and in a distributed run each worker fills only the files it owns
-    (``w.owns``) while reserving every item (`reshard.commands.distributed`).
+    (``w.owns``) while reserving every item (`reshard.engine.distributed`).
     """
     io = io or IOOptions()
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
@@ -585,7 +585,7 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     back and compared bitwise); their values are not compared a second time (keys, shapes,
     dtypes, objects and semantics still are).
     """
-    from reshard.commands.verify import check_transforms, verify_checkpoints
+    from reshard.verification.checkpoints import check_transforms, verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
     src_dtypes = {k: e.dtype_name for k, e in CheckpointIndex.open(src).entries.items() if e.is_tensor}
@@ -636,7 +636,7 @@ def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, 
 
 def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
                    estimate: dict[str, Any] | None = None) -> dict[str, Any]:
-    from reshard.commands.local_output import write_local
+    from reshard.engine.local_output import write_local
 
     started = _time.time()
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -667,7 +667,7 @@ def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                  progress: Any = None) -> dict[str, Any]:
     """``--data link``: the output's tensor items stay in the source's data files, shared into
     the output by reflink or hard link (`reshard.storage.linkfs`); ``.metadata``, the keys the
-    plan rewrites or adds, the manifest and the reports are written new (`reshard.commands.linking`).
+    plan rewrites or adds, the manifest and the reports are written new (`reshard.planning.linking`).
 
     Refused (`BadInput`, nothing written) when a tensor needs new bytes, or when the files
     cannot be shared with the destination (another file system, ...), each with its reason and
@@ -685,7 +685,7 @@ def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                        where=str(src), hint="Use --data copy (the default), which writes every byte new.")
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         for key, equal_to in plan.checks.items():
-            from reshard.commands.inspect import bitwise_equal
+            from reshard.storage.index import bitwise_equal
 
             if not bitwise_equal(ix, key, equal_to):
                 raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",

@@ -115,12 +115,13 @@ def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None) -> in
 
     stage(f"[1/6] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")
     from reshard.commands.convert import convert
-    from reshard.commands.rehearsal.follow import follow_steps
-    from reshard.commands.inspect import inspect_checkpoint
-    from reshard.commands.plan import Options, make_plan
+    from reshard.rehearsal.follow import follow_steps
+    from reshard.planning.describe import inspect_checkpoint
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
     from reshard.reference import TrainConfig, run_reference
     from reshard.render.report import render_convert, render_inspect, render_plan
-    from reshard.commands.verify import render_verify, verify_checkpoints
+    from reshard.verification.checkpoints import render_verify, verify_checkpoints
 
     base = TrainConfig(dp=4, steps=steps, total_steps=steps, save_at=[k], micro_batch=2, grad_accum=2, dropout=0.0,
                        out=str(out / "run4"), log=str(out / "run4.jsonl"), experiment_id="demo")
@@ -161,7 +162,7 @@ def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None) -> in
     typer.echo(f"conversion report: {dst / 'reshard-report.md'}")
 
     stage("[6/6] reshard rehearse --from dp=4 --to dp=2: baseline vs converted resume vs naive control")
-    from reshard.commands.rehearsal import rehearse, render_rehearsal
+    from reshard.rehearsal import rehearse, render_rehearsal
 
     reh = rehearse(from_spec="dp=4", to_spec="dp=2", steps=12, switch_at=4, window=8, out=out / "rehearsal", say=say)
     typer.echo(render_rehearsal(reh))

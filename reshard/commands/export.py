@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from reshard.commands.space import preflight, space_errors
+from reshard.engine.space import preflight, space_errors
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
@@ -266,7 +266,7 @@ def _dtype_arg(dtype: str | None) -> torch.dtype | None:
 def _plan(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | None,
           rules: RenameRules | None) -> _Plan:
     from reshard.semantics.conventions import known_tied_pairs
-    from reshard.commands.inspect import bitwise_equal
+    from reshard.storage.index import bitwise_equal
 
     p = _Plan()
     roles = cls.roles
@@ -483,9 +483,9 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     "verifying", by the exported bytes.
     ``force``: go ahead when the destination lacks the space for the output, whose size is
     exact (tensor bytes and safetensors headers, `_estimate_bytes`); otherwise refused before
-    anything is written (`reshard.commands.space.preflight`, the report's ``estimate``).
+    anything is written (`reshard.engine.space.preflight`, the report's ``estimate``).
     """
-    from reshard.semantics.conventions import classify
+    from reshard.semantics.conventions import classify, reshard_key
     from reshard.storage.atomic import atomic_directory, check_destination
     from reshard.storage.local_format import open_any
     from reshard.semantics.manifest import read_manifest
@@ -509,7 +509,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     rules = RenameRules.load(rename) if rename is not None else None
     check_destination(src, dst)
 
-    ix = open_any(src)
+    ix = open_any(src, source_key=reshard_key)
     errors = [f for f in ix.findings if f.severity == "error"]
     if errors:
         raise Incomplete(f"the source checkpoint is incomplete: {errors[0].message}", where=str(src),
@@ -606,7 +606,7 @@ def _identity(src: Path, mdict: dict[str, Any]) -> dict[str, Any]:
     The step comes from inspect's rules (manifest, counter or optimizer step counters), so an
     export of a torchtitan checkpoint records ``train_state.step`` instead of null.
     """
-    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.planning.describe import inspect_checkpoint
     from reshard.errors import ReshardError
 
     try:
@@ -651,7 +651,7 @@ def _hf_given(mdict: dict[str, Any], cli: dict[str, Any]) -> tuple[dict[str, Any
 
 def _source_tp(src: Path) -> int:
     """The TP degree the source was written at (a fused TP layout's global view depends on it), as inspect finds it."""
-    from reshard.commands.inspect import inspect_checkpoint
+    from reshard.planning.describe import inspect_checkpoint
 
     topo = inspect_checkpoint(src).report.get("topology") or {}
     tp = topo.get("tp")
@@ -792,7 +792,7 @@ def hf_export_sides(a: Path, b: Path) -> tuple[Path, Path] | None:
 
     A Hugging Face directory is safetensors weights with a ``config.json`` beside them (what
     ``--format hf`` writes and ``from_pretrained`` reads); a plain safetensors export has none
-    and is compared by `reshard.commands.verify` as before.
+    and is compared by `reshard.verification.checkpoints` as before.
     """
     from reshard.storage.safetensors_format import is_export
 
@@ -815,10 +815,10 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
     weights are then checked under, and listed in ``notes``; the recomputed ``config.json``
     fields must equal the export's. The dtype is the export's recorded ``--dtype`` (an option,
     like a conversion's plan options), else the source's. Then every tensor is compared bit for
-    bit (or within ``rtol``/``atol``). The result has `reshard.commands.verify`'s shape.
+    bit (or within ``rtol``/``atol``). The result has `reshard.verification.checkpoints`'s shape.
     """
     from reshard import safefs
-    from reshard.semantics.conventions import classify
+    from reshard.semantics.conventions import classify, reshard_key
     from reshard.semantics.hf import mapping_for
     from reshard.semantics.manifest import read_manifest
     from reshard.semantics.rules import select
@@ -827,7 +827,7 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
 
     diffs: list[dict[str, Any]] = []
     notes: list[str] = []
-    ix = open_any(src)
+    ix = open_any(src, source_key=reshard_key)
     errors = [f for f in ix.findings if f.severity == "error"]
     if errors:
         raise Incomplete(f"the checkpoint is incomplete: {errors[0].message}", where=str(src))

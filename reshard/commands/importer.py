@@ -94,7 +94,7 @@ import torch
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
-from reshard.commands.space import space_errors
+from reshard.engine.space import space_errors
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 
 REPORT = "import-report.json"
@@ -624,9 +624,9 @@ def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str) -
 
 def import_preflight(src: Path, dst: Path, planned: list[_Planned], *, force: bool = False,
                      progress: Any = None) -> dict[str, Any]:
-    """`reshard.commands.space.preflight` for an import: the DCP output of the planned chunks
+    """`reshard.engine.space.preflight` for an import: the DCP output of the planned chunks
     (their bytes, `torch.save` framing, alignment, metadata) against ``dst``'s free space."""
-    from reshard.commands.space import estimate_dcp_bytes, preflight
+    from reshard.engine.space import estimate_dcp_bytes, preflight
 
     chunks = [box.numel * p.src.dtype.itemsize for p in planned for _rank, box in p.chunks]
     return preflight(dst, needed=estimate_dcp_bytes(chunks, len(planned)),

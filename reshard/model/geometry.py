@@ -70,7 +70,7 @@ def contiguous_run(rel: Box, sizes: Sequence[int]) -> int | None:
 
     Contiguous exactly when every dim after the last non-full one is full (true by
     definition) and every dim before it has size 1. The run holds ``rel.numel`` elements.
-    Byte splicing (`reshard.engine.splice`) and byte comparison (`reshard.engine.compare`) both
+    Byte splicing (`reshard.engine.splice`) and byte comparison (`reshard.verification.compare`) both
     decide with it whether a box can be moved or compared as one range.
     """
     n = len(sizes)

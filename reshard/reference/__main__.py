@@ -7,7 +7,7 @@ Two launch modes:
   python -m reshard.reference --spawn --layout dp=2,tp=2 ...    # the layout as one spec (the trainer contract's {layout})
 
 `reshard rehearse` runs it through the trainer contract (formats/trainer_contract.md) like any
-user's trainer: see ``reshard.commands.rehearsal.contract.reference_command``.
+user's trainer: see ``reshard.rehearsal.contract.reference_command``.
 """
 from __future__ import annotations
 

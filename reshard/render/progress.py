@@ -144,7 +144,7 @@ class Progress:
 
     def expect(self, stage: str, rate: float | None) -> None:
         """The rate (bytes/s) a stage is expected to move at, from a measurement made before it
-        starts (`reshard.commands.space.preflight`): its ETA until its own bytes give one."""
+        starts (`reshard.engine.space.preflight`): its ETA until its own bytes give one."""
         if rate:
             self.expected[stage] = float(rate)
 

@@ -259,6 +259,18 @@ def load_user_convention(path: str | Path, table: str | None = None) -> UserConv
     return UserConvention(conv, str(Path(path).resolve()), hashlib.sha256(data).hexdigest(), table)
 
 
+def reshard_key(convention: str, key: str) -> str:
+    """The name a tensor key of ``convention`` reads under in reshard's own convention: a parameter
+    as ``model.<fqn>``, an optimizer state as ``optim.state.<fqn>.<name>``, anything else as it is.
+    Passed to the storage readers of a safetensors export (`reshard.storage.safetensors_format`)."""
+    r = get_convention(convention).classify(key, "tensor")
+    if r.role == "parameter" and r.param:
+        return "model." + r.param
+    if r.role in ("optimizer_moment", "optimizer_step") and r.param:
+        return f"optim.state.{r.param}.{r.name or 'step'}"
+    return key
+
+
 def get_convention(name: str) -> Convention:
     for c in builtin_conventions():
         if c.name == name:

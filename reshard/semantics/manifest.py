@@ -38,7 +38,7 @@ def key_conventions(lineage: Any = None) -> tuple[str, ...]:
     (``--convention FILE``) is a name too when the manifest's own ``lineage`` records it: a
     conversion records in its plan options each file's name and sha256, so the name is
     accepted exactly where a conversion used it, and reading the keys that way again needs the
-    same file (reshard.commands.plan refuses other bytes under a recorded name).
+    same file (reshard.planning.plan refuses other bytes under a recorded name).
     """
     shipped = {c.name for c in builtin_conventions() if not c.generic}
     return tuple(sorted(shipped | set(_recorded_user_conventions(lineage))))

@@ -370,7 +370,7 @@ class TrustedUnpickles:
     def take(self) -> list[tuple[str, str]]:
         """What was recorded since the last call, ``(key, file)`` in load order (and forget it):
         a worker of a distributed run hands it to the one process that warns for the run
-        (`reshard.commands.distributed`), which records it again."""
+        (`reshard.engine.distributed`), which records it again."""
         items, self.items = list(self.items), {}
         return items
 

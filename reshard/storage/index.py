@@ -273,3 +273,17 @@ class CheckpointIndex(EntryQueries):
         self.findings.extend(found)
         return found
 
+
+def bitwise_equal(ix: CheckpointIndex, a: str, b: str) -> bool:
+    """Compare two tensors bit for bit, one stored chunk of ``a`` at a time (bounded memory)."""
+    ea, eb = ix.entries[a], ix.entries[b]
+    if ea.shape != eb.shape or ea.dtype != eb.dtype:
+        return False
+    for c in ea.chunks:
+        if c.box.is_empty():
+            continue
+        ta = ix.read_box(a, c.box)
+        tb = ix.read_box(b, c.box)
+        if not torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)):
+            return False
+    return True

@@ -31,7 +31,7 @@ EDQUOT ``OSError`` into a one-paragraph `BadInput` naming the destination and th
 needed.
 
 This module only reads checkpoints (``reshard.storage.dcp``); it imports no other reshard layer
-at import time, so `reshard.storage.index`, `reshard.commands.verify` and `reshard.commands.convert` can all use it.
+at import time, so `reshard.storage.index`, `reshard.verification.checkpoints` and `reshard.commands.convert` can all use it.
 """
 from __future__ import annotations
 
@@ -285,7 +285,7 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
     does not grow with the checkpoint. ``progress.update(nbytes)`` counts the items' stored
     bytes (`item_bytes` is the total), from the calling thread. ``digests`` (``"file:offset"`` -> checksum in the record's algorithm)
     are checksums some other pass already computed while reading those items (e.g.
-    `reshard.engine.compare`); those items are not read again.
+    `reshard.verification.compare`); those items are not read again.
     """
     if not integrity:
         return []

@@ -72,15 +72,15 @@ file, which safetensors needs in memory), reading each needed box with
 ``CheckpointIndex.read_box``. Tensors whose target layout is a transform of a whole source
 tensor (fused re-interleave, vocab re-pad, tied copies) go through the same code as the DCP
 writer (``reshard.semantics.transforms.write_transformed``) and are kept only until the last rank that
-needs them, up to ``reshard.commands.local_output.TRANSFORM_CACHE_BYTES``; past that they are recomputed
-per rank. This module reads the format; `reshard.commands.local_output` writes it from a plan.
+needs them, up to ``reshard.engine.local_output.TRANSFORM_CACHE_BYTES``; past that they are recomputed
+per rank. This module reads the format; `reshard.engine.local_output` writes it from a plan.
 """
 from __future__ import annotations
 
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -387,13 +387,15 @@ def open_local(path: str | Path, *, trust_pickle: bool = False) -> LocalIndex:
     return LocalIndex(Path(path), trust_pickle=trust_pickle)
 
 
-def open_any(path: str | Path, *, trust_pickle: bool = False) -> CheckpointIndex | LocalIndex:
+def open_any(path: str | Path, *, trust_pickle: bool = False,
+             source_key: Callable[[str, str], str] | None = None) -> CheckpointIndex | LocalIndex:
     """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``,
-    or an `ExportIndex` for a safetensors export (`reshard.storage.safetensors_format.is_export`)."""
+    or an `ExportIndex` for a safetensors export (`reshard.storage.safetensors_format.is_export`),
+    whose keys ``source_key`` names (`ExportIndex`)."""
     if is_local(path):
         return open_local(path, trust_pickle=trust_pickle)
     from reshard.storage.safetensors_format import is_export, open_export
 
     if is_export(path):
-        return open_export(path, trust_pickle=trust_pickle)  # type: ignore[return-value]
+        return open_export(path, trust_pickle=trust_pickle, source_key=source_key)  # type: ignore[return-value]
     return CheckpointIndex.open(path, trust_pickle=trust_pickle)

@@ -213,7 +213,7 @@ def struct_error() -> type[Exception]:
 
 COST_PER_BYTE = 8
 """At most this many units built per input byte (see `pickle_cost`). Measured on DCP's own
-files: `.metadata` costs 1.0 units per byte (reshard.synthetic.make_plain_fsdp2, 4 ranks) to
+files: `.metadata` costs 1.0 units per byte (reshard.testing.synthetic.make_plain_fsdp2, 4 ranks) to
 1.4 (make_many_entries, 20,000 entries, 100,000 records); the data.pkl of a torch.save object
 item at most 0.3. 8 leaves a margin of more than 5 for longer key names and deeper records."""
 COST_SLACK = 1 << 16

@@ -48,7 +48,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -236,7 +236,11 @@ def default_key(name: str) -> str:
 class ExportIndex(EntryQueries):
     """The read-only global view of a safetensors export (the CheckpointIndex interface)."""
 
-    def __init__(self, path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False):
+    def __init__(self, path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False,
+                 source_key: Callable[[str, str], str] | None = None):
+        """``source_key(convention, key)``: in ``keys="source"`` mode, the name a source key is read
+        under (`reshard.semantics.conventions.reshard_key`: a parameter as ``model.<fqn>``); the
+        storage layer knows no convention, so the caller that does passes it (None: the key as exported)."""
         if keys not in ("source", "reshard", "stored"):
             raise ValueError(f"keys must be source, reshard or stored, got {keys!r}")
         p = Path(path)
@@ -257,6 +261,7 @@ class ExportIndex(EntryQueries):
         self._handles: dict[str, Any] = {}
         self._keys = keys
         self._rename = rename
+        self._source_key = source_key
         self._load()
 
     # ------------------------------------------------------------------ validation
@@ -399,15 +404,9 @@ class ExportIndex(EntryQueries):
         if self._keys == "source":
             return src_key if src_key is not None else default_key(self._unrename(name))
         if src_key is not None and self._rename is None:
-            from reshard.semantics.conventions import get_convention
-
-            conv = self.metadata.get("source_convention") or "reshard"
-            r = get_convention(conv).classify(src_key, "tensor")
-            if r.role == "parameter" and r.param:
-                return "model." + r.param
-            if r.role in ("optimizer_moment", "optimizer_step") and r.param:
-                return f"optim.state.{r.param}.{r.name or 'step'}"
-            return src_key
+            if self._source_key is None:
+                return src_key
+            return self._source_key(self.metadata.get("source_convention") or "reshard", src_key)
         return default_key(self._unrename(name))
 
     def _unrename(self, name: str) -> str:
@@ -519,7 +518,8 @@ class ExportIndex(EntryQueries):
         return found
 
 
-def open_export(path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False) -> ExportIndex:
-    """Open and validate a safetensors export (see the module docstring for ``keys``)."""
-    return ExportIndex(path, keys=keys, rename=rename, trust_pickle=trust_pickle)
+def open_export(path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False,
+                source_key: Callable[[str, str], str] | None = None) -> ExportIndex:
+    """Open and validate a safetensors export (see the module docstring for ``keys``, `ExportIndex` for ``source_key``)."""
+    return ExportIndex(path, keys=keys, rename=rename, trust_pickle=trust_pickle, source_key=source_key)
 

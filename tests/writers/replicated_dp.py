@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from reshard.synthetic import finish_worker, init_worker, spawn_ranks
+from reshard.testing.synthetic import finish_worker, init_worker, spawn_ranks
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:

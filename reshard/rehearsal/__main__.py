@@ -1,4 +1,4 @@
-"""``python -m reshard.commands.rehearsal --from dp=4 --to dp=2 --out DIR [--trainer CMD]``: run a rehearsal, print the verdict."""
+"""``python -m reshard.rehearsal --from dp=4 --to dp=2 --out DIR [--trainer CMD]``: run a rehearsal, print the verdict."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from reshard.errors import ReshardError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reshard.commands.rehearsal", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m reshard.rehearsal", description=__doc__)
     p.add_argument("--from", dest="from_spec", required=True)
     p.add_argument("--to", dest="to_spec", required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="override loss_rtol, grad_norm_rtol or moment_rtol")
     p.add_argument("--json", action="store_true", help="print rehearsal.json instead of rehearsal.md")
     a = p.parse_args(argv)
-    from reshard.commands.rehearsal import rehearse
+    from reshard.rehearsal import rehearse
 
     try:
         tol = {k: float(v) for k, _, v in (t.partition("=") for t in a.tolerance)}

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from reshard.errors import BadInput
-from reshard.commands.plan import Options, convention_records
+from reshard.model.plan import PLAN_VERSION, Options, Plan
 from reshard.semantics import profile as profile_mod
+from reshard.semantics.conventions import Convention, load_user_convention
 
 
 @dataclass
@@ -159,3 +160,48 @@ def _no_duplicate_names(records: list[dict[str, str]]) -> None:
     if dup is not None:
         raise BadInput(f"two conventions (from --convention or the profile) are both named '{dup}'",
                        hint="Give each convention a name of its own: a manifest records conventions by name.")
+
+
+def convention_records(paths: Iterable[str | Path]) -> list[dict[str, str]] | None:
+    """``--convention FILE`` arguments as the plan options record them: file, name and sha256 of each."""
+    records = [load_user_convention(p).record() for p in paths]
+    names = [r["name"] for r in records]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise BadInput(f"two --convention files are both named '{dup}'",
+                       hint="Give each convention file a name of its own: a manifest records conventions by name.")
+    return records or None
+
+
+def user_conventions(options: Options) -> tuple[Convention, ...]:
+    """The conventions ``options.conventions`` records, read again and checked against their recorded hashes."""
+    out = []
+    for rec in options.conventions or []:
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(f), str) for f in ("file", "name", "sha256")):
+            raise BadInput(f"the plan options record a malformed convention {rec!r}",
+                           hint="Expected {\"file\", \"name\", \"sha256\"} per --convention file.")
+        uc = load_user_convention(rec["file"], rec.get("table"))
+        if uc.sha256 != rec["sha256"] or uc.convention.name != rec["name"]:
+            raise BadInput(f"the convention file no longer holds the convention '{rec['name']}' the plan read the keys "
+                           f"with (sha256 {rec['sha256'][:16]}, now {uc.sha256[:16]} named '{uc.convention.name}')",
+                           where=rec["file"],
+                           hint="Restore the file the plan was made with, or make the plan again with the new file.")
+        out.append(uc.convention)
+    return tuple(out)
+
+
+def check_plan_matches(given: dict[str, Any], plan: Plan) -> None:
+    """`convert --plan`: refuse to execute anything but the plan that was printed."""
+    if given.get("plan_version") != PLAN_VERSION:
+        raise BadInput(f"plan version {given.get('plan_version')} is not {PLAN_VERSION}", where="--plan")
+    if given.get("fingerprint") != plan.fingerprint():
+        raise BadInput("the given plan does not match what this source and these options produce now "
+                       "(the source changed, or options differ)", where="--plan",
+                       hint="Re-run `reshard plan --json` and review it again.")
+
+
+def options_from_plan(given: dict[str, Any]) -> Options:
+    try:
+        return Options(**given["options"])
+    except (KeyError, TypeError) as exc:
+        raise BadInput(f"not a reshard plan ({exc})", where="--plan") from None

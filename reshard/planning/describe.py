@@ -1,4 +1,4 @@
-"""`reshard inspect`: is a checkpoint complete, what does it hold, and who wrote it.
+"""Describing a checkpoint (what `reshard inspect` prints): is it complete, what does it hold, and who wrote it.
 
 The answer is a plain dict (the `--json` shape, documented in the README) built from the
 index (bytes and geometry), the key classification (roles) and the manifest (intent).
@@ -8,7 +8,6 @@ tied weights, compare the two copies chunk by chunk.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,49 +15,20 @@ import torch
 
 from reshard.gc_pause import paused_gc
 from reshard.model import topology as topo_mod
-from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs
+from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs, reshard_key
 from reshard.semantics.trainer_config import step_from_folder
 from reshard.errors import ReshardError
 from reshard.model.checkpoint import Finding
-from reshard.storage.index import CheckpointIndex
+from reshard.model.inspection import JSON_VERSION, Inspection
+from reshard.storage.index import CheckpointIndex, bitwise_equal
 from reshard.storage import sidecars
 from reshard.storage.local_format import open_any
-
-JSON_VERSION = 1
-
-
-@dataclass
-class Inspection:
-    index: CheckpointIndex
-    classification: Classification
-    manifest: Any  # reshard.semantics.manifest.Manifest | None
-    topology: topo_mod.Topology
-    report: dict[str, Any]
-
-    @property
-    def exit_code(self) -> int:
-        return int(self.report["exit_code"])
 
 
 def _load_manifest(root: Path) -> Any:
     from reshard.semantics.manifest import read_manifest
 
     return read_manifest(root)
-
-
-def bitwise_equal(ix: CheckpointIndex, a: str, b: str) -> bool:
-    """Compare two tensors bit for bit, one stored chunk of ``a`` at a time (bounded memory)."""
-    ea, eb = ix.entries[a], ix.entries[b]
-    if ea.shape != eb.shape or ea.dtype != eb.dtype:
-        return False
-    for c in ea.chunks:
-        if c.box.is_empty():
-            continue
-        ta = ix.read_box(a, c.box)
-        tb = ix.read_box(b, c.box)
-        if not torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def _scalar(v: Any) -> Any:
@@ -80,7 +50,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     The order of the steps is the order of the problems in the report, so it stays fixed.
     """
     root = Path(path)
-    ix = open_any(root, trust_pickle=trust_pickle)  # DCP, or reshard's local format (local-index.json)
+    ix = open_any(root, trust_pickle=trust_pickle, source_key=reshard_key)  # DCP, or reshard's local format (local-index.json)
     findings: list[Finding] = ix.findings  # the index's own findings come first, then ours
     manifest = _manifest_or_finding(root, findings)
     mdict: dict[str, Any] = manifest.to_dict() if manifest is not None else {}

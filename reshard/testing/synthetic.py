@@ -202,7 +202,7 @@ def finish_worker() -> None:
         dist.destroy_process_group()
 
 
-_PRELOAD = (*PRELOAD, "reshard.synthetic")
+_PRELOAD = (*PRELOAD, "reshard.testing.synthetic")
 
 
 def spawn_ranks(fn: Callable[..., None], world_size: int, args: tuple, timeout: float, start_method: str | None = None) -> None:

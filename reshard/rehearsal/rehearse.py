@@ -14,7 +14,7 @@ same contract (``contract.reference_command``): one engine, whichever trainer.
              the unconverted checkpoint with its unchanged recipe: what relaunching without
              reshard does; the default for a user's trainer) or ``naive-state`` (fresh Adam
              moments and one rank's LOCAL data position replayed on the new world size, see
-             ``reshard.commands.rehearsal.ckpt.make_control``; the reference's default);
+             ``reshard.rehearsal.ckpt.make_control``; the reference's default);
 4. compare   over steps switch_at+1 .. switch_at+window: losses, grad norms, throughput,
              sample coverage, Adam moments after the first resumed step, step counters;
              plus the control's repeats/skips and loss jump; a diagnosis names the likely
@@ -38,16 +38,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Infeasible
-from reshard.commands.rehearsal import compare
-from reshard.commands.rehearsal.ckpt import make_control
-from reshard.commands.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, TrainerCommand, find_checkpoint,
+from reshard.rehearsal import compare
+from reshard.rehearsal.ckpt import make_control
+from reshard.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, TrainerCommand, find_checkpoint,
                                                  layout_spec, reference_command, run)
-from reshard.commands.rehearsal.follow import follow_steps
-from reshard.commands.rehearsal.recipe import RecipeChoice, pick_recipe
+from reshard.rehearsal.follow import follow_steps
+from reshard.rehearsal.recipe import RecipeChoice, pick_recipe
 from reshard.model.topology import Topology, parse_spec
 
 if TYPE_CHECKING:  # annotations only: the planner loads torch, imported where it runs
-    from reshard.commands.plan import Options, Plan
+    from reshard.model.plan import Options, Plan
     from reshard.semantics.batch import Recipe
 
 DEFAULT_TOLERANCES = {"loss_rtol": 1e-4, "grad_norm_rtol": 1e-3, "moment_rtol": 1e-5}
@@ -148,7 +148,7 @@ def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps:
     ``diverged`` (what diverged, named). ``say``: where a line per phase and per optimizer
     step goes while it runs (the command line's progress on a terminal; None: nothing).
     """
-    from reshard.commands.plan import Options
+    from reshard.model.plan import Options
 
     t_start = time.perf_counter()
     src, tgt = _topology(from_spec, "from"), _topology(to_spec, "to")
@@ -555,8 +555,8 @@ def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, option
     """Plan and convert the switch checkpoint as a real transition would, run the after_convert
     hook, then verify the resumed checkpoint against the source (only planned rewrites may differ)."""
     from reshard.commands.convert import convert
-    from reshard.commands.plan import make_plan
-    from reshard.commands.verify import verify_checkpoints
+    from reshard.planning.plan import make_plan
+    from reshard.verification.checkpoints import verify_checkpoints
 
     plan = make_plan(src_ckpt, options)
     if not plan.feasible:

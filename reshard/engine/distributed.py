@@ -24,7 +24,7 @@ tensor crosses the network, only short Python objects):
    raises, and nothing is committed), then writes ``.metadata`` and ``manifest.json``
    (inside the still-hidden directory);
 4. each worker verifies its own files against the source in global terms
-   (`reshard.commands.verify.verify_checkpoints` restricted to its files) and reports the result;
+   (`reshard.verification.checkpoints.verify_checkpoints` restricted to its files) and reports the result;
 5. only when every part verified does worker 0 write the reports and rename the
    directory into place. The commit is that rename: before it, nothing at
    ``dst`` looks like a checkpoint.
@@ -162,7 +162,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
     lock, whether to continue an interrupted run's temporary directory (``restart``: never) and
     tells every worker with the directory's path; each worker keeps or writes its own files."""
     from reshard.commands import convert as ex
-    from reshard.commands.space import estimate_output_bytes
+    from reshard.engine.space import estimate_output_bytes
     from reshard.storage.integrity import is_space_error, out_of_space
 
     dist, rank, world = _init()
@@ -190,7 +190,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
     from reshard.storage.atomic import atomic_directory, fault_point
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.semantics.manifest import write_manifest
-    from reshard.commands.transition import output_manifest
+    from reshard.semantics.transition import output_manifest
     from reshard.render.progress import phase_of
     from reshard.storage.journal import Journal, merge_summaries
 
@@ -226,7 +226,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         try:
             if lead:
                 for key, equal_to in plan.checks.items():
-                    from reshard.commands.inspect import bitwise_equal
+                    from reshard.storage.index import bitwise_equal
 
                     if not bitwise_equal(ix, key, equal_to):
                         raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of "

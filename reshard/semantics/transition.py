@@ -9,7 +9,7 @@ from typing import Any
 from reshard import __version__
 from reshard.semantics import manifest as mf
 from reshard.semantics.rules import shipped
-from reshard.commands.plan import Plan
+from reshard.model.plan import Plan
 
 
 def _topo(t: dict[str, Any]) -> mf.Topology:
@@ -51,7 +51,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "rng_seed": plan.rng.seed if plan.rng else None, "verdict": plan.verdict["kind"],
         "previous_experiment_id": old_id, "plan_fingerprint": plan.fingerprint(),
         "trust_pickle": plan.options.trust_pickle,
-        # what `reshard verify` needs to recompute this plan from the source (reshard.commands.verify)
+        # what `reshard verify` needs to recompute this plan from the source (reshard.verification.checkpoints)
         "options": plan.options.to_dict(), "source_fingerprint": plan.source_fingerprint(),
         "source_path": plan.source["path"],  # where to look for it (a chain A -> X -> B); never evidence
     }
@@ -137,7 +137,7 @@ def _int_or_none(v: object) -> int | None:
 def _precision(src: dict[str, Any], plan: Plan) -> dict[str, Any]:
     p = dict(src.get("precision") or {"param_dtype": "unknown", "reduce_dtype": "unknown", "loss_scaler": None})
     if plan.options.dtype is not None:
-        from reshard.commands.plan import DTYPES
+        from reshard.model.plan import DTYPES
 
         p["param_dtype"] = DTYPES.get(plan.options.dtype, p["param_dtype"])
     return p

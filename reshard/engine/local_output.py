@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from reshard.commands.plan import KeyAction, Plan, TensorPlan
+from reshard.model.plan import KeyAction, Plan, TensorPlan
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
@@ -166,7 +166,7 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
 
 def _check_tied_drops(plan: "Plan", ix: CheckpointIndex) -> None:
     """Tied copies that the plan drops must really be equal (as the DCP writer checks)."""
-    from reshard.commands.inspect import bitwise_equal
+    from reshard.storage.index import bitwise_equal
 
     for key, equal_to in plan.checks.items():
         if not bitwise_equal(ix, key, equal_to):

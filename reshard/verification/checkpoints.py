@@ -16,7 +16,7 @@ Rules
   whose rank exists on one side only is not a key difference.
 * **Tensors.** Shape, then dtype, then values, one stored chunk of A at a time (the same box
   is read from B whatever B's chunking), so memory is bounded by the largest chunk.
-  Bitwise comparisons of two DCP checkpoints first go through `reshard.engine.compare`: the
+  Bitwise comparisons of two DCP checkpoints first go through `reshard.verification.compare`: the
   stored bytes of every intersecting (chunk of A, chunk of B) pair are compared where they
   lie (``os.preadv`` into reusable buffers, ``mmap`` views for strided intersections, a
   small thread pool, memory flat), without decoding anything. Only a key whose bytes
@@ -132,9 +132,10 @@ from reshard.semantics import rules as rules_mod
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.checkpoint import Entry
 from reshard.storage.index import CheckpointIndex
-from reshard.commands.inspect import Inspection, inspect_checkpoint
+from reshard.model.inspection import Inspection
+from reshard.planning.describe import inspect_checkpoint
 from reshard.storage.integrity import check_algorithm
-from reshard.commands.plan import Options, Plan
+from reshard.model.plan import Options, Plan
 from reshard.render.progress import phase_of
 
 PER_RANK_ROLES = ("rng", "data")
@@ -272,7 +273,7 @@ def _compare_tensor(key: str, ea: Entry, eb: Entry, ia: CheckpointIndex, ib: Che
     """One tensor key on both sides: the fast path's ``"equal"`` verdict counted as is, else
     shape, dtype and values decoded box by box (the keys the fast path found different or
     left alone), so what is reported does not depend on the path taken."""
-    if verdict is not None and verdict.status == "equal":  # decided by reshard.engine.compare
+    if verdict is not None and verdict.status == "equal":  # decided by reshard.verification.compare
         _count_decided(ea, verdict, stats, progress)
         return None
     if verdict is not None and verdict.ticked and progress is not None:
@@ -669,7 +670,7 @@ MAX_HOPS = 8
 
 def _recompute_hop(src: Path, si: Inspection, entry: Any, where: str, trust_pickle: bool) -> tuple[Plan | None, str]:
     """The plan a lineage ``entry`` records, recomputed from ``src``, if ``src`` is its source; else (None, why not)."""
-    from reshard.commands.plan import make_plan
+    from reshard.planning.plan import make_plan
 
     options = _recorded_options(entry.policies.get("options"))
     fingerprint = entry.policies.get("source_fingerprint")
@@ -754,7 +755,7 @@ def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *,
     """Re-derive the changes the conversions between A and B made, from the source side itself.
 
     One side (the output) must carry a manifest whose last lineage entry is a transition
-    recording its plan options and its source's fingerprint (`reshard.commands.transition`). The
+    recording its plan options and its source's fingerprint (`reshard.semantics.transition`). The
     plan is recomputed from the other side with those options (and this run's
     ``trust_pickle``: a lineage never decides what gets unpickled); it must be feasible and
     have the recorded source fingerprint, i.e. the other side is that conversion's source.
@@ -945,8 +946,8 @@ def _fast_verdicts(ia: Any, ib: Any, *, rtol: float, atol: float, values_checked
                    direct: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Verdicts of the keys decided without decoding, and the checksums of B's items read on
     the way: keys the caller already checked (`_Checked`), the rest of the candidates
-    compared byte for byte by `reshard.engine.compare` (hashing B's recorded items as it reads them)."""
-    from reshard.engine.compare import compare_tensors
+    compared byte for byte by `reshard.verification.compare` (hashing B's recorded items as it reads them)."""
+    from reshard.verification.compare import compare_tensors
 
     cand = _fast_candidates(ia, ib, rtol, atol)
     pre = set(values_checked or ()) & set(cand)
@@ -1216,8 +1217,9 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
     """
     from reshard.semantics import transforms
     from reshard.storage.local_format import open_any
+    from reshard.semantics.conventions import reshard_key
 
-    a, b = CheckpointIndex.open(src), open_any(out)
+    a, b = CheckpointIndex.open(src), open_any(out, source_key=reshard_key)
     problems = []
     def mine(key: str) -> bool:
         return b_files is None or any(c.location is not None and c.location.file in b_files

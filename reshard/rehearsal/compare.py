@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.storage.index import CheckpointIndex
-from reshard.commands.rehearsal.ckpt import MOMENT, STEP
+from reshard.rehearsal.ckpt import MOMENT, STEP
 
 
 def read_log(path: Path) -> dict[int, Any]:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from reshard.semantics import transforms
-from reshard.synthetic import (
+from reshard.testing.synthetic import (
     SyntheticCheckpointError,
     contiguous_stride,
     finish_worker,
@@ -321,7 +321,7 @@ def _manifest(shape: LlamaShape, *, tp: int, dp: int, fused: bool, seed: int, ex
     topo = mf.Topology.make(dp_shard=dp, tp=tp, mesh_order=order)
     global_batch = dp  # micro 1 x accum 1 x dp
     samples = STEP * global_batch
-    writer = mf.Writer.current("reshard.synthetic_llama")
+    writer = mf.Writer.current("reshard.testing.synthetic_llama")
     return mf.Manifest(
         experiment_id=experiment_id or f"synthetic-llama-{uuid.uuid4()}", step=STEP,
         tokens_seen=samples * SEQ_LEN, samples_seen=samples, key_convention="reshard", topology=topo,
