@@ -1,8 +1,11 @@
-"""Numbers in words people read: byte counts (KiB, MiB, GiB) and runs of integers (0-3,7), one
-spelling for every message and report."""
+"""Numbers in words people read: byte counts (KiB, MiB, GiB), runs of integers (0-3,7) and the
+time an output records (``SOURCE_DATE_EPOCH`` when set), one spelling for every message, report and manifest."""
 from __future__ import annotations
 
-__all__ = ["consecutive_runs", "human_bytes"]
+import datetime as _dt
+import os
+
+__all__ = ["consecutive_runs", "human_bytes", "now_text", "reproducible"]
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -28,3 +31,15 @@ def consecutive_runs(values) -> list[tuple[int, int]]:
         out.append((xs[i], xs[j]))
         i = j + 1
     return out
+
+
+def reproducible() -> bool:
+    """Outputs must not depend on when they were made (``SOURCE_DATE_EPOCH`` is set): no measured figure is recorded."""
+    return bool(os.environ.get("SOURCE_DATE_EPOCH"))
+
+
+def now_text() -> str:
+    """UTC now, or SOURCE_DATE_EPOCH when set (reproducible outputs)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    t = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
+    return t.isoformat(timespec="seconds")

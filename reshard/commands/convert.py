@@ -45,9 +45,7 @@ Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
 """
 from __future__ import annotations
 
-import datetime as _dt
 import json
-import os
 import threading
 import time as _time
 from dataclasses import dataclass, field
@@ -57,6 +55,7 @@ from typing import Any
 import torch
 
 from reshard.errors import BadInput, Infeasible
+from reshard.units import now_text, reproducible
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
 from reshard.engine.space import conversion_preflight
@@ -90,17 +89,6 @@ class IOOptions:
     window: int = field(default_factory=splice.default_window)
     splice: bool = True
     direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
-
-
-def _reproducible() -> bool:
-    return bool(os.environ.get("SOURCE_DATE_EPOCH"))
-
-
-def now_text() -> str:
-    """UTC now, or SOURCE_DATE_EPOCH when set (reproducible outputs)."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    t = _dt.datetime.fromtimestamp(int(epoch), _dt.timezone.utc) if epoch else _dt.datetime.now(_dt.timezone.utc)
-    return t.isoformat(timespec="seconds")
 
 
 def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, CheckpointIndex]:
@@ -386,8 +374,8 @@ class _Syncer:
 def write_reports(tmp: Path, report: dict[str, Any]) -> None:
     """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
     # no measured figure under SOURCE_DATE_EPOCH: neither the wall time nor the estimate (free space, probes)
-    on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if _reproducible() else report
-    if _reproducible() and "resume" in report:
+    on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if reproducible() else report
+    if reproducible() and "resume" in report:
         on_disk = {**on_disk, "resume": None}  # a resumed run writes the reports an uninterrupted one does
     (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
     fault_point("report.json")

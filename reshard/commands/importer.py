@@ -572,7 +572,7 @@ def _check_keys(srcs: list[_Src], src: Path) -> None:
 
 def _output(src: Path, source: _Source, to: str, experiment_id: str | None) -> _Output:
     """An import never continues a run: a new experiment id, and the reason it is a warm start."""
-    from reshard.commands.convert import now_text
+    from reshard.units import now_text
 
     stamp = now_text()
     exp_id = experiment_id or _new_id(src, source.tensors, to)

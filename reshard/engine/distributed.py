@@ -192,10 +192,11 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
     from reshard.semantics.manifest import write_manifest
     from reshard.semantics.transition import output_manifest
     from reshard.render.progress import phase_of
+    from reshard.units import now_text
     from reshard.storage.journal import Journal, merge_summaries
 
     started = _time.time()
-    stamp = ex.now_text()
+    stamp = now_text()
     lead = rank == 0
     with contextlib.ExitStack() as stack:
         # 1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)
