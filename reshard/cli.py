@@ -94,25 +94,12 @@ def inspect(
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
-    from reshard.planning.describe import inspect_checkpoint
-    from reshard.planning.options import Given, build_options
-    from reshard.planning.options import user_conventions
+    from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect, to_json
 
-    opts = build_options(Given(from_spec=from_spec, trust_pickle=trust_pickle,
-                               conventions=[str(p) for p in convention or []], ties=list(tie or []),
-                               profile=str(profile) if profile else None, no_profile=no_profile), ckpt)
-    with contextlib.ExitStack() as stack:
-        bar = None
-        if deep:
-            from reshard.storage.index import CheckpointIndex
-
-            bar = stack.enter_context(progress.phase(
-                "checking items", sum(e.nbytes for e in CheckpointIndex.open(ckpt).entries.values())))
-        result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=trust_pickle, progress=bar,
-                                    conventions=user_conventions(opts), ties=opts.ties)
-    if opts.profile is not None:
-        result.report["profile"] = opts.profile
+    opts = _options(ckpt, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
+                    profile=profile, no_profile=no_profile)
+    result = run_inspect(ckpt, opts, deep=deep, progress=progress)
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report))
     raise typer.Exit(result.exit_code)
 
@@ -184,23 +171,17 @@ def plan(
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
     _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
-    from reshard.planning.plan import make_plan
+    from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
 
-    p = make_plan(ckpt, _sliced(_options(
+    p, d = run_plan(ckpt, _sliced(_options(
         ckpt, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
         data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
         model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
         source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
         conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
-        trainer_config=trainer_config), layers, experts))
-    d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
-    if tensors_out is not None:
-        d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
-    if dst is not None:
-        from reshard.engine.space import space_check
-
-        d["space"] = space_check(p, dst, probe=True)  # the figures convert checks and reports (size, free, time)
+        trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
+        tensors_out=tensors_out)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         typer.echo(f"warning: {d['space']['warning']}", err=True)

@@ -8,7 +8,8 @@ tree's makers (the benchmark's `make_sharded` layout at ``--mib`` MiB, a plain F
 trainer state), then runs the same commands with each tree (``PYTHONPATH`` first on the
 path, same destination path, ``SOURCE_DATE_EPOCH`` set) and compares every output file byte
 for byte: convert (direct, ``--buffered``, to one rank, a TP target with the benchmark's
-rules file, ``--output-format local``) and export (safetensors, torch). Prints one line per
+rules file, ``--output-format local``), export (safetensors, torch) and import (of the
+reference's safetensors export, made once by this tree, to dp=2 and to dp=3). Prints one line per
 command and exits 1 if any output differs.
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ def _make(work: Path, mib: int) -> dict[str, Path]:
           "plain": make_plain_fsdp2(work / "plain", world_size=4)}
     cfg = TrainConfig(dp=4, tp=1, steps=3, save_at=[3], out=str(work / "reference"), experiment_id="compare")
     ck["reference"] = run_reference(cfg)[-1]
+    exported = work / "exported"  # the import's source: this tree's safetensors export of the reference run
+    subprocess.run([sys.executable, "-m", "reshard", "export", str(ck["reference"]), str(exported), "--format",
+                    "safetensors"], check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ck["exported"] = exported
     return ck
 
 
@@ -49,6 +54,8 @@ def _commands(ck: dict[str, Path], rules: Path) -> dict[str, list[str]]:
         "reference convert local": ["convert", ck["reference"], "{dst}", "--to", "dp=2", "--output-format", "local"],
         "reference export safetensors": ["export", ck["reference"], "{dst}", "--format", "safetensors"],
         "reference export torch": ["export", ck["reference"], "{dst}", "--format", "torch"],
+        "export import dp=2": ["import", ck["exported"], "{dst}", "--to", "dp=2", "--experiment-id", "compare-import"],
+        "export import dp=3": ["import", ck["exported"], "{dst}", "--to", "dp=3", "--experiment-id", "compare-import"],
     }
 
 

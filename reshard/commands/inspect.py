@@ -1,0 +1,34 @@
+"""`reshard inspect`: is a checkpoint complete, what does it hold, and which topology wrote it.
+
+The description itself is `reshard.planning.describe` (the planner and `verify` start from
+the same `Inspection`); this command adds what only the command line asks for: ``--deep``
+reads every item under a progress bar, and the profile that completed the options is named
+in the report.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from reshard.model.inspection import Inspection
+from reshard.model.plan import Options
+from reshard.planning.describe import inspect_checkpoint
+from reshard.planning.options import user_conventions
+
+
+def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = None) -> Inspection:
+    """The inspection of ``ckpt`` under the user's options (conventions, ties, ``--from``); its
+    ``report`` is what `reshard.render.report.render_inspect` prints and its ``exit_code`` the command's."""
+    with contextlib.ExitStack() as stack:
+        bar = None
+        if deep and progress is not None:
+            from reshard.storage.index import CheckpointIndex
+
+            bar = stack.enter_context(progress.phase(
+                "checking items", sum(e.nbytes for e in CheckpointIndex.open(ckpt).entries.values())))
+        result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=opts.trust_pickle,
+                                    progress=bar, conventions=user_conventions(opts), ties=opts.ties)
+    if opts.profile is not None:
+        result.report["profile"] = opts.profile
+    return result

@@ -1,0 +1,29 @@
+"""`reshard plan`: the dry run. What a conversion to ``--to`` would do, and whether the run stays the same run.
+
+The plan is `reshard.planning.plan.make_plan` (the same function `convert` executes and
+`verify` recomputes); this command adds what only the dry run shows: the full tensor table
+streamed to a file (``--tensors-out``) and, given the destination, whether the output fits
+there and how long it would take (`reshard.engine.space.space_check`, the figures `convert`
+checks again before writing).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.model.plan import Options, Plan
+from reshard.planning.plan import make_plan
+
+
+def plan(ckpt: Path, opts: Options, *, verbose: bool = False, json_out: bool = False, dst: Path | None = None,
+         tensors_out: Path | None = None) -> tuple[Plan, dict]:
+    """The plan and what the command prints of it: every tensor when ``verbose``, under ``--json``
+    the full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`)."""
+    p = make_plan(ckpt, opts)
+    d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
+    if tensors_out is not None:
+        d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
+    if dst is not None:
+        from reshard.engine.space import space_check
+
+        d["space"] = space_check(p, dst, probe=True)  # the figures convert checks and reports (size, free, time)
+    return p, d
