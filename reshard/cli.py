@@ -1,7 +1,6 @@
 """The `reshard` command line: parse arguments, call the library, render. No logic here."""
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import traceback
@@ -253,104 +252,38 @@ def convert(
     lead = not in_torchrun() or os.environ.get("RANK", "0") == "0"
     progress = _progress("" if in_torchrun() and os.environ.get(ERRORS_ENV) else f"reading {src} …",
                          json_out=json_out, quiet=quiet, shown=lead, mode=progress_mode)
-    from reshard.commands.convert import convert as run_convert
-    from reshard.planning.options import check_plan_matches, options_from_plan
-    from reshard.planning.plan import make_plan
+    from reshard.commands.convert import run_convert
     from reshard.render.report import render_convert, to_json
-    from reshard.errors import BadInput
 
-    given = None
-    if plan_file is not None:
-        from reshard.safefs import read_json
-
-        try:  # a plan file comes from elsewhere too: a regular file, capped in size and depth
-            given = read_json(plan_file, root=plan_file.parent, what="plan file")
-        except FileNotFoundError:
-            raise BadInput("no such plan file", where=str(plan_file)) from None
-        except OSError as exc:
-            raise BadInput(f"cannot read the plan ({exc.strerror or exc})", where=str(plan_file)) from None
-        opts = options_from_plan(given)
-        if to is not None and to != opts.to:
-            raise BadInput(f"--to {to} disagrees with the plan's target {opts.to}", where=str(plan_file))
-    elif to is None:
-        raise BadInput("convert needs --to SPEC or --plan PLAN.json")
-    else:
-        opts = _options(
+    opts = None
+    if plan_file is None and to is not None:
+        opts = _sliced(_options(
             src, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
             data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
             model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
             source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
             source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
-            profile=profile, no_profile=no_profile, trainer_config=trainer_config)
-        opts = _sliced(opts, layers, experts)
-    if output_format not in ("dcp", "local"):
-        raise BadInput(f"unknown --output-format '{output_format}'", hint="Use dcp or local.")
-    from reshard.engine.distributed import convert_distributed, launch_workers
-    from reshard.commands.convert import IOOptions, check_data_mode
-
-    distributed = in_torchrun()
-    check_data_mode(data, output_format=output_format, workers=workers, distributed=distributed)
-    if workers is not None and workers != 1 and not distributed:
-        if output_format != "dcp":
-            raise BadInput("--workers writes DCP output only", hint="Drop --workers for --output-format local.")
-        raise typer.Exit(launch_workers(workers, _without_workers(_state.get("argv") or sys.argv[1:]),
-                                        debug=_state["debug"]))
-    io = IOOptions(direct=not buffered,
-                   **{k: v for k, v in (("threads", threads), ("window", window_bytes)) if v is not None})
-    progress.say(f"planning the conversion to {opts.to} …")
-    p = make_plan(src, opts)
-    if given is not None:
-        check_plan_matches(given, p)
-    if distributed:
-        if output_format != "dcp":
-            raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
-        estimate = None
-        if lead:  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
-            from reshard.engine.space import conversion_preflight
-            from reshard.storage.index import CheckpointIndex
-
-            estimate = conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst,
-                                            force=force, progress=progress)
-        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
-        if report is None:
-            raise typer.Exit(0)
-        if estimate is not None:  # the figures the single-process report carries too
-            report["estimate"] = estimate
-    else:
-        report = run_convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
-                             restart=restart,
-                             data=data, force=force)
+            profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
+    done = run_convert(src, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+                       workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
+                       restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
+                       debug=_state["debug"])
+    report = done.report
+    if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
+        raise typer.Exit(done.exit_code)
     typer.echo(to_json(report) if json_out else render_convert(report) + _estimate_text(report.get("estimate")))
-    if report.get("resume"):  # kept K of N items, or started over and why (reshard.storage.journal)
-        from reshard.storage.journal import describe
-
-        if describe(report["resume"]):
-            typer.echo(describe(report["resume"]), err=True)
-    raise typer.Exit(0 if report["verification"]["equal"] else 1)
+    if done.resume_note:  # kept K of N items, or started over and why
+        typer.echo(done.resume_note, err=True)
+    raise typer.Exit(done.exit_code)
 
 
 def _estimate_text(figures: Optional[dict]) -> str:
     """The size, free-space and time estimate under a text plan or report (reshard.engine.space)."""
     if not figures:
         return ""
-    from reshard.engine.space import estimate_lines
+    from reshard.render.space import estimate_lines
 
     return "\n" + "\n".join(estimate_lines(figures))
-
-
-def _without_workers(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--workers":
-            skip = True
-            continue
-        if a.startswith("--workers="):
-            continue
-        out.append(a)
-    return out
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
@@ -389,15 +322,14 @@ def verify(
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
     progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
+    from reshard.commands.verify import verify as run_verify
     from reshard.render.report import to_json
-    from reshard.verification.checkpoints import render_verify, verify_checkpoints
+    from reshard.render.verify import render_verify
 
-    # nothing either checkpoint says excuses a difference: verify re-derives it (reshard.verification.checkpoints)
-    r = verify_checkpoints(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, recompute=True, strict=strict,
-                           direct=not buffered, progress=progress)
-    text = render_verify(r)
-    typer.echo(to_json(r) if json_out else text)
-    raise typer.Exit(0 if r["equal"] else 1)
+    r, code = run_verify(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict, buffered=buffered,
+                         progress=progress)
+    typer.echo(to_json(r) if json_out else render_verify(r))
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -423,22 +355,12 @@ def export(
     """
     args.check_export(fmt=fmt, model_config=model_config)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.export import export as run_export, parse_size
+    from reshard.commands.export import export as run_export
     from reshard.render.report import to_json
-    from reshard.semantics.hf import parse_values
-    from reshard.semantics.profile import find_profile, load_profile
 
-    values = parse_values(model_config)
-    record = None
-    found = find_profile(src, profile, enabled=not no_profile)
-    if found is not None:
-        prof = load_profile(found)
-        used = sorted(k for k in prof.model_config if k not in values) if fmt == "hf" else []
-        values.update({k: prof.model_config[k] for k in used})
-        record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
-    r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                   rename=rename, overwrite=overwrite, model_config=values or None, profile=record, progress=progress,
-                   force=force)
+    r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+                   model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite, force=force,
+                   progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 
@@ -460,11 +382,11 @@ def import_(
     """
     args.check_import(fmt=fmt)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.importer import import_checkpoint
+    from reshard.commands.importer import import_ as run_import
     from reshard.render.report import to_json
 
-    r = import_checkpoint(src, dst, to=to, rename=rename, overwrite=overwrite, experiment_id=experiment_id, fmt=fmt,
-                          progress=progress, force=force)
+    r = run_import(src, dst, to=to, rename=rename, fmt=fmt, experiment_id=experiment_id, overwrite=overwrite,
+                   force=force, progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 
@@ -512,14 +434,14 @@ def rehearse(
     _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
     progress = _progress(f"rehearsing {from_spec} -> {to} in {out}: baseline, converted resume, control …",
                          json_out=json_out, quiet=quiet)
-    from reshard.rehearsal import render_rehearsal, rehearse as run_rehearsal
+    from reshard.commands.rehearse import rehearse as run_rehearse
+    from reshard.render.rehearsal import render_rehearsal
     from reshard.render.report import to_json
 
-    r = run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
-                      window=window, micro_batch=micro_batch, grad_accum=grad_accum,
-                      source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, control=control,
-                      dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out,
-                      timeout=timeout, say=progress.say if progress.enabled else None)
+    r = run_rehearse(from_spec=from_spec, to=to, trainer=trainer, steps=steps, switch_at=switch_at, window=window,
+                     micro_batch=micro_batch, grad_accum=grad_accum, source_micro_batch=source_micro_batch,
+                     source_grad_accum=source_grad_accum, control=control, dataset_len=dataset_len, seed=seed,
+                     reuse_baseline=reuse_baseline, like=like, out=out, timeout=timeout, progress=progress)
     typer.echo(to_json(r) if json_out else render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 

@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     log_dir.mkdir()
     cases = []
     try:
-        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.commands.convert, reshard.verification.checkpoints"],
+        baseline = measure([args.python, "-c", "import torch, reshard.cli, reshard.engine.conversion, reshard.verification.checkpoints"],
                            timeout=args.timeout, sample_ms=args.sample_ms, log_dir=log_dir, name="baseline")
         baseline.pop("stdout")
         for size in sizes:

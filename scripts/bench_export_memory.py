@@ -9,12 +9,12 @@ tensors ``model.layers.{i}.weight`` of ``--tensor-mib`` MiB (default 16), as man
 up the size. Then, in a fresh subprocess (peak RSS = ``ru_maxrss`` of ``os.wait4`` on that
 pid, with ``VmRSS`` sampled to say when; the helpers are ``scripts/bench_convert_memory.py``'s)::
 
-    python -c "from reshard.commands.export import export; export(SRC, DST, fmt=..., max_shard_size=...)"
+    python -c "from reshard.engine.export import export; export(SRC, DST, fmt=..., max_shard_size=...)"
 
 or, with ``--cli``, ``python -m reshard export SRC DST --format F --max-shard-size S``.
 The export reads every tensor back and compares it with the source before committing,
 so the measured run includes that verification pass. A baseline process that only imports
-torch and reshard.commands.export is measured too.
+torch and reshard.engine.export is measured too.
 
 The safetensors export streams tensor by tensor (peak memory ~ largest tensor, whatever the
 shard size); ``--format torch`` holds one shard (``torch.save`` needs the dict), so its
@@ -51,7 +51,7 @@ def export_cmd(args, src: Path, dst: Path) -> list[str]:
         cmd = [args.python, "-m", "reshard", "export", str(src), str(dst), "--format", args.format,
                "--max-shard-size", args.max_shard_size]
         return cmd + (["--dtype", args.dtype] if args.dtype else [])
-    code = ("import sys; from reshard.commands.export import export; "
+    code = ("import sys; from reshard.engine.export import export; "
             "r = export(sys.argv[1], sys.argv[2], fmt=sys.argv[3], max_shard_size=sys.argv[4], "
             "dtype=(sys.argv[5] or None)); print(len(r['shards']), r['verification']['equal'])")
     return [args.python, "-c", code, str(src), str(dst), args.format, args.max_shard_size, args.dtype or ""]
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     log_dir = tmp / "logs"
     log_dir.mkdir()
     try:
-        baseline = measure([args.python, "-c", "import torch, reshard.commands.export, reshard.storage.safetensors_format"],
+        baseline = measure([args.python, "-c", "import torch, reshard.engine.export, reshard.storage.safetensors_format"],
                            timeout=args.timeout, sample_ms=args.sample_ms, log_dir=log_dir, name="baseline")
         baseline.pop("stdout")
         cases = [run_case(args, s, shape, tmp, log_dir) for s in sizes]

@@ -12,7 +12,7 @@ Source: ``--size-gib`` (default 4) of float32 tensors of ``--tensor-mib`` MiB (d
 Every run is a fresh subprocess measured by ``os.wait4`` (wall, CPU, peak RSS), with
 ``SOURCE_DATE_EPOCH=0`` so outputs are comparable byte for byte; every run writes into the
 same destination path (the reports name it). The kill is the conversion's own test hook
-(``RESHARD_FAULT_KILL_AT=N``: SIGKILL right after write event N, `reshard.commands.convert`);
+(``RESHARD_FAULT_KILL_AT=N``: SIGKILL right after write event N, `reshard.engine.conversion`);
 ``RESHARD_FAULT_COUNT`` counts the items each run writes. The page cache is warm throughout
 (the source was just written), as for a rerun minutes after a kill.
 

@@ -147,10 +147,18 @@ def test_commands_orchestrate_in_a_few_hundred_lines():
     assert not long, f"commands longer than {MAX_COMMAND_LINES} lines (move the logic to a layer below): {long}"
 
 
+CLI_MAY_USE = ("reshard.arguments", "reshard.commands.", "reshard.render.", "reshard.errors",
+               "reshard.planning.options",      # the flags, a profile and a trainer config as one set of options
+               "reshard.engine.distributed")    # whether this process is a torchrun worker, and its error hand-off
+
+
 def test_cli_only_parses_and_calls():
-    """The CLI module holds no logic of its own: no class, and every function is a command's entry or short."""
+    """The CLI parses, calls a command and renders: it defines no class and imports nothing else of reshard."""
     tree = ast.parse(MODS["reshard.cli"].read_text())
     assert not [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    other = [f"reshard.cli:{line} imports {tgt}" for tgt, line, _ in _imports("reshard.cli")
+             if tgt not in ("reshard", "reshard.__version__") and not tgt.startswith(CLI_MAY_USE)]
+    assert not other, "\n".join(other)
 
 
 def test_imports_point_down_the_declared_layers():

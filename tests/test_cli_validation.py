@@ -216,7 +216,7 @@ def test_rng_choices_agree_with_the_rng_policies():
 def test_import_format_names_agree_with_the_importer():
     """The early check reads formats/hf/ itself (no torch): every name it admits is one the importer maps."""
     from reshard.arguments import import_formats
-    from reshard.commands.importer import native_mapping
+    from reshard.engine.import_sources import native_mapping
     from reshard.semantics import hf
 
     names = set(import_formats()) - {"reshard"}

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from reshard.errors import BadInput
-from reshard.commands.export import RenameRules, export, parse_size
-from reshard.commands.importer import import_checkpoint
+from reshard.engine.export import export
+from reshard.planning.export import RenameRules
+from reshard.units import parse_size
+from reshard.engine.importing import import_checkpoint
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.safetensors_format import ExportIndex, is_export
 from reshard.verification.checkpoints import verify_checkpoints

@@ -4,7 +4,7 @@ Every conversion here runs as a real process (except where noted: a child forked
 server that imported reshard and torch once, `tests/forked.py`, so a kill is a real SIGKILL of
 a real process without a torch import per run) with ``SOURCE_DATE_EPOCH`` set, and every test asserts the source directory is
 untouched (`snapshot`: sha256, mtime and size of every file). Fault injection uses the
-test hooks documented in `reshard.commands.convert` (``RESHARD_FAULT_KILL_AT`` / ``_SLEEP_AT`` /
+test hooks documented in `reshard.engine.conversion` (``RESHARD_FAULT_KILL_AT`` / ``_SLEEP_AT`` /
 ``_COUNT``). `scripts/soak_faults.py` runs the kill loop at every event and random byte
 mutations.
 """

@@ -234,7 +234,7 @@ def _indexed_sources(draw):
 @settings(max_examples=16, deadline=None, derandomize=True, database=None)
 def test_property_an_import_takes_exactly_what_the_index_lists_or_refuses(case):
     from reshard.errors import BadInput
-    from reshard.commands.importer import import_checkpoint
+    from reshard.engine.importing import import_checkpoint
 
     fmt, files, layout, damage, victim = case
     g = torch.Generator().manual_seed(len(files))

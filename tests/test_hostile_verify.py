@@ -25,7 +25,7 @@ from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.verification.checkpoints import identical, object_difference
+from reshard.verification.objects import identical, object_difference
 
 MOMENT = "optim.state.blocks.0.mlp.fc1.weight.exp_avg_sq"
 WEIGHT = "blocks.0.mlp.fc1.weight"
@@ -127,7 +127,7 @@ def moment_changed(root, reference_ckpt) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(root, reference_ckpt) -> Path:
-    from reshard.commands.export import export
+    from reshard.engine.export import export
 
     dst = root / "export"
     export(reference_ckpt, dst, fmt="safetensors")
@@ -286,7 +286,7 @@ def test_forged_export_report_does_not_excuse_a_changed_weight(reference_ckpt, e
 
 def test_export_header_claiming_only_model_does_not_excuse_a_changed_moment(reference_ckpt, tmp_path, capsys):
     """An export with optimizer state: a changed moment is a difference whatever the report says."""
-    from reshard.commands.export import export
+    from reshard.engine.export import export
 
     b = tmp_path / "export"
     export(reference_ckpt, b, fmt="safetensors", only="model+optim")

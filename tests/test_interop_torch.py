@@ -46,7 +46,7 @@ pytest.importorskip("torch.distributed.fsdp")
 
 from conftest import cli  # noqa: E402
 
-from reshard.verification.checkpoints import identical, object_difference  # noqa: E402
+from reshard.verification.objects import identical, object_difference  # noqa: E402
 
 WRITER = Path(__file__).parent / "writers" / "torch_variants.py"
 VARIANTS = ("extras", "appstate", "batchnorm", "tied", "optim_only", "hsdp")

@@ -281,7 +281,7 @@ def test_plan_json_summarises_a_large_tensor_table_and_writes_the_full_one_on_re
                                                                                       capsys, monkeypatch):
     """Past FULL_TABLE_ROWS chunk rows (a 16,384-rank plan has millions) --json gives one row per distinct
     shape and placement; --tensors-out writes every tensor, as JSON lines, equal to the full table."""
-    from reshard.planning import plan as plan_mod
+    from reshard.model import plan as plan_mod
 
     code, out, err = run_cli(["plan", reference_ckpt, "--to", "dp=2", "--json"], capsys)
     assert code == 0, err

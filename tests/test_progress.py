@@ -101,9 +101,10 @@ def test_nothing_on_stderr(name, mode, sides, tmp_path):
 # ---------------------------------------------------------------------------------- the byte totals
 def test_phases_count_to_the_index_bytes(sides, tmp_path):
     """Each phase ends at its total, and the totals are the bytes the index declares."""
-    from reshard.commands.convert import convert, writing_bytes
-    from reshard.commands.export import export
-    from reshard.commands.importer import import_checkpoint
+    from reshard.engine.conversion import convert
+    from reshard.engine.copy import writing_bytes
+    from reshard.engine.export import export
+    from reshard.engine.importing import import_checkpoint
     from reshard.model.plan import Options
     from reshard.planning.plan import make_plan
     from reshard.verification.checkpoints import progress_bytes, verify_checkpoints

@@ -4,7 +4,7 @@ Real ``reshard convert`` processes (forked from a server that imported reshard a
 once, `tests/forked.py`: a real process, a real SIGKILL, no torch import per run; and
 ``--workers 2``, which runs torchrun) on a
 private copy of the session's reference checkpoint, killed with SIGKILL at write events
-(``RESHARD_FAULT_KILL_AT``, the test hook of `reshard.commands.convert`), then run again with
+(``RESHARD_FAULT_KILL_AT``, the test hook of `reshard.engine.conversion`), then run again with
 the same command. ``SOURCE_DATE_EPOCH`` makes the reports reproducible, so "byte-identical to
 an uninterrupted run" covers every file of the output, the reports included. The bytes a
 rerun writes are counted by its write events (``RESHARD_FAULT_COUNT``: one per item written)

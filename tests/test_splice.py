@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.commands.convert import IOOptions, convert
+from reshard.engine.conversion import convert
+from reshard.engine.copy import IOOptions
 from reshard.model.geometry import Box, contiguous_run
 from reshard.storage.index import CheckpointIndex
 from reshard.engine import bands, splice
@@ -352,7 +353,7 @@ def test_items_whose_sources_the_ledger_could_not_complete_are_compared_after_wr
     key leaves the checked set, so the post-write verification compares it."""
     import zlib
 
-    from reshard.commands.convert import WriteChecks
+    from reshard.engine.copy import WriteChecks
 
     data = bytes(range(100))
     src = splice.SourceChunk("f", 0, Box((0,), (100,)), zlib.crc32(data))

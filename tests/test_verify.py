@@ -13,7 +13,9 @@ import torch.distributed.checkpoint as dcp
 from reshard.errors import Incomplete, ReshardError
 from reshard.storage.index import CheckpointIndex
 from reshard.testing.synthetic import list_rank_files, make_sharded, synthetic_value, truncate_file
-from reshard.verification.checkpoints import object_difference, progress_bytes, render_verify, verify_checkpoints
+from reshard.render.verify import render_verify
+from reshard.verification.checkpoints import progress_bytes, verify_checkpoints
+from reshard.verification.objects import object_difference
 from reshard.render.progress import Progress
 
 SHAPE = (10, 7)  # 10 rows over 3 ranks -> 4, 4, 2; 7 columns over 3 ranks -> 3, 3, 1

@@ -21,7 +21,7 @@ from reshard.storage import integrity
 from reshard.errors import BadInput, ReshardError
 from reshard.model.geometry import Box
 from reshard.storage.index import CheckpointIndex
-from reshard.engine import compare
+from reshard.verification import compare
 from reshard.storage import dcp as rdcp
 from reshard.storage.dcp_writer import DcpWriter
 from reshard.testing.synthetic import make_sharded, minimal_manifest, synthetic_value

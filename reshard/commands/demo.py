@@ -114,14 +114,15 @@ def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None) -> in
         typer.echo(f"\n=== {msg}")
 
     stage(f"[1/6] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")
-    from reshard.commands.convert import convert
+    from reshard.engine.conversion import convert
     from reshard.rehearsal.follow import follow_steps
     from reshard.planning.describe import inspect_checkpoint
     from reshard.model.plan import Options
     from reshard.planning.plan import make_plan
     from reshard.reference import TrainConfig, run_reference
     from reshard.render.report import render_convert, render_inspect, render_plan
-    from reshard.verification.checkpoints import render_verify, verify_checkpoints
+    from reshard.render.verify import render_verify
+    from reshard.verification.checkpoints import verify_checkpoints
 
     base = TrainConfig(dp=4, steps=steps, total_steps=steps, save_at=[k], micro_batch=2, grad_accum=2, dropout=0.0,
                        out=str(out / "run4"), log=str(out / "run4.jsonl"), experiment_id="demo")

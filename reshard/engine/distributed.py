@@ -16,7 +16,7 @@ tensor crosses the network, only short Python objects):
    directory must be on a file system every worker sees, as DCP itself requires);
 2. each worker writes and fsyncs its files, then reports ``(ok, checksums, split)`` or its
    error, where ``split`` lists the source storages it read only in part, each with the
-   CRC-32s of its pieces (`reshard.commands.convert.PieceLedger`);
+   CRC-32s of its pieces (`reshard.engine.copy.PieceLedger`);
 3. if any worker failed, every worker raises that error and worker 0 deletes the temporary
    directory: nothing is committed. Otherwise worker 0 checks every split source storage
    once against its writer's record (`check_split_storages`: the workers' pieces combined,
@@ -161,13 +161,14 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
     Resumable as a single process is (`reshard.storage.journal`): worker 0 decides, holding the
     lock, whether to continue an interrupted run's temporary directory (``restart``: never) and
     tells every worker with the directory's path; each worker keeps or writes its own files."""
-    from reshard.commands import convert as ex
+    from reshard.engine.conversion import prepare_conversion, say_converting
+    from reshard.engine.copy import IOOptions
     from reshard.engine.space import estimate_output_bytes
     from reshard.storage.integrity import is_space_error, out_of_space
 
     dist, rank, world = _init()
-    src, dst, ix = ex.prepare_conversion(plan, src, dst)
-    ex.say_converting(progress if rank == 0 else None, plan, ix)
+    src, dst, ix = prepare_conversion(plan, src, dst)
+    say_converting(progress if rank == 0 else None, plan, ix)
     needed = estimate_output_bytes(plan, ix)
 
     def own(exc: BaseException) -> BaseException:
@@ -176,7 +177,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 
     try:
         return _convert_steps(plan, src, dst, ix, dist, rank, world, own, overwrite=overwrite, progress=progress,
-                              io=io or ex.IOOptions(), restart=restart)
+                              io=io or IOOptions(), restart=restart)
     except OSError as exc:  # e.g. the commit itself (fsync, rename) on a full disk
         if is_space_error(exc):
             raise out_of_space(dst, needed, exc) from None
@@ -186,8 +187,12 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: int, world: int, own: Any, *,
                    overwrite: bool, progress: Any, io: Any, restart: bool = False) -> dict[str, Any] | None:
     """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
-    from reshard.commands import convert as ex
+    from reshard.engine.conversion import resume_key
+    from reshard.engine.copy import WriteChecks, keep_checked_honest, write_items, writing_bytes
+    from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest,
+                                        verify_output, write_reports)
     from reshard.storage.atomic import atomic_directory, fault_point
+    from reshard.storage.integrity import record as integrity_record
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.semantics.manifest import write_manifest
     from reshard.semantics.transition import output_manifest
@@ -202,7 +207,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         # 1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)
         msg: list[Any] = [None]
         failure: BaseException | None = None
-        journal = Journal(ex.resume_key(plan, src), restart=restart)
+        journal = Journal(resume_key(plan, src), restart=restart)
         if lead:
             try:
                 made = stack.enter_context(atomic_directory(dst, overwrite=overwrite, reuse=journal.choose,
@@ -233,10 +238,10 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
                         raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of "
                                          "them silently", where=str(src),
                                          hint="Inspect the source: tied weights and their optimizer state must be equal.")
-            checked = ex.WriteChecks()
-            with phase_of(progress if lead else None, "writing", ex.writing_bytes(plan, ix)) as bar:
-                ex.write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
-            ex.keep_checked_honest(checked, w)
+            checked = WriteChecks()
+            with phase_of(progress if lead else None, "writing", writing_bytes(plan, ix)) as bar:
+                write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
+            keep_checked_honest(checked, w)
             w.sync_files()
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial(),
                                       "resume": journal.summary()}
@@ -259,9 +264,9 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
                     merged.update(s["checksums"])
                 w.adopt(merged)
                 w.finish()
-                carried = ex.carry_sidecars(plan, ix, src, tmp)
-                manifest = output_manifest(plan, ex.source_manifest(src), time=stamp)
-                manifest.integrity = ex.integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
+                carried = carry_sidecars(plan, ix, src, tmp)
+                manifest = output_manifest(plan, source_manifest(src), time=stamp)
+                manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
                 write_manifest(tmp, manifest)  # verification reads the step and cursor from it
                 fault_point("manifest")
             except Exception as exc:
@@ -274,7 +279,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         # 4. each worker verifies its own files
         files = sorted({loc.file for loc in w.locations().values() if owns(_file_rank(loc.file))})
         try:
-            part = ex.verify_output(src, tmp, plan, b_files=set(files), checked=checked, progress=progress if lead else None)
+            part = verify_output(src, tmp, plan, b_files=set(files), checked=checked, progress=progress if lead else None)
             status = {"ok": True, "verification": part, "files": files}
         except Exception as exc:
             failure = own(exc)
@@ -290,12 +295,12 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         verification["workers"] = [{"worker": i, "files": s["files"]} for i, s in enumerate(statuses)]
         if split_checked:  # absent when every source storage was read whole by one worker
             verification["storages_checked_across_workers"] = split_checked
-        report = ex.build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
+        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["workers"] = world
         report["sidecars"] = carried
         report["resume"] = merge_summaries([s["resume"] for s in written])
-        ex.write_reports(tmp, report)
-        ex.refuse_if_different(verification, dst, "the converted checkpoint")
+        write_reports(tmp, report)
+        refuse_if_different(verification, dst, "the converted checkpoint")
     return report
 
 
@@ -305,7 +310,7 @@ def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]
 
     A source shard cut between targets of different workers (dp 4 -> 8: each source feeds
     one file of each worker) leaves each worker with pieces of it, so no worker's own ledger
-    could check it. ``parts`` holds each worker's `reshard.commands.convert.PieceLedger.partial`:
+    could check it. ``parts`` holds each worker's `reshard.engine.copy.PieceLedger.partial`:
     the pieces are combined here (``crc32_combine``, no bytes read); a storage they do not
     tile (a part was copied by a path that reports no pieces) is completed by reading what
     no piece covered, once. The first contradiction in (file, offset) order is raised: the

@@ -3,7 +3,8 @@ contract, formats/trainer_contract.md) or the reference trainer run through the 
 from reshard.rehearsal.ckpt import make_control, naive_cursor, rewrite_checkpoint
 from reshard.rehearsal.contract import PLACEHOLDERS, TrainerCommand, reference_command
 from reshard.rehearsal.recipe import pick_recipe
-from reshard.rehearsal.rehearse import DEFAULT_TOLERANCES, rehearse
+from reshard.rehearsal.judge import DEFAULT_TOLERANCES
+from reshard.rehearsal.rehearse import rehearse
 from reshard.render.rehearsal import render_rehearsal
 
 __all__ = ["rehearse", "render_rehearsal", "rewrite_checkpoint", "make_control", "naive_cursor", "DEFAULT_TOLERANCES",

@@ -1,8 +1,8 @@
 """What a model family means in Hugging Face terms: names, weight transforms and ``config.json``.
 
 Read from ``formats/hf/<family>.toml`` (the family of ``formats/models/``). Nothing here
-reads or writes a byte: the exporter and the importer (`reshard.commands.export`,
-`reshard.commands.importer`) read tensors and hand them to :meth:`ParamMap.to_hf` /
+reads or writes a byte: the exporter and the importer (`reshard.planning.export`,
+`reshard.engine.import_sources`) read tensors and hand them to :meth:`ParamMap.to_hf` /
 :meth:`ParamMap.from_hf`, which only reorder or trim rows.
 
 Why the mapping is data: the two families differ in more than names (the rotary row order,

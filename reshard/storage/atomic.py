@@ -30,7 +30,7 @@ lies beside it (`journal_dir`: ``.{dst.name}.reshard-tmp-<hex>.journal``), never
 output, and goes with it (deleted at the commit, or with a stale temporary directory). A
 resumable block interrupted by Ctrl-C (``KeyboardInterrupt``) keeps both for the next run.
 
-`fault_point` is a test hook (see `reshard.commands.convert`): every write event of a conversion
+`fault_point` is a test hook (see `reshard.engine.conversion`): every write event of a conversion
 calls it, and the ``RESHARD_FAULT_*`` environment variables make the process SIGKILL or
 pause itself right after a chosen event.
 """

@@ -31,7 +31,7 @@ EDQUOT ``OSError`` into a one-paragraph `BadInput` naming the destination and th
 needed.
 
 This module only reads checkpoints (``reshard.storage.dcp``); it imports no other reshard layer
-at import time, so `reshard.storage.index`, `reshard.verification.checkpoints` and `reshard.commands.convert` can all use it.
+at import time, so `reshard.storage.index`, `reshard.verification.checkpoints` and `reshard.engine.conversion` can all use it.
 """
 from __future__ import annotations
 

@@ -28,9 +28,10 @@ Rules
   ``torch.isclose(rtol, atol, equal_nan=True)``; a dtype difference is then tolerated (and
   listed under ``notes``), otherwise it is a ``dtype`` difference.
 * **Objects.** Loaded safely (``trust_pickle`` as for inspect) and compared bit for bit, by
-  the rule tensors are (`object_difference`): types exactly (``1`` is not ``1.0``), floats
-  by their bits (``-0.0 != 0.0``; NaNs equal only with the same payload), tensors by shape,
-  dtype and bits, dicts, lists, tuples and sets by structure, recursively.
+  the rule tensors are (`reshard.verification.objects.object_difference`): types exactly
+  (``1`` is not ``1.0``), floats by their bits (``-0.0 != 0.0``; NaNs equal only with the
+  same payload), tensors by shape, dtype and bits, dicts, lists, tuples and sets by
+  structure, recursively.
 * **Semantics** (from each side's inspection): ``step``, ``tokens_seen`` and, when both
   have a manifest, ``data.cursor``. The experiment id is not compared (a warm-start
   conversion may give a new one).
@@ -49,27 +50,27 @@ something other than the checkpoint under test says so:
   itself, and nothing either checkpoint says about itself is evidence; a report inside a
   checkpoint (``reshard-report.json``, ``export-report.json``) is never read.
 
-  - **A conversion** (`conversion_evidence`): the output's ``manifest.json`` lineage ends
-    with a transition recording its plan options and its source's fingerprint; the plan
-    is recomputed from the other side with those options (``trust_pickle`` is this run's,
-    never the lineage's) and must have that source fingerprint. Then a dropped key may be
-    absent, a rewritten or added key must hold exactly (`identical`) the value the plan's
-    state translators write (``plan.new_values``: reseeded RNG, remapped schedule,
-    translated data state), a transformed, cast or tied-copy tensor must pass
-    `check_transforms` against the source, and a moved ``data.cursor``
-    must be the plan's. A forged lineage can only name a plan; if B's values are not that
-    plan's, they stay differences. ``strict=True`` (``--strict``) excuses no conversion
-    change at all. Only one conversion is re-derived (B made from A, or A from B), not a
-    chain.
-  - **An export** (`export_evidence`, one side a safetensors export): the keys `reshard
-    export` leaves out (trainer state, objects, optimizer state under ``--only model``,
-    tied copies written once) are recomputed from the other side with
-    `reshard.commands.export.key_actions` and the ``only`` the export's header records; they may
-    be absent. ``step`` and ``tokens_seen`` may be unknown on the export side. A value that
-    differs is a difference, ``strict`` or not.
+  - **A conversion** (`reshard.verification.evidence.conversion_evidence`): the output's
+    ``manifest.json`` lineage ends with a transition recording its plan options and its
+    source's fingerprint; the plan is recomputed from the other side with those options
+    (``trust_pickle`` is this run's, never the lineage's) and must have that source
+    fingerprint. Then a dropped key may be absent, a rewritten or added key must hold
+    exactly (`identical`) the value the plan's state translators write
+    (``plan.new_values``: reseeded RNG, remapped schedule, translated data state), a
+    transformed, cast or tied-copy tensor must pass `check_transforms` against the source,
+    and a moved ``data.cursor`` must be the plan's. A forged lineage can only name a plan;
+    if B's values are not that plan's, they stay differences. ``strict=True``
+    (``--strict``) excuses no conversion change at all. Only one conversion is re-derived
+    (B made from A, or A from B), not a chain.
+  - **An export** (`reshard.verification.evidence.export_evidence`, one side a safetensors
+    export): the keys `reshard export` leaves out (trainer state, objects, optimizer state
+    under ``--only model``, tied copies written once) are recomputed from the other side
+    with `reshard.planning.export.key_actions` and the ``only`` the export's header
+    records; they may be absent. ``step`` and ``tokens_seen`` may be unknown on the export
+    side. A value that differs is a difference, ``strict`` or not.
   - **A Hugging Face export** (one side a directory with ``config.json``, as ``export --format hf``
     writes): compared through the family's declared names and transforms, re-derived from the
-    checkpoint side (`reshard.commands.export.compare_hf_export`).
+    checkpoint side (`reshard.verification.exports.compare_hf_export`).
 
 Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle) raises the
 :class:`~reshard.errors.ReshardError` that says so (exit 2 at the CLI).
@@ -116,57 +117,29 @@ of A is the total), and the checksum pass its phase "checking checksums" (stored
 """
 from __future__ import annotations
 
-import io
 import math
-import os
-import reprlib
-import stat
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard.semantics import rules as rules_mod
-from reshard.errors import BadInput, Incomplete, ReshardError
+from reshard.errors import BadInput
 from reshard.model.checkpoint import Entry
 from reshard.storage.index import CheckpointIndex
 from reshard.model.inspection import Inspection
-from reshard.planning.describe import inspect_checkpoint
 from reshard.storage.integrity import check_algorithm
-from reshard.model.plan import Options, Plan
 from reshard.render.progress import phase_of
+from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
+from reshard.verification.objects import bits, object_difference
+
+# the comparison's entry points; `check_transforms` is `reshard.verification.evidence`'s, named here too
+__all__ = ["verify_checkpoints", "progress_bytes", "check_item_checksums", "check_transforms"]
 
 PER_RANK_ROLES = ("rng", "data")
-_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_repr = reprlib.Repr()
-_repr.maxstring = 60
-_repr.maxother = 60
-_repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
 
 
-def short_repr(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)})"
-    return _repr.repr(x)
-
-
-# ---------------------------------------------------------------------------------- opening
-def _open(path: Path, trust_pickle: bool) -> Inspection:
-    insp = inspect_checkpoint(path, trust_pickle=trust_pickle)
-    errors = [p for p in insp.report["problems"] if p["severity"] == "error"]
-    if errors:
-        first = errors[0]
-        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-        index_codes = {"missing_file", "truncated_file", "no_storage"}
-        cls = Incomplete if first["code"] in index_codes or first["code"].startswith("chunk_") else BadInput
-        where = str(path / first["file"]) if first.get("file") else str(path)
-        raise cls(first["message"].rstrip(".") + more + ".", where=where,
-                  hint="Run `reshard inspect` on it for the full list; verify needs two complete checkpoints.")
-    return insp
-
-
+# ---------------------------------------------------------------------------------- item checksums
 def _integrity_record(insp: Inspection) -> dict[str, Any] | None:
     """The manifest's item checksums of a DCP checkpoint, or None (none recorded, or another format)."""
     integrity = getattr(insp.manifest, "integrity", None)
@@ -198,17 +171,6 @@ def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None =
 
 
 # ---------------------------------------------------------------------------------- tensors
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D integer view ``[numel, words]`` of the raw bytes of ``t`` (contiguous)."""
-    flat = t.contiguous().reshape(-1)
-    size = flat.element_size()
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8).reshape(-1, 1)
-    if size in _INT_BY_SIZE:
-        return flat.view(_INT_BY_SIZE[size]).reshape(-1, 1)
-    return flat.view(torch.uint8).reshape(-1, size)
-
-
 def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.complex128 if t.is_complex() else torch.float64)
 
@@ -368,7 +330,7 @@ def _differing(ta: torch.Tensor, tb: torch.Tensor, rtol: float, atol: float) -> 
         bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
         del wa, wb
         return bad
-    return (_bits(ta) != _bits(tb)).any(dim=1)
+    return (bits(ta) != bits(tb)).any(dim=1)
 
 
 def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: float) -> dict[str, Any]:
@@ -379,138 +341,6 @@ def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: floa
             "index": m.index, "a": m.a, "b": m.b, "count": m.count, "numel": ea.numel}
 
 
-# ---------------------------------------------------------------------------------- objects
-MAX_OBJECT_DEPTH = 200  # nesting beyond this is bad input (a self-referencing pickle must not recurse forever)
-
-
-def _float_bits(v: float | complex) -> bytes:
-    """The IEEE bits of a float (both parts of a complex): -0.0 and 0.0 differ, NaN payloads count."""
-    if isinstance(v, complex):
-        return struct.pack("<dd", v.real, v.imag)
-    return struct.pack("<d", v)
-
-
-def _key_token(k: Any) -> Any:
-    """A hashable stand-in for a dict key or set element that is equal only for identical values.
-
-    Python's own equality would let ``{1: x}`` match ``{1.0: x}`` and ``{0.0: x}`` match
-    ``{-0.0: x}``; the token carries the exact type and, for floats, the bits.
-    """
-    if isinstance(k, (float, complex)):
-        return (type(k), _float_bits(k))
-    if isinstance(k, (tuple, frozenset)):
-        inner = tuple(_key_token(e) for e in k)
-        return (type(k), inner if isinstance(k, tuple) else frozenset(inner))
-    return (type(k), k)
-
-
-def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Same layout, shape, dtype and bits (the rule `verify` applies to tensor entries)."""
-    if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
-        return False
-    if x.layout != torch.strided:
-        x, y = x.to_dense(), y.to_dense()
-    x, y = x.resolve_conj().resolve_neg(), y.resolve_conj().resolve_neg()
-    return bool(torch.equal(_bits(x), _bits(y)))
-
-
-def blob_difference(x: io.BytesIO, y: io.BytesIO, where: str) -> str | None:
-    """Two ``io.BytesIO`` blobs compared by their contents, then their position; None when the same."""
-    import numpy as np
-
-    bx, by = x.getvalue(), y.getvalue()
-    if len(bx) != len(by):
-        return f"{where}: BytesIO of {len(bx):,} bytes in A, {len(by):,} bytes in B"
-    if bx != by:
-        first = int(np.flatnonzero(np.frombuffer(bx, np.uint8) != np.frombuffer(by, np.uint8))[0])
-        return f"{where}: BytesIO contents differ (first at byte {first:,})"
-    if x.tell() != y.tell():
-        return f"{where}: BytesIO position {x.tell()} in A, {y.tell()} in B"
-    return None
-
-
-def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | None:
-    """The first difference between two objects, bit for bit, as a short line; None when identical.
-
-    Objects are compared by the rule tensors are (`verify` is bitwise unless told otherwise),
-    applied to everything an object item can hold:
-
-    * **types exactly**: ``1`` and ``1.0`` differ, ``True`` and ``1`` differ, a list is not a tuple;
-    * **floats by their bits** (complex numbers: both parts): ``-0.0 != 0.0``, and two NaNs are
-      equal only when their payloads are (``nan == nan`` bit for bit is the same value);
-    * **tensors** by layout, shape, dtype and bits (NaN-safe, ``-0.0 != 0.0``); numpy arrays and
-      scalars by dtype, shape and bytes (object arrays element by element);
-    * **dicts** by their keys (each key by the same rule, so ``{0.0: v}`` is not ``{-0.0: v}``;
-      insertion order is not compared) and then values recursively; **lists and tuples** by
-      length and element; **sets** by their elements' exact forms;
-    * ``str``, ``bytes``, ``int``, ``bool``, ``None`` by ``==`` once the types match;
-    * **blobs** (``io.BytesIO``, which a trainer hands to DCP for opaque state) by their bytes
-      (``getvalue()``) and then their read position: a BytesIO has no value equality of its
-      own (``==`` is identity, so two loads of one item would always "differ");
-    * anything else (the safe loader's inert stand-ins): ``==`` when it answers a bool, else
-      the ``repr``.
-
-    Nesting deeper than ``MAX_OBJECT_DEPTH`` is `BadInput` (exit 2) rather than a recursion error.
-    """
-    import numpy as np
-
-    where = path or "value"
-    if _depth > MAX_OBJECT_DEPTH:
-        raise BadInput(f"an object is nested more than {MAX_OBJECT_DEPTH} levels deep at {where}",
-                       hint="No trainer state nests this deep; the object item is malformed or self-referencing.")
-    if type(x) is not type(y):
-        return f"{where}: {type(x).__name__} {short_repr(x)} in A, {type(y).__name__} {short_repr(y)} in B"
-    if isinstance(x, dict):
-        tx, ty = {_key_token(k): k for k in x}, {_key_token(k): k for k in y}
-        if set(tx) != set(ty):
-            only_a = [k for t, k in tx.items() if t not in ty]
-            only_b = [k for t, k in ty.items() if t not in tx]
-            return f"{where}: keys only in A {short_repr(only_a)}, only in B {short_repr(only_b)}"
-        for t, k in tx.items():
-            d = object_difference(x[k], y[ty[t]], f"{path}[{k!r}]", _depth + 1)
-            if d:
-                return d
-        return None
-    if isinstance(x, (list, tuple)):
-        if len(x) != len(y):
-            return f"{where}: length {len(x)} in A, {len(y)} in B"
-        for i, (u, v) in enumerate(zip(x, y)):
-            d = object_difference(u, v, f"{path}[{i}]", _depth + 1)
-            if d:
-                return d
-        return None
-    if isinstance(x, (set, frozenset)):
-        same = {_key_token(e) for e in x} == {_key_token(e) for e in y}
-        return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
-    if isinstance(x, torch.Tensor):
-        if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
-            return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
-        return None if _tensor_same(x, y) else f"{where}: tensor values differ (bitwise)"
-    if isinstance(x, (float, complex)):
-        return None if _float_bits(x) == _float_bits(y) else f"{where}: {x!r} in A, {y!r} in B"
-    if isinstance(x, np.ndarray):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return f"{where}: array {x.dtype}{list(x.shape)} in A, {y.dtype}{list(y.shape)} in B"
-        if x.dtype.hasobject:
-            return object_difference(x.tolist(), y.tolist(), path, _depth + 1)
-        return None if x.tobytes() == y.tobytes() else f"{where}: array values differ (bitwise)"
-    if isinstance(x, np.generic):
-        return None if (x.dtype, x.tobytes()) == (y.dtype, y.tobytes()) else f"{where}: {x!r} in A, {y!r} in B"
-    if isinstance(x, io.BytesIO):
-        return blob_difference(x, y, where)
-    try:
-        res = x == y
-        same = res if isinstance(res, bool) else repr(x) == repr(y)
-    except Exception:  # noqa: BLE001 - objects whose == misbehaves: compare their repr
-        same = repr(x) == repr(y)
-    return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
-
-
-def identical(x: Any, y: Any) -> bool:
-    """True when ``x`` and ``y`` are the same value bit for bit (see `object_difference`)."""
-    return object_difference(x, y) is None
-
-
 # ---------------------------------------------------------------------------------- main
 def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
     """role -> rank -> keys, for per-rank keys (roles rng/data with a rank)."""
@@ -519,321 +349,6 @@ def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
         if r.role in PER_RANK_ROLES and r.rank is not None:
             out.setdefault(r.role, {}).setdefault(r.rank, set()).add(k)
     return out
-
-
-# ---------------------------------------------------------------------------------- evidence
-@dataclass
-class Evidence:
-    """Differences the verifier re-derived itself, each with what the output must hold there.
-
-    Nothing in it is read from a report: it is built from a plan recomputed from the source
-    (`conversion_evidence`; `plan_evidence` for a plan in hand) or from the selection
-    `reshard export` makes, computed on the source (`export_evidence`). ``source`` is the
-    side (``"a"`` or ``"b"``) the conversion or export started from; the other side is its
-    output. A difference is excused only when `excuse` finds it here *and* the output's
-    value is the one re-derived.
-    """
-
-    source: str
-    what: str                                                            # one line: where it came from
-    dropped: dict[str, str] = field(default_factory=dict)                # key -> reason: absent from the output
-    values: dict[str, tuple[str, Any]] = field(default_factory=dict)     # key -> (reason, the value written)
-    proven: dict[str, str] = field(default_factory=dict)                 # key -> reason: checked by check_transforms
-    semantics: dict[str, tuple[str, Any]] = field(default_factory=dict)  # name -> (reason, the output's value)
-
-    @property
-    def output(self) -> str:
-        return "b" if self.source == "a" else "a"
-
-    def excuse(self, d: dict[str, Any], read: Any) -> str | None:
-        """Why difference ``d`` is exactly what the conversion or export of the source produces, or None.
-
-        ``read(side, key)`` reads the stored value of ``key`` on ``side`` (an object or a whole tensor).
-        """
-        key, kind = d["key"], d["kind"]
-        absent_from_output = "missing" if self.output == "b" else "unexpected"
-        only_in_output = "unexpected" if self.output == "b" else "missing"
-        if kind == "semantics":
-            if key in self.semantics and identical(d[self.output], self.semantics[key][1]):
-                return self.semantics[key][0]
-            return None
-        if kind == absent_from_output:
-            return self.dropped.get(key)
-        if kind not in (only_in_output, "value", "object", "shape", "dtype"):
-            return None  # per-rank completeness is never a conversion's doing
-        if key in self.values:
-            reason, want = self.values[key]
-            return f"{reason} (value re-derived)" if identical(read(self.output, key), want) else None
-        if key in self.proven and kind != "object":
-            return self.proven[key]
-        return None
-
-
-def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, src_index: Any,
-                  out_index: Any, transforms: bool = True) -> Evidence:
-    """The differences ``plan`` produces between ``src`` and its output ``out``.
-
-    Dropped keys may be absent; rewritten and added keys must hold exactly the values the
-    plan's state translators wrote (``plan.new_values``: RNG reseeds, schedule remaps,
-    translated data state); tensors the plan transforms, casts or copies from a tied key are
-    excused only when `check_transforms` proves them from the source (and
-    their shape and dtype are the planned ones); a cursor the plan moved must be the one it
-    computed. ``transforms=False`` skips the tensors (a chain's hops: their layouts compose).
-    """
-
-    ev = Evidence(source, what)
-    for a in plan.keys:
-        if a.action == "dropped":
-            ev.dropped[a.key] = f"dropped: {a.reason}"
-        elif a.action in ("rewritten", "added") and a.key in plan.new_values:
-            ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
-    candidates: dict[str, str] = {}
-    for t in plan.tensors if transforms else ():
-        se = src_index.entries.get(t.copy_from or t.key)
-        if t.transform:
-            why = "TP-dependent layout rewritten (checked in canonical form against the source)"
-        elif t.copy_from:
-            why = f"tied copy of '{t.copy_from}' (checked equal to it in the source)"
-        elif se is not None and se.is_tensor and se.dtype_name != t.dtype:
-            why = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
-        else:
-            continue
-        oe = out_index.entries.get(t.key)
-        if oe is not None and oe.is_tensor and tuple(oe.shape) == tuple(t.shape) and oe.dtype_name == t.dtype:
-            candidates[t.key] = why
-    if candidates:
-        bad = set(check_transforms(src, out, plan))
-        ev.proven = {k: why for k, why in candidates.items() if k not in bad}
-    if plan.data is not None and plan.data.cursor_after is not None:
-        ev.semantics["data.cursor"] = (f"data cursor moved by the plan ({plan.data.policy})", int(plan.data.cursor_after))
-    return ev
-
-
-def _recorded_options(d: Any) -> Options | str:
-    """The plan options a lineage entry records, type-checked field by field, or why they cannot be used."""
-    import dataclasses
-    import typing
-
-    if not isinstance(d, dict):
-        return "records no plan options (written by an older reshard), so its plan cannot be recomputed"
-    hints = typing.get_type_hints(Options)
-    unknown = sorted(str(k) for k in d if k not in hints)
-    if unknown:
-        return f"records plan options this reshard does not know ({unknown[:3]})"
-    for name, v in d.items():
-        allowed = tuple(typing.get_origin(t) or t for t in (typing.get_args(hints[name]) or (hints[name],)))
-        if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
-            return f"records plan option {name}={short_repr(v)}, which is not a {hints[name]}"
-    missing = [f.name for f in dataclasses.fields(Options)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d]
-    if missing:
-        return f"records no plan option {missing[0]}"
-    return Options(**d)
-
-
-def _rules_file_problem(rules: str) -> str | None:
-    """A rules file a lineage names is read only if it is a small regular file (no FIFO, device, ...).
-
-    A shipped family's name (``--rules llama-torchtitan``) names no file: it is read from reshard's own data.
-    """
-    if "/" not in rules and os.sep not in rules and rules_mod.shipped(rules) is not None:
-        return None
-    try:
-        st = os.stat(rules)
-    except OSError as exc:
-        return f"names the rules file {rules}, which cannot be opened here ({exc.strerror or exc})"
-    if not stat.S_ISREG(st.st_mode):
-        return f"names the rules file {rules}, which is not a regular file"
-    if st.st_size > MAX_RULES_BYTES:
-        return f"names the rules file {rules}, larger than {MAX_RULES_BYTES} bytes"
-    return None
-
-
-MAX_RULES_BYTES = 1 << 20
-_RECOMPUTE_ERRORS = (ReshardError, ValueError, TypeError, KeyError, AttributeError, IndexError)
-
-
-@dataclass
-class _Hop:
-    """One conversion of a chain: ``plan`` recomputed from ``src``, whose output is ``out``."""
-
-    plan: Plan
-    src: Path
-    src_insp: Inspection
-    out: Path
-    out_insp: Inspection
-    where: str  # the lineage entry that recorded it
-
-
-MAX_HOPS = 8
-
-
-def _recompute_hop(src: Path, si: Inspection, entry: Any, where: str, trust_pickle: bool) -> tuple[Plan | None, str]:
-    """The plan a lineage ``entry`` records, recomputed from ``src``, if ``src`` is its source; else (None, why not)."""
-    from reshard.planning.plan import make_plan
-
-    options = _recorded_options(entry.policies.get("options"))
-    fingerprint = entry.policies.get("source_fingerprint")
-    if isinstance(options, str):
-        return None, f"{where} {options}"
-    if not isinstance(fingerprint, str):
-        return None, f"{where} records no source fingerprint"
-    if options.rules and (why := _rules_file_problem(options.rules)):
-        return None, f"{where} {why}"
-    options.trust_pickle = trust_pickle  # a lineage never decides what gets unpickled
-    try:
-        plan = make_plan(src, options, inspection=si if options.from_spec is None else None)
-    except _RECOMPUTE_ERRORS as exc:
-        why = exc.message if isinstance(exc, ReshardError) else f"{type(exc).__name__}: {exc}"
-        return None, f"{where}: its plan cannot be recomputed from {src} ({why})"
-    if plan.source_fingerprint() != fingerprint:
-        return None, (f"{where} names a source with fingerprint {fingerprint}, not {src} "
-                      f"({plan.source_fingerprint()})")
-    if not plan.feasible:
-        return None, f"{where}: its options give an infeasible plan from {src}"
-    return plan, ""
-
-
-def _chain(src: Path, out: Path, si: Inspection, so: Inspection, trust_pickle: bool) -> tuple[list[_Hop], str | None]:
-    """The conversions from ``src`` to ``out``, oldest first, each recomputed; ([], why not) otherwise.
-
-    Walks back from ``out``: the last lineage entry of each checkpoint must be a transition
-    whose plan, recomputed from ``src`` (or else from the checkpoint the entry's
-    ``source_path`` names, only a place to look), has the recorded source fingerprint.
-    """
-    hops: list[_Hop] = []
-    cur, ci = Path(out), so
-    visited = {Path(out).resolve()}
-    while len(hops) < MAX_HOPS:
-        lineage = list(ci.manifest.lineage) if ci.manifest is not None else []
-        if not lineage or lineage[-1].event != "transition":
-            return [], None if not hops else f"{cur} (between {src} and {out}) was not made by a conversion"
-        entry = lineage[-1]
-        where = f"{cur / 'manifest.json'} (lineage entry {len(lineage)})"
-        plan, why = _recompute_hop(Path(src), si, entry, where, trust_pickle)
-        if plan is not None:
-            hops.append(_Hop(plan, Path(src), si, cur, ci, where))
-            return hops[::-1], None
-        named = entry.policies.get("source_path")
-        if not isinstance(named, str) or not named or Path(named).resolve() in visited:
-            return [], why
-        prev = Path(named)
-        try:
-            pi = _open(prev, trust_pickle)
-        except ReshardError as exc:
-            return [], f"{why}; the source it names, {prev}, cannot be opened ({exc.message})"
-        plan, why2 = _recompute_hop(prev, pi, entry, where, trust_pickle)
-        if plan is None:
-            return [], f"{why}; {why2}"
-        hops.append(_Hop(plan, prev, pi, cur, ci, where))
-        visited.add(prev.resolve())
-        cur, ci = prev, pi
-    return [], f"{out} is more than {MAX_HOPS} conversions away from {src}"
-
-
-def _compose(hops: list[_Hop], source: str, what: str) -> Evidence:
-    """One `Evidence` for a chain, oldest hop first: for each key the last conversion that dropped or wrote it decides."""
-    ev = Evidence(source, what)
-    for h in hops:
-        e = plan_evidence(h.plan, source="a", what="", src=h.src, out=h.out, src_index=h.src_insp.index,
-                          out_index=h.out_insp.index, transforms=len(hops) == 1)
-        for k, why in e.dropped.items():
-            ev.values.pop(k, None)
-            ev.proven.pop(k, None)
-            ev.dropped[k] = why
-        for k, v in e.values.items():
-            ev.dropped.pop(k, None)
-            ev.proven.pop(k, None)
-            ev.values[k] = v
-        ev.proven.update(e.proven)
-        ev.semantics.update(e.semantics)
-    return ev
-
-
-def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *,
-                        trust_pickle: bool = False) -> tuple[Evidence | None, list[str]]:
-    """Re-derive the changes the conversions between A and B made, from the source side itself.
-
-    One side (the output) must carry a manifest whose last lineage entry is a transition
-    recording its plan options and its source's fingerprint (`reshard.semantics.transition`). The
-    plan is recomputed from the other side with those options (and this run's
-    ``trust_pickle``: a lineage never decides what gets unpickled); it must be feasible and
-    have the recorded source fingerprint, i.e. the other side is that conversion's source.
-    The returned `Evidence` then excuses exactly what that plan produces (`plan_evidence`).
-
-    A chain (A -> X -> ... -> B) is followed back through the checkpoints the lineage
-    entries' ``source_path`` name, each only a place to look: every hop's plan is recomputed
-    from the checkpoint found there and must have its recorded fingerprint, and every
-    intermediate checkpoint is itself verified against its source with that hop's evidence
-    (a full comparison: each intermediate is read once more), because later hops' rewrites
-    are computed from its values. Then the last hop that dropped or wrote a key decides
-    what B must hold there. Transformed or cast tensors are excused for a single
-    conversion only. Reports inside any checkpoint are never read. Returns (evidence or
-    None, notes saying why a lineage found could not be used).
-    """
-    notes: list[str] = []
-    for source, (src, out, si, so) in (("a", (a, b, sa, sb)), ("b", (b, a, sb, sa))):
-        hops, why = _chain(src, out, si, so, trust_pickle)
-        if not hops:
-            if why:
-                notes.append(f"{why}: its changes count as differences")
-            continue
-        for h in hops[:-1]:  # the intermediates later plans read; the last output is what this verify checks
-            ev = plan_evidence(h.plan, source="a", what=h.where, src=h.src, out=h.out, src_index=h.src_insp.index,
-                               out_index=h.out_insp.index)
-            try:
-                r = verify_checkpoints(h.src, h.out, trust_pickle=trust_pickle, evidence=ev)
-            except ReshardError as exc:
-                r = {"equal": False, "differences": [{"key": str(h.out), "detail": exc.message}]}
-            if not r["equal"]:
-                d = r["differences"][0]
-                notes.append(f"{h.out} is not what the plan its lineage records makes of {h.src} "
-                             f"({d['key']}: {d['detail']}): the changes of the chain count as differences")
-                hops = []
-                break
-        if not hops:
-            continue
-        last = hops[-1]
-        via = "" if len(hops) == 1 else f", through {len(hops) - 1} intermediate checkpoint(s), each verified"
-        what = (f"the plan recomputed from {src} with the options {last.where} records "
-                f"(fingerprint {last.plan.fingerprint()}){via}")
-        return _compose(hops, source, what), notes
-    return None, notes
-
-
-def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[Evidence | None, list[str]]:
-    """What an export of one side leaves out, re-derived from that side (never from ``export-report.json``).
-
-    When exactly one side is a safetensors export, the keys its export of the other side
-    drops (trainer state, objects, optimizer state under ``--only model``, tied copies
-    written once) are recomputed from the other side with `reshard.commands.export.key_actions` and
-    the ``only`` the export records in its header; they may be absent from the export. The
-    semantics ``step`` and ``tokens_seen`` may be unknown on the export side (the format has
-    no trainer counters). Nothing else is excused: a value that differs is a difference.
-    """
-    from reshard.commands.export import key_actions
-    from reshard.storage.safetensors_format import ExportIndex
-
-    kinds = (isinstance(sa.index, ExportIndex), isinstance(sb.index, ExportIndex))
-    if kinds not in ((False, True), (True, False)):
-        return None, []
-    source, src, si, so = ("a", a, sa, sb) if kinds[1] else ("b", b, sb, sa)
-    counters = "an export carries no trainer counters"
-    ev = Evidence(source, f"what an export of {src} leaves out, recomputed from {src}",
-                  semantics={"step": (counters, None), "tokens_seen": (counters, None)})
-    meta = so.index.metadata
-    only = meta.get("only")
-    if meta.get("reshard_export") is None:
-        return ev, [f"{so.index.path} was not written by `reshard export`: every key it lacks counts as a difference"]
-    if only not in ("model", "model+optim"):
-        return ev, [f"{so.index.path} records --only {short_repr(only)}, which `reshard export` never writes: "
-                    "every key it lacks counts as a difference"]
-    mdict = si.manifest.to_dict() if si.manifest is not None else {}
-    for rec in key_actions(si.index, si.classification, mdict, only=only):
-        if rec.get("action") in ("dropped", "tied_copy"):
-            ev.dropped[rec["key"]] = f"not exported (--only {only}): {rec.get('reason', '')}"
-    ev.what += f" (--only {only})"
-    return ev, []
 
 
 def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
@@ -873,13 +388,13 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     """
     a, b = Path(a), Path(b)
     _check_tolerances(rtol, atol)
-    from reshard.commands.export import compare_hf_export, hf_export_sides
+    from reshard.verification.exports import compare_hf_export, hf_export_sides
 
     hf_sides = hf_export_sides(a, b)  # a checkpoint and its Hugging Face export: through the declared transforms
     if hf_sides is not None:
         return compare_hf_export(*hf_sides, a=a, b=b, rtol=rtol, atol=atol)
     rewrites = dict(expected_rewrites or {})
-    sa, sb = _open(a, trust_pickle), _open(b, trust_pickle)
+    sa, sb = open_checkpoint(a, trust_pickle), open_checkpoint(b, trust_pickle)
     sides = _integrity_sides(check_integrity)
     records = _checksum_records(sides, (a, sa), (b, sb))
     with phase_of(progress, "comparing", progress_bytes(sa.index)) as bar:
@@ -897,7 +412,8 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
         found += _key_differences(_KeyComparison(sa.index, sb.index, ranks, rtol, atol, verdicts, b_files, bar,
                                                  stats, notes))
     if recompute and found and evidence is None:
-        evidence, why_not = _recomputed_evidence(a, b, sa, sb, trust_pickle=trust_pickle, strict=strict)
+        evidence, why_not = recomputed_evidence(a, b, sa, sb, trust_pickle=trust_pickle, strict=strict,
+                                                verify=verify_checkpoints)
         notes.extend(why_not)
     differences, rewritten = _sort_excused(found, rewrites, evidence, sa.index, sb.index)
     return _result(a, b, stats, differences, rewritten, notes, evidence, rtol, atol)
@@ -1109,17 +625,6 @@ def _object_key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | Non
 
 
 # ---------------------------------------------------------------------------------- excuses and result
-def _recomputed_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, trust_pickle: bool,
-                         strict: bool) -> tuple[Evidence | None, list[str]]:
-    """The changes re-derived from the source side: an export's (``strict`` or not: an export
-    cannot hold what it leaves out), else a conversion's unless ``strict``; with notes on
-    lineages that could not be used."""
-    evidence, why_not = export_evidence(a, b, sa, sb)
-    if evidence is None and not strict:
-        evidence, why_not = conversion_evidence(a, b, sa, sb, trust_pickle=trust_pickle)
-    return evidence, why_not
-
-
 def _sort_excused(found: list[dict[str, Any]], rewrites: dict[str, str], evidence: Evidence | None,
                   ia: Any, ib: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(differences, rewritten)``, in the order found: a difference is rewritten when the
@@ -1174,81 +679,3 @@ def _rewrite_reason(key: str, rewrites: dict[str, str]) -> str | None:
         if key.startswith(k + ".") and (best is None or len(k) > len(best[0])):
             best = (k, reason)
     return best[1] if best else None
-
-
-# ---------------------------------------------------------------------------------- rendering
-def _n(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def render_verify(r: dict[str, Any], *, limit: int = 50) -> str:
-    """A few lines for a terminal: the verdict first, then one line per difference."""
-    from reshard.units import human_bytes
-
-    c = r["compared"]
-    tol = r["tolerance"]
-    how = "bitwise" if not (tol["rtol"] or tol["atol"]) else f"rtol={tol['rtol']:g}, atol={tol['atol']:g}"
-    n = len(r["differences"])
-    verdict = "equal" if r["equal"] else f"DIFFERENT ({n} difference{'s' if n != 1 else ''})"
-    out = [f"verdict     {verdict}",
-           f"A           {r['a']}",
-           f"B           {r['b']}",
-           f"compared    {_n(c['tensors'], 'tensor')} ({_n(c['elements'], 'element')}, {human_bytes(c['bytes'])}, {how}), "
-           f"{_n(c['objects'], 'object')}"]
-    for d in r["differences"][:limit]:
-        out.append(f"  {d['kind']:<10} {d['key']}: {d['detail']}")
-    if n > limit:
-        out.append(f"  ... and {n - limit} more (use --json for all)")
-    if r["rewritten"]:
-        out.append(f"rewritten   {len(r['rewritten'])} expected rewrite(s)")
-        for w in r["rewritten"][:limit]:
-            out.append(f"  {w['key']}: {w['reason']} ({w['detail']})")
-        if r.get("evidence"):
-            out.append(f"expected rewrites taken from {r['evidence']}, each re-derived (--strict excuses none)")
-    for note in r.get("notes", [])[:limit]:
-        out.append(f"note        {note}")
-    return "\n".join(out)
-
-
-def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -> list[str]:
-    """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides.
-
-    ``b_files``: only tensors with a chunk in these files of ``out`` (a distributed worker's part).
-    """
-    from reshard.semantics import transforms
-    from reshard.storage.local_format import open_any
-    from reshard.semantics.conventions import reshard_key
-
-    a, b = CheckpointIndex.open(src), open_any(out, source_key=reshard_key)
-    problems = []
-    def mine(key: str) -> bool:
-        return b_files is None or any(c.location is not None and c.location.file in b_files
-                                      for c in b.entries[key].chunks)
-
-    for t in plan.tensors:
-        tr = t.transform
-        if not tr or t.key not in b.entries or not mine(t.key):
-            continue
-        x, y = a.read_tensor(t.copy_from or t.key), b.read_tensor(t.key)
-        if tr["kind"] == "reinterleave":
-            ok = torch.equal(transforms.to_canonical(x, tr["dim"], tr["parts"], tr["from_tp"]),
-                             transforms.to_canonical(y, tr["dim"], tr["parts"], tr["to_tp"]))
-        elif tr["kind"] == "select":  # a slice's router rows: exactly the kept experts' rows of the source
-            ok = torch.equal(transforms.select_rows(x, tr["dim"], tr["index"]).to(y.dtype), y)
-        else:
-            n = min(tr["from_rows"], tr["to_rows"])
-            ok = torch.equal(x.narrow(tr["dim"], 0, n), y.narrow(tr["dim"], 0, n))
-        if not ok:
-            problems.append(t.key)
-    for t in plan.tensors:
-        if t.transform or t.key not in b.entries or not mine(t.key):
-            continue
-        src_key = t.copy_from or t.key
-        if src_key not in a.entries:
-            continue  # a new key (e.g. a new rank's reseeded RNG): nothing in the source to compare with
-        if not t.copy_from and a.entries[src_key].dtype_name == t.dtype:
-            continue  # a plain copy: the global comparison in verify covers it, no second read
-        x = a.read_tensor(src_key)
-        if not torch.equal(x.to(getattr(torch, t.dtype)), b.read_tensor(t.key)):
-            problems.append(t.key)
-    return problems

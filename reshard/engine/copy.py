@@ -1,0 +1,333 @@
+"""A plan's items written into a new DCP checkpoint: the copy every conversion but ``--data link`` runs.
+
+Per tensor, each target chunk is assembled from the source chunks that intersect it (a
+source chunk whose box is exactly the target's is copied byte for byte), so memory is
+bounded by the largest chunk involved, not by the checkpoint: re-cut tensors are spliced
+as bytes on a bounded pool (`reshard.engine.splice`, TP column blocks by
+`reshard.engine.bands`); rewritten, transformed or cast tensors and objects are written by
+the calling thread in between, objects validated with the safe loader and copied verbatim.
+
+It exists apart from the conversion run (`reshard.engine.conversion`) because two runs
+share it: a single process writes every item, and each worker of a distributed run
+(`reshard.engine.distributed`) reserves every item and fills only its own files. Both
+record how each item was checked while written (`WriteChecks`, `PieceLedger`), so the
+verification afterwards compares only what was not, and a resumed run that keeps an item
+counts it as the interrupted run checked it (`replay_check`).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.model.geometry import Box
+from reshard.storage.index import CheckpointIndex
+from reshard.storage import archive, fastread
+from reshard.engine import bands, splice
+from reshard.storage import dcp as dcp_io
+from reshard.semantics.transforms import write_transformed
+from reshard.storage.crcledger import StorageRecord
+from reshard.storage.dcp_writer import DcpWriter
+from reshard.engine.splice import run_jobs
+from reshard.model.plan import Plan
+
+
+@dataclass(frozen=True)
+class IOOptions:
+    """How a conversion reads and writes: pool size, memory window, and whether to splice bytes."""
+
+    threads: int = field(default_factory=splice.default_threads)
+    window: int = field(default_factory=splice.default_window)
+    splice: bool = True
+    direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
+
+
+def writing_bytes(plan: Plan, ix: CheckpointIndex) -> int:
+    """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
+    actions = {a.key: a.action for a in plan.keys}
+    return sum(e.nbytes for key, e in ix.entries.items() if actions.get(key) != "dropped")
+
+
+class _PieceRecorder:
+    """A copy job's view of the run's ledger that also keeps the pieces the job hands it, so the
+    journal can record them and a resumed run that keeps the item hands them over again."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.pieces: list[list[Any]] = []
+
+    def add(self, rec: StorageRecord, offset: int, nbytes: int, crc: int) -> bool:
+        self.pieces.append([rec.path, rec.key, rec.at, rec.nbytes, rec.crc, offset, nbytes, crc])
+        return self.ledger.add(rec, offset, nbytes, crc)
+
+
+def replay_check(w: DcpWriter, loc: Any, key: str, checked: set[str]) -> None:
+    """An item a resumed run kept, counted as the interrupted run checked it when it wrote it
+    (`DcpWriter.kept_check`): the same counts, the same source pieces into the ledger, so the
+    verification and the report are an uninterrupted run's."""
+    c = w.kept_check(loc)
+    if c is None or not isinstance(checked, WriteChecks):
+        return
+    for path, k, at, nbytes, crc, offset, n, piece in c.get("p") or ():
+        checked.ledger.add(StorageRecord(path, k, int(at), int(nbytes), crc), int(offset), int(n), int(piece))
+    if c.get("k") == "ledger":
+        checked.defer(key, [tuple(s) for s in c.get("s") or ()])
+    elif c.get("k") in ("crc", "read"):
+        checked.count(by_source_crc=c["k"] == "crc")
+
+
+def keep_checked_honest(checked: set[str], w: DcpWriter) -> None:
+    """A key with an item a resumed run kept without its having been checked against the source
+    (the interrupted run was killed before verifying it) leaves the set: it is compared after writing."""
+    for key in w.kept_unchecked():
+        if key in checked:
+            checked.discard(key)
+            if isinstance(checked, WriteChecks):
+                checked.after_writing += 1
+
+
+class PieceLedger(splice.SourceLedger):
+    """The copy's `reshard.storage.crcledger.CrcLedger` that also keeps the pieces of every storage
+    it has not checked yet, so a worker of a distributed run can hand the storages it read only in
+    part (the rest went to another worker) to the one that checks them against their records
+    (`reshard.engine.distributed`). A storage's pieces are dropped once it is checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pieces_lock = threading.Lock()
+        self._pieces: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+
+    def add(self, rec: StorageRecord, offset: int, nbytes: int, crc: int) -> bool:
+        done = super().add(rec, offset, nbytes, crc)
+        if rec.recorded and rec.nbytes and nbytes > 0:
+            with self._pieces_lock:
+                if self.verified(rec):
+                    self._pieces.pop(rec.ident, None)
+                else:
+                    self._pieces.setdefault(rec.ident, []).append((offset, nbytes, crc))
+        return done
+
+    def partial(self) -> list[tuple[StorageRecord, list[tuple[int, int, int]]]]:
+        """The recorded storages seen only in part, in (file, offset) order, each with its pieces
+        ``(offset within the storage, nbytes, CRC-32)``."""
+        with self._pieces_lock:
+            return [(rec, list(self._pieces.get(rec.ident, ()))) for rec in self.pending()]
+
+
+class WriteChecks(set):
+    """The keys whose every chunk written by this process was checked as it was written (a
+    set, as `verify_checkpoints` takes it), how many items each kind of check covered, and
+    the `PieceLedger` of the copies that take parts of source storages (direct, or read back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.ledger = PieceLedger()
+        self.against_source_crc = 0  # direct copies: CRC-32 equals the source items' records
+        self.read_back = 0           # read back and compared bitwise with the source rows
+        self.after_writing = 0       # not checked while written: compared with the source afterwards
+        self._deferred: list[tuple[str, list]] = []
+
+    def count(self, by_source_crc: bool) -> None:
+        with self._lock:  # called from the pool's threads
+            if by_source_crc:
+                self.against_source_crc += 1
+            else:
+                self.read_back += 1
+
+    def defer(self, key: str, sources: list) -> None:
+        """An item whose source parts went to the ledger: decided by `finalize`."""
+        with self._lock:
+            self._deferred.append((key, sources))
+
+    def finalize(self) -> None:
+        """After every item is written: an item whose every source storage the ledger
+        checked counts as checked against the records; otherwise (some part of a source was
+        copied by another worker) its key leaves the set, so it is compared after writing."""
+        for key, sources in self._deferred:
+            if all(self.ledger.verified(s) for s in sources):
+                self.against_source_crc += 1
+            else:
+                self.after_writing += 1
+                self.discard(key)
+        self._deferred.clear()
+
+    def summary(self) -> dict[str, int]:
+        return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back,
+                "items_compared_after_writing": self.after_writing}
+
+
+def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, io: IOOptions | None = None,
+                 commit: bool = True, checked: set[str] | None = None) -> None:
+    """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
+
+    Re-cut tensors are spliced as bytes on a bounded pool (`reshard.engine.splice`); the rest
+    (rewritten, transformed or cast tensors, objects) are written by this thread in
+    between. Items are reserved in one fixed order, so the files are the same bytes for
+    any pool size, and in a distributed run each worker fills only the files it owns
+    (``w.owns``) while reserving every item (`reshard.engine.distributed`).
+    """
+    io = io or IOOptions()
+    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
+             threads=io.threads, window=io.window,
+             on_done=lambda tok, crc: tok.done(w) if isinstance(tok, _FinishItems) else w.filled(tok, crc))
+    if isinstance(checked, WriteChecks):
+        checked.finalize()
+    if commit:
+        w.finish()
+
+
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str]):
+    """Yields splice jobs for the pool; writes everything else itself, in plan order."""
+    planned = {t.key: t for t in plan.tensors}
+    actions = {a.key: a for a in plan.keys}
+    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice else None
+    try:
+        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
+    finally:
+        if locator is not None:
+            locator.close()
+
+
+def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
+                    locator: Any, checked: set[str], direct: bool = True):
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.action == "dropped":
+            continue
+        if e.is_tensor:
+            t = planned[key]
+            w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
+            if a.action == "rewritten" and not t.copy_from:
+                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
+            elif t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+                write_transformed(ix, w, t, source_key=t.copy_from)
+            else:
+                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
+                                        direct)
+        else:
+            rank = a.rank or 0
+            if a.action == "rewritten":
+                w.write_object(rank, key, plan.new_values[key], path=e.path or None)
+            else:
+                raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
+                raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
+                fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
+                dcp_io.torch_load_item(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+                w.write_object_bytes(rank, key, raw, path=e.path or None)
+        if progress is not None:  # by bytes (`writing_bytes` is the total)
+            progress.update(e.nbytes)
+    for a in plan.keys:
+        if a.action != "added":
+            continue
+        t = planned.get(a.key)
+        if t is not None and t.copy_from:
+            w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
+            write_transformed(ix, w, t, source_key=t.copy_from)
+            continue
+        v = plan.new_values[a.key]
+        if isinstance(v, torch.Tensor):
+            w.declare_tensor(a.key, tuple(v.shape), v.dtype)
+            w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
+        else:
+            w.write_object(a.rank or 0, a.key, v)
+
+
+def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str],
+                 direct: bool = True):
+    """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
+
+    Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
+    (storage transforms, a layout `reshard.storage.fastread` does not parse) or a chunk is too
+    large for the plain zip framing.
+    """
+    dtype = e.dtype
+    targets = [(rank, Box(tuple(offsets), tuple(sizes))) for rank, offsets, sizes in t.chunks]
+    if (direct and sources is not None and all(archive.fits(b.numel * dtype.itemsize) for _, b in targets)
+            and bands.applies(sources, [b for r, b in targets if w.owns(r)], dtype.itemsize)):
+        yield from _band_tensor(w, e, targets, sources, checked)
+        return
+    all_spliced = True
+    ledger = checked.ledger if isinstance(checked, WriteChecks) else None
+    for rank, offsets, sizes in t.chunks:
+        box = Box(tuple(offsets), tuple(sizes))
+        if sources is not None and archive.fits(box.numel * dtype.itemsize):
+            fr = archive.framing(dtype, box.sizes)
+            loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+            if w.needs(loc):  # this process's file, and not kept by a resumed run
+                job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
+                fd, path = w.fd(rank), str(w.directory / loc.file)
+                dfd = w.direct_fd(rank) if direct else None
+
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, loc=loc, path=path, key=e.key):
+                    seen = _PieceRecorder(ledger) if ledger is not None else None
+                    crc = job.run(fd, loc.offset, buffers, files, slab, direct_fd=dfd, ledger=seen)
+                    if job.ledgered:
+                        checked.defer(key, job.ledger_sources)
+                        w.vouch(loc, {"k": "ledger", "p": seen.pieces, "s": [list(s.ident) for s in job.ledger_sources]})
+                        return crc
+                    if not job.checked:
+                        job.check(path, fd, loc.offset, buffers, files, slab)
+                    if isinstance(checked, WriteChecks):
+                        checked.count(by_source_crc=job.checked)
+                    # how it was checked, for a resumed run that keeps it (`replay_check`)
+                    w.vouch(loc, {"k": "crc" if job.checked else "read", "p": seen.pieces if seen else []})
+                    return crc
+
+                yield work, loc
+            elif w.owns(rank):
+                replay_check(w, loc, e.key, checked)
+        elif w.owns(rank):
+            all_spliced = False
+            w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
+        else:
+            w.reserve_chunk(rank, e.key, box.offsets, box.sizes, w.chunk_length(dtype, box.sizes))
+    if all_spliced:
+        checked.add(e.key)  # every chunk this process wrote was checked against the source as it was written
+
+
+def _band_tensor(w: DcpWriter, e, targets: list[tuple[int, Box]], sources: list, checked: set[str]):
+    """A tensor whose target chunks take column blocks of source rows (`reshard.engine.bands`):
+    one job per source chunk; each target item is finished by the last job that feeds it."""
+    dtype = e.dtype
+    items = []
+    for rank, box in targets:  # the same reservations, in the same order, as `_copy_tensor`'s
+        fr = archive.framing(dtype, box.sizes)
+        loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+        if w.needs(loc):
+            item = bands.BandItem(box, dtype.itemsize, fr, w.fd(rank), w.direct_fd(rank), loc.offset)
+            item.write_head()
+            items.append((loc, item))
+        elif w.owns(rank):
+            replay_check(w, loc, e.key, checked)
+    jobs = []
+    for s in sources:
+        feeds = [it for _loc, it in items if (x := s.box.intersect(it.box)) is not None and not x.is_empty()]
+        if feeds:
+            jobs.append(bands.BandJob(s, feeds, dtype.itemsize))
+    last = {id(it): j for j, job in enumerate(jobs) for it in job.targets}
+    for j, job in enumerate(jobs):
+        def work(buffers, files, slab, job=job):
+            job.run(buffers, files, slab)
+            return 0
+
+        yield work, _FinishItems([(loc, it) for loc, it in items if last.get(id(it)) == j], checked)
+    checked.add(e.key)  # every source byte copied was checked against its writer's CRC-32 (a mismatch raises)
+
+
+@dataclass
+class _FinishItems:
+    """The token of a band job: the target items it completes (their tails, written once every
+    job feeding them is done, in submission order, so fault events stay deterministic)."""
+
+    items: list
+    checked: set[str]
+
+    def done(self, w: DcpWriter) -> None:
+        for loc, item in self.items:
+            w.vouch(loc, {"k": "crc", "p": []})  # its source bytes were checked against their records (a mismatch raised)
+            w.filled(loc, item.finish())
+            if isinstance(self.checked, WriteChecks):
+                self.checked.count(by_source_crc=True)

@@ -1,0 +1,118 @@
+"""What every conversion does between writing its items and committing: carry the sidecars,
+verify the output against the source, write the reports, refuse a difference.
+
+The single-process copy and local output (`reshard.engine.conversion`), the ``--data link``
+conversion (`reshard.engine.link`) and each worker of a distributed run
+(`reshard.engine.distributed`) end the same way, inside the atomic temporary directory and
+before its rename: the same verification (`verify_output`), the same report
+(`build_report`) written as JSON and Markdown (`write_reports`, two write events of the
+fault hook, see `reshard.engine.conversion`), and the same refusal when the output differs
+from the source (`refuse_if_different`: nothing is committed). It is a module of its own so
+that the run (`conversion`), which chooses between a copy and a link, and the link, which
+ends as a copy does, both import it without importing each other.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import Infeasible
+from reshard.units import reproducible
+from reshard.storage.index import CheckpointIndex
+from reshard.storage import sidecars
+from reshard.storage.atomic import fault_point
+from reshard.engine.copy import WriteChecks
+from reshard.model.plan import Plan
+from reshard.render.conversion import conversion_markdown
+
+REPORT_JSON = "reshard-report.json"
+REPORT_MD = "reshard-report.md"
+
+
+def refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> None:
+    if not verification["equal"]:
+        raise Infeasible(f"{what} does not match the source: "
+                         + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
+                         where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+
+
+def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> list[dict[str, Any]]:
+    """Every sidecar the plan listed, copied byte-identical into the output before it is committed.
+
+    A trainer's own files beside the DCP part (Lightning's `meta.pt`, ...) are data: dropping
+    them would leave an output the trainer cannot load (`reshard.storage.sidecars`).
+    """
+    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"))
+
+
+def write_reports(tmp: Path, report: dict[str, Any]) -> None:
+    """Both reports, each a write event; under SOURCE_DATE_EPOCH with no wall time in them."""
+    # no measured figure under SOURCE_DATE_EPOCH: neither the wall time nor the estimate (free space, probes)
+    on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if reproducible() else report
+    if reproducible() and "resume" in report:
+        on_disk = {**on_disk, "resume": None}  # a resumed run writes the reports an uninterrupted one does
+    (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
+    fault_point("report.json")
+    (tmp / REPORT_MD).write_text(conversion_markdown(on_disk))
+    fault_point("report.md")
+
+
+def source_manifest(src: Path) -> dict[str, Any] | None:
+    from reshard.semantics.manifest import read_manifest
+
+    m = read_manifest(src)
+    return m.to_dict() if m is not None else None
+
+
+def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
+            checked: set[str] | None = None, progress: Any = None) -> dict[str, Any]:
+    """The post-write verification: the output against the source, in global terms.
+
+    ``checked``: keys whose every written chunk was already checked against the source while
+    the copy ran (`reshard.engine.splice`: CRC-32 against the source items' records, or read
+    back and compared bitwise); their values are not compared a second time (keys, shapes,
+    dtypes, objects and semantics still are).
+    """
+    from reshard.verification.checkpoints import check_transforms, verify_checkpoints
+
+    expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
+    src_dtypes = {k: e.dtype_name for k, e in CheckpointIndex.open(src).entries.items() if e.is_tensor}
+    for t in plan.tensors:
+        if t.transform:
+            expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
+        elif src_dtypes.get(t.key) not in (None, t.dtype):
+            expected[t.key] = f"cast to {t.dtype} for a reduced copy (checked equal to the source cast)"
+    extra = {"b_files": b_files} if b_files is not None else {}
+    # The output's item checksums were composed while writing (tests check them against a
+    # full recomputation); here its bytes are compared with the source, and the source's own
+    # checksums (if it records any) are checked.
+    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
+                                check_integrity="a", values_checked=checked, progress=progress, **extra)
+    result["checked_while_writing"] = len(checked or ())
+    if isinstance(checked, WriteChecks):
+        result["write_checks"] = checked.summary()
+    bad = check_transforms(src, out, plan, b_files=b_files)
+    result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
+    for k in bad:
+        result["differences"].append({"key": k, "kind": "value", "detail": "canonical form differs from the source"})
+        result["equal"] = False
+    return result
+
+
+def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict[str, Any], manifest: dict[str, Any],
+            checksums: dict[str, str], seconds: float) -> dict[str, Any]:
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
+    return {
+        "report_version": 1,
+        "source": str(src.resolve()),
+        "destination": str(dst.resolve()),
+        "plan": plan.to_dict(tensors=False),
+        "verification": verification,
+        "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],
+                     "lineage_entry": manifest["lineage"][-1]},
+        "files": files,
+        "bytes_written": sum(files.values()),
+        "item_checksums": len(checksums),
+        "seconds": round(seconds, 3),
+    }

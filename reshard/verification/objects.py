@@ -1,0 +1,174 @@
+"""Objects compared without executing them: bit for bit, by the rule tensors are.
+
+An object item (a step counter, a scheduler's state, a data loader's position, an opaque
+blob), as the safe reader loaded it, is compared by its structure, exact types and bits,
+never by running code the checkpoint names (`object_difference`: the first difference as a
+line; `identical`: none). `reshard.verification.checkpoints` compares object keys this way
+and `reshard.verification.evidence` checks a re-derived value against the output's with it.
+Also the short ``repr`` every difference quotes (`short_repr`) and the raw-bits view of a
+tensor that the value comparison uses (`bits`).
+"""
+from __future__ import annotations
+
+import io
+import reprlib
+import struct
+from typing import Any
+
+import torch
+
+from reshard.errors import BadInput
+
+_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
+
+
+def short_repr(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)})"
+    return _repr.repr(x)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D integer view ``[numel, words]`` of the raw bytes of ``t`` (contiguous)."""
+    flat = t.contiguous().reshape(-1)
+    size = flat.element_size()
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8).reshape(-1, 1)
+    if size in _INT_BY_SIZE:
+        return flat.view(_INT_BY_SIZE[size]).reshape(-1, 1)
+    return flat.view(torch.uint8).reshape(-1, size)
+
+
+MAX_OBJECT_DEPTH = 200  # nesting beyond this is bad input (a self-referencing pickle must not recurse forever)
+
+
+def _float_bits(v: float | complex) -> bytes:
+    """The IEEE bits of a float (both parts of a complex): -0.0 and 0.0 differ, NaN payloads count."""
+    if isinstance(v, complex):
+        return struct.pack("<dd", v.real, v.imag)
+    return struct.pack("<d", v)
+
+
+def _key_token(k: Any) -> Any:
+    """A hashable stand-in for a dict key or set element that is equal only for identical values.
+
+    Python's own equality would let ``{1: x}`` match ``{1.0: x}`` and ``{0.0: x}`` match
+    ``{-0.0: x}``; the token carries the exact type and, for floats, the bits.
+    """
+    if isinstance(k, (float, complex)):
+        return (type(k), _float_bits(k))
+    if isinstance(k, (tuple, frozenset)):
+        inner = tuple(_key_token(e) for e in k)
+        return (type(k), inner if isinstance(k, tuple) else frozenset(inner))
+    return (type(k), k)
+
+
+def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Same layout, shape, dtype and bits (the rule `verify` applies to tensor entries)."""
+    if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.layout != torch.strided:
+        x, y = x.to_dense(), y.to_dense()
+    x, y = x.resolve_conj().resolve_neg(), y.resolve_conj().resolve_neg()
+    return bool(torch.equal(bits(x), bits(y)))
+
+
+def blob_difference(x: io.BytesIO, y: io.BytesIO, where: str) -> str | None:
+    """Two ``io.BytesIO`` blobs compared by their contents, then their position; None when the same."""
+    import numpy as np
+
+    bx, by = x.getvalue(), y.getvalue()
+    if len(bx) != len(by):
+        return f"{where}: BytesIO of {len(bx):,} bytes in A, {len(by):,} bytes in B"
+    if bx != by:
+        first = int(np.flatnonzero(np.frombuffer(bx, np.uint8) != np.frombuffer(by, np.uint8))[0])
+        return f"{where}: BytesIO contents differ (first at byte {first:,})"
+    if x.tell() != y.tell():
+        return f"{where}: BytesIO position {x.tell()} in A, {y.tell()} in B"
+    return None
+
+
+def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | None:
+    """The first difference between two objects, bit for bit, as a short line; None when identical.
+
+    Objects are compared by the rule tensors are (`verify` is bitwise unless told otherwise),
+    applied to everything an object item can hold:
+
+    * **types exactly**: ``1`` and ``1.0`` differ, ``True`` and ``1`` differ, a list is not a tuple;
+    * **floats by their bits** (complex numbers: both parts): ``-0.0 != 0.0``, and two NaNs are
+      equal only when their payloads are (``nan == nan`` bit for bit is the same value);
+    * **tensors** by layout, shape, dtype and bits (NaN-safe, ``-0.0 != 0.0``); numpy arrays and
+      scalars by dtype, shape and bytes (object arrays element by element);
+    * **dicts** by their keys (each key by the same rule, so ``{0.0: v}`` is not ``{-0.0: v}``;
+      insertion order is not compared) and then values recursively; **lists and tuples** by
+      length and element; **sets** by their elements' exact forms;
+    * ``str``, ``bytes``, ``int``, ``bool``, ``None`` by ``==`` once the types match;
+    * **blobs** (``io.BytesIO``, which a trainer hands to DCP for opaque state) by their bytes
+      (``getvalue()``) and then their read position: a BytesIO has no value equality of its
+      own (``==`` is identity, so two loads of one item would always "differ");
+    * anything else (the safe loader's inert stand-ins): ``==`` when it answers a bool, else
+      the ``repr``.
+
+    Nesting deeper than ``MAX_OBJECT_DEPTH`` is `BadInput` (exit 2) rather than a recursion error.
+    """
+    import numpy as np
+
+    where = path or "value"
+    if _depth > MAX_OBJECT_DEPTH:
+        raise BadInput(f"an object is nested more than {MAX_OBJECT_DEPTH} levels deep at {where}",
+                       hint="No trainer state nests this deep; the object item is malformed or self-referencing.")
+    if type(x) is not type(y):
+        return f"{where}: {type(x).__name__} {short_repr(x)} in A, {type(y).__name__} {short_repr(y)} in B"
+    if isinstance(x, dict):
+        tx, ty = {_key_token(k): k for k in x}, {_key_token(k): k for k in y}
+        if set(tx) != set(ty):
+            only_a = [k for t, k in tx.items() if t not in ty]
+            only_b = [k for t, k in ty.items() if t not in tx]
+            return f"{where}: keys only in A {short_repr(only_a)}, only in B {short_repr(only_b)}"
+        for t, k in tx.items():
+            d = object_difference(x[k], y[ty[t]], f"{path}[{k!r}]", _depth + 1)
+            if d:
+                return d
+        return None
+    if isinstance(x, (list, tuple)):
+        if len(x) != len(y):
+            return f"{where}: length {len(x)} in A, {len(y)} in B"
+        for i, (u, v) in enumerate(zip(x, y)):
+            d = object_difference(u, v, f"{path}[{i}]", _depth + 1)
+            if d:
+                return d
+        return None
+    if isinstance(x, (set, frozenset)):
+        same = {_key_token(e) for e in x} == {_key_token(e) for e in y}
+        return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+    if isinstance(x, torch.Tensor):
+        if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
+            return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+        return None if _tensor_same(x, y) else f"{where}: tensor values differ (bitwise)"
+    if isinstance(x, (float, complex)):
+        return None if _float_bits(x) == _float_bits(y) else f"{where}: {x!r} in A, {y!r} in B"
+    if isinstance(x, np.ndarray):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"{where}: array {x.dtype}{list(x.shape)} in A, {y.dtype}{list(y.shape)} in B"
+        if x.dtype.hasobject:
+            return object_difference(x.tolist(), y.tolist(), path, _depth + 1)
+        return None if x.tobytes() == y.tobytes() else f"{where}: array values differ (bitwise)"
+    if isinstance(x, np.generic):
+        return None if (x.dtype, x.tobytes()) == (y.dtype, y.tobytes()) else f"{where}: {x!r} in A, {y!r} in B"
+    if isinstance(x, io.BytesIO):
+        return blob_difference(x, y, where)
+    try:
+        res = x == y
+        same = res if isinstance(res, bool) else repr(x) == repr(y)
+    except Exception:  # noqa: BLE001 - objects whose == misbehaves: compare their repr
+        same = repr(x) == repr(y)
+    return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+
+
+def identical(x: Any, y: Any) -> bool:
+    """True when ``x`` and ``y`` are the same value bit for bit (see `object_difference`)."""
+    return object_difference(x, y) is None
