@@ -120,7 +120,7 @@ def _entries(cfg, ranks: int) -> int:
     """Storage entries of the FSDP2 checkpoint: per sharded tensor its non-empty dim-0 pieces
     (torch.chunk: a tensor of fewer rows than ranks has fewer chunks), plus one per other item."""
     n = 0
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     for e in sm.llama_entries(cfg):
         if e.kind == "shard" and e.shape:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-seconds", type=float, default=3600.0, help="stop starting commands after this")
     args = ap.parse_args(argv)
 
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     machine = _machine()
     budget = (args.mem_budget_gib or machine["ram_gib"] * 0.85) * 2**30

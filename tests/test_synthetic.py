@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from reshard import synthetic as S
+from reshard.testing import synthetic as S
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -196,7 +196,7 @@ def _file_sizes(path: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_fsdp2_metadata_equals_dcp_save(real_fsdp2, tmp_path, n):
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     real_path = real_fsdp2[n]
     real = _read(real_path)
@@ -229,7 +229,7 @@ def test_fsdp2_metadata_equals_dcp_save(real_fsdp2, tmp_path, n):
 
 def test_materialized_objects_pickle_like_the_stream(real_fsdp2, tmp_path):
     """The streamed file is pickle.dumps of torch's own objects (materialize=True), frames aside."""
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     real = _read(real_fsdp2[4])
     entries = sm.model_entries(tiny_params(), hyper={"lr": LR})
@@ -245,7 +245,7 @@ def test_reshard_inspect_sees_a_complete_checkpoint(tmp_path):
     """A Llama-3-shaped metadata-only checkpoint: inspect finds it complete (data files stat'ed)."""
     import json
 
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     cfg = sm.LlamaConfig("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab=1000)
     res = sm.make_llama_metadata_checkpoint(tmp_path / "ckpt", cfg, ranks=8)
@@ -271,7 +271,7 @@ def test_reshard_inspect_sees_a_complete_checkpoint(tmp_path):
 def test_fsdp2_tp_metadata_equals_dcp_save(real_tp, tmp_path):
     import torch
 
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
     from reshard.testing.synthetic_llama import LR as TP_LR
     from reshard.testing.synthetic_llama import STEP, LlamaShape, canonical_tensor, param_names, tp_global, tp_layout
 
@@ -303,7 +303,7 @@ def test_fsdp2_tp_metadata_equals_dcp_save(real_tp, tmp_path):
 
 def test_scale_is_vectorised(tmp_path):
     """8B at 64 ranks: 56 k storage entries, the .metadata size the issue measured (9 MiB), sparse files."""
-    from reshard import synthetic_metadata as sm
+    from reshard.testing import synthetic_metadata as sm
 
     res = sm.make_llama_metadata_checkpoint(tmp_path / "ckpt", "8B", ranks=64)
     assert res.storage_entries == 64 * 291 * 3 + 291 + 12
