@@ -55,7 +55,6 @@ import time as _time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from reshard.errors import BadInput, Infeasible
 from reshard.units import now_text
@@ -65,7 +64,8 @@ from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage.atomic import atomic_directory, check_destination, fault_point
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.storage.journal import Journal, ResumeKey, source_identity
+from reshard.storage.journal import Journal
+from reshard.engine.resume import resume_key
 from reshard.semantics.manifest import write_manifest
 from reshard.planning import linking
 from reshard.model.plan import Plan
@@ -145,15 +145,6 @@ def check_data_mode(data: str, *, output_format: str = "dcp", workers: int | Non
         raise BadInput("--data link runs in one process: it writes only metadata and the keys that change, so "
                        "there is nothing to divide among workers",
                        hint="Drop --workers (or run it without torchrun), or use --data copy to divide a copy.")
-
-
-def resume_key(plan: Plan, src: Path, output_format: str = "dcp") -> ResumeKey:
-    """What a rerun must share with an interrupted conversion to keep its bytes (`reshard.storage.journal`):
-    the plan, the source files as they are on disk, and what else decides the bytes written."""
-    from reshard import __version__
-
-    return ResumeKey(plan=plan.fingerprint(), source=source_identity(src),
-                     options={"output_format": output_format, "reshard": __version__, "torch": torch.__version__})
 
 
 def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,

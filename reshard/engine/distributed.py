@@ -187,7 +187,7 @@ def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = Fa
 def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: int, world: int, own: Any, *,
                    overwrite: bool, progress: Any, io: Any, restart: bool = False) -> dict[str, Any] | None:
     """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
-    from reshard.engine.conversion import resume_key
+    from reshard.engine.resume import resume_key
     from reshard.engine.copy import WriteChecks, keep_checked_honest, write_items, writing_bytes
     from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest,
                                         verify_output, write_reports)
