@@ -494,9 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     flushing its output: interpreter teardown with a live gloo process group can abort
     (SIGABRT) on small machines, which would turn a clean exit code into a crash.
     """
-    from reshard.engine.distributed import in_torchrun
+    from reshard.engine.distributed import bind_to_launcher, in_torchrun
 
     if in_torchrun():
+        bind_to_launcher()  # a worker of `convert --workers` dies with the command that started it
         code = 0
         try:
             _main(argv)

@@ -138,3 +138,59 @@ def test_a_failing_worker_stops_every_worker_with_its_reason(reference_ckpt, tmp
     assert p.returncode != 0
     assert "not empty" in (p.stderr + p.stdout) or "exists" in (p.stderr + p.stdout)
     assert sorted(x.name for x in dst.iterdir()) == ["keep.txt"]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_killing_the_command_stops_its_workers(reference_ckpt, tmp_path):
+    """``convert --workers 2`` SIGKILLed with its process group (as a timeout, an OOM kill or a scheduler's
+    kill does) while its workers pause after their first write: the workers, which torchrun starts in
+    sessions of their own, die with the command, and nothing is ever committed."""
+    import signal
+    import time
+
+    dst = tmp_path / "out"
+    cmd = [sys.executable, "-m", "reshard", "convert", str(reference_ckpt), str(dst), "--to", "dp=2", "--workers", "2"]
+    p = subprocess.Popen(cmd, env=_env(RESHARD_FAULT_SLEEP_AT="1:60"), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        workers: list[int] = []
+        while time.monotonic() < deadline:  # both workers made their first write and now sleep
+            workers = _children(p.pid)
+            written = [f for t in tmp_path.glob(".out.reshard-tmp-*") for f in t.iterdir()]
+            if len(workers) == 2 and written:
+                break
+            assert p.poll() is None, "the command ended before its workers wrote"
+            time.sleep(0.2)
+        assert len(workers) == 2, workers
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        end = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), "a worker outlived the command that started it"
+        assert not dst.exists()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

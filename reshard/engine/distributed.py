@@ -62,6 +62,7 @@ every worker's items (one collective at exit) and prints the line, the others pr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
 import json
 import logging
@@ -75,10 +76,38 @@ from typing import Any, Iterator
 
 from reshard.errors import BadInput, Infeasible, ReshardError, render_error
 
-__all__ = ["ERRORS_ENV", "WorkerFailed", "in_torchrun", "check_split_storages", "convert_distributed", "launch_workers",
+__all__ = ["ERRORS_ENV", "LAUNCHER_ENV", "WorkerFailed", "bind_to_launcher", "launcher_alive", "in_torchrun", "check_split_storages", "convert_distributed", "launch_workers",
            "pass_on_trusted", "report_worker_error"]
 
 ERRORS_ENV = "RESHARD_WORKER_ERRORS"  # private directory where the workers of `launch_workers` leave their errors
+LAUNCHER_ENV = "RESHARD_LAUNCHER_PID"  # the `convert --workers` process whose workers these are: they die with it
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def bind_to_launcher() -> None:
+    """A worker started by `launch_workers` dies with the command that started it.
+
+    torchrun starts each worker in a session of its own, so killing the command's process
+    group (a timeout, an OOM kill, a scheduler's kill, Ctrl-\\) does not reach the workers:
+    they would hold the lock and commit long after the command died. ``PR_SET_PDEATHSIG``
+    SIGKILLs the worker when its parent (the command, which hosts torchrun's launcher) dies;
+    a parent that died before the call is caught by `launcher_alive`. Outside `launch_workers`
+    (a torchrun the user started) nothing changes.
+    """
+    if not os.environ.get(LAUNCHER_ENV):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the commit's `launcher_alive` check still holds
+        pass
+    if not launcher_alive():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def launcher_alive() -> bool:
+    """Whether the command that started this worker still runs (True outside `launch_workers`)."""
+    pid = os.environ.get(LAUNCHER_ENV)
+    return not pid or os.getppid() == int(pid)
 
 
 def in_torchrun() -> bool:
@@ -301,6 +330,9 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         report["resume"] = merge_summaries([s["resume"] for s in written])
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the converted checkpoint")
+        if not launcher_alive():  # the command that started the workers died: nobody is there to report a commit
+            raise ReshardError("the command that started these workers has died; nothing was committed",
+                               where=str(dst), hint="Run the conversion again.")
     return report
 
 
@@ -530,7 +562,7 @@ def launch_workers(workers: int, argv: list[str], *, debug: bool = False) -> int
         raise BadInput(f"--workers must be >= 1, got {workers}")
     args = ["--standalone", f"--nproc-per-node={workers}", "-m", "reshard", *argv]
     with tempfile.TemporaryDirectory(prefix="reshard-workers-") as folder:
-        failures = _run_torchrun(args, {ERRORS_ENV: folder}, debug=debug)
+        failures = _run_torchrun(args, {ERRORS_ENV: folder, LAUNCHER_ENV: str(os.getpid())}, debug=debug)
         _adopt_trusted(Path(folder))  # the CLI prints them as one line, as for a single process
         if not failures:
             return 0
