@@ -128,6 +128,25 @@ def plain_fsdp2_ckpt(tmp_path_factory) -> Path:
     return Path(once_per_run(tmp_path_factory, "plain", lambda w: str(make_plain_fsdp2(w / "ckpt", world_size=4))))
 
 
+@pytest.fixture(scope="session")
+def seed64_ckpt(plain_fsdp2_ckpt, tmp_path_factory) -> Path:
+    """The seed run's layout: ``plain_fsdp2_ckpt`` laid out for 64 FSDP ranks (``reshard convert --to dp=64``),
+    then stripped of what the conversion added beside the DCP files (manifest, reports), so that nothing
+    records its recipe or layout, as a plain script leaves a checkpoint. ``--from dp=64`` is then what its
+    chunks show (they are ``torch.chunk``'s for 64 shards; no tensor has 64 rows, so only 50 ranks wrote
+    data), where on the 4-rank original inspect refuses it (issue 31)."""
+
+    def make(work: Path) -> str:
+        dst = work / "ckpt"
+        code, out, err = cli(["convert", plain_fsdp2_ckpt, dst, "--to", "dp=64", "--quiet"])
+        assert code == 0, out + err
+        for name in ("manifest.json", "reshard-report.json", "reshard-report.md"):
+            (dst / name).unlink()
+        return str(dst)
+
+    return Path(once_per_run(tmp_path_factory, "seed64", make))
+
+
 TORCHTITAN_WRITER = Path(__file__).parent / "writers" / "torchtitan_run.py"
 
 

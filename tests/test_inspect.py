@@ -66,10 +66,15 @@ def test_plain_fsdp2_topology_is_inferred(plain_fsdp2_ckpt, capsys):
     assert "inferred" in text
 
 
-def test_from_spec_overrides_topology(plain_fsdp2_ckpt, capsys):
-    code, out, _ = run_cli(["inspect", plain_fsdp2_ckpt, "--json", "--from", "dp_shard=2,dp_replicate=2"], capsys)
+def test_from_spec_contradicting_the_chunks_is_refused(plain_fsdp2_ckpt, capsys):
+    """4 dim-0 pieces from 4 writers cannot be dp_shard=2 (issue 31): a stated layout is checked, not believed."""
+    code, out, err = run_cli(["inspect", plain_fsdp2_ckpt, "--json", "--from", "dp_shard=2,dp_replicate=2"], capsys)
+    said = json.loads(out)["error"]
+    assert code == 2 and "Traceback" not in err
+    assert "--from dp_shard=2,dp_replicate=2" in said and "dp_shard=4 (world size 4)" in said, said
+    code, out, _ = run_cli(["inspect", plain_fsdp2_ckpt, "--json", "--from", "dp=4"], capsys)
     t = json.loads(out)["topology"]
-    assert (t["dp_shard"], t["dp_replicate"], t["world_size"], t["source"]) == (2, 2, 4, "given")
+    assert code == 0 and (t["dp_shard"], t["world_size"], t["source"]) == (4, 4, "given")
 
 
 def test_torchtitan_layout_recognised(torchtitan_ckpt, capsys):

@@ -12,12 +12,19 @@ Megatron's own save path. Its `.metadata` carries ``all_local_plans`` (the per-r
 ``SavePlan``s, stored by megatron/core/dist_checkpointing/strategies/state_dict_saver.py),
 and beside it Megatron writes ``common.pt`` (iteration, optimizer param groups and common step)
 and ``metadata.json`` (the backends). DP replicas write nothing: only Megatron's main replica
-(``replica_id`` 0) of each ShardedTensor is stored, so 4 ranks leave 2 data files, one per TP rank.
+(``replica_id`` 0) of each ShardedTensor is stored, so 4 ranks leave 4 data files, two (one per
+writer thread) from each TP rank, and none from the replicas.
 
-The converted output (``--from dp_replicate=2,tp=2 --to tp=2``: dp 2 -> 1, same TP) is loaded
-back by ``dist_checkpointing.load`` at world size 2 (tp 2, dp 1) and every tensor Megatron hands
-back (parameters and both Adam moments, each TP cut and each stacked layer) is compared bitwise
-with what each rank held when it saved (``REF/rank_<r>.pt``, written by the writer beside the save).
+The layout is what the checkpoint records: `all_local_plans` holds 4 plans (world size 4), the
+replicas' (ranks 2, 3) empty, and the plans agree item for item with the stored chunks; with
+Megatron's rank order that is tp=2 x dp_replicate=2 (reshard.semantics.megatron). So no
+``--from`` is needed, and one that contradicts it is exit 2 naming both. The output converted
+without ``--from`` (``--to tp=2``: dp 2 -> 1, same TP) is loaded back by
+``dist_checkpointing.load`` at world size 2 (tp 2, dp 1) and every tensor Megatron hands back
+(parameters and both Adam moments, each TP cut and each stacked layer) is compared bitwise
+with what each rank held when it saved (``REF/rank_<r>.pt``, written by the writer beside the
+save); the output converted with the explicit ``--from dp_replicate=2,tp=2`` has the same
+data files and `.metadata`, byte for byte.
 
 CPU substitutions (all in tests/writers/megatron_run.py; none changes a byte written):
 
@@ -89,14 +96,19 @@ def megatron_ckpt(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def converted(megatron_ckpt, tmp_path_factory) -> tuple[Path, int, str, str]:
-    """(output, exit code, stdout, stderr) of ``convert --from dp_replicate=2,tp=2 --to tp=2``."""
+    """(output, exit code, stdout, stderr) of ``convert --to tp=2`` without ``--from``: the layout the plans record."""
     out = tmp_path_factory.mktemp("megatron-out") / "dp1"
-    code, stdout, stderr = cli(["convert", megatron_ckpt[0], out, "--from", SOURCE, "--to", TARGET])
+    code, stdout, stderr = cli(["convert", megatron_ckpt[0], out, "--to", TARGET])
     return out, code, stdout, stderr
 
 
 def _inspect(ckpt: Path) -> tuple[int, dict, str]:
     code, out, err = cli(["inspect", ckpt, "--json"])
+    return code, (json.loads(out) if out.strip().startswith("{") else {}), err
+
+
+def _inspect_from(ckpt: Path, spec: str) -> tuple[int, dict, str]:
+    code, out, err = cli(["inspect", ckpt, "--from", spec, "--json"])
     return code, (json.loads(out) if out.strip().startswith("{") else {}), err
 
 
@@ -165,16 +177,46 @@ def test_code_in_all_local_plans_is_refused(megatron_ckpt, tmp_path):
     assert not marker.exists()
 
 
-def test_all_local_plans_are_not_evidence(megatron_ckpt, tmp_path):
-    """Plans that lie (one rank's, with its items emptied) change nothing inspect reports."""
-    def lie(md) -> None:
-        md.all_local_plans = [type(md.all_local_plans[0])(items=[])]
+def _one_empty_plan(md) -> None:
+    md.all_local_plans = [type(md.all_local_plans[0])(items=[])]
 
+
+def _plans_swapped(md) -> None:
+    md.all_local_plans[0], md.all_local_plans[1] = md.all_local_plans[1], md.all_local_plans[0]
+
+
+def _extra_idle_ranks(md) -> None:
+    plan = type(md.all_local_plans[0])
+    md.all_local_plans = md.all_local_plans + [plan(items=[]) for _ in range(4)]  # 8 ranks, 6 of them idle
+
+
+@pytest.mark.parametrize("lie, why", [(_one_empty_plan, "written by rank 1 but the plans record 1 rank(s)"), (_plans_swapped, "rank 0's plan does not hold it")],
+                         ids=["one-empty-plan", "ranks-swapped"])
+def test_plans_that_disagree_with_the_chunks_are_not_evidence(megatron_ckpt, tmp_path, lie, why):
+    """Plans that do not match what was stored (who wrote which item) are named and used for nothing: the
+    chunks alone decide, as for a checkpoint without plans, and they do not pin down the DP degree."""
     code0, honest, _ = _inspect(megatron_ckpt[0])
-    code1, lied, err = _inspect(_forged(megatron_ckpt[0], tmp_path / "lying", lie))
-    assert code1 == code0, err
-    for field in ("topology", "entries", "items", "by_role", "optimizer", "unknown_keys", "complete"):
+    lying = _forged(megatron_ckpt[0], tmp_path / "lying", lie)
+    code1, lied, err = _inspect(lying)
+    assert code1 == code0 == 0, err
+    for field in ("entries", "items", "by_role", "optimizer", "unknown_keys", "complete"):
         assert lied[field] == honest[field], field
+    unused = next(p for p in lied["problems"] if p["code"] == "save_plans_unused")
+    assert why in unused["message"] and unused["file"] == ".metadata", unused
+    topo = lied["topology"]
+    assert topo["source"] == "inferred" and topo.get("ambiguous") and topo["tp"] == 2, topo
+    code, _, err = cli(["plan", lying, "--to", TARGET])
+    assert code == 2 and "ambiguous" in err and "--from" in err and "Traceback" not in err, err
+
+
+def test_the_world_size_is_the_number_of_plans(megatron_ckpt, tmp_path):
+    """Plans that match the stored items with four more idle ranks (8, writers 0 and 1): with Megatron's rank order
+    that is tp=2 x dp=4, so it is what the checkpoint records; the report says which evidence gave it."""
+    code, rep, err = _inspect(_forged(megatron_ckpt[0], tmp_path / "idle", _extra_idle_ranks))
+    assert code == 0, err
+    topo = rep["topology"]
+    assert (topo["dp_replicate"], topo["tp"], topo["world_size"], topo["source"]) == (4, 2, 8, "checkpoint"), topo
+    assert any("ranks 2, 3, 4, 5, 6, 7 planned none" in e for e in topo["evidence"]), topo
 
 
 # --------------------------------------------------------------------------- inspect
@@ -195,15 +237,56 @@ def test_inspect_roles(megatron_ckpt):
 
 
 def test_inspect_topology_tells_tp_cuts_from_dp_replicas(megatron_ckpt):
-    """TP cuts show in chunk offsets (tp=2); the stacked layer axis is not a DP cut; DP replicas are not
-    stored (Megatron keeps replica_id 0 only), so dp is either known as replicate=2 or said to be unknown."""
+    """Without --from: TP cuts are TP (tp=2, the dim-0 vocab cuts and the stacked layer axis are not FSDP
+    shards), and the replicas, which store nothing, are read from the save plans: dp_replicate=2, world 4,
+    source "checkpoint", the evidence named, nothing ambiguous and nothing asked."""
     code, rep, err = _inspect(megatron_ckpt[0])
+    assert code == 0, err
     topo = rep["topology"]
-    assert topo["tp"] == 2, topo
-    assert topo["dp_shard"] == 1, topo  # the per-layer chunks of decoder.layers.* are not FSDP shards
-    assert topo["pp"] == 1, topo
-    said = json.dumps([topo.get("evidence"), rep.get("notes"), rep.get("problems")]).lower()
-    assert topo["dp_replicate"] == 2 or ("replica" in said and "--from" in said), topo
+    assert {d: topo[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "world_size")} == \
+        {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 2, "world_size": 4}, topo
+    assert topo["source"] == "checkpoint" and not topo.get("ambiguous"), topo
+    evidence = " | ".join(topo["evidence"])
+    assert "all_local_plans" in evidence and "record 4 ranks" in evidence, evidence
+    assert "ranks 2, 3 planned none" in evidence and "tensor parallel 2" in evidence, evidence
+    assert not [p for p in rep["problems"] if p["code"] in ("topology_ambiguous", "save_plans_unused")], rep["problems"]
+    assert rep["writer_ranks"] == 2  # the data files alone name two writers: the plans say there were four ranks
+
+
+@pytest.mark.parametrize("given, wrong", [("dp_shard=2,tp=2", "dp_shard 2 where the checkpoint shows 1"),
+                                          ("tp=4", "tp 4 where the checkpoint shows 2"),
+                                          ("tp=2", "world size 2 where the checkpoint shows 4")])
+def test_from_that_contradicts_the_checkpoint_is_exit_2(megatron_ckpt, tmp_path, given, wrong):
+    """A --from the plans contradict: exit 2 on inspect, plan and convert, naming both layouts, what differs,
+    the file, and the way out; convert writes nothing."""
+    out = tmp_path / "out"
+    for args in (["inspect", megatron_ckpt[0]], ["plan", megatron_ckpt[0], "--to", TARGET],
+                 ["convert", megatron_ckpt[0], out, "--to", TARGET]):
+        code, _, err = cli(args + ["--from", given])
+        assert code == 2, (args[0], err)
+        assert f"--from {given}" in err and f"says the source layout is {given}, but the checkpoint records " \
+            "dp_replicate=2,tp=2 (world size 4)" in err, err
+        assert wrong in err and ".metadata" in err and "--from dp_replicate=2,tp=2" in err, err
+        assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_profile_from_that_contradicts_the_checkpoint_is_exit_2(megatron_ckpt, tmp_path):
+    """The same check for a profile's ``from``: the profile file is named, and the way out is to correct it."""
+    profile = tmp_path / "reshard.toml"
+    profile.write_text('from = "tp=4"\n')
+    code, _, err = cli(["plan", megatron_ckpt[0], "--to", TARGET, "--profile", profile])
+    assert code == 2 and "Traceback" not in err, err
+    assert f"in the profile {profile}" in err and "records dp_replicate=2,tp=2" in err, err
+    assert f"Correct from = \"tp=4\" in the profile {profile}" in err, err
+
+
+@pytest.mark.parametrize("given", ["dp_replicate=2,tp=2", "cp=2,tp=2"])
+def test_from_that_fits_the_checkpoint_is_taken(megatron_ckpt, given):
+    """Where the checkpoint cannot tell (DP or CP replicas hold the same pieces), the user's word decides."""
+    code, rep, err = _inspect_from(megatron_ckpt[0], given)
+    assert code == 0, err
+    assert rep["topology"]["source"] == "given" and rep["topology"]["world_size"] == 4, rep["topology"]
 
 
 def test_inspect_accounts_for_sidecars(megatron_ckpt):
@@ -216,20 +299,44 @@ def test_inspect_accounts_for_sidecars(megatron_ckpt):
 
 # --------------------------------------------------------------------------- plan / convert
 
-def test_plan_to_another_dp_degree(megatron_ckpt):
-    code, out, err = cli(["plan", megatron_ckpt[0], "--from", SOURCE, "--to", TARGET, "--json"])
+@pytest.mark.parametrize("given", [[], ["--from", SOURCE]], ids=["recorded", "explicit-from"])
+def test_plan_to_another_dp_degree(megatron_ckpt, given):
+    """Feasible with the recorded layout and with the same layout given: same source, same placements."""
+    code, out, err = cli(["plan", megatron_ckpt[0], *given, "--to", TARGET, "--json"])
     assert code == 0, err or out
     plan = json.loads(out)
     assert plan["feasible"], plan["reasons"]
     actions = {k["key"]: k["action"] for k in plan["keys"]}
     assert not [k for k, a in actions.items() if a.startswith("drop")], actions
     assert plan["target"]["world_size"] == 2
+    src = plan["source"]["topology"]
+    assert (src["dp_replicate"], src["tp"], src["world_size"]) == (2, 2, 4), src
+    assert src["source"] == ("given" if given else "checkpoint"), src
 
 
 def test_convert_exit_0(converted):
+    """Converted without --from; the output's lineage records the layout the checkpoint gave."""
     out, code, stdout, stderr = converted
     assert code == 0, stderr or stdout
     assert (out / ".metadata").exists()
+    lineage = json.loads((out / "manifest.json").read_text())["lineage"][-1]
+    assert lineage["from"]["dims"]["dp_replicate"] == 2 and lineage["from"]["dims"]["tp"] == 2, lineage["from"]
+    assert lineage["from"]["world_size"] == 4
+
+
+def test_convert_with_explicit_from_writes_the_same_bytes(megatron_ckpt, converted, tmp_path):
+    """``--from dp_replicate=2,tp=2`` and no --from give the same data files and `.metadata`, byte for byte
+    (so Megatron's bitwise load of the one below holds for the other)."""
+    out, code, stdout, stderr = converted
+    assert code == 0, stderr or stdout
+    explicit = tmp_path / "explicit"
+    c, o, e = cli(["convert", megatron_ckpt[0], explicit, "--from", SOURCE, "--to", TARGET])
+    assert c == 0, e or o
+    data = sorted(p.name for p in out.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
+    assert data == sorted(p.name for p in explicit.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
+    assert ".metadata" in data and len(data) > 1
+    for name in data:
+        assert (out / name).read_bytes() == (explicit / name).read_bytes(), name
 
 
 def test_convert_keeps_sidecars_byte_identical(megatron_ckpt, converted):
@@ -249,7 +356,8 @@ def test_converted_output_inspects_clean(converted):
 
 
 def test_megatron_loads_output_at_new_dp_bitwise(megatron_ckpt, converted):
-    """Megatron's own dist_checkpointing.load at world size 2 (tp 2, dp 1): every tensor bitwise equal."""
+    """Megatron's own dist_checkpointing.load at world size 2 (tp 2, dp 1) of the output converted without
+    --from: every tensor bitwise equal."""
     out, code, stdout, stderr = converted
     assert code == 0, stderr or stdout
     r = _ranks("load", out, megatron_ckpt[1], nproc=2)

@@ -189,22 +189,22 @@ def test_tie_flag_explains_a_copy_without_optimizer_state_and_refuses_copies_tha
     assert code == 1 and "tied copies" in err and not (tmp_path / "never").exists(), out + err
 
 
-def test_seed_recipe_from_a_profile_without_a_manifest(plain_fsdp2_ckpt, tmp_path, capsys):
+def test_seed_recipe_from_a_profile_without_a_manifest(seed64_ckpt, tmp_path, capsys):
     """The seed's case, 64 x 8 x 4 = 2,048 -> 32 ranks, from a profile of three lines."""
     prof = tmp_path / "seed.toml"
     prof.write_text("[recipe]\nmicro_batch = 8\ngrad_accum = 4\n")
-    code, p, err = _json(["plan", plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
+    code, p, err = _json(["plan", seed64_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
     assert code == 0, err
     assert p["batch"]["before"]["global_batch"] == 2048
     assert p["batch"]["after"] == {"micro_batch": 8, "grad_accum": 8, "dp": 32, "global_batch": 2048}
     assert p["batch"]["kept"] is True
     # a global batch instead of the accumulation: the accumulation follows from the source's dp
     prof.write_text("[recipe]\nmicro_batch = 8\nglobal_batch = 2048\n")
-    code, p, err = _json(["plan", plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
+    code, p, err = _json(["plan", seed64_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
     assert code == 0, err
     assert p["batch"]["before"]["grad_accum"] == 4 and p["batch"]["after"]["grad_accum"] == 8
     prof.write_text("[recipe]\nmicro_batch = 8\nglobal_batch = 2000\n")
-    code, out, err = run_cli(["plan", plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
+    code, out, err = run_cli(["plan", seed64_ckpt, "--from", "dp=64", "--to", "dp=32", "--profile", prof], capsys)
     assert code == 2 and "2000" in err and "micro-batch 8" in err, err
 
 

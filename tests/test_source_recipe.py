@@ -28,14 +28,14 @@ def converted(plain_fsdp2_ckpt: Path, tmp_path_factory) -> Path:
     return dst
 
 
-def test_seed_case_64_to_32_keeps_2048_without_a_manifest(plain_fsdp2_ckpt, capsys):
+def test_seed_case_64_to_32_keeps_2048_without_a_manifest(seed64_ckpt, capsys):
     """The seed's case: 64 x 8 x 4 = 2,048 on 32 ranks needs accumulation 8; plan reads no tensor bytes."""
-    code, p, err = _plan([plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32"], capsys)
+    code, p, err = _plan([seed64_ckpt, "--from", "dp=64", "--to", "dp=32"], capsys)
     assert code == 0, err
     assert p["batch"]["before"] is None and p["batch"]["kept"] is None
     assert "batch recipe unknown: global batch not checked" in p["verdict"]["changes"]
 
-    code, p, err = _plan([plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", *SEED_FLAGS], capsys)
+    code, p, err = _plan([seed64_ckpt, "--from", "dp=64", "--to", "dp=32", *SEED_FLAGS], capsys)
     assert code == 0, err
     b = p["batch"]
     assert b["before"] == {"micro_batch": 8, "grad_accum": 4, "dp": 64, "global_batch": 2048}
@@ -49,7 +49,7 @@ def test_seed_case_64_to_32_keeps_2048_without_a_manifest(plain_fsdp2_ckpt, caps
     assert p["verdict"]["kind"] == "warm_start" and p["verdict"]["warm_start_of"] == ["data_position"]
     assert p["options"]["source_micro_batch"] == 8 and p["options"]["source_grad_accum"] == 4
 
-    code, out, _ = run_cli(["plan", plain_fsdp2_ckpt, "--from", "dp=64", "--to", "dp=32", *SEED_FLAGS], capsys)
+    code, out, _ = run_cli(["plan", seed64_ckpt, "--from", "dp=64", "--to", "dp=32", *SEED_FLAGS], capsys)
     assert code == 0
     assert "before: micro-batch 8 x accumulation 4 x dp 64 = 2048" in out
     assert "after:  micro-batch 8 x accumulation 8 x dp 32 = 2048  (global batch kept)" in out

@@ -89,9 +89,9 @@ def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[s
         estimate = None
         if os.environ.get("RANK", "0") == "0":  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
             from reshard.engine.space import conversion_preflight
-            from reshard.storage.index import CheckpointIndex
+            from reshard.storage.hf_dcp import open_source
 
-            estimate = conversion_preflight(p, CheckpointIndex.open(src, trust_pickle=p.options.trust_pickle), dst,
+            estimate = conversion_preflight(p, open_source(src, trust_pickle=p.options.trust_pickle), dst,
                                             force=force, progress=progress)
         report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
         if report is None:

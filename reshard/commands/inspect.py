@@ -14,7 +14,7 @@ from typing import Any
 from reshard.model.inspection import Inspection
 from reshard.model.plan import Options
 from reshard.planning.describe import inspect_checkpoint
-from reshard.planning.options import user_conventions
+from reshard.planning.options import from_origin, user_conventions
 
 
 def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = None) -> Inspection:
@@ -23,12 +23,13 @@ def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = No
     with contextlib.ExitStack() as stack:
         bar = None
         if deep and progress is not None:
-            from reshard.storage.index import CheckpointIndex
+            from reshard.storage.local_format import open_any  # whichever format inspect reads
 
             bar = stack.enter_context(progress.phase(
-                "checking items", sum(e.nbytes for e in CheckpointIndex.open(ckpt).entries.values())))
+                "checking items", sum(e.nbytes for e in open_any(ckpt).entries.values())))
         result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=opts.trust_pickle,
-                                    progress=bar, conventions=user_conventions(opts), ties=opts.ties)
+                                    progress=bar, conventions=user_conventions(opts), ties=opts.ties,
+                                    from_origin=from_origin(opts))
     if opts.profile is not None:
         result.report["profile"] = opts.profile
     return result

@@ -59,6 +59,7 @@ from typing import Any
 from reshard.errors import BadInput, Infeasible
 from reshard.units import now_text
 from reshard.storage.index import CheckpointIndex
+from reshard.storage.hf_dcp import open_source
 from reshard.engine.space import conversion_preflight
 from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
@@ -84,7 +85,8 @@ def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, Ch
                          hint="Run `reshard plan` to see the choices.")
     src, dst = Path(src), Path(dst)
     check_destination(src, dst)
-    return src, dst, CheckpointIndex.open(src, trust_pickle=plan.options.trust_pickle)
+    # a DCP checkpoint, or torch's safetensors-backed DCP (HuggingFaceStorageWriter): the output is DCP either way
+    return src, dst, open_source(src, trust_pickle=plan.options.trust_pickle)
 
 
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,

@@ -183,7 +183,8 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
-    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice else None
+    # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
+    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice and isinstance(ix, CheckpointIndex) else None
     try:
         yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
     finally:

@@ -56,6 +56,7 @@ from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, ExportPlan, RenameRules, assign_shards,
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export)
+from reshard.storage.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 from reshard.units import parse_size
@@ -76,7 +77,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 def _st_header(shard: list[ExportItem], metadata: dict[str, str]) -> bytes:
     h: dict[str, Any] = {"__metadata__": metadata}
     for it in shard:
-        h[it.name] = {"dtype": ST_DTYPE_NAMES[it.dtype], "shape": list(it.shape),
+        h[it.name] = {"dtype": ST_DTYPE_NAMES[it.dtype], "shape": header_shape(it.dtype, it.shape),  # F4: values, not bytes
                       "data_offsets": [it.offset, it.offset + it.nbytes]}
     raw = json.dumps(h, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -154,7 +155,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     m = read_manifest(src)
     mdict = m.to_dict() if m is not None else {}
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
-    plan = plan_export(ix, cls, mdict, only=only, dtype=out_dtype, rules=rules)
+    plan = plan_export(ix, cls, mdict, only=only, dtype=out_dtype, rules=rules,
+                       fmt="torch" if fmt == "torch" else "safetensors")  # a dtype the format cannot store: refused here
     if not plan.items:
         raise BadInput("the checkpoint holds no parameters to export", where=str(src))
     hf = hf_plan(src, ix, cls, mdict, plan, model_config or {}, out_dtype) if fmt == "hf" else None

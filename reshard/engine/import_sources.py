@@ -341,10 +341,15 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
 
 
 def open_source(src: Path, rename):
+    from reshard.storage.hf_dcp import is_hf_dcp
     from reshard.storage.safetensors_format import is_export
 
     if not src.exists():
         raise BadInput("no such file or directory", where=str(src))
+    if is_hf_dcp(src):  # sharded, not consolidated: convert lays it out (import takes full tensors)
+        raise BadInput("torch's safetensors-backed DCP (per-rank shards with DCP_SHARDING_INFO), not consolidated "
+                       "weights: import reads full tensors", where=str(src),
+                       hint=f"`reshard convert {src} DST --to SPEC` reads it directly and keeps its keys.")
     if is_export(src):
         return "safetensors", *_safetensors_source(src, rename)
     return "torch", *_torch_source(src, rename)

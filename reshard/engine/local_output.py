@@ -20,9 +20,9 @@ from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.safetensors_format import sort_header_metadata
+from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
 from reshard.storage.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
-                                          rank_objects_file)
+                                          rank_objects_file, torch_dtype)
 
 TRANSFORM_CACHE_BYTES = 256 << 20
 PER_RANK_ROLES = ("rng", "data")
@@ -86,7 +86,7 @@ class _Collector:
     def write_chunk(self, rank: int, key: str, offsets, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous().clone()
         self.chunks.append((Box(tuple(offsets), tuple(t.shape)), t))
-        self.nbytes += t.numel() * t.element_size()
+        self.nbytes += t.numel() * t.dtype.itemsize
 
     def box(self, box: Box, dtype: torch.dtype) -> torch.Tensor:
         for b, t in self.chunks:
@@ -142,8 +142,9 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     world = plan.target.world_size
-    _check_tied_drops(plan, ix)
     tensors, index_tensors = _held_tensors(plan)
+    _check_storable(tensors, ix)
+    _check_tied_drops(plan, ix)
     objects = _held_objects(plan, {h.plan.key for h in tensors})
     pieces = _Pieces(plan, ix, tensors)
     ranks: dict[str, Any] = {}
@@ -162,6 +163,25 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": world, "index": INDEX_FILE,
             "ranks": ranks, "shared_objects": len(shared), "shared_objects_file": object_files["shared"],
             "tensor_keys": len(index_tensors), "object_keys": len(index_objects), "bytes": total_bytes}
+
+
+def _check_storable(tensors: list[_HeldTensor], ix: CheckpointIndex) -> None:
+    """Every kept tensor's dtype has a safetensors name, before the first file is written.
+
+    The rank files are safetensors, which names float8 (all five), F4, U16-U64 and C64 but not
+    complex32, complex128 or the bits dtypes (`reshard.storage.safetensors_format.SAFETENSORS_DTYPES`);
+    a tensor of those is refused by key and dtype (exit 2) with the DCP output as the way out.
+    """
+    bad = []
+    for h in tensors:
+        dt = torch_dtype(h.plan.dtype) if h.plan.dtype else None
+        if dt is not None and (dt not in SAFETENSORS_NAMES or (dt in PACKED and not h.plan.shape)):
+            bad.append((h.plan.key, h.plan.dtype))
+    if bad:
+        listed = ", ".join(f"'{k}' ({d})" for k, d in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise BadInput(f"--output-format local writes safetensors files, which cannot store {len(bad)} tensor(s) of "
+                       f"this checkpoint: {listed}", where=str(ix.root), keys=[k for k, _ in bad],
+                       hint="Convert to DCP (the default --output-format dcp stores every dtype); nothing was written.")
 
 
 def _check_tied_drops(plan: "Plan", ix: CheckpointIndex) -> None:

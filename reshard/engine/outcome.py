@@ -20,6 +20,7 @@ from typing import Any
 from reshard.errors import Infeasible
 from reshard.units import reproducible
 from reshard.storage.index import CheckpointIndex
+from reshard.storage.hf_dcp import open_source
 from reshard.storage import sidecars
 from reshard.storage.atomic import fault_point
 from reshard.engine.copy import WriteChecks
@@ -77,7 +78,7 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     from reshard.verification.checkpoints import check_transforms, verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
-    src_dtypes = {k: e.dtype_name for k, e in CheckpointIndex.open(src).entries.items() if e.is_tensor}
+    src_dtypes = {k: e.dtype_name for k, e in open_source(src).entries.items() if e.is_tensor}
     for t in plan.tensors:
         if t.transform:
             expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"

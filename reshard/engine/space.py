@@ -23,7 +23,7 @@ from reshard.errors import BadInput
 from reshard.render.space import space_line
 from reshard.storage import dcp_writer
 from reshard.storage.atomic import reclaimable_bytes
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.hf_dcp import open_source  # a DCP source, or torch's safetensors-backed DCP
 from reshard.storage.integrity import nearest_existing
 from reshard.units import human_bytes
 
@@ -60,7 +60,7 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
 
     import torch
 
-    ix = index if index is not None else CheckpointIndex.open(plan.source["path"], trust_pickle=plan.options.trust_pickle)
+    ix = index if index is not None else open_source(plan.source["path"], trust_pickle=plan.options.trust_pickle)
     over = _save_overhead()
     total = items = 0
     for t in plan.tensors:
@@ -102,7 +102,7 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
     ..., warning``); ``warning`` is one paragraph, or None when there is enough space. Never
     refuses: `reshard plan --dst` warns, `convert` refuses (`conversion_preflight`).
     """
-    ix = index if index is not None else CheckpointIndex.open(plan.source["path"], trust_pickle=plan.options.trust_pickle)
+    ix = index if index is not None else open_source(plan.source["path"], trust_pickle=plan.options.trust_pickle)
     need = estimate_output_bytes(plan, ix) if needed is None else int(needed)
     figures = preflight(dst, needed=need, read_bytes=conversion_read_bytes(plan, ix), sources=[ix.root], force=True,
                         probe=probe)

@@ -64,7 +64,7 @@ class Entry:
     def nbytes(self) -> int:
         """Logical bytes of the global tensor (objects: stored bytes)."""
         if self.is_tensor:
-            return self.numel * torch.empty((), dtype=self.dtype).element_size()
+            return self.numel * self.dtype.itemsize  # no tensor made: complex32 would warn on every call
         return self.location.length if self.location else 0
 
     @property

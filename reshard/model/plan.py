@@ -246,3 +246,6 @@ def _summary(keys: list[KeyAction]) -> dict[str, int]:
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float32": "float32"}
+NOT_CAST = frozenset({"float4_e2m1fn_x2"})
+"""Floating dtypes ``--dtype`` leaves as they are: a float4_e2m1fn_x2 element is two packed 4-bit
+values and torch has no conversion for it (float8 has one, and is cast like any float)."""

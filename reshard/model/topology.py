@@ -104,27 +104,51 @@ def from_manifest(topo: dict[str, Any]) -> Topology:
 Chunk = tuple  # (offsets, sizes) or (offsets, sizes, writer rank or None)
 
 
-def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ranks: list[int]) -> Topology:
-    """Infer a layout from how parameter tensors were cut, and by whom.
+def chunk_starts(rows: int, parts: int) -> tuple[int, ...]:
+    """Where ``torch.chunk`` cuts ``rows`` rows into ``parts`` pieces: the starts of the non-empty pieces.
 
-    FSDP2 cuts dim 0 into ``dp_shard`` pieces; tensor parallelism adds cuts along the dim a
-    layer is parallel in. We count distinct cut positions per dim over all parameters: the
-    largest number of dim-0 pieces of a tensor whose other dims are whole is the FSDP
-    degree; cuts along dim >= 1 indicate TP. The number of writer files bounds the world.
-
-    When there are more writers than distinct shards, the rest are replicas (dp_replicate,
-    HSDP) or pipeline stages. The writers tell them apart: DCP writes each replicated chunk
-    once, spread over the ranks that hold it, so a dim-0 piece ``i`` written by ranks
-    ``i, i + S, i + 2S ...`` (S = dp_shard) shows replica groups. If the replicas left no such
-    trace (DCP may put every replicated chunk on the lowest rank), the layout is ambiguous:
-    the candidates are listed and none is presented as fact.
+    FSDP2's ``fully_shard`` and DTensor's ``Shard(0)`` both cut this way (pieces of
+    ``ceil(rows / parts)`` rows, the trailing ranks possibly empty), so the cut positions a
+    checkpoint shows say which shard degrees could have written it.
     """
-    dim0 = Counter()
-    tp_cuts = Counter()
-    n = 0
-    piece_writers: list[dict[int, set[int]]] = []  # per whole-in-other-dims tensor: piece index -> writers
-    for shape, chunks in param_chunks:
-        n += 1
+    step = -(-rows // parts) if rows and parts else 0
+    return tuple(range(0, rows, step)) if step else ()
+
+
+@dataclass
+class ChunkEvidence:
+    """What a checkpoint's chunks and data file names show of the layout that wrote it.
+
+    ``cuts`` keeps one example tensor per distinct (rows, cut starts) of the tensors cut along
+    dim 0 only, each piece written by another rank (a writer that saves several chunks of one
+    tensor, as Megatron's stacked layers, says nothing of the shard degree): a key, its rows,
+    the starts and their writers. Collected in one pass over the chunks; the same evidence
+    infers a layout (`infer_from`) and checks one the user states (`contradictions`).
+    """
+
+    tensors: int = 0
+    dim0: Counter = field(default_factory=Counter)     # dim-0 pieces per tensor whole in the other dims -> count
+    tp_cuts: Counter = field(default_factory=Counter)  # pieces along a dim >= 1 -> count
+    piece_writers: list[dict[int, set[int]]] = field(default_factory=list)
+    cuts: dict[tuple[int, tuple[int, ...]], tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    writer_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def collective(self) -> bool:
+        """Some tensor's pieces were written by different ranks: every rank of the save took part
+        (torch's writer then leaves a data file per rank, even an empty one)."""
+        return any(len(set(w)) > 1 for _key, w in self.cuts.values())
+
+    @property
+    def contiguous_writers(self) -> bool:
+        return bool(self.writer_ranks) and self.writer_ranks == list(range(len(self.writer_ranks)))
+
+
+def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], list[Chunk]]], writer_ranks: list[int]) -> ChunkEvidence:
+    """One pass over ``(key, shape, chunks)``: the pieces, cuts and writers `ChunkEvidence` keeps."""
+    ev = ChunkEvidence(writer_ranks=sorted(writer_ranks))
+    for key, shape, chunks in param_chunks:
+        ev.tensors += 1
         if not shape:
             continue
         starts = [set() for _ in shape]
@@ -135,20 +159,55 @@ def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ra
                     starts[d].add(o)
         pieces = [len(s) for s in starts]
         if all(p == 1 for p in pieces[1:]):
-            dim0[pieces[0]] += 1
+            ev.dim0[pieces[0]] += 1
             position = {o: i for i, o in enumerate(sorted(starts[0]))}  # a dict: list.index per chunk was quadratic
             pw: dict[int, set[int]] = {}
+            writers: list[int | None] = []
             for c in chunks:
-                if len(c) > 2 and c[2] is not None and all(s > 0 for s in c[1]):
-                    pw.setdefault(position[c[0][0]], set()).add(c[2])
-            piece_writers.append(pw)
+                if all(s > 0 for s in c[1]):
+                    w = c[2] if len(c) > 2 else None
+                    writers.append(w)
+                    if w is not None:
+                        pw.setdefault(position[c[0][0]], set()).add(w)
+            ev.piece_writers.append(pw)
+            if pieces[0] > 1 and None not in writers and len(set(writers)) == len(writers) == pieces[0]:
+                cut = (shape[0], tuple(sorted(starts[0])))
+                if cut not in ev.cuts:
+                    by_start = {c[0][0]: c[2] for c in chunks if all(s > 0 for s in c[1])}
+                    ev.cuts[cut] = (str(key), tuple(by_start[o] for o in cut[1]))
         for d in range(1, len(shape)):
             if pieces[d] > 1:
-                tp_cuts[pieces[d]] += 1
+                ev.tp_cuts[pieces[d]] += 1
+    return ev
+
+
+def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ranks: list[int]) -> Topology:
+    """`infer_from` the evidence of ``(shape, chunks)`` pairs (no key names)."""
+    return infer_from(collect((("?", shape, chunks) for shape, chunks in param_chunks), writer_ranks))
+
+
+def infer_from(ev: ChunkEvidence) -> Topology:
+    """Infer a layout from how parameter tensors were cut, and by whom.
+
+    FSDP2 cuts dim 0 into ``dp_shard`` pieces; tensor parallelism adds cuts along the dim a
+    layer is parallel in. We count distinct cut positions per dim over all parameters: the
+    largest number of dim-0 pieces of a tensor whose other dims are whole is the FSDP
+    degree; cuts along dim >= 1 indicate TP. The number of writer files bounds the world.
+
+    When there are more writers than distinct shards, the rest are replicas (dp_replicate,
+    HSDP) or pipeline stages, or shards too small to fill every rank. The writers tell them
+    apart: DCP writes each replicated chunk once, spread over the ranks that hold it, so a
+    dim-0 piece ``i`` written by ranks ``i, i + S, i + 2S ...`` (S = dp_shard) shows replica
+    groups; torch's writer leaves a data file on every rank, so cuts that are exactly
+    ``torch.chunk``'s for one shard per writer show that. If the replicas left no such trace
+    (DCP may put every replicated chunk on the lowest rank), the layout is ambiguous: the
+    candidates are listed and none is presented as fact.
+    """
+    dim0, tp_cuts = ev.dim0, ev.tp_cuts
     tp = max(tp_cuts) if tp_cuts else 1
     shard = max(dim0) if dim0 else 1
-    world = len(writer_ranks) or 1
-    evidence = [f"{n} tensors examined", f"{world} writer rank(s) from data file names"]
+    world = len(ev.writer_ranks) or 1
+    evidence = [f"{ev.tensors} tensors examined", f"{world} writer rank(s) from data file names"]
     if dim0:
         evidence.append(f"dim-0 pieces per tensor: {dict(sorted(dim0.items()))}")
     if tp_cuts:
@@ -158,7 +217,14 @@ def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ra
         shard = max(1, world // tp)
     if shard * tp >= world:
         return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
-    return _more_writers_than_shards(shard, tp, world, writer_ranks, piece_writers, evidence)
+    return _more_writers_than_shards(shard, tp, world, ev, evidence)
+
+
+def _every_writer_a_shard(ev: ChunkEvidence, tp: int, world: int) -> bool:
+    """Whether one ``torch.chunk`` shard per writer explains every cut: the tensors are too small to give
+    every rank rows (FSDP2 leaves the trailing ranks empty), and torch's writer still wrote a file on each."""
+    return (tp == 1 and ev.collective and ev.contiguous_writers
+            and all(chunk_starts(rows, world) == starts for rows, starts in ev.cuts))
 
 
 def replicas_not_stored(topo: Topology, writer: str) -> Topology:
@@ -175,10 +241,10 @@ def replicas_not_stored(topo: Topology, writer: str) -> Topology:
                     alternatives=(spec, f"dp_replicate=N,{spec}" if spec != "dp=1" else "dp_replicate=N"))
 
 
-def _more_writers_than_shards(shard: int, tp: int, world: int, writer_ranks: list[int],
-                              piece_writers: list[dict[int, set[int]]], evidence: list[str]) -> Topology:
-    """Replicas shown by who wrote which piece, or an ambiguous answer listing the layouts that fit."""
+def _more_writers_than_shards(shard: int, tp: int, world: int, ev: ChunkEvidence, evidence: list[str]) -> Topology:
+    """Replicas shown by who wrote which piece, one small shard per writer, or an ambiguous answer listing the layouts that fit."""
     extra = world // (shard * tp) if world % (shard * tp) == 0 else 0
+    piece_writers = ev.piece_writers
     writers_seen = {w for pw in piece_writers for ws in pw.values() for w in ws}
     replica_trace = (tp == 1 and extra > 1 and any(w >= shard for w in writers_seen)
                      and all(w % shard == i for pw in piece_writers for i, ws in pw.items() for w in ws))
@@ -186,6 +252,12 @@ def _more_writers_than_shards(shard: int, tp: int, world: int, writer_ranks: lis
         evidence.append(f"each dim-0 piece i is written by ranks congruent to i mod {shard}, some beyond the first "
                         f"{shard}: {extra} replicas of {shard} shards (HSDP / DDP)")
         return Topology(dp_replicate=extra, dp_shard=shard, source="inferred", evidence=tuple(evidence))
+    small = _every_writer_a_shard(ev, tp, world)
+    if small and extra <= 1:
+        evidence.append(f"{world} writer ranks each wrote a data file (torch's writer does, even an empty one) and "
+                        f"every cut is torch.chunk's for {world} shards: tensors of fewer rows leave the last ranks "
+                        f"empty, so no tensor shows {world} pieces")
+        return Topology(dp_shard=world, source="inferred", evidence=tuple(evidence))
     evidence.append(f"{world} writers but only {shard * tp} distinct shards: the rest are replicas (dp_replicate) "
                     "or pipeline stages, which the chunks do not tell apart")
     base = Topology(dp_shard=shard, tp=tp)
@@ -193,8 +265,50 @@ def _more_writers_than_shards(shard: int, tp: int, world: int, writer_ranks: lis
     if extra > 1:
         alternatives = [Topology(dp_replicate=extra, dp_shard=shard, tp=tp).spec(),
                         Topology(pp=extra, dp_shard=shard, tp=tp).spec(), base.spec()]
+    if small:
+        alternatives.append(Topology(dp_shard=world).spec())
     if len(alternatives) == 1:
         return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
     # Degrees of the first candidate (its world size matches the writers), flagged ambiguous.
     first = parse_spec(alternatives[0])
     return Topology(**first.degrees(), source="inferred", evidence=tuple(evidence), alternatives=tuple(alternatives))
+
+
+# ---------------------------------------------------------------------------- a stated layout against the bytes
+
+def contradictions(stated: Topology, ev: ChunkEvidence, *, stores_replicas: bool = True) -> list[str]:
+    """What the chunks and data files show that ``stated`` cannot have written, one sentence each.
+
+    Only what holds for every writer is used, so an empty list means "not contradicted", not
+    "confirmed": a rank number beyond the stated world; a tensor cut into more dim-0 pieces
+    than the stated degrees cut it (each piece from its own writer); and, with no TP or CP
+    stated, cut positions that are not ``torch.chunk``'s for the stated ``dp_shard``, for a
+    writer that stores every shard under its own rank (``stores_replicas``; not Megatron's,
+    whose cuts are its own). A world larger than the ranks that left data files is no
+    contradiction: Megatron's writer and reshard's own skip a rank with nothing to write, and
+    a rank-0 ``no_dist`` save of a replicated model leaves one file whatever the world.
+    """
+    out: list[str] = []
+    world = stated.world_size
+    if ev.writer_ranks and ev.writer_ranks[-1] >= world:
+        r = ev.writer_ranks[-1]
+        out.append(f"rank {r} wrote a data file (__{r}_*.distcp) but world size {world} has ranks 0..{world - 1} only")
+    spread = stated.dp_shard * stated.cp * stated.tp
+    for (rows, starts), (key, writers) in ev.cuts.items():
+        if len(starts) > spread:
+            out.append(f"'{key}' ({rows} rows) is cut into {len(starts)} dim-0 pieces by {len(set(writers))} writer "
+                       f"ranks, more than dp_shard x cp x tp = {spread} ranks hold")
+            break
+    if stores_replicas and stated.tp == 1 and stated.cp == 1:
+        for (rows, starts), (key, writers) in ev.cuts.items():
+            expect = chunk_starts(rows, stated.dp_shard)
+            if expect != starts and len(starts) <= spread:
+                out.append(f"'{key}' ({rows} rows) is cut at rows {_rows(starts)} ({len(starts)} pieces, written by "
+                           f"ranks {_rows(writers)}); dp_shard={stated.dp_shard} cuts it at rows {_rows(expect)}")
+                break
+    return out
+
+
+def _rows(xs: Iterable[Any]) -> str:
+    xs = list(xs)
+    return ", ".join(str(x) for x in xs[:8]) + (f", ... ({len(xs)} in all)" if len(xs) > 8 else "")

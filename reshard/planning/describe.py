@@ -7,6 +7,7 @@ tied weights, compare the two copies chunk by chunk.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,13 +15,16 @@ from typing import Any, Sequence
 import torch
 
 from reshard.gc_pause import paused_gc
+from reshard.render.report import moment_sets_text
 from reshard.model import topology as topo_mod
+from reshard.semantics import megatron
 from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs, reshard_key
 from reshard.semantics.trainer_config import step_from_folder
-from reshard.errors import ReshardError
+from reshard.errors import BadInput, ReshardError
 from reshard.model.checkpoint import Finding
 from reshard.model.inspection import JSON_VERSION, Inspection
 from reshard.storage.index import CheckpointIndex, bitwise_equal
+from reshard import safefs
 from reshard.storage import sidecars
 from reshard.storage.local_format import open_any
 
@@ -41,16 +45,25 @@ def _scalar(v: Any) -> Any:
 @paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None,
-                       conventions: Sequence[Convention] = (), ties: Sequence[Sequence[str]] | None = None) -> Inspection:
+                       conventions: Sequence[Convention] = (), ties: Sequence[Sequence[str]] | None = None,
+                       from_origin: str = "--from") -> Inspection:
     """Describe a checkpoint: each step below does one job and adds its problems to ``findings``.
 
     ``conventions`` are the user's (``--convention FILE``), offered to classify before the shipped ones;
-    ``ties`` the user's ``--tie A=B`` pairs, checked like a manifest's ``model.tied``.
+    ``ties`` the user's ``--tie A=B`` pairs, checked like a manifest's ``model.tied``; ``from_origin``
+    where ``from_spec`` was stated (`reshard.planning.options.from_origin`), for the message that
+    refuses a stated layout the checkpoint contradicts.
 
     The order of the steps is the order of the problems in the report, so it stays fixed.
     """
     root = Path(path)
+    hf_folder = _hf_model_folder(root)
+    if hf_folder is not None and hf_folder[1].startswith("pytorch_model") \
+            and not any(f.suffix in (".safetensors", ".distcp") for f in root.iterdir()):
+        raise _not_dcp(root, hf_folder)  # torch.save weights beside config.json: nothing here reads them as a checkpoint
     ix = open_any(root, trust_pickle=trust_pickle, source_key=reshard_key)  # DCP, or reshard's local format (local-index.json)
+    if hf_folder is not None and str(ix.version or "").startswith("safetensors-export") and not _exported_by_reshard(ix):
+        raise _not_dcp(root, hf_folder)  # read as a consolidated export, but save_pretrained wrote it, not reshard
     findings: list[Finding] = ix.findings  # the index's own findings come first, then ours
     manifest = _manifest_or_finding(root, findings)
     mdict: dict[str, Any] = manifest.to_dict() if manifest is not None else {}
@@ -61,7 +74,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"),
                    user=tuple(conventions))
     params = _parameters(cls.roles)
-    topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings, cls)
+    topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings, cls, from_origin)
     by_role = _contents_by_role(ix, cls.roles)
     counter_keys = _present_counters(ix, cls)
     counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
@@ -71,7 +84,8 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
             counters[name], counter_keys[name] = value, where
     opt, step_values = _optimizer_health(ix, cls, params, mdict, can_read, findings, user_ties=ties or ())
     per_rank = _per_rank_state(cls.roles, topo, findings)
-    step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings, folder_step=step_from_folder(root))
+    step, step_source = _global_step(mdict, counters, step_values, counter_keys, findings, folder_step=step_from_folder(root),
+                                     owned=_owned_counter_keys(cls, counter_keys, ix))
     _check_accumulation(mdict.get("accumulation"), findings)
     _check_unknown_keys(cls, findings)
 
@@ -79,6 +93,67 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
                      by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
     report["sidecars"] = side
     return Inspection(ix, cls, manifest, topo, report)
+
+
+HF_CONFIG = "config.json"
+HF_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def _hf_model_folder(root: Path) -> tuple[str, str] | None:
+    """(architecture, weights file) of a Hugging Face model folder, or None.
+
+    What transformers' ``save_pretrained`` writes: ``config.json`` beside ``model.safetensors``
+    (or its sharded index, or the older ``pytorch_model.bin``), and no DCP ``.metadata`` or
+    reshard ``local-index.json``. Its keys are a model's names without a trainer's prefix, so a
+    convention would only guess (it read as Lightning's ``model.*``); it is named for what it is.
+    The architecture is read from ``config.json`` for the message only (capped JSON, never code).
+    """
+    if not root.is_dir() or (root / ".metadata").exists() or (root / "local-index.json").exists():
+        return None
+    if not os.path.lexists(root / HF_CONFIG):
+        return None
+    weights = next((w for w in HF_WEIGHTS if os.path.lexists(root / w)), None)
+    if weights is None:
+        return None
+    arch = "model"
+    try:
+        cfg = safefs.read_json(root / HF_CONFIG, root=root, what="Hugging Face config.json")
+        archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+        if isinstance(archs, list) and archs and isinstance(archs[0], str):
+            arch = archs[0]
+        elif isinstance(cfg, dict) and isinstance(cfg.get("model_type"), str):
+            arch = f"model_type {cfg['model_type']}"
+    except (ReshardError, OSError):
+        arch = "model (config.json unreadable)"
+    return arch, weights
+
+
+def _exported_by_reshard(ix: Any) -> bool:
+    """An `export --format hf` output: reshard recorded its export map in the safetensors metadata
+    (`verify` compares such an export with its source, so inspect keeps reading it)."""
+    meta = getattr(ix, "metadata", None)
+    index = getattr(ix, "index", None)
+    index_meta = index.get("metadata") if isinstance(index, dict) else None
+    return (isinstance(meta, dict) and "export_map" in meta) or (isinstance(index_meta, dict) and bool(index_meta.get("reshard")))
+
+
+def _not_dcp(root: Path, hf_folder: tuple[str, str]) -> BadInput:
+    """The refusal of a Hugging Face model folder, with `reshard import` as the way to a DCP checkpoint.
+
+    ``--format`` is the trainer naming a shipped mapping of the architecture gives
+    (``formats/hf/``: LlamaForCausalLM -> torchtitan), else ``reshard`` (the names as stored).
+    """
+    arch, weights = hf_folder
+    from reshard.semantics.hf import mapping_for, shipped_families
+
+    natives = sorted({m.native_convention for m in (mapping_for(f) for f in shipped_families())
+                      if m.architecture == arch and m.native_convention != "reshard"})
+    fmt, why = ((natives[0], f"the {arch} mapping of formats/hf/ gives {natives[0]}'s names") if natives else
+                ("reshard", f"no mapping of {arch} ships in formats/hf/: the names as stored, under model."))
+    return BadInput(f"a Hugging Face model folder ({arch}: {HF_CONFIG} beside {weights}, as save_pretrained writes it), "
+                    "not a DCP checkpoint: inspect, plan and convert read sharded DCP checkpoints", where=str(root),
+                    hint=f"Make a DCP checkpoint of it first: `reshard import {root} DST --to SPEC --format {fmt}` "
+                         f"({why}), then inspect or convert DST.")
 
 
 def _manifest_or_finding(root: Path, findings: list[Finding]) -> Any:
@@ -118,31 +193,48 @@ def _geometry_keys(roles: dict[str, KeyRole], params: dict[str, str]) -> list[st
 
 
 def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | None,
-              findings: list[Finding], cls: Classification) -> topo_mod.Topology:
+              findings: list[Finding], cls: Classification, from_origin: str = "--from") -> topo_mod.Topology:
     """The source layout: given by the user, else recorded in the manifest, else inferred from the chunks.
 
-    A given or recorded layout is checked against the ranks that wrote data files, since a
-    wrong world size would misplace every per-rank state. An inferred layout the chunks cannot
-    pin down is a warning that lists the candidates and asks for ``--from``.
+    A layout the user states (``--from``, a profile's ``from``, a trainer config's degrees:
+    ``from_origin`` says which) is checked against what the chunks and data files show
+    (`reshard.model.topology.contradictions`): a contradiction is bad input naming both, and
+    only a layout the chunks leave open is settled by the user's word. A recorded layout is
+    checked against the ranks that wrote data files, since a wrong world size would misplace
+    every per-rank state. An inferred layout the chunks cannot pin down is a warning that lists
+    the candidates and asks for ``--from``.
     """
+    # The layout the writer's save plans record (Megatron's torch_dist), checked against what was stored
+    recorded = megatron.recorded_layout(ix, keys, cls.convention, findings) if from_spec or not mdict.get("topology") else None
+    if from_spec and recorded is not None:
+        megatron.check_given(topo_mod.parse_spec(from_spec), recorded, where=str(Path(ix.root) / ".metadata"),
+                             origin=from_origin)
     if from_spec:
-        topo = topo_mod.parse_spec(from_spec, source="given")
+        stated = topo_mod.parse_spec(from_spec, source="given")
+        ev = _chunk_evidence(ix, keys)
+        wrong = topo_mod.contradictions(stated, ev, stores_replicas=cls.convention.stores_replicas)
+        if wrong:
+            shown = topo_mod.infer_from(ev)
+            if not cls.convention.stores_replicas:
+                shown = topo_mod.replicas_not_stored(shown, cls.convention.name)
+            raise BadInput(
+                f"the source layout stated by {from_origin} is {stated.spec()} (world size {stated.world_size}), but "
+                f"the checkpoint shows otherwise: " + "; ".join(wrong) + f". From its chunks and {len(ev.writer_ranks)} "
+                f"writer rank(s) the layout is " + (" or ".join(shown.alternatives) if shown.ambiguous else
+                                                    f"{shown.spec()} (world size {shown.world_size})"),
+                where=str(getattr(ix, "root", "")),
+                hint=(f"Drop or correct the stated layout ({from_origin}): the checkpoint's own is read from its chunks, and "
+                      "--from is asked for only when they leave it open." if not shown.ambiguous else
+                      f"State one of the layouts the chunks allow instead ({from_origin}), e.g. --from "
+                      f"{shown.alternatives[0]}."))
+        topo = stated.with_source("given", evidence=[f"stated by {from_origin}; checked against {ev.tensors} tensors' "
+                                                     f"chunks and {len(ev.writer_ranks)} writer rank(s): no contradiction"])
     elif mdict.get("topology"):
         topo = topo_mod.from_manifest(mdict["topology"])
+    elif recorded is not None:
+        topo = recorded
     else:
-        writer_of_file = getattr(ix, "writer_of", lambda _f: None)
-        writers_by_file: dict[str, int | None] = {}  # a few files, each named by thousands of chunks
-
-        def writer_of(name: str) -> int | None:
-            w = writers_by_file.get(name, -1)
-            if w == -1:
-                w = writers_by_file[name] = writer_of_file(name)
-            return w
-
-        topo = topo_mod.infer(
-            ((ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
-                                    for c in ix.entries[k].chunks]) for k in keys),
-            ix.writer_ranks())
+        topo = topo_mod.infer_from(_chunk_evidence(ix, keys))
         if not cls.convention.stores_replicas:
             topo = topo_mod.replicas_not_stored(topo, cls.convention.name)
         if topo.ambiguous:
@@ -150,10 +242,27 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
                                     "the chunks admit several source layouts: " + ", ".join(topo.alternatives)
                                     + "; pass --from with the one the run used (e.g. --from " + topo.alternatives[0] + ")"))
     writers = ix.writer_ranks()
-    if writers and max(writers) >= topo.world_size and topo.source != "inferred":
+    if writers and max(writers) >= topo.world_size and topo.source == "manifest":
         findings.append(Finding("inconsistent", "topology_mismatch",
                                 f"data files were written by rank {max(writers)} but the {topo.source} topology has world size {topo.world_size}"))
     return topo
+
+
+def _chunk_evidence(ix: Any, keys: list[str]) -> topo_mod.ChunkEvidence:
+    """What the chunks of ``keys`` and the data file names show (`reshard.model.topology.collect`)."""
+    writer_of_file = getattr(ix, "writer_of", lambda _f: None)
+    writers_by_file: dict[str, int | None] = {}  # a few files, each named by thousands of chunks
+
+    def writer_of(name: str) -> int | None:
+        w = writers_by_file.get(name, -1)
+        if w == -1:
+            w = writers_by_file[name] = writer_of_file(name)
+        return w
+
+    return topo_mod.collect(
+        ((k, ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
+                                   for c in ix.entries[k].chunks]) for k in keys),
+        ix.writer_ranks())
 
 
 # ---------------------------------------------------------------------------- contents
@@ -206,14 +315,22 @@ def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdic
     opt["with_moments"] += len(covered)
     unfused = {p: k for p, k in params.items() if p not in covered}
     tied, tied_members = _tied_weights(ix, params, moments, moment_names, mdict, can_read, findings, user_ties)
+    groups = _param_groups(ix, roles, can_read, findings) if moment_names else None
+    listed = {n for members in groups.values() for n in members} if groups else None
     # A tie is checked before the param-groups fact: the optimizer lists a tied tensor under one name only.
-    by_kind = _buffers(ix, roles, unfused, moments, buffer_names, False, findings) if moment_names else {}
+    by_kind = _buffers(ix, unfused, moments, buffer_names, None) if moment_names else {}
     tied += _ties_by_equality(ix, unfused, moments, by_kind, tied_members, can_read, findings) if moment_names else []
     opt["tied"] = tied
-    buffers = _buffers(ix, roles, {p: k for p, k in unfused.items() if p not in tied_members}, moments, buffer_names,
-                       can_read, findings) if moment_names else {}
+    buffers = _buffers(ix, {p: k for p, k in unfused.items() if p not in tied_members}, moments, buffer_names,
+                       listed) if moment_names else {}
     opt["buffers"] = {p: buffers[p] for p in sorted(buffers)}
     trainable = {p: k for p, k in unfused.items() if p not in buffers}
+    expected = _expected_moments(groups, moments, moment_names)
+    opt["moment_sets"] = _moment_sets(trainable, moments, groups)
+    if len(opt["moment_sets"]) > 1 and groups:
+        findings.append(Finding("info", "moment_sets",
+                                "the optimizer keeps different state per parameter group: " + moment_sets_text(opt["moment_sets"])
+                                + "; each parameter is checked against the state of its own group"))
     if not params and moments:
         findings.append(Finding("info", "optimizer_only",
                                 f"optimizer-only checkpoint: moments for {len(moments)} parameters and no model entries; "
@@ -221,7 +338,7 @@ def _optimizer_health(ix: Any, cls: Classification, params: dict[str, str], mdic
         missing, shape_bad = [], []
     else:
         missing, shape_bad = _moment_coverage(ix, trainable, {p: m for p, m in moments.items() if p not in fused_names},
-                                              moment_names, tied, tied_members, findings)
+                                              moment_names, tied, tied_members, findings, expected, groups is not None)
     opt["missing_moments"] = missing
     opt["shape_mismatches"] = shape_bad
     return opt, distinct
@@ -257,15 +374,15 @@ def _fused_entries(ix: Any, cls: Classification, params: dict[str, str],
     return records
 
 
-def _buffers(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], moments: dict[str, dict[str, str]],
-             buffer_names: tuple[str, ...], can_read: bool, findings: list[Finding]) -> dict[str, str]:
+def _buffers(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]],
+             buffer_names: tuple[str, ...], listed: set[str] | None) -> dict[str, str]:
     """Model entries that are not trainable, each with the fact that shows it; they expect no moments.
 
     Facts, in order: the entry holds optimizer moments (then it is trainable, whatever its name);
     an integer dtype (no optimizer steps integers); the optimizer's param groups list parameter
-    names and this one is not among them; a running statistic by name (BatchNorm's running_mean).
+    names (``listed``, None when they list none or were not read) and this one is not among them;
+    a running statistic by name (BatchNorm's running_mean).
     """
-    listed = _param_group_names(ix, roles, can_read, findings)
     out: dict[str, str] = {}
     for p, k in params.items():
         if p in moments:
@@ -280,22 +397,77 @@ def _buffers(ix: Any, roles: dict[str, KeyRole], params: dict[str, str], moments
     return out
 
 
-def _param_group_names(ix: Any, roles: dict[str, KeyRole], can_read: bool,
-                       findings: list[Finding]) -> set[str] | None:
-    """Parameter names the optimizer's param groups list (get_state_dict writes names), or None if they list none."""
+def _param_groups(ix: Any, roles: dict[str, KeyRole], can_read: bool,
+                  findings: list[Finding]) -> dict[str, list[str]] | None:
+    """The optimizer's parameter groups as group -> the parameter names it lists (get_state_dict writes
+    names: ``optim.param_groups.<i>.params``, or one ``param_groups`` object holding the list), or None
+    when they list none. With several optimizers (``get_state_dict(model, [muon, adamw])``) their groups
+    follow each other, so a group is where one optimizer's kind of state is expected."""
     keys = sorted(k for k, r in roles.items() if r.role == "param_group" and ix.entries[k].kind == "object")
     if not can_read or not keys:
         return None
-    names: set[str] = set()
+    groups: dict[str, list[str]] = {}
     for k in keys:
         if not (k.endswith(".params") or k.endswith("param_groups") or ".params." in k):
             continue
         try:
-            _collect_param_names(ix.read_object(k), names, under_params=k.endswith(".params") or ".params." in k)
+            value = ix.read_object(k)
         except ReshardError as exc:
             findings.append(Finding("error", "unreadable_item", exc.message, keys=(k,)))
             return None
-    return names or None
+        if k.endswith("param_groups") and isinstance(value, (list, tuple)):
+            parts = {f"{k}[{i}]": g for i, g in enumerate(value)}  # one object holding every group
+        else:
+            parts = {k.removesuffix(".params").split(".params.")[0]: value}
+        for gid, g in parts.items():
+            names: set[str] = set()
+            _collect_param_names(g, names, under_params=k.endswith(".params") or ".params." in k)
+            if names:
+                groups.setdefault(gid, []).extend(sorted(names))
+    return groups or None
+
+
+def _group_label(gid: str) -> str:
+    """``optim.param_groups.1`` -> ``1``; ``optim.param_groups[1]`` -> ``1``: the group's number as a report says it."""
+    tail = gid.rsplit(".", 1)[-1]
+    return tail.rsplit("[", 1)[-1].rstrip("]") if "[" in tail else tail
+
+
+def _expected_moments(groups: dict[str, list[str]] | None, moments: dict[str, dict[str, str]],
+                      moment_names: list[str]) -> dict[str, list[str]]:
+    """Parameter name -> the moments it must hold: those its parameter group's parameters hold.
+
+    One optimizer keeps one kind of state for every parameter it steps (Adam exp_avg and
+    exp_avg_sq, Muon or SGD a momentum_buffer), so a missing moment is one its group's other
+    parameters hold and it does not. A parameter no group lists (or no groups saved) is held to
+    every moment any parameter holds, as before groups were read.
+    """
+    expected: dict[str, list[str]] = {}
+    for members in (groups or {}).values():
+        names = sorted({n for p in members for n in moments.get(p, {})})
+        for p in members:
+            expected[p] = sorted(set(expected.get(p, [])) | set(names))
+    return {p: names or moment_names for p, names in expected.items()}
+
+
+def _moment_sets(trainable: dict[str, str], moments: dict[str, dict[str, str]],
+                 groups: dict[str, list[str]] | None) -> list[dict[str, Any]]:
+    """The trainable parameters grouped by the moments they hold, each set with its count and groups,
+    in the order of the groups (the first optimizer's first)."""
+    group_of = {p: _group_label(gid) for gid, members in (groups or {}).items() for p in members}
+    sets: dict[tuple[str, ...], dict[str, Any]] = {}
+    for p in trainable:
+        names = tuple(sorted(moments.get(p, {})))
+        if not names:
+            continue
+        rec = sets.setdefault(names, {"moments": list(names), "parameters": 0, "groups": []})
+        rec["parameters"] += 1
+        g = group_of.get(p)
+        if g is not None and g not in rec["groups"]:
+            rec["groups"].append(g)
+    order = {_group_label(gid): i for i, gid in enumerate(groups or {})}
+    return sorted(sets.values(), key=lambda r: (min((order.get(g, 1 << 30) for g in r["groups"]), default=1 << 30),
+                                                r["moments"]))
 
 
 def _collect_param_names(value: Any, out: set[str], *, under_params: bool) -> None:
@@ -426,16 +598,18 @@ def _tied_weights(ix: Any, params: dict[str, str], moments: dict[str, dict[str, 
 
 
 def _moment_coverage(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
-                     tied: list[dict[str, Any]], tied_members: set[str],
-                     findings: list[Finding]) -> tuple[list[str], list[str]]:
-    """Every trainable parameter has every moment, with the parameter's global shape; no moment lacks a parameter.
+                     tied: list[dict[str, Any]], tied_members: set[str], findings: list[Finding],
+                     expected: dict[str, list[str]] | None = None, grouped: bool = False) -> tuple[list[str], list[str]]:
+    """Every trainable parameter has every moment of its parameter group (``expected``; every moment
+    any parameter has when the groups are unknown), with the parameter's global shape; no moment
+    lacks a parameter.
 
     Returns the missing moments and the shape mismatches, as the report lists them.
     """
     missing: list[str] = []
     shape_bad: list[str] = []
     if moment_names:
-        missing, shape_bad = _missing_and_misshapen(ix, params, moments, moment_names, tied, tied_members)
+        missing, shape_bad = _missing_and_misshapen(ix, params, moments, moment_names, tied, tied_members, expected or {})
         orphan = sorted(p for p in moments if p not in params)
         if orphan:
             findings.append(Finding("inconsistent", "moments_without_param",
@@ -443,7 +617,9 @@ def _moment_coverage(ix: Any, params: dict[str, str], moments: dict[str, dict[st
                                     keys=tuple(orphan[:50])))
     if missing:
         findings.append(Finding("inconsistent", "missing_moments",
-                                f"{len(missing)} trainable parameters have no optimizer moments", keys=tuple(missing[:50])))
+                                f"{len(missing)} trainable parameters have no optimizer moments"
+                                + (" their parameter group's other parameters hold" if grouped else ""),
+                                keys=tuple(missing[:50])))
     if shape_bad:
         findings.append(Finding("inconsistent", "moment_shape", "optimizer moments whose global shape differs from the parameter's",
                                 keys=tuple(shape_bad[:50])))
@@ -453,10 +629,12 @@ def _moment_coverage(ix: Any, params: dict[str, str], moments: dict[str, dict[st
 
 
 def _missing_and_misshapen(ix: Any, params: dict[str, str], moments: dict[str, dict[str, str]], moment_names: list[str],
-                           tied: list[dict[str, Any]], tied_members: set[str]) -> tuple[list[str], list[str]]:
+                           tied: list[dict[str, Any]], tied_members: set[str],
+                           expected: dict[str, list[str]]) -> tuple[list[str], list[str]]:
     """Parameters (or parameter moments) without state, and moments shaped unlike their parameter.
 
-    A tied copy carries no state of its own when another member of its tie does.
+    A tied copy carries no state of its own when another member of its tie does. A parameter
+    is held to ``expected[p]`` (its group's moments), else to every moment name.
     """
     missing: list[str] = []
     shape_bad: list[str] = []
@@ -467,7 +645,7 @@ def _missing_and_misshapen(ix: Any, params: dict[str, str], moments: dict[str, d
                 continue
             missing.append(p)
             continue
-        for n in moment_names:
+        for n in expected.get(p, moment_names):
             mk = have.get(n)
             if mk is None:
                 missing.append(f"{p} ({n})")
@@ -513,17 +691,26 @@ def _per_rank_state(roles: dict[str, KeyRole], topo: topo_mod.Topology, findings
 # ---------------------------------------------------------------------------- identity and problems
 
 def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list[Any], counter_keys: dict[str, str],
-                 findings: list[Finding], folder_step: int | None = None) -> tuple[Any, str | None]:
+                 findings: list[Finding], folder_step: int | None = None, owned: frozenset[str] = frozenset(),
+                 ) -> tuple[Any, str | None]:
     """The global step and where it came from: the manifest, else a counter, else the folder's name
     (torchtitan's ``step-N``, `reshard.semantics.trainer_config.step_from_folder`), else the optimizer's step.
 
     Every other stored source that disagrees with the chosen one is an inconsistency; a folder
     name that disagrees is a warning only (a folder can be renamed; its name is no evidence).
+    A ``step`` counter no convention owns (``owned``: the primary convention's counters, a
+    user convention's, a known sidecar's) is the user's own count, a fact and not evidence: a
+    trainer counting micro-steps or accumulation passes saves ``step = 7`` beside an optimizer
+    that took 2 steps, and the checkpoint is exactly what it saved. It is the global step only
+    when nothing else says one; otherwise a note names both values.
     """
     step = mdict.get("step")
     step_source = "manifest" if step is not None else None
-    if step is None and "step" in counters:
-        step, step_source = counters["step"], "counter"
+    counter = counters.get("step")
+    own = "step" in counters and counter_keys.get("step") in owned
+    user_counter_differs = ("step" in counters and not own and len(distinct) == 1 and distinct[0] != counter)
+    if step is None and "step" in counters and not user_counter_differs:
+        step, step_source = counter, "counter"
     if folder_step is not None:
         stored = step if step is not None else (distinct[0] if len(distinct) == 1 else None)
         if stored is None:
@@ -537,10 +724,31 @@ def _global_step(mdict: dict[str, Any], counters: dict[str, Any], distinct: list
     if step is not None and len(distinct) == 1 and distinct[0] != step:
         findings.append(Finding("inconsistent", "step_mismatch",
                                 f"global step {step} ({step_source}) but optimizer step counters say {distinct[0]}"))
-    if "step" in counters and mdict.get("step") is not None and counters["step"] != mdict["step"]:
-        findings.append(Finding("inconsistent", "step_mismatch",
-                                f"manifest step {mdict['step']} but counter '{counter_keys['step']}' says {counters['step']}"))
+    if "step" in counters and step is not None and step_source != "counter" and counter != step:
+        if own and mdict.get("step") is not None:
+            findings.append(Finding("inconsistent", "step_mismatch",
+                                    f"manifest step {mdict['step']} but counter '{counter_keys['step']}' says {counter}"))
+        elif not own:
+            findings.append(Finding("info", "user_counter",
+                                    f"counter '{counter_keys['step']}' says {counter} and the {step_source}"
+                                    + (" step counters say" if step_source == "optimizer" else " says") + f" {step}: "
+                                    "no convention defines that counter, so it is the trainer's own count (micro-steps "
+                                    "or accumulation passes count differently) and is carried as saved; the global "
+                                    f"step is {step}, from the {step_source}", keys=(counter_keys["step"],)))
     return step, step_source
+
+
+def _owned_counter_keys(cls: Classification, counter_keys: dict[str, str], ix: Any) -> frozenset[str]:
+    """The counter keys a convention defines as the trainer's own (evidence a disagreement is judged by):
+    the primary convention's ``[counters]``, a user convention's, and a counter read from a known sidecar
+    (Megatron's common.pt). A key only generic.toml's list names is the user's own count, a fact."""
+    from reshard.semantics.conventions import builtin_conventions
+
+    shipped = {id(c) for c in builtin_conventions()}
+    convs = [cls.convention] + [c for c in cls.composed if id(c) not in shipped]
+    owned = {k for c in convs for keys in c.counters.values() for k in keys}
+    owned |= {k for k in counter_keys.values() if k not in ix.entries}  # a sidecar's, not a DCP key
+    return frozenset(owned)
 
 
 def _check_accumulation(acc: dict[str, Any] | None, findings: list[Finding]) -> None:

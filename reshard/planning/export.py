@@ -17,7 +17,12 @@ Parameters: their FQN (no ``model.`` checkpoint prefix), after the optional rena
 
 Tied weights (the manifest's ``model.tied``, or a pair from ``formats/models/ties.toml``
 whose copies are bitwise equal) are written once. ``dtype`` casts floating-point
-parameters and moments only (step counters keep their dtype).
+parameters and moments only (step counters keep their dtype, and so does float4_e2m1fn_x2,
+which has no conversion). Every dtype a checkpoint holds is exported as stored: safetensors
+names float8 (``F8_E4M3``, ``F8_E5M2``, the ``FNUZ`` variants, ``F8_E8M0``), ``F4`` (two
+values per byte: the header's last dimension is twice torch's), ``U16``-``U64`` and ``C64``;
+a dtype it has no name for (complex32, complex128, bits) is refused by key and dtype before
+anything is written (`unstorable`), with ``--format torch`` as the way out.
 
 Every safetensors shard's ``__metadata__`` header (string values, JSON-encoded where not a
 plain string, `header_metadata`) holds: ``format`` = ``"pt"`` (transformers requires it),
@@ -47,6 +52,8 @@ from typing import Any
 import torch
 
 from reshard.errors import BadInput
+from reshard.model.plan import NOT_CAST
+from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
 
 EXPORT_FORMAT_VERSION = "1"
 HF_CONFIG = "config.json"
@@ -57,12 +64,12 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
 }
 
-ST_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
+ST_DTYPE_NAMES: dict[torch.dtype, str] = SAFETENSORS_NAMES
+"""The safetensors name of every dtype the format stores (float8 e4m3fn/e5m2 and their fnuz
+variants, F8_E8M0, F4, U16-U64, C64, ...); what is not here (complex32, complex128, the bits
+dtypes) an export in safetensors refuses by key and dtype before writing (`unstorable`)."""
+UNCASTABLE: frozenset[torch.dtype] = frozenset(getattr(torch, n) for n in NOT_CAST)
+"""Floating dtypes ``--dtype`` leaves as they are (`reshard.model.plan.NOT_CAST`: float4_e2m1fn_x2)."""
 
 
 # ===================================================================================== renaming
@@ -187,7 +194,7 @@ class ExportItem:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass
@@ -211,8 +218,33 @@ def dtype_arg(dtype: str | None) -> torch.dtype | None:
     return dt
 
 
+def unstorable(items: list[ExportItem], fmt: str, *, where: str | None = None) -> BadInput | None:
+    """The refusal of an export whose ``items`` hold a dtype ``fmt`` cannot store (None: it can).
+
+    safetensors (and ``--format hf``, which writes it) names a fixed set of dtypes
+    (`ST_DTYPE_NAMES`); ``torch.save`` (``--format torch``) stores every dtype a checkpoint can
+    hold. Every offending key is named with its dtype, before a byte is written.
+    """
+    if fmt == "torch":
+        return None
+    bad = [(it.key, it.dtype) for it in items
+           if it.dtype not in ST_DTYPE_NAMES or (it.dtype in PACKED and not it.shape)]  # F4 counts along a last dim
+    if not bad:
+        return None
+    names = sorted({str(d).removeprefix("torch.") for _, d in bad})
+    listed = ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in bad[:8]) + (" ..." if len(bad) > 8 else "")
+    optim = all(k.startswith("optim.") or ".state." in k for k, _ in bad)
+    return BadInput(f"{len(bad)} tensor(s) have a dtype safetensors cannot store ({', '.join(names)}): {listed}",
+                    where=where, keys=[k for k, _ in bad],
+                    hint="Export with --format torch (torch.save stores every dtype)"
+                         + (", or leave the optimizer state out with --only model" if optim else "")
+                         + "; nothing was written.")
+
+
 def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | None,
-                rules: RenameRules | None) -> ExportPlan:
+                rules: RenameRules | None, fmt: str = "safetensors") -> ExportPlan:
+    """What an export of ``ix`` writes (see the module docstring); ``fmt``'s dtypes are checked
+    (`unstorable`: a dtype safetensors has no name for is refused, every such key named)."""
     from reshard.semantics.conventions import known_tied_pairs
     from reshard.storage.index import bitwise_equal
 
@@ -276,16 +308,18 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype
                                where=rules.source if rules else None, hint="Fix the rename rules.")
             seen[name] = key
             out_dtype = e.dtype
-            if dtype is not None and r.role in ("parameter", "optimizer_moment") and e.dtype.is_floating_point:
+            if dtype is not None and r.role in ("parameter", "optimizer_moment") and e.dtype.is_floating_point \
+                    and e.dtype not in UNCASTABLE:
                 out_dtype = dtype
-            if out_dtype not in ST_DTYPE_NAMES:
-                raise BadInput(f"'{key}' has dtype {e.dtype}, which safetensors cannot store")
             p.items.append(ExportItem(key, name, r.role, tuple(e.shape), e.dtype, out_dtype))
             rec.update(action="exported", name=name, dtype=str(e.dtype).removeprefix("torch."),
                        exported_dtype=str(out_dtype).removeprefix("torch."),
                        cast=out_dtype != e.dtype, shape=list(e.shape))
         p.keys.append(rec)
     p.tied = [[rename(n) for n in g] for g in p.tied_fqns]
+    refusal = unstorable(p.items, fmt, where=str(ix.root))
+    if refusal is not None:
+        raise refusal
     if unrenamed:
         p.warnings.append(f"{len(unrenamed)} name(s) matched no rule of {rules.source or rules.name} and keep their own "
                           f"name: {', '.join(unrenamed[:10])}" + (" ..." if len(unrenamed) > 10 else ""))
@@ -300,7 +334,7 @@ def key_actions(ix, cls, mdict: dict[str, Any], *, only: str) -> list[dict[str, 
     leaves out instead of believing the report the export carries. Names and dtypes do not
     change what is left out, so no rename rules or cast are taken.
     """
-    return plan_export(ix, cls, mdict, only=only, dtype=None, rules=None).keys
+    return plan_export(ix, cls, mdict, only=only, dtype=None, rules=None, fmt="torch").keys  # every dtype: what is left out
 
 
 def assign_shards(items: list[ExportItem], max_shard_size: int, ext: str) -> list[list[ExportItem]]:

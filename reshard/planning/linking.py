@@ -86,6 +86,11 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
     """Decide, key by key, what `--data link` shares and what it writes (see the module docstring)."""
     out = LinkLayout()
     opts = plan.options
+    from reshard.storage.hf_dcp import HfDcpIndex
+
+    if isinstance(ix, HfDcpIndex):  # its tensors are raw safetensors bytes, which no DCP item can point at
+        out.reasons.append(f"the source is torch's safetensors-backed DCP ({ix.version}): its files hold no DCP "
+                           "items to share")
     if output_format != "dcp":
         out.reasons.append(f"--output-format {output_format} writes another format: there are no DCP items to share")
     if getattr(opts, "dtype", None):

@@ -110,8 +110,11 @@ def build_options(g: Given, ckpt: str | Path | None) -> Options:
         ties += [t for t in prof.ties if t not in ties]
         from_prof.append("ties")
     reasons = {c.pattern: c.reason for c in keep + drop if c.reason}
+    stated_by_config = tc.layout_spec() if tc is not None else None
+    if stated_by_config is not None and _manifest_records_topology(ckpt):
+        stated_by_config = None
     return Options(
-        to=g.to or "", from_spec=pick("from_spec", g.from_spec, prof.from_spec if prof else None),
+        to=g.to or "", from_spec=pick("from_spec", g.from_spec, prof.from_spec if prof else None, stated_by_config),
         micro_batch=g.micro_batch, grad_accum=g.grad_accum, schedule=g.schedule, data_policy=g.data_policy,
         rng_policy=g.rng_policy, seed=g.seed, trust_pickle=g.trust_pickle,
         rules=pick("rules", g.rules, prof.rules if prof else None), model_config=config or None,
@@ -121,6 +124,40 @@ def build_options(g: Given, ckpt: str | Path | None) -> Options:
         profile=_record(prof.file, prof.sha256, from_prof, name=prof.name) if prof else None,
         trainer_config=_record(tc.file, tc.sha256, from_tc, kind=tc.kind, notes=list(tc.notes) or None) if tc else None,
         **source)
+
+
+def _manifest_records_topology(ckpt: str | Path | None) -> bool:
+    """Whether the checkpoint's manifest records the layout it was written at (a converted output does).
+
+    A trainer config describes the run, and a conversion may have moved its checkpoint to
+    another layout: its degrees state the source layout only where the checkpoint records none.
+    An unreadable manifest counts as none here; `inspect` names it.
+    """
+    if ckpt is None:
+        return False
+    from reshard.errors import ReshardError
+    from reshard.semantics.manifest import read_manifest
+
+    try:
+        manifest = read_manifest(Path(ckpt))
+    except (ReshardError, OSError):
+        return False
+    return bool(manifest is not None and (manifest.to_dict() or {}).get("topology"))
+
+
+def from_origin(options: Options) -> str:
+    """Where the source layout ``options.from_spec`` was stated, in words for a message that names it.
+
+    The command line wins over a profile, which wins over a trainer config's degrees (`build_options`),
+    and each file records that it contributed ``from_spec``.
+    """
+    spec = options.from_spec
+    for label, rec in (("the profile", options.profile), ("the trainer config", options.trainer_config)):
+        if rec and "from_spec" in (rec.get("contributed") or []):
+            if label == "the profile":
+                return f'from = "{spec}" in the profile {rec["file"]}'
+            return f"the parallelism degrees of the trainer config {rec['file']} ({spec})"
+    return f"--from {spec} (command line)"
 
 
 def _record(file: str, sha256: str, contributed: list[str], **extra: Any) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from reshard.model.inspection import Inspection
 from reshard.model.plan import Options, Plan
 from reshard.planning import decisions
 from reshard.planning.keys import key_actions, per_rank_prefix
-from reshard.planning.options import user_conventions
+from reshard.planning.options import from_origin, user_conventions
 from reshard.planning.describe import inspect_checkpoint
 from reshard.planning.slice import apply_slice, slice_verdict
 from reshard.semantics import placement as placement_mod
@@ -35,6 +35,8 @@ from reshard.semantics import schedule as schedule_mod
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
 from reshard.storage import sidecars
+from reshard.storage.hf_dcp import export_refusal
+from reshard.storage.safetensors_format import ExportIndex
 
 
 @paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
@@ -170,7 +172,9 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
     if user or options.ties:
         inspection = None
     ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
-                                           conventions=user, ties=options.ties)
+                                           conventions=user, ties=options.ties, from_origin=from_origin(options))
+    if isinstance(ins.index, ExportIndex):  # full tensors: `reshard import` lays them out, plan and convert refuse alike
+        raise export_refusal(src, options.to)
     _check_recorded_conventions(ins.manifest, options, src)
     r = ins.report
     if not r["complete"]:

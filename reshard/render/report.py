@@ -74,9 +74,13 @@ def render_inspect(r: dict[str, Any]) -> str:
         out.append(f"  {role:<18}{s['count']:>8}{human_bytes(s['bytes']):>12}  {dts}")
     out.append("")
     o = r["optimizer"]
+    sets = o.get("moment_sets") or []
     if o["moment_names"]:
-        out.append(f"optimizer   moments {', '.join(o['moment_names'])} for {o['with_moments']} of {o['parameters']} parameters"
-                   + ("; missing for " + ", ".join(o["missing_moments"][:5]) if o["missing_moments"] else "; every trainable parameter covered"))
+        what = moment_sets_text(sets) if len(sets) > 1 else ", ".join(o["moment_names"])
+        out.append(f"optimizer   moments {what} ({o['with_moments']} of {o['parameters']} parameters)" if len(sets) > 1 else
+                   f"optimizer   moments {what} for {o['with_moments']} of {o['parameters']} parameters")
+        out[-1] += ("; missing for " + ", ".join(o["missing_moments"][:5]) if o["missing_moments"]
+                    else "; every trainable parameter covered")
     else:
         out.append("optimizer   no moments (a resume from here is a warm start)")
     sc = o["step_counters"]
@@ -112,6 +116,17 @@ def render_inspect(r: dict[str, Any]) -> str:
     for n in r.get("notes", []):
         out.append(f"note        {n['message']}")
     return "\n".join(out)
+
+
+def moment_sets_text(sets: list[dict[str, Any]]) -> str:
+    """The optimizer's moment sets in words: ``momentum_buffer for 2 parameters (group 0); exp_avg, exp_avg_sq
+    for 4 (group 1)`` (one optimizer per group: Muon for the matrices, AdamW for the rest)."""
+    parts = []
+    for i, r in enumerate(sets):
+        groups = r.get("groups") or []
+        where = f" ({'group' if len(groups) == 1 else 'groups'} {', '.join(groups)})" if groups else ""
+        parts.append(f"{', '.join(r['moments'])} for {r['parameters']}{' parameters' if i == 0 else ''}{where}")
+    return "; ".join(parts)
 
 
 def _ranges(xs: list[int]) -> str:

@@ -69,6 +69,9 @@ class Convention:
     # False when the writer saves each replicated chunk from one replica only (Megatron's
     # replica_id 0): the chunks then say nothing of the data-parallel degree.
     stores_replicas: bool = True
+    # The mesh order (innermost first) with which the save plans in `.metadata` give the layout
+    # (Megatron's torch_dist: reshard.semantics.megatron); empty: the writer records no plans.
+    save_plans_rank_order: tuple[str, ...] = ()
     buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
 
     def classify(self, key: str, kind: str, *, composed: bool = False) -> "KeyRole":
@@ -196,12 +199,21 @@ def _parse(spec: dict[str, Any], source: str) -> Convention:
             counters=counters, source=source, generic=bool(spec.get("generic", False)),
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
             stores_replicas=bool(spec.get("topology", {}).get("stores_replicas", True)),
+            save_plans_rank_order=_rank_order(spec.get("topology", {}).get("save_plans_rank_order", [])),
             fused=tuple(FusedEntry(re.compile(f["optimizer"]), tuple(f["parts"]), int(f.get("dim", 0)),
                                    str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )
     except (KeyError, ValueError, TypeError, AttributeError, re.error) as exc:
         raise BadInput(f"invalid convention: {type(exc).__name__} {exc}", where=source,
                        hint="See formats/conventions/*.toml for the format: name, [[rule]] match/role.") from None
+
+
+def _rank_order(order: Any) -> tuple[str, ...]:
+    """``[topology] save_plans_rank_order``: tp, dp and pp each at most once, dp among them (or empty)."""
+    dims = tuple(str(d) for d in order)
+    if dims and (len(set(dims)) != len(dims) or not set(dims) <= {"tp", "dp", "pp"} or "dp" not in dims):
+        raise ValueError(f"save_plans_rank_order must list tp, dp, pp (dp required) once each, got {list(dims)}")
+    return dims
 
 
 @lru_cache(maxsize=1)

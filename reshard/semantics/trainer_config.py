@@ -92,6 +92,18 @@ class TrainerConfig:
             return grad_accum_for(self.global_batch, self.micro_batch, dp)
         return None
 
+    def layout_spec(self) -> str | None:
+        """The source layout the file states (``dp_shard=64``), or None when it leaves the FSDP degree open.
+
+        torchtitan's ``data_parallel_shard_degree = -1`` means "the rest of the world", a number
+        the file does not state: then the layout is the checkpoint's alone. The stated layout is
+        checked against the checkpoint's chunks like ``--from`` (`reshard.planning.describe`).
+        """
+        if "dp_shard" not in self.degrees:
+            return None
+        spec = ",".join(f"{d}={n}" for d, n in self.degrees.items() if n != 1)
+        return spec or "dp=1"
+
     def contributed(self) -> dict[str, Any]:
         """A plain, JSON-ready dict of what this file provides, for reports and lineage."""
         out: dict[str, Any] = {"trainer": self.trainer, "kind": self.kind, "file": self.file, "sha256": self.sha256}

@@ -4,6 +4,7 @@ A DCP tensor item is what ``torch.save(tensor)`` writes: a zip file (every membe
 whose members are, in this order::
 
     archive/data.pkl                 pickle: torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())
+                                     (v3, with the dtype last, for dtypes without a legacy storage class)
     archive/.format_version          b"1"
     archive/.storage_alignment       b"64"
     archive/byteorder                b"little"
@@ -22,6 +23,18 @@ the source files (``os.copy_file_range`` or a slab buffer) while computing its C
 append `tail`; the item's length is known before a byte is written, so several workers can
 fill one data file at precomputed offsets.
 
+**Dtypes.** ``torch.save`` names the storage of a dtype that has a legacy typed-storage
+class (float32 as ``torch.FloatStorage``, ...) and rebuilds it with ``_rebuild_tensor_v2``;
+every newer dtype (float8 e4m3fn/e5m2 and their fnuz variants, float8_e8m0fnu,
+float4_e2m1fn_x2, uint16/32/64, bits8/16 and the packed bits, complex32) has none, so torch
+pickles ``_rebuild_tensor_v3(storage, 0, size, stride, False, OrderedDict(), dtype)`` over a
+``torch.storage.UntypedStorage`` whose size is counted in bytes. Both are framed here
+(`WRITABLE`); the storage bytes are the tensor's either way. What is left out cannot be an
+item of plain storage bytes: quantized dtypes (their pickle carries the quantizer's scale
+and zero point) and the sub-byte ``int1``..``int7``/``uint1``..``uint7`` (names without a
+storage, which ``torch.save`` itself refuses). `unwritable_reason` says why, for the index
+to refuse such a checkpoint by key and dtype before anything is planned.
+
 The pickle is produced by the standard pickler (protocol 2, as torch) and is byte for byte
 the one ``torch.save`` writes for a contiguous tensor (``tests/test_archive.py`` checks
 it, and that ``torch.load(weights_only=True)`` returns the tensor); only the
@@ -34,6 +47,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import struct
 import sys
 import zlib
@@ -43,7 +57,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Framing", "archive_bytes", "crc32_combine", "fits", "framing"]
+__all__ = ["WRITABLE", "Framing", "archive_bytes", "crc32_combine", "fits", "framing", "unwritable_reason"]
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -62,16 +76,52 @@ class _Storage:
 
 
 class _Rebuild:
-    def __init__(self, storage: _Storage, shape: tuple[int, ...], stride: tuple[int, ...]):
-        self.args = (storage, 0, shape, stride, False, OrderedDict())
+    """``_rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())``, or v3 with ``dtype``
+    appended when the storage is untyped (``dtype`` not None)."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...], stride: tuple[int, ...],
+                 dtype: torch.dtype | None = None):
+        self.args: tuple = (storage, 0, shape, stride, False, OrderedDict())
+        if dtype is not None:
+            self.args += (dtype,)
 
     def __reduce__(self):
-        return (torch._utils._rebuild_tensor_v2, self.args)
+        fn = torch._utils._rebuild_tensor_v3 if len(self.args) == 7 else torch._utils._rebuild_tensor_v2
+        return (fn, self.args)
 
 
-def _storage_class(dtype: torch.dtype) -> type:
-    """The legacy typed-storage class torch.save names in the pickle (``torch.FloatStorage`` ...)."""
-    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+_SUB_BYTE = re.compile(r"u?int[1-7]")
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+_LEGACY: dict[torch.dtype, str] = {d: name for d, name in torch.storage._dtype_to_storage_type_map().items()
+                                   if d not in _QUANTIZED}
+"""dtype -> the legacy typed-storage class ``torch.save`` names for it (``FloatStorage``, ...)."""
+_UNTYPED: frozenset[torch.dtype] = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d not in _LEGACY and d not in _QUANTIZED
+    and not _SUB_BYTE.fullmatch(str(d).removeprefix("torch.")))
+"""Dtypes ``torch.save`` writes over an untyped storage (``_rebuild_tensor_v3``): every other dtype of
+torch's table with a storage of whole bytes (the sub-byte ``int1``..``uint7`` names have none)."""
+WRITABLE: frozenset[torch.dtype] = frozenset(_LEGACY) | _UNTYPED
+"""Every dtype whose items this module frames: the storage bytes are the tensor's, whatever the dtype."""
+
+
+def unwritable_reason(dtype: torch.dtype) -> str | None:
+    """Why reshard cannot write items of ``dtype`` (None: it can), in words for an error message."""
+    if dtype in WRITABLE:
+        return None
+    if dtype in _QUANTIZED:
+        return ("a quantized dtype: its items hold the quantizer (scale, zero point) beside the bytes, "
+                "so its chunks cannot be cut or joined as plain storage")
+    return "a dtype without a storage of whole bytes (torch.save itself cannot write it)"
+
+
+def _storage_pid(dtype: torch.dtype, numel: int) -> tuple:
+    """The persistent id ``torch.save`` gives the storage of a ``dtype`` tensor of ``numel`` elements."""
+    legacy = _LEGACY.get(dtype)
+    if legacy is not None:
+        return ("storage", getattr(torch, legacy), "0", "cpu", numel)
+    if dtype in _UNTYPED:
+        return ("storage", torch.storage.UntypedStorage, "0", "cpu", numel * dtype.itemsize)
+    raise ValueError(f"reshard cannot write {dtype} items: {unwritable_reason(dtype)}")
 
 
 def data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
@@ -83,14 +133,15 @@ def data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
         acc *= s
     numel = acc
     storage = _Storage()
-    pid = ("storage", _storage_class(dtype), "0", "cpu", numel)
+    pid = _storage_pid(dtype, numel)
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj):
             return pid if obj is storage else None
 
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_Rebuild(storage, shape, tuple(reversed(stride))))
+    _Pickler(buf, protocol=2).dump(_Rebuild(storage, shape, tuple(reversed(stride)),
+                                            None if dtype in _LEGACY else dtype))
     return buf.getvalue()
 
 

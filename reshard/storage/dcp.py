@@ -7,7 +7,11 @@ optionally passed through stream transforms such as zstd.
 
 This module knows bytes and formats, nothing of training: it turns `.metadata` into plain
 records without executing code, and reads single items from their byte ranges with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. Every dtype whose items are plain storage bytes is read
+(float8, float4, uint16-64, bits and complex included: `reshard.storage.archive.WRITABLE`);
+a tensor of any other (a quantized dtype, whose items carry the quantizer) is refused when
+`.metadata` is read, every such key named with its dtype, so inspect and plan exit 2 before
+anything is planned.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import torch
 from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
+from reshard.storage import save_plans
+from reshard.storage import archive
 from reshard.storage.fastread import check_item_crcs
 from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
@@ -56,6 +62,8 @@ class RawMetadata:
     locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation]
     planner_paths: dict[str, tuple]
     version: str | None
+    # `all_local_plans` as each rank's planned items (save_plans.decode), or why it is unreadable; None: absent
+    local_plans: Any = None
 
 
 def read_raw_metadata(ckpt: Path) -> RawMetadata:
@@ -169,6 +177,22 @@ def _bad(where: str, what: str) -> BadInput:
     )
 
 
+def _unwritable(where: str, found: list[tuple[str, torch.dtype]]) -> BadInput:
+    """The refusal of a checkpoint holding tensors of a dtype reshard cannot write (`reshard.storage.archive.WRITABLE`:
+    every dtype whose items are plain storage bytes, float8/float4/uint16-64/bits/complex included), every such key
+    named with its dtype, before anything is planned."""
+    listed = ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in found[:8]) + (" ..." if len(found) > 8 else "")
+    reasons = sorted({f"{str(d).removeprefix('torch.')} is {archive.unwritable_reason(d)}" for _, d in found})
+    quantized = any("quantized" in r for r in reasons)
+    return BadInput(
+        f"{len(found)} tensor(s) have a dtype reshard cannot read or write: {listed} ({'; '.join(reasons)})",
+        where=where, keys=[k for k, _ in found],
+        hint=("Save such tensors dequantized (t.dequantize()), or as their int_repr() beside the scale and zero "
+              "point, and checkpoint again; reshard plans nothing for this checkpoint" if quantized else
+              "Save such tensors in a dtype with a storage and checkpoint again; reshard plans nothing for this "
+              "checkpoint"))
+
+
 def _int_tuple(v: Any, where: str, what: str, key: str) -> tuple[int, ...]:
     """``v`` as a tuple of ints, or BadInput naming ``what`` of ``key`` (the message is built only then)."""
     if type(v) is tuple and {*map(type, v)} <= INT_ONLY:  # the common case, once per chunk: no copy, C speed
@@ -185,6 +209,7 @@ def _decode(md: Any, where: str) -> RawMetadata:
     if not isinstance(sdm, dict):
         raise _bad(where, "state_dict_metadata is not a mapping")
     entries: dict[str, RawTensor | RawObject] = {}
+    unwritable: list[tuple[str, torch.dtype]] = []
     for key, value in sdm.items():
         if not isinstance(key, str):
             raise _bad(where, f"entry key {key!r} is not a string")
@@ -196,6 +221,8 @@ def _decode(md: Any, where: str) -> RawMetadata:
             dtype = props.get("dtype") if isinstance(props, Record) else None
             if not isinstance(dtype, torch.dtype):
                 raise _bad(where, f"tensor '{key}' has no valid dtype")
+            if dtype not in archive.WRITABLE:
+                unwritable.append((key, dtype))
             shape = _int_tuple(value.get("size"), where, "global shape", key)
             chunks_in = value.get("chunks")
             if not isinstance(chunks_in, list):
@@ -211,6 +238,8 @@ def _decode(md: Any, where: str) -> RawMetadata:
             entries[key] = RawTensor(key, shape, dtype, chunks)
         else:
             raise _bad(where, f"entry '{key}' has unknown storage type {kind}")
+    if unwritable:
+        raise _unwritable(where, unwritable)
     storage = md.get("storage_data")
     if not isinstance(storage, dict):
         raise _bad(where, "storage_data is not a mapping (not written by the filesystem writer?)")
@@ -244,8 +273,8 @@ def _decode(md: Any, where: str) -> RawMetadata:
             tds = tuple(tds)
         locations[(fqn, offsets)] = ItemLocation(rel, o, n, tds)
     # `all_local_plans` (Megatron-Core's torch_dist save stores every rank's SavePlan here) is
-    # unpickled as inert records and deliberately ignored: a plan says what a rank meant to
-    # write, `state_dict_metadata` and `storage_data` what was written, and only they are evidence.
+    # read as inert records into plain item lists; the index takes them as evidence of how many
+    # ranks saved only when they agree item for item with `storage_data` (reshard.storage.save_plans).
     planner = md.get("planner_data")
     paths: dict[str, tuple] = {}
     if isinstance(planner, dict):
@@ -253,7 +282,8 @@ def _decode(md: Any, where: str) -> RawMetadata:
             if isinstance(k, str) and isinstance(v, (tuple, list)):
                 paths[k] = tuple(v)
     version = md.get("version")
-    return RawMetadata(entries, locations, paths, version if isinstance(version, str) else None)
+    return RawMetadata(entries, locations, paths, version if isinstance(version, str) else None,
+                       save_plans.decode(md.get("all_local_plans")))
 
 
 # ---------------------------------------------------------------------------- item bytes

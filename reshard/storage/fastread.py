@@ -5,6 +5,7 @@ at ``[offset, offset + length)`` of a data file. Its members, all under one top-
 folder (``archive/`` when saved to a stream, as DCP does)::
 
     data.pkl                 a small pickle: _rebuild_tensor_v2(persistent storage, offset, size, stride, ...)
+                             (v3 over an untyped storage, dtype last, for float8, uint16-64, bits, complex32)
     byteorder                b"little" / b"big" (absent in very old saves)
     data/0                   the storage bytes
     version, .data/...       format bookkeeping
@@ -179,7 +180,7 @@ class _MetaUnpickler(_weights_only_unpickler.Unpickler):
             raise _Unusual("unexpected persistent id")
         if self.storages:
             raise _Unusual("more than one storage")
-        if storage_type is torch.UntypedStorage:
+        if storage_type is torch.UntypedStorage:  # _rebuild_tensor_v3 (float8, uint16, ...): numel counts bytes
             dtype = torch.uint8
         else:
             dtype = getattr(storage_type, "dtype", None)
@@ -252,8 +253,10 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
     if type(obj) is not torch.Tensor or len(up.storages) != 1 or obj.requires_grad:
         raise _Unusual("not exactly one plain tensor over one storage")
     key, dtype, nbytes = up.storages[0]
-    if obj.dtype != dtype or obj.device.type != "meta":
+    # an untyped storage (uint8 here) carries a tensor of any dtype: its elements are whole bytes of it
+    if (obj.dtype != dtype and dtype != torch.uint8) or obj.device.type != "meta":
         raise _Unusual("tensor and storage disagree")
+    dtype = obj.dtype
     zi = members.get(f"data/{key}")
     if zi is None or zi.file_size != nbytes:
         raise _Unusual("storage member missing or of the wrong size")

@@ -20,7 +20,7 @@ from reshard.model.geometry import Box, coverage_problems, whole
 from reshard import safefs
 from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
-from reshard.storage import dcp
+from reshard.storage import dcp, save_plans
 from reshard.storage.fastread import check_item_crcs
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -83,6 +83,8 @@ class CheckpointIndex(EntryQueries):
         if orphans:
             self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
                                          file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
+        # The ranks of the save as its plans record them (Megatron's torch_dist), checked against what was stored
+        self.save_plans = save_plans.check(raw.local_plans, locations, self.writer_of)
         self._check_files(need)
         self._check_item_lengths(short)
         self._check_coverage()

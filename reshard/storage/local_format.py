@@ -26,7 +26,10 @@ A directory holding::
   (roles ``rng``/``data`` with a rank in the key, e.g. ``rng.rank_3.torch``): only the
   rank it belongs to holds it (for data-parallel-rank state such as
   ``dataloader.dp_rank_1``: every rank of that data-parallel index). The safetensors
-  metadata header is ``{"reshard": "local", "rank": "<r>", "world_size": "<W>"}``.
+  metadata header is ``{"reshard": "local", "rank": "<r>", "world_size": "<W>"}``. Every dtype
+  safetensors names is written as stored (float8, ``F4`` whose header counts 4-bit values,
+  U16-U64, C64); the writer refuses complex32, complex128 and the bits dtypes by key before
+  the first file (`reshard.engine.local_output`).
 * **Objects** (non-tensor items the plan carries, rewrites or adds; dropped keys are not
   written) are ``torch.save``-d dicts ``key -> object`` loadable with
   ``torch.load(path, weights_only=True)``. Shared objects (optimizer param groups,
@@ -90,7 +93,7 @@ from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.safe_pickle import DTYPES
-from reshard.storage.safetensors_format import SAFETENSORS_DTYPES
+from reshard.storage.safetensors_format import PACKED, SAFETENSORS_DTYPES, torch_shape
 
 FORMAT = "reshard-local"
 FORMAT_VERSION = 1
@@ -233,7 +236,7 @@ class LocalIndex(EntryQueries):
                 raise self._bad(f"tensor '{key}' is missing (the index says rank {r} holds it)", fname)
             if SAFETENSORS_DTYPES.get(h.get("dtype")) != dtype:
                 raise self._bad(f"tensor '{key}' is {h.get('dtype')} but the index says {t['dtype']}", fname)
-            if tuple(h.get("shape", ())) != box.sizes:
+            if not isinstance(h.get("shape", []), list) or torch_shape(dtype, h.get("shape", [])) != box.sizes:  # F4: values
                 raise self._bad(f"tensor '{key}' has shape {h.get('shape')} but the index says {list(box.sizes)}", fname)
             named[r].add(key)
         missing = [w for w in writers if w not in ranks]
@@ -348,8 +351,10 @@ class LocalIndex(EntryQueries):
             inter = c.box.intersect(box)
             if inter is None:
                 continue
-            sl = self._handle(c.location.file).get_slice(key)
-            piece = sl[inter.relative_to(c.box).slices()]
+            if e.dtype in PACKED:  # safetensors 0.8's get_slice reshapes F4 by its value count and fails: the piece whole
+                piece = self._handle(c.location.file).get_tensor(key)[inter.relative_to(c.box).slices()]
+            else:
+                piece = self._handle(c.location.file).get_slice(key)[inter.relative_to(c.box).slices()]
             if piece.dtype != e.dtype or tuple(piece.shape) != inter.sizes:
                 raise BadInput(f"'{key}' reads as {piece.dtype}{tuple(piece.shape)}, expected {e.dtype}{list(inter.sizes)}",
                                where=str(self.root / c.location.file))
@@ -390,12 +395,19 @@ def open_local(path: str | Path, *, trust_pickle: bool = False) -> LocalIndex:
 def open_any(path: str | Path, *, trust_pickle: bool = False,
              source_key: Callable[[str, str], str] | None = None) -> CheckpointIndex | LocalIndex:
     """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``,
+    or an `HfDcpIndex` for torch's safetensors-backed DCP (`reshard.storage.hf_dcp.is_hf_dcp`),
     or an `ExportIndex` for a safetensors export (`reshard.storage.safetensors_format.is_export`),
     whose keys ``source_key`` names (`ExportIndex`)."""
     if is_local(path):
         return open_local(path, trust_pickle=trust_pickle)
+    from reshard.storage.hf_dcp import export_note, is_hf_dcp, open_hf_dcp
+
+    if is_hf_dcp(path):  # torch's safetensors-backed DCP (HuggingFaceStorageWriter, save_distributed=True)
+        return open_hf_dcp(path, trust_pickle=trust_pickle)  # type: ignore[return-value]
     from reshard.storage.safetensors_format import is_export, open_export
 
     if is_export(path):
-        return open_export(path, trust_pickle=trust_pickle, source_key=source_key)  # type: ignore[return-value]
+        ex = open_export(path, trust_pickle=trust_pickle, source_key=source_key)
+        ex.findings.append(export_note(path))  # inspect names it, and the command that takes it (import)
+        return ex  # type: ignore[return-value]
     return CheckpointIndex.open(path, trust_pickle=trust_pickle)

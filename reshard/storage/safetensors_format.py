@@ -66,12 +66,37 @@ INDEX_HINT = ("Fix or regenerate the index so that it lists every tensor of ever
               "that holds it, and names only shard files inside the source directory.")
 
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {  # the format's dtype names
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {  # the format's dtype names (safetensors 0.8)
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "C64": torch.complex64, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2,
 }
+"""Every dtype the format names; torch's others (complex32, complex128, the bits dtypes) it cannot store."""
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
+PACKED: dict[torch.dtype, int] = {torch.float4_e2m1fn_x2: 2}
+"""Dtypes whose torch element holds several of the format's: ``F4`` counts 4-bit values, two per
+byte, so its header's last dimension is twice torch's (what ``safetensors.torch`` itself writes)."""
+
+
+def header_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The shape a safetensors header records for a torch tensor of ``dtype`` and ``shape``."""
+    out = list(shape)
+    if dtype in PACKED and out:
+        out[-1] *= PACKED[dtype]
+    return out
+
+
+def torch_shape(dtype: torch.dtype, shape: list[int]) -> tuple[int, ...] | None:
+    """The torch shape of a header's ``dtype`` and ``shape`` (None: a packed dtype whose last
+    dimension does not divide into whole torch elements, or that has none)."""
+    n = PACKED.get(dtype)
+    if n is None:
+        return tuple(shape)
+    if not shape or not isinstance(shape[-1], int) or shape[-1] % n:
+        return None
+    return (*shape[:-1], shape[-1] // n)
 
 
 def is_export(path: str | Path) -> bool:
@@ -350,11 +375,15 @@ class ExportIndex(EntryQueries):
                     raise self._bad(f"tensor '{name}' has a bad shape {shape!r}", fname)
                 if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
                     raise self._bad(f"tensor '{name}' has bad data_offsets {offs!r}", fname)
+                shape = torch_shape(dt, shape)
+                if shape is None:
+                    raise self._bad(f"tensor '{name}' is {h['dtype']} of shape {h.get('shape')!r}: its last dimension "
+                                    f"does not hold whole pairs of 4-bit values", fname)
                 numel = 1
                 for s in shape:
                     numel *= s
                 begin, end = offs
-                if end - begin != numel * torch.empty((), dtype=dt).element_size() or begin < 0:
+                if end - begin != numel * dt.itemsize or begin < 0:
                     raise self._bad(f"tensor '{name}': {end - begin} bytes for {h['dtype']}{shape}", fname)
                 if data_start + end > size:
                     raise Incomplete(f"tensor '{name}' ends at byte {data_start + end} but the file has {size} bytes",
@@ -456,7 +485,7 @@ class ExportIndex(EntryQueries):
         e = self.entry(key)
         fname, stored = self.stored[key]
         loc = e.chunks[0].location
-        esize = torch.empty((), dtype=e.dtype).element_size()
+        esize = e.dtype.itemsize
         shape = tuple(e.shape)
         row_elems = 1
         for s in shape[1:]:

@@ -246,10 +246,11 @@ def summarize(value: Any, depth: int = 0) -> Any:
 def inspect_section(ix: Any) -> list[dict[str, Any]]:
     """The inspect report's ``sidecars`` section: name, size, format, policy, writer, SHA-256 and,
     where the format is known and safe, the content. Empty for reshard's exports (their files are its own)."""
+    from reshard.storage.hf_dcp import HfDcpIndex
     from reshard.storage.index import CheckpointIndex
     from reshard.storage.local_format import LocalIndex
 
-    if not isinstance(ix, (CheckpointIndex, LocalIndex)):
+    if not isinstance(ix, (CheckpointIndex, LocalIndex, HfDcpIndex)):
         return []
     out = []
     for car in find_sidecars(ix.root, claimed_names(ix)):

@@ -131,7 +131,7 @@ from reshard.model.inspection import Inspection
 from reshard.storage.integrity import check_algorithm
 from reshard.render.progress import phase_of
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
-from reshard.verification.objects import bits, object_difference
+from reshard.verification.objects import bits, element, object_difference, widened
 
 # the comparison's entry points; `check_transforms` is `reshard.verification.evidence`'s, named here too
 __all__ = ["verify_checkpoints", "progress_bytes", "check_item_checksums", "check_transforms"]
@@ -171,16 +171,8 @@ def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None =
 
 
 # ---------------------------------------------------------------------------------- tensors
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.complex128 if t.is_complex() else torch.float64)
-
-
 def _item(t: torch.Tensor, flat: int) -> Any:
-    v = t.reshape(-1)[flat]
-    try:
-        return v.item()
-    except (RuntimeError, TypeError):  # exotic dtypes (float8, ...) have no .item()
-        return float(v.to(torch.float64).item())
+    return element(t, flat)  # float8 as its number; float4 and bits dtypes as their hex bits
 
 
 def _unravel(flat: int, sizes: tuple[int, ...]) -> list[int]:
@@ -326,16 +318,21 @@ def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes:
 def _differing(ta: torch.Tensor, tb: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
     """A flat mask of the elements that differ: bit for bit, or (a tolerance given) beyond it, widened."""
     if rtol > 0 or atol > 0:
-        wa, wb = _wide(ta), _wide(tb)
-        bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
-        del wa, wb
-        return bad
-    return (bits(ta) != bits(tb)).any(dim=1)
+        wa, wb = widened(ta), widened(tb)
+        if wa is not None and wb is not None:
+            bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)
+            del wa, wb
+            return bad
+        if ta.dtype != tb.dtype:  # a dtype without arithmetic (float4, bits) against another: no element agrees
+            return torch.ones(ta.numel(), dtype=torch.bool)
+    return (bits(ta) != bits(tb)).any(dim=1)  # bit for bit (and a dtype without arithmetic within a tolerance)
 
 
 def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: float) -> dict[str, Any]:
     """The ``value`` difference of a key with differing elements."""
     how = "bitwise" if not (rtol > 0 or atol > 0) else f"beyond rtol={rtol}, atol={atol}"
+    if how != "bitwise" and widened(torch.empty(1, dtype=ea.dtype)) is None:  # one element: an empty one converts
+        how = f"bitwise: {ea.dtype_name} has no arithmetic for a tolerance"
     return {"key": key, "kind": "value",
             "detail": f"{m.count} of {ea.numel} elements differ ({how}); first at {m.index}: {m.a!r} in A, {m.b!r} in B",
             "index": m.index, "a": m.a, "b": m.b, "count": m.count, "numel": ea.numel}

@@ -24,7 +24,6 @@ import torch
 
 from reshard.semantics import rules as rules_mod
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.storage.index import CheckpointIndex
 from reshard.model.inspection import Inspection
 from reshard.planning.describe import inspect_checkpoint
 from reshard.model.plan import Options, Plan
@@ -382,10 +381,11 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
     ``b_files``: only tensors with a chunk in these files of ``out`` (a distributed worker's part).
     """
     from reshard.semantics import transforms
+    from reshard.storage.hf_dcp import open_source
     from reshard.storage.local_format import open_any
     from reshard.semantics.conventions import reshard_key
 
-    a, b = CheckpointIndex.open(src), open_any(out, source_key=reshard_key)
+    a, b = open_source(src), open_any(out, source_key=reshard_key)  # a DCP source, or torch's safetensors DCP
     problems = []
     def mine(key: str) -> bool:
         return b_files is None or any(c.location is not None and c.location.file in b_files
@@ -397,13 +397,13 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
             continue
         x, y = a.read_tensor(t.copy_from or t.key), b.read_tensor(t.key)
         if tr["kind"] == "reinterleave":
-            ok = torch.equal(transforms.to_canonical(x, tr["dim"], tr["parts"], tr["from_tp"]),
+            ok = identical(transforms.to_canonical(x, tr["dim"], tr["parts"], tr["from_tp"]),
                              transforms.to_canonical(y, tr["dim"], tr["parts"], tr["to_tp"]))
         elif tr["kind"] == "select":  # a slice's router rows: exactly the kept experts' rows of the source
-            ok = torch.equal(transforms.select_rows(x, tr["dim"], tr["index"]).to(y.dtype), y)
+            ok = identical(transforms.select_rows(x, tr["dim"], tr["index"]).to(y.dtype), y)
         else:
             n = min(tr["from_rows"], tr["to_rows"])
-            ok = torch.equal(x.narrow(tr["dim"], 0, n), y.narrow(tr["dim"], 0, n))
+            ok = identical(x.narrow(tr["dim"], 0, n), y.narrow(tr["dim"], 0, n))
         if not ok:
             problems.append(t.key)
     for t in plan.tensors:
@@ -415,6 +415,7 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
         if not t.copy_from and a.entries[src_key].dtype_name == t.dtype:
             continue  # a plain copy: the global comparison in verify covers it, no second read
         x = a.read_tensor(src_key)
-        if not torch.equal(x.to(getattr(torch, t.dtype)), b.read_tensor(t.key)):
+        # bit for bit (`identical`): NaNs of a cast agree, and float8 has no torch.equal on CPU
+        if not identical(x.to(getattr(torch, t.dtype)), b.read_tensor(t.key)):
             problems.append(t.key)
     return problems

@@ -5,8 +5,11 @@ blob), as the safe reader loaded it, is compared by its structure, exact types a
 never by running code the checkpoint names (`object_difference`: the first difference as a
 line; `identical`: none). `reshard.verification.checkpoints` compares object keys this way
 and `reshard.verification.evidence` checks a re-derived value against the output's with it.
-Also the short ``repr`` every difference quotes (`short_repr`) and the raw-bits view of a
-tensor that the value comparison uses (`bits`).
+Also the short ``repr`` every difference quotes (`short_repr`), the raw-bits view of a
+tensor that the value comparison uses (`bits`: an integer view of the element's width, so
+float8, float4, uint16-64, bits and complex compare by their bytes, NaN payloads and
+``-0.0`` included, whatever arithmetic their dtype lacks on CPU), a differing element as a
+value (`element`) and the widened copy a tolerance compares (`widened`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,35 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if size in _INT_BY_SIZE:
         return flat.view(_INT_BY_SIZE[size]).reshape(-1, 1)
     return flat.view(torch.uint8).reshape(-1, size)
+
+
+def element(t: torch.Tensor, flat: int) -> Any:
+    """Element ``flat`` of ``t`` as a Python value for a difference report: its number when the
+    dtype has arithmetic on CPU (float8 through float64), else its raw bits as hex (``0x7f``:
+    float4_e2m1fn_x2 and the bits dtypes have neither ``.item()`` nor a conversion); a NaN with
+    its bits (``nan (0x7f)``), since two NaNs that differ differ only there."""
+    v = t.reshape(-1)[flat]
+    hexbits = "0x" + bytes(v.reshape(1).contiguous().view(torch.uint8).tolist()[::-1]).hex()  # little-endian
+    try:
+        x = v.item()
+    except (RuntimeError, TypeError):
+        try:
+            x = float(v.to(torch.float64).item())
+        except (RuntimeError, TypeError):
+            return hexbits
+    if isinstance(x, float) and x != x:
+        return f"nan ({hexbits})"
+    return x
+
+
+def widened(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as float64 (complex128 when complex) for a comparison within a tolerance, or None for
+    a dtype that has no numeric conversion on CPU (float4_e2m1fn_x2, the bits dtypes): such
+    elements can only be compared by their bits."""
+    try:
+        return t.to(torch.complex128 if t.is_complex() else torch.float64)
+    except (RuntimeError, TypeError):
+        return None
 
 
 MAX_OBJECT_DEPTH = 200  # nesting beyond this is bad input (a self-referencing pickle must not recurse forever)
