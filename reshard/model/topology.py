@@ -1,4 +1,5 @@
-"""Parallel layouts: parse `dp=32,tp=2,pp=4`, and infer a writer's layout from chunk geometry.
+"""Parallel layouts: parse `dp=32,tp=2,pp=4`, infer a writer's layout from chunk geometry, and check a
+layout the user states against the same evidence (`contradictions`).
 
 A topology is a named mesh. Dims are ordered outer to inner as torchtitan builds its
 mesh (`pp, dp_replicate, dp_shard, cp, tp`); omitted dims are 1. `dp` is an alias for
@@ -132,6 +133,7 @@ class ChunkEvidence:
     piece_writers: list[dict[int, set[int]]] = field(default_factory=list)
     cuts: dict[tuple[int, tuple[int, ...]], tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     writer_ranks: list[int] = field(default_factory=list)
+    whole_rows: int = 0  # the most rows of a tensor saved in one piece (not cut along dim 0)
 
     @property
     def collective(self) -> bool:
@@ -170,6 +172,8 @@ def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], list[Chunk]]], wr
                     if w is not None:
                         pw.setdefault(position[c[0][0]], set()).add(w)
             ev.piece_writers.append(pw)
+            if pieces[0] == 1:
+                ev.whole_rows = max(ev.whole_rows, shape[0])
             if pieces[0] > 1 and None not in writers and len(set(writers)) == len(writers) == pieces[0]:
                 cut = (shape[0], tuple(sorted(starts[0])))
                 if cut not in ev.cuts:
@@ -179,11 +183,6 @@ def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], list[Chunk]]], wr
             if pieces[d] > 1:
                 ev.tp_cuts[pieces[d]] += 1
     return ev
-
-
-def infer(param_chunks: Iterable[tuple[tuple[int, ...], list[Chunk]]], writer_ranks: list[int]) -> Topology:
-    """`infer_from` the evidence of ``(shape, chunks)`` pairs (no key names)."""
-    return infer_from(collect((("?", shape, chunks) for shape, chunks in param_chunks), writer_ranks))
 
 
 def infer_from(ev: ChunkEvidence) -> Topology:
@@ -223,7 +222,7 @@ def infer_from(ev: ChunkEvidence) -> Topology:
 def _every_writer_a_shard(ev: ChunkEvidence, tp: int, world: int) -> bool:
     """Whether one ``torch.chunk`` shard per writer explains every cut: the tensors are too small to give
     every rank rows (FSDP2 leaves the trailing ranks empty), and torch's writer still wrote a file on each."""
-    return (tp == 1 and ev.collective and ev.contiguous_writers
+    return (tp == 1 and ev.collective and ev.contiguous_writers and len(chunk_starts(ev.whole_rows, world)) <= 1
             and all(chunk_starts(rows, world) == starts for rows, starts in ev.cuts))
 
 
