@@ -28,9 +28,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,6 +38,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from rank_jobs import free_port, result, spawn  # noqa: E402
 from conftest import cli  # noqa: E402
 
 WRITER = Path(__file__).parent / "writers" / "dtypes_run.py"
@@ -65,39 +63,16 @@ UNSTORABLE = tuple(n for n in ALL if n not in STORABLE)
 TARGETS = (1, 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(mode: str, jobs: list[dict[str, Any]], where: Path) -> None:
-    """Run the writer script once for all ``jobs`` (one fork of max(world) ranks)."""
-    spec = where / f"{mode}-jobs.json"
-    spec.write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, "-W", "ignore", str(WRITER), mode, str(spec)], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, f"{mode} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def _result(path: str) -> dict[str, Any]:
-    errs = sorted(Path(path).parent.glob(Path(path).name + ".rank*.err"))
-    assert not errs, "\n".join(torch.load(e, weights_only=False)["error"] for e in errs)
-    res = torch.load(path, weights_only=False)
-    assert res["error"] is None, res["error"]
-    return res["state"]
-
-
 # ------------------------------------------------------------------------ fixtures: one spawn each way
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> dict[str, Any]:
     """Both source checkpoints and the full state rank 0 gathered when each was saved."""
     assert "bits8" not in ALL and set(UNSTORABLE) >= {"complex32", "complex128"}, (ALL, UNSTORABLE)
     root = tmp_path_factory.mktemp("dtypes")
-    jobs = [{"dir": str(root / name), "world": 2, "port": _free_port(), "result": str(root / f"{name}.reference.pt"),
+    jobs = [{"dir": str(root / name), "world": 2, "port": free_port(), "result": str(root / f"{name}.reference.pt"),
              "dtypes": list(dtypes)} for name, dtypes in (("all", ALL), ("storable", STORABLE))]
-    _spawn("write", jobs, root)
-    return {"root": root, **{Path(j["dir"]).name: {"dir": Path(j["dir"]), "reference": _result(j["result"])}
+    spawn(WRITER, "write", jobs, root, python_flags=("-W", "ignore"))
+    return {"root": root, **{Path(j["dir"]).name: {"dir": Path(j["dir"]), "reference": result(j["result"])}
                              for j in jobs}}
 
 
@@ -112,12 +87,12 @@ def converted(written) -> dict[int, dict[str, Any]]:
         code, stdout, err = cli(["convert", written["all"]["dir"], dst, "--to", f"dp={dp}"])
         out[dp] = {"dst": dst, "code": code, "stdout": stdout, "stderr": err, "loaded": None}
         if code == 0:
-            jobs.append({"dir": str(dst), "world": dp, "port": _free_port(), "result": str(root / f"dp{dp}.loaded.pt"),
+            jobs.append({"dir": str(dst), "world": dp, "port": free_port(), "result": str(root / f"dp{dp}.loaded.pt"),
                          "dtypes": list(ALL)})
     if jobs:
-        _spawn("load", jobs, root)
+        spawn(WRITER, "load", jobs, root, python_flags=("-W", "ignore"))
         for j in jobs:
-            out[j["world"]]["loaded"] = _result(j["result"])
+            out[j["world"]]["loaded"] = result(j["result"])
     return out
 
 

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -44,6 +41,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from rank_jobs import free_port, result, spawn  # noqa: E402
 from conftest import cli  # noqa: E402
 
 from reshard.verification.objects import identical, object_difference  # noqa: E402
@@ -56,36 +54,14 @@ TRUST: dict[str, list[str]] = {}  # extra CLI flags per variant (none: every var
 BUFFERS = {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(mode: str, jobs: list[dict[str, Any]], where: Path) -> None:
-    """Run the writer script once for all ``jobs`` (one fork of max(world) ranks)."""
-    spec = where / f"{mode}-jobs.json"
-    spec.write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(WRITER), mode, str(spec)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{mode} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def _result(path: str) -> dict[str, Any]:
-    errs = sorted(Path(path).parent.glob(Path(path).name + ".rank*.err"))
-    assert not errs, "\n".join(torch.load(e, weights_only=False)["error"] for e in errs)
-    res = torch.load(path, weights_only=False)
-    assert res["error"] is None, res["error"]
-    return res["state"]
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> dict[str, dict[str, Any]]:
     """Every variant's source checkpoint and the reference full state saved with it."""
     root = tmp_path_factory.mktemp("torch_variants")
-    jobs = [{"variant": v, "dir": str(root / v), "world": SRC_WORLD[v], "port": _free_port(),
+    jobs = [{"variant": v, "dir": str(root / v), "world": SRC_WORLD[v], "port": free_port(),
              "result": str(root / f"{v}.reference.pt")} for v in VARIANTS]
-    _spawn("write", jobs, root)
-    return {j["variant"]: {"dir": Path(j["dir"]), "reference": _result(j["result"]), "root": root} for j in jobs}
+    spawn(WRITER, "write", jobs, root)
+    return {j["variant"]: {"dir": Path(j["dir"]), "reference": result(j["result"]), "root": root} for j in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +100,12 @@ def converted(written, inspected) -> dict[str, dict[str, Any]]:
         code, stdout, err = cli(args)
         out[v] = {"dst": dst, "code": code, "stdout": stdout, "stderr": err, "loaded": None}
         if code == 0:
-            jobs.append({"variant": v, "dir": str(dst), "world": TARGET_DP[v], "port": _free_port(),
+            jobs.append({"variant": v, "dir": str(dst), "world": TARGET_DP[v], "port": free_port(),
                          "result": str(root / f"{v}.loaded.pt")})
     if jobs:
-        _spawn("load", jobs, root)
+        spawn(WRITER, "load", jobs, root)
         for j in jobs:
-            out[j["variant"]]["loaded"] = _result(j["result"])
+            out[j["variant"]]["loaded"] = result(j["result"])
     return out
 
 

@@ -26,9 +26,6 @@ whatever the device. The ranks are forked from one parent that has imported torc
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 
+from rank_jobs import free_port, result, spawn  # noqa: E402
 from conftest import assert_bitwise_equal, cli, require_packages  # noqa: E402
 
 require_packages("transformers")
@@ -49,37 +47,15 @@ CONVERTED = {"muon": 4, "bare": 2, "bare_small": 2}  # source -> the dp it is co
 RECIPE = ["--source-micro-batch", "8", "--source-grad-accum", "4"]  # the counters run: 8 x 4 x dp 2 = 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(mode: str, jobs: list[dict[str, Any]], where: Path) -> None:
-    """Run the writer script once for all ``jobs`` (one fork of max(world) ranks)."""
-    spec = where / f"{mode}-jobs.json"
-    spec.write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(WRITER), mode, str(spec)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{mode} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def _result(path: str) -> dict[str, Any]:
-    errs = sorted(Path(path).parent.glob(Path(path).name + ".rank*.err"))
-    assert not errs, "\n".join(torch.load(e, weights_only=False)["error"] for e in errs)
-    res = torch.load(path, weights_only=False)
-    assert res["error"] is None, res["error"]
-    return res["state"]
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> dict[str, Any]:
     """Every source and the reference full state saved with it."""
     root = tmp_path_factory.mktemp("open_world3")
-    jobs = [{"variant": v, "dir": str(root / v), "world": w, "port": _free_port(), "result": str(root / f"{v}.ref.pt")}
+    jobs = [{"variant": v, "dir": str(root / v), "world": w, "port": free_port(), "result": str(root / f"{v}.ref.pt")}
             for v, w in SOURCES.items()]
-    _spawn("write", jobs, root)
+    spawn(WRITER, "write", jobs, root)
     out: dict[str, Any] = {"root": root}
-    out.update({j["variant"]: {"dir": Path(j["dir"]), "reference": _result(j["result"])} for j in jobs})
+    out.update({j["variant"]: {"dir": Path(j["dir"]), "reference": result(j["result"])} for j in jobs})
     return out
 
 
@@ -94,12 +70,12 @@ def converted(written) -> dict[str, dict[str, Any]]:
         code, stdout, err = cli(["convert", written[v]["dir"], dst, "--to", f"dp={dp}", "--quiet"])
         out[v] = {"dst": dst, "code": code, "stdout": stdout, "stderr": err, "loaded": None}
         if code == 0:
-            jobs.append({"variant": v, "dir": str(dst), "world": dp, "port": _free_port(),
+            jobs.append({"variant": v, "dir": str(dst), "world": dp, "port": free_port(),
                          "result": str(root / f"{v}.loaded.pt")})
     if jobs:
-        _spawn("load", jobs, root)
+        spawn(WRITER, "load", jobs, root)
         for j in jobs:
-            out[j["variant"]]["loaded"] = _result(j["result"])
+            out[j["variant"]]["loaded"] = result(j["result"])
     return out
 
 

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,32 +33,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
 pytest.importorskip("safetensors")
 
+from rank_jobs import free_port, result, spawn  # noqa: E402
 from conftest import cli  # noqa: E402
 
 WRITER = Path(__file__).parent / "writers" / "torch_hf_storage.py"
 SHARD_1 = "shard-00001-model-00001-of-00001.safetensors"
 SHARD_2 = "shard-00002-model-00001-of-00001.safetensors"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(mode: str, jobs: list[dict[str, Any]], where: Path) -> None:
-    spec = where / f"{mode}-jobs.json"
-    spec.write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(WRITER), mode, str(spec)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{mode} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
-
-def _result(path: Path) -> dict[str, Any]:
-    errs = sorted(path.parent.glob(path.name + ".rank*.err"))
-    assert not errs, "\n".join(torch.load(e, weights_only=False)["error"] for e in errs)
-    res = torch.load(path, weights_only=False)
-    assert res["error"] is None, res["error"]
-    return res["state"]
 
 
 def _bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -75,12 +52,12 @@ def _bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def written(tmp_path_factory) -> dict[str, Any]:
     """The three folders torch wrote and the reference full state."""
     root = tmp_path_factory.mktemp("torch_hf_storage")
-    job = {"kind": "write", "world": 2, "port": _free_port(), "result": str(root / "reference.pt"),
+    job = {"kind": "write", "world": 2, "port": free_port(), "result": str(root / "reference.pt"),
            "sharded": str(root / "sharded"), "consolidated": str(root / "consolidated"),
            "with_optim": str(root / "with_optim")}
-    _spawn("write", [job], root)
+    spawn(WRITER, "write", [job], root)
     return {"root": root, "sharded": root / "sharded", "consolidated": root / "consolidated",
-            "with_optim": root / "with_optim", "reference": _result(Path(job["result"]))["full"]}
+            "with_optim": root / "with_optim", "reference": result(Path(job["result"]))["full"]}
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +78,14 @@ def converted(written) -> dict[str, Any]:
         out[name] = {"code": code, "stdout": stdout, "stderr": err, "dir": args[2], "loaded": None}
         if code == 0:
             jobs.append({"kind": "load", "name": name, "dir": str(args[2]), "world": world, "nest": nest,
-                         "reader": "dcp", "port": _free_port(), "result": str(root / f"{name}.loaded.pt")})
+                         "reader": "dcp", "port": free_port(), "result": str(root / f"{name}.loaded.pt")})
     for name, src, world, nest in (("source", written["sharded"], 2, "model"), ("consolidated", written["consolidated"], 3, "")):
         jobs.append({"kind": "load", "name": name, "dir": str(src), "world": world, "nest": nest, "reader": "hf",
-                     "port": _free_port(), "result": str(root / f"{name}.loaded.pt")})
+                     "port": free_port(), "result": str(root / f"{name}.loaded.pt")})
         out[name] = {"loaded": None}
-    _spawn("load", jobs, root)
+    spawn(WRITER, "load", jobs, root)
     for j in jobs:
-        out[j["name"]]["loaded"] = _result(Path(j["result"]))
+        out[j["name"]]["loaded"] = result(Path(j["result"]))
     return out
 
 

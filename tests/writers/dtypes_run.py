@@ -25,13 +25,8 @@ dtype, NaN and subnormal patterns included, so only a bitwise comparison can pas
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import sys
-import traceback
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -166,47 +161,7 @@ def load_job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     return full_state(model, optim)
 
 
-def run_job(rank: int, job: dict[str, Any], fn: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
-    world = job["world"]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"]), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
-    result: dict[str, Any]
-    try:
-        state = fn(rank, job)
-        dist.barrier()
-        result = {"error": None, "state": state}
-    except BaseException:  # noqa: BLE001 - the test reports the traceback
-        result = {"error": f"rank {rank}: {traceback.format_exc()}"}
-    finally:
-        dist.destroy_process_group()
-    if rank == 0 or result["error"]:
-        path = job["result"] if rank == 0 else f"{job['result']}.rank{rank}.err"
-        torch.save(result, path)
-
-
-def worker(rank: int, mode: str, jobs: list[dict[str, Any]]) -> None:
-    """Entry point of each forked rank: every job this rank takes part in."""
-    torch.set_num_threads(1)
-    fn = write_job if mode == "write" else load_job
-    for job in jobs:
-        if rank < job["world"]:
-            run_job(rank, job, fn)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("write", "load"):
-        print("usage: dtypes_run.py write|load JOBS.json", file=sys.stderr)
-        return 2
-    mode, jobs = args[0], json.loads(Path(args[1]).read_text())
-    import torch.multiprocessing as mp
-
-    # fork: the children share the parent's imported torch (start-up dominates on a small box)
-    mp.start_processes(worker, args=(mode, jobs), nprocs=max(j["world"] for j in jobs), join=True,
-                       start_method="fork")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    import jobs  # tests/writers is sys.path[0] when run as a script
+
+    sys.exit(jobs.main(write_job, load_job))

@@ -32,12 +32,7 @@ of that size while the other ranks sit the job out (as tests/writers/torch_varia
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,43 +108,7 @@ def load_job(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     return {"full": get_model_state_dict(model, options=FULL), "checkpoint_keys": keys}
 
 
-def run_job(rank: int, job: dict[str, Any]) -> None:
-    world = job["world"]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"]), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
-    result: dict[str, Any]
-    try:
-        state = (write_job if job["kind"] == "write" else load_job)(rank, job)
-        dist.barrier()
-        result = {"error": None, "state": state}
-    except BaseException:  # noqa: BLE001 - the test reports the traceback
-        result = {"error": f"rank {rank}: {traceback.format_exc()}"}
-    finally:
-        dist.destroy_process_group()
-    if rank == 0 or result["error"]:
-        torch.save(result, job["result"] if rank == 0 else f"{job['result']}.rank{rank}.err")
-
-
-def worker(rank: int, jobs: list[dict[str, Any]]) -> None:
-    torch.set_num_threads(1)
-    for job in jobs:
-        if rank < job["world"]:
-            run_job(rank, job)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("write", "load"):
-        print("usage: torch_hf_storage.py write|load JOBS.json", file=sys.stderr)
-        return 2
-    jobs = json.loads(Path(args[1]).read_text())
-    import torch.multiprocessing as mp
-
-    # fork: the children share the parent's imported torch (start-up dominates on a small box)
-    mp.start_processes(worker, args=(jobs,), nprocs=max(j["world"] for j in jobs), join=True, start_method="fork")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    import jobs  # tests/writers is sys.path[0] when run as a script
+
+    sys.exit(jobs.main(write_job, load_job))
