@@ -52,6 +52,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.model.geometry import Box, coverage_problems, whole
+from reshard.storage.fileio import ShortRead, read_exact
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, torch_shape
 
@@ -297,19 +298,14 @@ class HfDcpIndex(EntryQueries):
         except FileNotFoundError:
             raise Incomplete(f"shard file holding '{e.key}' is missing", where=str(path), hint=HINT) from None
         try:
-            view, got = memoryview(buf), 0
-            while got < n:
-                k = os.preadv(fd, [view[got:]], start + got)
-                if k <= 0:
-                    break
-                got += k
+            read_exact(fd, buf, start)
+        except ShortRead:
+            raise Incomplete(f"'{e.key}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path),
+                             hint=HINT) from None
         except OSError as exc:
             raise BadInput(f"cannot read '{e.key}' ({exc.strerror or exc})", where=str(path)) from None
         finally:
             os.close(fd)
-        if got != n:
-            raise Incomplete(f"'{e.key}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path),
-                             hint=HINT)
         return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
 
     def read_object(self, key: str) -> Any:

@@ -55,6 +55,7 @@ import torch
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
+from reshard.storage.fileio import ShortRead, read_exact
 from reshard import safefs
 
 FORMAT = "safetensors-export"
@@ -499,18 +500,14 @@ class ExportIndex(EntryQueries):
         path = self.root / fname
         fd = self._open_shard(fname)
         try:
-            view, got = memoryview(buf), 0
-            while got < n:
-                k = os.preadv(fd, [view[got:]], start + got)
-                if k <= 0:
-                    break
-                got += k
+            read_exact(fd, buf, start)
+        except ShortRead:
+            raise Incomplete(f"'{stored}' needs bytes {start}..{start + n} but the file ends earlier",
+                             where=str(path)) from None
         except OSError as exc:
             raise BadInput(f"cannot read '{stored}' ({exc.strerror or exc})", where=str(path)) from None
         finally:
             os.close(fd)
-        if got != n:
-            raise Incomplete(f"'{stored}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path))
         if n == 0:
             return torch.empty(out_shape, dtype=e.dtype)
         return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
