@@ -37,7 +37,7 @@ class Converted:
         """Kept K of N items, or started over and why (`reshard.storage.journal.describe`); "" when not resumable."""
         from reshard.storage.journal import describe
 
-        return describe(self.report["resume"]) if self.report and self.report.get("resume") else ""
+        return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
 
 
 def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[str] = None,

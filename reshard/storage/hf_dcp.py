@@ -52,9 +52,8 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.model.geometry import Box, coverage_problems, whole
-from reshard.storage.fileio import ShortRead, read_exact
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, torch_shape
+from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, read_span, torch_shape
 
 FORMAT = "hf-safetensors-dcp"
 SHARDING_KEY = "DCP_SHARDING_INFO"   # torch's CUSTOM_METADATA_KEY
@@ -292,20 +291,11 @@ class HfDcpIndex(EntryQueries):
         if n == 0:
             return torch.empty(out_shape, dtype=e.dtype)
         path = self.root / c.location.file
-        buf = bytearray(n)
         try:
             fd = safefs.open_read(path, root=safefs.resolve_root(self.root))
         except FileNotFoundError:
             raise Incomplete(f"shard file holding '{e.key}' is missing", where=str(path), hint=HINT) from None
-        try:
-            read_exact(fd, buf, start)
-        except ShortRead:
-            raise Incomplete(f"'{e.key}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path),
-                             hint=HINT) from None
-        except OSError as exc:
-            raise BadInput(f"cannot read '{e.key}' ({exc.strerror or exc})", where=str(path)) from None
-        finally:
-            os.close(fd)
+        buf = read_span(fd, start, n, name=e.key, path=path, hint=HINT)
         return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
 
     def read_object(self, key: str) -> Any:

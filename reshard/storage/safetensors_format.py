@@ -259,6 +259,22 @@ def default_key(name: str) -> str:
     return "model." + name
 
 
+def read_span(fd: int, start: int, n: int, *, name: str, path: Path, hint: str | None = None) -> bytearray:
+    """``n`` bytes of tensor ``name`` at ``start`` of an open shard (closed here): a file that ends
+    early is `Incomplete`, a failed read `BadInput`, both naming the tensor and the file."""
+    buf = bytearray(n)
+    try:
+        read_exact(fd, buf, start)
+    except ShortRead:
+        raise Incomplete(f"'{name}' needs bytes {start}..{start + n} but the file ends earlier", where=str(path),
+                         hint=hint) from None
+    except OSError as exc:
+        raise BadInput(f"cannot read '{name}' ({exc.strerror or exc})", where=str(path)) from None
+    finally:
+        os.close(fd)
+    return buf
+
+
 class ExportIndex(EntryQueries):
     """The read-only global view of a safetensors export (the CheckpointIndex interface)."""
 
@@ -496,18 +512,7 @@ class ExportIndex(EntryQueries):
             out_shape = (rows, *shape[1:])
         else:
             start, n, out_shape = loc.offset, esize, ()
-        buf = bytearray(n)
-        path = self.root / fname
-        fd = self._open_shard(fname)
-        try:
-            read_exact(fd, buf, start)
-        except ShortRead:
-            raise Incomplete(f"'{stored}' needs bytes {start}..{start + n} but the file ends earlier",
-                             where=str(path)) from None
-        except OSError as exc:
-            raise BadInput(f"cannot read '{stored}' ({exc.strerror or exc})", where=str(path)) from None
-        finally:
-            os.close(fd)
+        buf = read_span(self._open_shard(fname), start, n, name=stored, path=self.root / fname)
         if n == 0:
             return torch.empty(out_shape, dtype=e.dtype)
         return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
