@@ -137,4 +137,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import os
+
     main()
+    # Fabric leaves its gloo group alive; torn down by the interpreter, a gloo thread can abort
+    # the rank ("terminate called without an active exception", SIGABRT) after its work is done.
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
