@@ -205,7 +205,7 @@ def convert(
     dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
     only: Optional[str] = typer.Option(None, "--only", **_choice(args.ONLY), help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination holding a checkpoint or an earlier reshard output (atomically); anything else is refused."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Run as M processes on this machine (torchrun), each writing its share of the target files."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="I/O threads per process (default: 4-8 by CPU count)."),
@@ -343,7 +343,7 @@ def export(
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
     model_config: Optional[list[str]] = typer.Option(None, "--model-config", help="--format hf: a config value the checkpoint cannot hold, name=value (repeatable), e.g. n_heads=32, rms_norm_eps=1e-5, rope_theta=500000."),
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination holding a checkpoint or an earlier reshard output (atomically); anything else is refused."),
     json_out: bool = typer.Option(False, "--json", help="Print the export report as JSON."),
     quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:
@@ -372,7 +372,7 @@ def import_(
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules, applied in reverse."),
     fmt: str = typer.Option("reshard", "--format", help="Output key convention: reshard (default), or torchtitan / a family of formats/hf/ (SRC is then a Hugging Face model directory; names, inverse transforms and TP layout from the family's files)."),
     experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty destination (atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination holding a checkpoint or an earlier reshard output (atomically); anything else is refused."),
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),
     quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
 ) -> None:

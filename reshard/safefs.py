@@ -23,14 +23,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import BadInput
 
-__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "UnsafeFile", "check_name", "describe", "loads_json", "open_read", "read_bounded",
-           "read_json", "regular_size", "resolve_root"]
+__all__ = ["MAX_JSON_BYTES", "MAX_JSON_DEPTH", "UnsafeFile", "check_depth", "check_name", "check_toml_nesting", "describe", "loads_json",
+           "loads_toml", "open_read", "read_bounded", "read_json", "regular_size", "resolve_root", "too_deep"]
 
 MAX_JSON_BYTES = 256 << 20   # manifests, reports and index files: real ones are well under 100 MiB
 MAX_JSON_DEPTH = 64          # real ones nest under 10 levels
@@ -171,15 +172,94 @@ def loads_json(data: bytes | str, *, where: str, what: str = "JSON file", max_de
     try:
         obj = json.loads(data)
     except RecursionError:
-        obj = None
-        ok = False
+        raise too_deep(where, what, max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadInput(f"the {what} is not valid JSON ({exc})", where=where) from None
-    else:
-        ok = _depth_ok(obj, max_depth)
-    if not ok:
-        raise BadInput(f"the {what} nests deeper than {max_depth} levels", where=where,
-                       hint="Real ones nest a few levels; this file is corrupt or forged.")
+    return check_depth(obj, where=where, what=what, max_depth=max_depth)
+
+
+_TOML_TOKEN = re.compile(r'"""|\'\'\'|["\'#\[\]{}.,=\n]')
+_BASIC_END = re.compile(r'[\\"\n]')
+_LITERAL_END = re.compile(r"['\n]")
+
+
+def check_toml_nesting(text: str, *, where: str, what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """`too_deep` unless ``text``'s arrays, inline tables and dotted keys nest at most ``max_depth`` levels.
+
+    One linear scan outside strings and comments: the open ``[``/``{`` plus the dots of the key
+    (or value) being read, reset at ``= , [ { ] }`` and line ends. It overcounts by at most two
+    (a table header's brackets, a float's dot), never undercounts: strings end where TOML ends
+    them (escapes in basic strings, a line end in single-line ones). What it bounds is what makes
+    tomllib slow or recurse (one key's parts, one value's brackets); a table header's depth plus
+    its keys' is the parsed document's, which `check_depth` measures after.
+    """
+    depth = dots = worst = 0
+    pos, n = 0, len(text)
+    while pos < n:
+        m = _TOML_TOKEN.search(text, pos)
+        if m is None:
+            break
+        t, pos = m.group(), m.end()
+        if t in ('"""', "'''"):             # multi-line string: to its closing quotes (and up to 2 more)
+            end = _closing(text, pos, t)
+            pos = end + 3
+            while pos < n and text[pos] == t[0] and pos < end + 5:
+                pos += 1
+        elif t == '"':                       # basic string: escapes, ends at " or a line end
+            while True:
+                e = _BASIC_END.search(text, pos)
+                if e is None:
+                    pos = n
+                    break
+                pos = e.end() + (1 if e.group() == "\\" else 0)
+                if e.group() != "\\":
+                    break
+        elif t == "'":                       # literal string: no escapes
+            e = _LITERAL_END.search(text, pos)
+            pos = n if e is None else e.end()
+        elif t == "#":
+            e = text.find("\n", pos)
+            pos = n if e < 0 else e
+        elif t == ".":
+            dots += 1
+        else:
+            depth += 1 if t in "[{" else -1 if t in "]}" else 0
+            dots = 0
+        worst = max(worst, depth + dots)
+        if worst > max_depth:
+            raise too_deep(where, what, max_depth)
+
+
+def _closing(text: str, pos: int, quotes: str) -> int:
+    """Where a multi-line string opened before ``pos`` closes (``len(text)`` if never)."""
+    while True:
+        i = text.find(quotes, pos)
+        if i < 0:
+            return len(text)
+        if quotes == "'''":
+            return i
+        k = i                                # a basic one: the quotes must not be escaped
+        while k > pos and text[k - 1] == "\\":
+            k -= 1
+        if (i - k) % 2 == 0:
+            return i
+        pos = i + 1
+
+
+def too_deep(where: str, what: str, max_depth: int = MAX_JSON_DEPTH) -> BadInput:
+    """The refusal of a document nested deeper than ``max_depth`` (its parser's recursion would not return)."""
+    return BadInput(f"the {what} nests deeper than {max_depth} levels of objects/tables and arrays", where=where,
+                    hint=f"Real ones nest a few levels: rewrite it flatter (at most {max_depth}); as it is, it is "
+                         "corrupt or forged.")
+
+
+def check_depth(obj: Any, *, where: str, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``obj`` (a parsed JSON or TOML document) if it nests at most ``max_depth`` levels, else `too_deep`.
+
+    Measured iteratively: whatever reads the document later (hashing, copying, printing) may recurse.
+    """
+    if not _depth_ok(obj, max_depth):
+        raise too_deep(where, what, max_depth)
     return obj
 
 
@@ -216,10 +296,25 @@ def read_small_text(path: str | os.PathLike, what: str, *, limit: int = 1 << 20,
 def read_small_toml(path: str | os.PathLike, what: str, *, limit: int = 1 << 20,
                     hint: str | None = None) -> tuple[dict[str, Any], bytes]:
     """A small TOML file the user names, parsed: (its tables, its bytes, for a hash). See `read_small_text`."""
+    data = read_small_text(path, what, limit=limit, hint=hint)
+    return loads_toml(data.decode("utf-8"), where=str(path), what=what), data
+
+
+def loads_toml(text: str, *, where: str, what: str = "TOML file", max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """Parse TOML text capped in nesting depth; malformed or too deep is bad input naming ``where``.
+
+    Measured before `tomllib` sees it (`check_toml_nesting`): tomllib recurses once per nested
+    array or inline table, and a dotted key of n parts (``a.a.a... = 1``) costs it O(n^2) time and
+    memory (10^4 parts: 2 s and 400 MB; 10^5 would exhaust the machine). The parsed tables are
+    measured again, iteratively: whatever reads them later may recurse.
+    """
     import tomllib
 
-    data = read_small_text(path, what, limit=limit, hint=hint)
+    check_toml_nesting(text, where=where, what=what, max_depth=max_depth)
     try:
-        return tomllib.loads(data.decode("utf-8")), data
+        doc = tomllib.loads(text)
+    except RecursionError:
+        raise too_deep(where, what, max_depth) from None
     except tomllib.TOMLDecodeError as exc:
-        raise BadInput(f"invalid {what}: {exc}", where=str(path)) from None
+        raise BadInput(f"invalid {what}: {exc}", where=where) from None
+    return check_depth(doc, where=where, what=what, max_depth=max_depth)

@@ -171,8 +171,8 @@ def render(res: dict) -> str:
                      f"{r['items_written']} | {nr / gib:.2f} GiB | {'yes' if not r['differ'] else 'no: ' + ', '.join(r['differ'])} |")
     lines += ["", f"Resuming saved {saved_s:.2f} s of {b['wall_s']:.2f} s ({100 * saved_s / b['wall_s']:.0f} %) and "
                   f"{kept.get('bytes_not_rewritten', 0) / gib:.2f} GiB of writes against starting over "
-                  f"({kept.get('items_kept', 0)} of {kept.get('items', 0)} items kept, each read back and checked "
-                  "against its journaled CRC-32 first)."]
+                  f"({kept.get('items_kept', 0)} of {kept.get('items', 0)} items kept, each read back and compared "
+                  "with the bytes the rerun writes from the source as it is now)."]
     return "\n".join(lines)
 
 

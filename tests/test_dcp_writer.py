@@ -391,11 +391,30 @@ def test_atomic_overwrite_replaces_entirely(tmp_path, monkeypatch, exchange):
     (dst / "old").write_text("old")
     (dst / "sub").mkdir()
     (dst / "sub" / "deep").write_text("old")
-    with atomic_directory(dst, overwrite=True) as tmp:
+    # an arbitrary temporary tree, not a checkpoint: the caller's rule allows replacing it
+    with atomic_directory(dst, overwrite=True, replaceable=lambda p: True) as tmp:
         assert (dst / "old").exists()  # old output stays visible while writing
         (tmp / "new").write_text("new")
     assert sorted(p.name for p in dst.iterdir()) == ["new"]
     assert _leftovers(tmp_path, "out") == []
+
+
+def test_atomic_overwrite_replaces_only_what_its_rule_allows(tmp_path):
+    """By default only a checkpoint (here one DcpWriter wrote) is replaced; a user's file makes it refuse,
+    naming the file, before anything is created; a caller's ``replaceable`` rule is obeyed either way."""
+    dst = tmp_path / "out"
+    dst.mkdir()
+    _write_sample(dst)
+    (dst / "notes.txt").write_text("mine")
+    for rule, words in ((None, "notes.txt"), (lambda p: False, "caller's rule")):
+        with pytest.raises(BadInput, match=words):
+            with atomic_directory(dst, overwrite=True, replaceable=rule):
+                pytest.fail("must not enter")
+        assert (dst / "notes.txt").read_text() == "mine" and _leftovers(tmp_path, "out") == []
+    (dst / "notes.txt").unlink()
+    with atomic_directory(dst, overwrite=True) as tmp:
+        (tmp / "new").write_text("new")
+    assert sorted(p.name for p in dst.iterdir()) == ["new"]
 
 
 def test_atomic_overwrite_failure_keeps_old(tmp_path):
@@ -403,7 +422,7 @@ def test_atomic_overwrite_failure_keeps_old(tmp_path):
     dst.mkdir()
     (dst / "old").write_text("old")
     with pytest.raises(KeyError):
-        with atomic_directory(dst, overwrite=True) as tmp:
+        with atomic_directory(dst, overwrite=True, replaceable=lambda p: True) as tmp:
             (tmp / "new").write_text("new")
             raise KeyError("x")
     assert sorted(p.name for p in dst.iterdir()) == ["old"]

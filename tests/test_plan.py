@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -266,14 +267,21 @@ def test_convert_executes_exactly_the_reviewed_plan(reference_ckpt, tmp_path, ca
 
 
 def test_existing_destination_refused_then_replaced_whole_with_overwrite(reference_ckpt, tmp_path, capsys):
+    """A non-empty DST is refused; --overwrite replaces a checkpoint there as a whole (none of its old
+    files survive), but not while it holds a file no checkpoint has: that one is named, nothing is touched."""
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "old-file").write_text("old")
+    shutil.copytree(reference_ckpt, dst)  # a real 4-rank checkpoint stands at DST
     code, _, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=2"], capsys)
-    assert code == 2 and "--overwrite" in err and (dst / "old-file").exists()
+    assert code == 2 and "--overwrite" in err and (dst / "__3_0.distcp").exists()
+    (dst / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=2", "--overwrite"], capsys)
+    assert code == 2 and "notes.txt" in err and "move" in err, err
+    assert (dst / "notes.txt").read_text() == "mine" and (dst / "__3_0.distcp").exists()
+    (dst / "notes.txt").unlink()
     code, _, err = run_cli(["convert", reference_ckpt, dst, "--to", "dp=2", "--overwrite"], capsys)
     assert code == 0, err
-    assert not (dst / "old-file").exists() and (dst / ".metadata").exists()
+    assert not (dst / "__3_0.distcp").exists() and not (dst / "__2_0.distcp").exists()  # the old files went with it
+    assert (dst / ".metadata").exists() and (dst / "reshard-report.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.reshard-tmp")]
 
 

@@ -239,11 +239,11 @@ def test_drop_reason_on_the_command_line(tmp_path, capsys):
     assert code == 0, err
     assert p["options"]["drop"] == [r"^scratch\."]
     assert _key(p["keys"], "scratch.note")["reason"] == r"--drop ^scratch\.: notes of a debugging session"
-    # a '=' inside a group stays part of the pattern
+    # a '=' inside a bracket stays part of the pattern (lookarounds, '(?=', are refused: RE2, issue 32)
     code, p, err = _json(["plan", src, "--to", "dp=2", "--no-profile", "--tie", "emb.weight=head.weight",
-                          "--keep", r"^(?=ema|mystery)", "--drop", r"^scratch\."], capsys)
+                          "--keep", r"^(ema|mystery)[=.]", "--drop", r"^scratch\."], capsys)
     assert code == 0, err
-    assert p["options"]["keep"] == [r"^(?=ema|mystery)"]
+    assert p["options"]["keep"] == [r"^(ema|mystery)[=.]"]
 
 
 def test_the_profile_inside_a_checkpoint_is_not_read(tmp_path, capsys):

@@ -48,6 +48,7 @@ import numpy as np
 from reshard.render.window import window_markdown, window_title
 from reshard.semantics import manifest as mf
 from reshard.errors import BadInput
+from reshard.safefs import loads_json
 from reshard.units import consecutive_runs
 from reshard.semantics.steplog import StepRecord, read_steplog
 
@@ -67,8 +68,8 @@ def _read_manifest(path: Path) -> mf.Manifest:
                            hint="Pass the converted checkpoint (or its manifest.json), or omit --manifest.")
         return m
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = loads_json(path.read_bytes(), where=str(path), what="manifest")  # nesting bounded (exit 2)
+    except OSError as exc:
         raise BadInput(f"cannot read manifest: {exc}", where=str(path)) from exc
     return mf.Manifest.from_dict(data, source=str(path))
 

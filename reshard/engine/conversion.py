@@ -72,7 +72,7 @@ from reshard.planning import linking
 from reshard.model.plan import Plan
 from reshard.semantics.transition import output_manifest
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
-from reshard.engine.copy import IOOptions, WriteChecks, keep_checked_honest, write_items, writing_bytes
+from reshard.engine.copy import IOOptions, WriteChecks, write_items, writing_bytes
 from reshard.engine.link import convert_link
 from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest, verify_output,
                                     write_reports)
@@ -167,7 +167,6 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             checked = WriteChecks()
             with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
                 write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
-            keep_checked_honest(checked, w)
             w.finish(sync_data=False)
         finally:
             w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)

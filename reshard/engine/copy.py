@@ -11,8 +11,12 @@ It exists apart from the conversion run (`reshard.engine.conversion`) because tw
 share it: a single process writes every item, and each worker of a distributed run
 (`reshard.engine.distributed`) reserves every item and fills only its own files. Both
 record how each item was checked while written (`WriteChecks`, `PieceLedger`), so the
-verification afterwards compares only what was not, and a resumed run that keeps an item
-counts it as the interrupted run checked it (`replay_check`).
+verification afterwards compares only what was not. A resumed run keeps an item an
+interrupted run journaled only once it has proven it, in this run, against the source as
+it is now (`reshard.engine.resume`): a kept spliced item was read and compared bitwise with
+its source rows, whose CRC-32s went to the same ledger, and is counted as the copy that
+would have written it counts it (`_count_kept`), so a resumed run reports what an
+uninterrupted one does.
 """
 from __future__ import annotations
 
@@ -28,8 +32,10 @@ from reshard.storage import archive, fastread
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.semantics.transforms import write_transformed
-from reshard.storage.crcledger import StorageRecord
+from reshard.storage.crcledger import CrcLedger, StorageRecord
 from reshard.storage.dcp_writer import DcpWriter
+from reshard.storage.fileio import ALIGN, FdCache
+from reshard.engine.resume import Resumed, prove_spliced, whole_storages
 from reshard.engine.splice import run_jobs
 from reshard.model.plan import Plan
 
@@ -48,44 +54,6 @@ def writing_bytes(plan: Plan, ix: CheckpointIndex) -> int:
     """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
     actions = {a.key: a.action for a in plan.keys}
     return sum(e.nbytes for key, e in ix.entries.items() if actions.get(key) != "dropped")
-
-
-class _PieceRecorder:
-    """A copy job's view of the run's ledger that also keeps the pieces the job hands it, so the
-    journal can record them and a resumed run that keeps the item hands them over again."""
-
-    def __init__(self, ledger: Any) -> None:
-        self.ledger = ledger
-        self.pieces: list[list[Any]] = []
-
-    def add(self, rec: StorageRecord, offset: int, nbytes: int, crc: int) -> bool:
-        self.pieces.append([rec.path, rec.key, rec.at, rec.nbytes, rec.crc, offset, nbytes, crc])
-        return self.ledger.add(rec, offset, nbytes, crc)
-
-
-def replay_check(w: DcpWriter, loc: Any, key: str, checked: set[str]) -> None:
-    """An item a resumed run kept, counted as the interrupted run checked it when it wrote it
-    (`DcpWriter.kept_check`): the same counts, the same source pieces into the ledger, so the
-    verification and the report are an uninterrupted run's."""
-    c = w.kept_check(loc)
-    if c is None or not isinstance(checked, WriteChecks):
-        return
-    for path, k, at, nbytes, crc, offset, n, piece in c.get("p") or ():
-        checked.ledger.add(StorageRecord(path, k, int(at), int(nbytes), crc), int(offset), int(n), int(piece))
-    if c.get("k") == "ledger":
-        checked.defer(key, [tuple(s) for s in c.get("s") or ()])
-    elif c.get("k") in ("crc", "read"):
-        checked.count(by_source_crc=c["k"] == "crc")
-
-
-def keep_checked_honest(checked: set[str], w: DcpWriter) -> None:
-    """A key with an item a resumed run kept without its having been checked against the source
-    (the interrupted run was killed before verifying it) leaves the set: it is compared after writing."""
-    for key in w.kept_unchecked():
-        if key in checked:
-            checked.discard(key)
-            if isinstance(checked, WriteChecks):
-                checked.after_writing += 1
 
 
 class PieceLedger(splice.SourceLedger):
@@ -170,9 +138,21 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
     (``w.owns``) while reserving every item (`reshard.engine.distributed`).
     """
     io = io or IOOptions()
+
+    def done(tok: Any, result: Any) -> None:  # in submission order, on this thread
+        if isinstance(tok, _FinishItems):
+            tok.done(w)
+        elif isinstance(result, Resumed):  # a journaled item: proven and kept, or rewritten
+            if result.kept:
+                w.proven(tok, result.crc)
+            else:
+                w.unproven(tok, result.found)
+                w.filled(tok, result.crc)
+        else:
+            w.filled(tok, result)
+
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
-             threads=io.threads, window=io.window,
-             on_done=lambda tok, crc: tok.done(w) if isinstance(tok, _FinishItems) else w.filled(tok, crc))
+             threads=io.threads, window=io.window, on_done=done)
     if isinstance(checked, WriteChecks):
         checked.finalize()
     if commit:
@@ -257,29 +237,31 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
         if sources is not None and archive.fits(box.numel * dtype.itemsize):
             fr = archive.framing(dtype, box.sizes)
             loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
-            if w.needs(loc):  # this process's file, and not kept by a resumed run
+            if w.needs(loc):  # this process's file (a resumed run's journaled item: kept once proven)
                 job = splice.SpliceJob(box, dtype.itemsize, fr, sources)
                 fd, path = w.fd(rank), str(w.directory / loc.file)
                 dfd = w.direct_fd(rank) if direct else None
 
-                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, loc=loc, path=path, key=e.key):
-                    seen = _PieceRecorder(ledger) if ledger is not None else None
-                    crc = job.run(fd, loc.offset, buffers, files, slab, direct_fd=dfd, ledger=seen)
+                def work(buffers, files, slab, job=job, fd=fd, dfd=dfd, loc=loc, path=path, key=e.key,
+                         journaled=w.candidate(loc)):
+                    found = None
+                    if journaled:
+                        proof = prove_spliced(job, fd, loc.offset, buffers, files, slab, ledger)
+                        if proof.equal:
+                            _count_kept(job, checked, key, loc.offset + job.framing.storage_offset, dfd, ledger)
+                            return Resumed(True, proof.crc, proof.crc)
+                        found = proof.crc
+                    crc = job.run(fd, loc.offset, buffers, files, slab, direct_fd=dfd, ledger=ledger)
                     if job.ledgered:
                         checked.defer(key, job.ledger_sources)
-                        w.vouch(loc, {"k": "ledger", "p": seen.pieces, "s": [list(s.ident) for s in job.ledger_sources]})
-                        return crc
-                    if not job.checked:
-                        job.check(path, fd, loc.offset, buffers, files, slab)
-                    if isinstance(checked, WriteChecks):
-                        checked.count(by_source_crc=job.checked)
-                    # how it was checked, for a resumed run that keeps it (`replay_check`)
-                    w.vouch(loc, {"k": "crc" if job.checked else "read", "p": seen.pieces if seen else []})
-                    return crc
+                    else:
+                        if not job.checked:
+                            job.check(path, fd, loc.offset, buffers, files, slab)
+                        if isinstance(checked, WriteChecks):
+                            checked.count(by_source_crc=job.checked)
+                    return crc if found is None else Resumed(False, found, crc)
 
                 yield work, loc
-            elif w.owns(rank):
-                replay_check(w, loc, e.key, checked)
         elif w.owns(rank):
             all_spliced = False
             w.write_chunk(rank, e.key, box.offsets, ix.read_box(e.key, box))
@@ -297,12 +279,13 @@ def _band_tensor(w: DcpWriter, e, targets: list[tuple[int, Box]], sources: list,
     for rank, box in targets:  # the same reservations, in the same order, as `_copy_tensor`'s
         fr = archive.framing(dtype, box.sizes)
         loc = w.reserve_chunk(rank, e.key, box.offsets, box.sizes, fr.length)
+        if w.needs(loc) and w.candidate(loc) \
+                and _prove_here(w, rank, loc, splice.SpliceJob(box, dtype.itemsize, fr, sources), checked):
+            continue  # a resumed run's journaled item, proven against the source now: kept
         if w.needs(loc):
             item = bands.BandItem(box, dtype.itemsize, fr, w.fd(rank), w.direct_fd(rank), loc.offset)
             item.write_head()
             items.append((loc, item))
-        elif w.owns(rank):
-            replay_check(w, loc, e.key, checked)
     jobs = []
     for s in sources:
         feeds = [it for _loc, it in items if (x := s.box.intersect(it.box)) is not None and not x.is_empty()]
@@ -327,8 +310,51 @@ class _FinishItems:
     checked: set[str]
 
     def done(self, w: DcpWriter) -> None:
-        for loc, item in self.items:
-            w.vouch(loc, {"k": "crc", "p": []})  # its source bytes were checked against their records (a mismatch raised)
+        for loc, item in self.items:  # its source bytes were checked against their records (a mismatch raised)
             w.filled(loc, item.finish())
             if isinstance(self.checked, WriteChecks):
                 self.checked.count(by_source_crc=True)
+
+
+def _prove_here(w: DcpWriter, rank: int, loc: Any, job: splice.SpliceJob, checked: set[str]) -> bool:
+    """A journaled item of a band tensor proven on this thread, before the band jobs are made (an item
+    kept needs no job; `reshard.engine.resume.prove_spliced`); True when it is kept."""
+    files = FdCache()
+    try:
+        ledger = checked.ledger if isinstance(checked, WriteChecks) else CrcLedger()
+        proof = prove_spliced(job, w.fd(rank), loc.offset, splice.WorkerBuffers(), files,
+                              splice.CHECK_WINDOW, ledger)
+    finally:
+        files.close()
+    if not proof.equal:
+        w.unproven(loc, proof.crc)
+        return False
+    w.proven(loc, proof.crc)
+    if isinstance(checked, WriteChecks):
+        checked.count(by_source_crc=True)  # as `_FinishItems` counts a band item: its source rows went to the ledger
+    return True
+
+
+def _count_kept(job: splice.SpliceJob, checked: set[str], key: str, storage_at: int, direct_fd: int | None,
+                ledger: Any) -> None:
+    """A proven kept item counted in `WriteChecks` as the copy that would have written it counts it, so
+    the report of a resumed run is an uninterrupted run's. It is at least as checked: its bytes
+    were compared bitwise with the source rows read in this run, and those bytes were checked
+    against the source's records, combined or through the ledger (`reshard.engine.resume.prove_spliced`).
+
+    A direct copy from whole recorded storages counts by the records; one from parts of them is
+    deferred to the ledger (`WriteChecks.finalize`); anything else is read back. The decision is
+    `reshard.engine.splice.SpliceJob.run`'s, from the same facts: contiguous runs on both sides, a
+    direct descriptor, an aligned storage, recorded sources."""
+    if not isinstance(checked, WriteChecks):
+        return
+    meeting = [s for s in job.sources if not job.box.sizes
+               or ((x := s.box.intersect(job.box)) is not None and not x.is_empty())]
+    direct = (whole_storages(job) and direct_fd is not None and storage_at % ALIGN == 0
+              and all(s.crc is not None for s in meeting))
+    if direct and job.recorded_crc() is not None:
+        checked.count(by_source_crc=True)
+    elif direct and ledger is not None:
+        checked.defer(key, meeting)
+    else:
+        checked.count(by_source_crc=False)

@@ -217,7 +217,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
                    overwrite: bool, progress: Any, io: Any, restart: bool = False) -> dict[str, Any] | None:
     """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
     from reshard.engine.resume import resume_key
-    from reshard.engine.copy import WriteChecks, keep_checked_honest, write_items, writing_bytes
+    from reshard.engine.copy import WriteChecks, write_items, writing_bytes
     from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest,
                                         verify_output, write_reports)
     from reshard.storage.atomic import atomic_directory, fault_point
@@ -270,7 +270,6 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
             checked = WriteChecks()
             with phase_of(progress if lead else None, "writing", writing_bytes(plan, ix)) as bar:
                 write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
-            keep_checked_honest(checked, w)
             w.sync_files()
             status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial(),
                                       "resume": journal.summary()}

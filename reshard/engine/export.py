@@ -124,7 +124,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     anything is written (`reshard.engine.space.preflight`, the report's ``estimate``).
     """
     from reshard.semantics.conventions import classify, reshard_key
-    from reshard.storage.atomic import atomic_directory, check_destination
+    from reshard.storage.atomic import atomic_directory, check_destination, output_path
     from reshard.storage.local_format import open_any
     from reshard.semantics.manifest import read_manifest
 
@@ -202,7 +202,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         report = {
             "report_version": 1,
             "source": str(src.resolve()),
-            "destination": str(dst.resolve()),
+            "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
             "format": fmt,
             "dtype": ess["dtype"],
             "only": only,

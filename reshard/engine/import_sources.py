@@ -303,7 +303,6 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
     if isinstance(archs, list) and archs and mapping.architecture not in archs:
         raise BadInput(f"{HF_CONFIG} names {archs}, not {mapping.architecture} (the class the mapping of "
                        f"'{mapping.family}' reads)", where=str(src / HF_CONFIG))
-    values = mapping.values_from_config(cfg, where=str(src / HF_CONFIG))
     ex = ExportIndex(src, keys="stored")
     by_native: dict[str, tuple[str, Any]] = {}
     for name in ex.entries:
@@ -311,6 +310,9 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
         if native in by_native:
             raise BadInput(f"'{by_native[native][0]}' and '{name}' both map to '{native}'", where=str(src))
         by_native[native] = (name, rule)
+    sized = _check_config_sizes(cfg, mapping, {n: tuple(ex.entries[h].shape) for n, (h, _) in by_native.items()},
+                                {n: h for n, (h, _) in by_native.items()}, str(src / HF_CONFIG))
+    values = mapping.values_from_config(cfg, where=str(src / HF_CONFIG))
     if mapping.tie and cfg.get("tie_word_embeddings") and mapping.tie[1] not in ex.entries and mapping.tie[0] in ex.entries:
         rule, native = mapping.from_hf_name(mapping.tie[1])
         by_native.setdefault(native, (mapping.tie[0], rule))
@@ -336,8 +338,33 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
         out.append(SourceTensor(name, key, tuple(e.shape), e.dtype, read,
                         Placement(dp_shard=bool(e.shape), tp_dim=tp_dim) if e.shape else Placement.replicated()))
     ess = {"hf_config": {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))},
-           "hf_mapping": mapping.describe(), "model_family": mapping.family, "hf_values": values}
+           "hf_mapping": mapping.describe(), "model_family": mapping.family, "hf_values": values,
+           "hf_values_unchecked": sized.unchecked}
     return out, ess, [], []
+
+
+def _check_config_sizes(cfg: dict[str, Any], mapping, shapes: dict[str, tuple[int, ...]], stored: dict[str, str],
+                        where: str):
+    """Every size ``config.json`` states, against the native tensors' shapes (`reshard.semantics.sizes`): a
+    contradiction, a non-positive or non-integer size, or an absurd model is refused (exit 2) naming
+    the key and the tensor, before any tensor is read; the sizes no tensor carries are returned as
+    ``unchecked`` (the report says so, rather than record them as facts)."""
+    import math
+
+    from reshard.semantics import sizes
+
+    stated = []
+    for key, name in mapping.config_from.items():
+        v: Any = cfg
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if v is not None:
+            stated += sizes.stated_from({name: v}, "config.json", keys={name: key})
+    found = sizes.check(stated, shapes, sizes.carriers_from_hf(mapping),
+                        parameters=sum(math.prod(s) for s in shapes.values()), names=stored)
+    found.refuse(where=where, hint="Fix config.json to the sizes of the weights beside it (transformers' "
+                                   "from_pretrained would refuse it too), then import again; nothing was written.")
+    return found
 
 
 def open_source(src: Path, rename):

@@ -61,6 +61,7 @@ from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
+from reshard.storage.atomic import output_path
 
 REPORT = "import-report.json"
 
@@ -184,6 +185,8 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
         report = _report(src, dst, tmp, topo, source, output, planned, verification, started, estimate)
         report["format"] = fmt
         report["hf"] = {"mapping": mapping.describe(), "values": source.essentials.get("hf_values"),
+                        # stated by config.json, no tensor carries them (checked for sense, not against a shape)
+                        "unchecked": source.essentials.get("hf_values_unchecked"),
                         "native": mapping.native, "key_convention": mapping.native_convention}
         report["trainer_must"] = _trainer_must(mapping.native_convention, dst)
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -196,7 +199,7 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
 def _trainer_must(convention: str, dst: Path) -> list[str]:
     """What the trainer is told so that it starts from the import (model only: no optimizer, schedule or data state)."""
     if convention == "torchtitan":
-        return [f'checkpoint.initial_load_path = "{dst.resolve()}"', "checkpoint.initial_load_model_only = true",
+        return [f'checkpoint.initial_load_path = "{output_path(dst)}"', "checkpoint.initial_load_model_only = true",
                 "checkpoint.folder: a new, empty folder (a step-N folder there is resumed instead)"]
     return []
 
@@ -350,7 +353,7 @@ def _report(src: Path, dst: Path, tmp: Path, topo: Topology, source: Source, out
     return {
         "report_version": 1,
         "source": str(src.resolve()),
-        "destination": str(dst.resolve()),
+        "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "format": source.format,
         "target": topo.to_dict(),
         "experiment_id": output.experiment_id,

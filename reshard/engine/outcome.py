@@ -22,7 +22,7 @@ from reshard.units import reproducible
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
 from reshard.storage import sidecars
-from reshard.storage.atomic import fault_point
+from reshard.storage.atomic import fault_point, output_path
 from reshard.engine.copy import WriteChecks
 from reshard.model.plan import Plan
 from reshard.render.conversion import conversion_markdown
@@ -107,7 +107,7 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
     return {
         "report_version": 1,
         "source": str(src.resolve()),
-        "destination": str(dst.resolve()),
+        "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,
         "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],

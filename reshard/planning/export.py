@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,8 @@ from typing import Any
 import torch
 
 from reshard.errors import BadInput
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import loads_toml
 from reshard.model.plan import NOT_CAST
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
 
@@ -75,7 +76,7 @@ UNCASTABLE: frozenset[torch.dtype] = frozenset(getattr(torch, n) for n in NOT_CA
 # ===================================================================================== renaming
 @dataclass(frozen=True)
 class RenameRule:
-    match: re.Pattern[str]
+    match: Pattern
     replace: str
 
 
@@ -92,17 +93,18 @@ class RenameRules:
     @classmethod
     def load(cls, path: str | Path) -> "RenameRules":
         p = Path(path)
+        where = str(p)
         try:
-            with open(p, "rb") as f:
-                spec = tomllib.load(f)
-            rules = [RenameRule(re.compile(r["match"]), str(r["replace"])) for r in spec.get("rule", [])]
+            spec = loads_toml(p.read_text(encoding="utf-8"), where=where, what="rename rules file")
+            rules = [RenameRule(compile_pattern(r["match"], where, what="[[rule]] match"), str(r["replace"]))
+                     for r in spec.get("rule", [])]
             if not rules:
                 raise ValueError("no [[rule]] entries")
             return cls(name=str(spec.get("name", p.stem)), rules=rules, strict=bool(spec.get("strict", False)),
                        source=str(p), description=str(spec.get("description", "")))
         except FileNotFoundError:
             raise BadInput("no such rename rules file", where=str(p)) from None
-        except (KeyError, ValueError, TypeError, re.error, tomllib.TOMLDecodeError) as exc:
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
             raise BadInput(f"invalid rename rules file: {exc}", where=str(p),
                            hint="Each [[rule]] needs `match` (a regex) and `replace` (re.sub template).") from None
 
@@ -170,7 +172,7 @@ def _invert(rule: RenameRule, where: str) -> RenameRule:
     inv = unescaped[0].replace("\\", "\\\\")
     for i in range(len(groups)):
         inv += f"\\g<{used.index(i) + 1}>" + unescaped[i + 1].replace("\\", "\\\\")
-    return RenameRule(re.compile("^" + out_pat + "$"), inv)
+    return RenameRule(compile_pattern("^" + out_pat + "$", where, what="inverse of rename rule"), inv)
 
 
 # ===================================================================================== planning

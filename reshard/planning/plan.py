@@ -14,12 +14,12 @@ model's layers or experts `reshard.planning.slice`.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 from reshard.gc_pause import paused_gc
 from reshard.errors import BadInput
+from reshard.patterns import Pattern, compile_pattern
 from reshard.model.inspection import Inspection
 from reshard.model.plan import Options, Plan
 from reshard.planning import decisions
@@ -32,6 +32,7 @@ from reshard.semantics import batch as batch_mod
 from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
+from reshard.semantics import sizes
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
 from reshard.storage import sidecars
@@ -50,6 +51,10 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     r, ix = ins.report, ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
+    stated = sizes.stated_by_files(options)  # a profile's or trainer config's sizes, against the tensors first
+    if stated:
+        sizes.check_against_checkpoint(stated, ix, cls, family=(mdict.get("model") or {}).get("family"),
+                                       rules_file=options.rules).refuse(where=str(src), hint=sizes.HINT)
     source_topo, target = ins.topology, parse_spec(options.to)
     same_positions = source_topo.degrees() == target.degrees()
     reasons: list[str] = []
@@ -95,19 +100,12 @@ def _with_user_ties(mdict: dict[str, Any], ties: list[list[str]] | None) -> dict
     return out
 
 
-def _key_choices(options: Options) -> tuple[list[tuple[str, re.Pattern[str]]], list[tuple[str, re.Pattern[str]]]]:
-    """``--keep`` and ``--drop`` patterns compiled; a pattern that is not a regular expression is BadInput."""
-    out: list[list[tuple[str, re.Pattern[str]]]] = []
+def _key_choices(options: Options) -> tuple[list[tuple[str, Pattern]], list[tuple[str, Pattern]]]:
+    """``--keep`` and ``--drop`` patterns compiled by RE2 (matched in time linear in the key); a pattern
+    RE2 cannot compile is BadInput. A profile's patterns were checked when the profile was read, naming it."""
+    out: list[list[tuple[str, Pattern]]] = []
     for flag, patterns in (("--keep", options.keep), ("--drop", options.drop)):
-        compiled = []
-        for pat in patterns or []:
-            try:
-                compiled.append((pat, re.compile(pat)))
-            except (re.error, TypeError) as exc:
-                raise BadInput(f"{flag} {pat!r} is not a regular expression ({exc})",
-                               hint=f"{flag} takes a Python regular expression matched against the flat key, "
-                                    "e.g. '^mystery$'.") from None
-        out.append(compiled)
+        out.append([(pat, compile_pattern(pat, flag, what=f"{flag} pattern")) for pat in patterns or []])
     return out[0], out[1]
 
 

@@ -7,7 +7,6 @@ rank files and chunking as the source; the source is never modified.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from reshard.errors import BadInput
+from reshard.safefs import loads_json
 from reshard.storage.index import RANK_FILE, CheckpointIndex
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp_writer import DcpWriter
@@ -87,7 +87,7 @@ def rewrite_checkpoint(src: str | Path, dst: str | Path, *,
         if (src / name).exists():
             if name == MANIFEST_NAME:
                 # A rewritten checkpoint has other bytes: the source's item checksums do not apply.
-                d = json.loads((src / name).read_text())
+                d = loads_json((src / name).read_bytes(), where=str(src / name), what="manifest")
                 d.pop("integrity", None)
                 if manifest_fn is not None:
                     d = manifest_fn(d)

@@ -65,7 +65,7 @@ def follow_steps(log: Path, label: str, total: int | None, say: Callable[[str], 
         for raw in lines:
             try:
                 record = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # a partial or absurd line: the step log check reports it
                 continue
             line = step_line(label, record, total) if isinstance(record, dict) else None
             if line:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Infeasible
+from reshard.safefs import loads_json
 from reshard.rehearsal import judge
 from reshard.rehearsal.ckpt import make_control
 from reshard.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, TrainerCommand, layout_spec,
@@ -88,8 +89,11 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     ix = CheckpointIndex.open(like)
     prefix = "model." if m.key_convention == "reshard" else ""
     params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
-    rules_family = select(params, family=family).family
+    rules = select(params, family=family)
+    rules_family = rules.family
     cfg = dict(m.model.config or {})
+    _check_like_sizes(cfg, {p: tuple(ix.entries[prefix + p].shape) for p in params if ix.entries[prefix + p].is_tensor},
+                      rules, str(like / "manifest.json"), prefix)
     copied: dict[str, Any] = {"from": str(like), "model_family": family, "rules_family": rules_family}
     kw: dict[str, Any] = {}
     n_heads = int(cfg.get("n_heads", 2))
@@ -117,6 +121,20 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
         copied["data"]["last_transition_policy"] = prev[-1].policies.get("data")
     copied["key_convention"] = {"real": m.key_convention, "rehearsal": "reshard"}
     return {"train": kw, "copied": copied}
+
+
+def _check_like_sizes(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], rules: Any, where: str,
+                      prefix: str) -> None:
+    """The manifest's model sizes against the checkpoint's tensors (`reshard.semantics.sizes`), before the
+    rehearsal model is sized by them: a value that is no positive integer, that a tensor contradicts, that
+    does not divide as the model needs (dim % n_heads) or that describes an absurd model is refused (exit 2)
+    naming the key and the tensor, instead of building (and allocating) a model from it."""
+    from reshard.semantics import sizes
+
+    found = sizes.check(sizes.stated_from(cfg, "the manifest", "model.config."), shapes, sizes.carriers_from_rules(rules),
+                        parameters=sum(math.prod(s) for s in shapes.values()), names={p: prefix + p for p in shapes})
+    found.refuse(where=where, hint="--like copies the model's shape from the manifest: fix model.config there to the "
+                                   "checkpoint's sizes (or rehearse without --like).")
 
 
 def rehearse(*, from_spec: str, to_spec: str, trainer: str | None = None, steps: int = 24, switch_at: int = 4,
@@ -470,7 +488,8 @@ def _run_baseline(setup: _Setup, reuse: Path | None) -> _Baseline:
 
 def _reused_baseline(setup: _Setup, spec: RunSpec, reuse: Path) -> _Baseline:
     """An earlier rehearsal's baseline, refused unless it ran what this one would."""
-    rec = json.loads((reuse / "baseline.json").read_text())
+    rec = loads_json((reuse / "baseline.json").read_bytes(), where=str(reuse / "baseline.json"),
+                     what="earlier rehearsal's baseline")
     want = spec.identity()
     diff = {f: (rec["identity"].get(f), v) for f, v in want.items() if rec["identity"].get(f) != v}
     if diff:

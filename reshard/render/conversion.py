@@ -20,6 +20,7 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
         f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
         *_write_check_lines(r["verification"]),
+        *_resume_lines(r.get("resume")),
         f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
         + (f"{r['seconds']} s" if r.get("seconds") is not None else "time not recorded (SOURCE_DATE_EPOCH is set)"),
         "",
@@ -72,6 +73,16 @@ def _write_check_lines(verification: dict[str, Any]) -> list[str]:
     return [f"- items checked as they were written: {wc['items_against_source_crc']} by CRC-32 against the "
             f"source items' records (direct copies), {wc['items_read_back']} read back and compared bitwise; "
             f"{wc.get('items_compared_after_writing', 0)} compared with the source after writing"]
+
+
+def _resume_lines(resume: dict[str, Any] | None) -> list[str]:
+    """What a resumed run kept: only items it compared, in this run, with what it writes from the source now."""
+    if not resume or not resume.get("resumed"):
+        return []
+    return [f"- resumed an interrupted run: {resume['items_kept']} of {resume['items']} items kept, each compared in "
+            f"this run with the bytes it writes from the source as it is now; "
+            f"{resume.get('items_not_matching_source', 0)} no longer matched the source and "
+            f"{resume.get('items_damaged', 0)} were damaged (both rewritten)"]
 
 
 def _spec(t: dict[str, Any]) -> str:

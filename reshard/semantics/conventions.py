@@ -15,8 +15,6 @@ convention that classified it, so the report can say who explained what.
 from __future__ import annotations
 
 import hashlib
-import re
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +22,8 @@ from typing import Any, Iterable, Sequence
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.safefs import read_small_toml
+from reshard.patterns import Pattern, PatternSet, compile_pattern
+from reshard.safefs import loads_toml, read_small_toml
 
 ROLES = (
     "parameter",         # model weights and buffers (`model.<fqn>`)
@@ -45,7 +44,7 @@ ROLES = (
 
 @dataclass(frozen=True)
 class Rule:
-    pattern: re.Pattern[str]
+    pattern: Pattern
     role: str
     kind: str | None = None  # "tensor" | "object" | None (either)
     per_rank: bool = False
@@ -59,7 +58,7 @@ class Convention:
     name: str
     description: str
     priority: int
-    markers: list[re.Pattern[str]]
+    markers: list[Pattern]
     rules: list[Rule]
     moment_names: tuple[str, ...] = ()
     counters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # counter name -> keys, first present wins
@@ -74,9 +73,32 @@ class Convention:
     save_plans_rank_order: tuple[str, ...] = ()
     buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
 
+    def __post_init__(self) -> None:
+        # every rule tried on a key in one RE2 pass (the rules' patterns, compiled once more as a set)
+        self._rule_set = PatternSet([r.pattern for r in self.rules])
+        self._marker_set = PatternSet(list(self.markers), search=True)
+
+    def markers_in(self, keys: Sequence[str]) -> int:
+        """How many of this convention's markers some key holds (one RE2 pass per key, until all are seen)."""
+        seen: set[int] = set()
+        for k in keys:
+            if len(seen) == len(self.markers):
+                break
+            seen.update(self._marker_set.matching(k))
+        return len(seen)
+
+    def first_rule(self, key: str, kind: str) -> "Rule | None":
+        """The first rule (catch-alls included) whose pattern matches ``key`` of this kind."""
+        for i in self._rule_set.matching(key):
+            rule = self.rules[i]
+            if rule.kind is None or rule.kind == kind:
+                return rule
+        return None
+
     def classify(self, key: str, kind: str, *, composed: bool = False) -> "KeyRole":
         """The first rule that matches; ``composed`` skips catch-all rules (this is not the primary)."""
-        for rule in self.rules:
+        for i in self._rule_set.matching(key):
+            rule = self.rules[i]
             if composed and rule.catch_all:
                 continue
             if rule.kind is not None and rule.kind != kind:
@@ -101,7 +123,7 @@ class FusedEntry:
     the groups of ``optimizer``; their sizes along ``dim`` add up to the fused entry's.
     """
 
-    optimizer: re.Pattern[str]
+    optimizer: Pattern
     parts: tuple[str, ...]
     dim: int = 0
     layout: str = ""
@@ -173,12 +195,7 @@ class Classification:
 
 
 def _load(path: Path) -> Convention:
-    try:
-        with open(path, "rb") as f:
-            spec = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
-        raise BadInput(f"invalid convention file: {exc}", where=str(path)) from None
-    return _parse(spec, str(path))
+    return _parse(loads_toml(path.read_text(encoding="utf-8"), where=str(path), what="convention file"), str(path))
 
 
 def _parse(spec: dict[str, Any], source: str) -> Convention:
@@ -188,22 +205,22 @@ def _parse(spec: dict[str, Any], source: str) -> Convention:
         for r in spec.get("rule", []):
             if r["role"] not in ROLES:
                 raise ValueError(f"unknown role '{r['role']}'")
-            rules.append(Rule(re.compile(r["match"]), r["role"], r.get("kind"), bool(r.get("per_rank", False)),
+            rules.append(Rule(compile_pattern(r["match"], source, what="[[rule]] match"), r["role"], r.get("kind"), bool(r.get("per_rank", False)),
                               bool(r.get("catch_all", False))))
         counters = {n: (v,) if isinstance(v, str) else tuple(str(x) for x in v)
                     for n, v in spec.get("counters", {}).items()}
         return Convention(
             name=spec["name"], description=spec.get("description", ""), priority=int(spec.get("priority", 0)),
-            markers=[re.compile(m) for m in spec.get("markers", [])], rules=rules,
+            markers=[compile_pattern(m, source, what="marker") for m in spec.get("markers", [])], rules=rules,
             moment_names=tuple(spec.get("optimizer", {}).get("moment_names", ())),
             counters=counters, source=source, generic=bool(spec.get("generic", False)),
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
             stores_replicas=bool(spec.get("topology", {}).get("stores_replicas", True)),
             save_plans_rank_order=_rank_order(spec.get("topology", {}).get("save_plans_rank_order", [])),
-            fused=tuple(FusedEntry(re.compile(f["optimizer"]), tuple(f["parts"]), int(f.get("dim", 0)),
+            fused=tuple(FusedEntry(compile_pattern(f["optimizer"], source, what="[[fused]] optimizer pattern"), tuple(f["parts"]), int(f.get("dim", 0)),
                                    str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )
-    except (KeyError, ValueError, TypeError, AttributeError, re.error) as exc:
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise BadInput(f"invalid convention: {type(exc).__name__} {exc}", where=source,
                        hint="See formats/conventions/*.toml for the format: name, [[rule]] match/role.") from None
 
@@ -323,7 +340,7 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
         params = {r.param for r in roles.values() if r.role == "parameter"}
         orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
                       and params and r.param not in params)
-        markers = sum(1 for m in conv.markers if any(m.search(k) for k, _ in keys))
+        markers = conv.markers_in([k for k, _ in keys])
         lent = sum(1 for r in roles.values() if r.convention not in (None, conv.name))
         stolen = sum(1 for i, (k, kind) in enumerate(keys) if _caught_by_catch_all(conv, k, kind)
                      and any(comp[id(o)][i].role != "unknown" for o in others))
@@ -346,10 +363,8 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
 
 def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
     """Whether ``conv`` explains ``key`` only by a catch-all rule."""
-    for rule in conv.rules:
-        if (rule.kind is None or rule.kind == kind) and rule.pattern.match(key):
-            return rule.catch_all
-    return False
+    rule = conv.first_rule(key, kind)
+    return rule is not None and rule.catch_all
 
 
 def _classify_key(i: int, primary: Convention, others: tuple[Convention, ...], first: int,
@@ -373,5 +388,6 @@ def _classify_key(i: int, primary: Convention, others: tuple[Convention, ...], f
 
 @lru_cache(maxsize=1)
 def known_tied_pairs() -> tuple[tuple[str, str], ...]:
-    with open(formats_root() / "models" / "ties.toml", "rb") as f:
-        return tuple(tuple(p) for p in tomllib.load(f).get("pairs", []))  # type: ignore[misc]
+    path = formats_root() / "models" / "ties.toml"
+    spec = loads_toml(path.read_text(encoding="utf-8"), where=str(path), what="tied pairs file")
+    return tuple(tuple(p) for p in spec.get("pairs", []))  # type: ignore[misc]

@@ -20,14 +20,14 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-import re
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from reshard.errors import BadInput, UnsafeInput
 from reshard.paths import formats_root
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import loads_toml
 
 POLICIES = ("translate", "restart-epoch", "drop")
 
@@ -62,7 +62,7 @@ class TrainerDataSetting:
 
     convention: str
     trainer: str
-    keys: re.Pattern[str]
+    keys: Pattern
     exclude_setting: str       # what the trainer must be told when the states are not written
     elastic: bool              # False: no known elastic form, translate/restart-epoch are not offered
     why: str
@@ -76,13 +76,12 @@ class TrainerDataSetting:
 def trainer_data_settings() -> tuple[TrainerDataSetting, ...]:
     out = []
     for path in sorted((formats_root() / "conventions").glob("*.toml")):
-        with open(path, "rb") as f:
-            spec = tomllib.load(f)
+        spec = loads_toml(path.read_text(encoding="utf-8"), where=str(path), what="convention file")
         d = spec.get("data")
         if not isinstance(d, dict) or "per_rank_keys" not in d:
             continue
         out.append(TrainerDataSetting(convention=str(spec.get("name", path.stem)), trainer=str(d.get("trainer", spec.get("name", path.stem))),
-                                      keys=re.compile(d["per_rank_keys"]), exclude_setting=str(d.get("exclude_setting", "")),
+                                      keys=compile_pattern(d["per_rank_keys"], str(path), what="[data] per_rank_keys"), exclude_setting=str(d.get("exclude_setting", "")),
                                       elastic=bool(d.get("elastic", True)), why=str(d.get("why", ""))))
     return tuple(out)
 
@@ -130,8 +129,8 @@ def encode_state(state: Any, pickled: bool) -> Any:
 
 @lru_cache(maxsize=1)
 def forms() -> tuple[dict[str, Any], ...]:
-    with open(formats_root() / "data_states.toml", "rb") as f:
-        return tuple(tomllib.load(f)["form"])
+    path = formats_root() / "data_states.toml"
+    return tuple(loads_toml(path.read_text(encoding="utf-8"), where=str(path), what="data-state forms file")["form"])
 
 
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +45,8 @@ import torch
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import loads_toml
 
 TRANSFORMS = ("rotary_half", "split")
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -79,7 +80,7 @@ def rotary_from_half(t: torch.Tensor, heads: int, name: str = "tensor") -> torch
 class ParamMap:
     """One ``[[param]]``: a source FQN pattern, its HF and native names, and its transform."""
 
-    match: re.Pattern[str]
+    match: Pattern
     hf: str
     native: str
     transform: str | None = None
@@ -166,8 +167,8 @@ class HfMapping:
     native: str
     native_convention: str
     params: list[ParamMap]
-    shapes: dict[str, tuple[re.Pattern[str], int]]
-    counts: dict[str, re.Pattern[str]]
+    shapes: dict[str, tuple[Pattern, int]]
+    counts: dict[str, Pattern]
     asks: list[Ask]
     defaults: dict[str, Any]
     derive: dict[str, str]
@@ -299,8 +300,9 @@ def _put(cfg: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _load(path: Path) -> HfMapping:
+    where = str(path)
     try:
-        spec = tomllib.loads(path.read_text(encoding="utf-8"))
+        spec = loads_toml(path.read_text(encoding="utf-8"), where=where, what="Hugging Face mapping")
         params = []
         for p in spec.get("param", []):
             tr = p.get("transform")
@@ -311,7 +313,7 @@ def _load(path: Path) -> HfMapping:
             parts = tuple((str(x["hf"]), str(x["size"])) for x in p.get("parts", []))
             if (tr == "split") != bool(parts) or (parts and len(parts) < 2):
                 raise ValueError(f"{p['match']!r}: transform split and parts = [{{hf, size}}, ...] (two or more) go together")
-            params.append(ParamMap(re.compile(p["match"]), str(p.get("hf", parts[0][0] if parts else "")),
+            params.append(ParamMap(compile_pattern(p["match"], where, what="[[param]] match"), str(p.get("hf", parts[0][0] if parts else "")),
                                    str(p["native"]), tr, p.get("heads"), p.get("rows"), int(p.get("dim", 0)), parts,
                                    bool(p.get("tp_layout", False))))
         if not params:
@@ -321,15 +323,15 @@ def _load(path: Path) -> HfMapping:
             family=str(spec["family"]), source=str(path), architecture=str(spec["architecture"]),
             native=str(spec.get("native", "")), native_convention=str(spec.get("native_convention", "reshard")),
             params=params,
-            shapes={k: (re.compile(v["from"]), int(v["axis"])) for k, v in spec.get("shape", {}).items()},
-            counts={k: re.compile(v["from"]) for k, v in spec.get("count", {}).items()},
+            shapes={k: (compile_pattern(v["from"], where, what=f"[shape.{k}] from"), int(v["axis"])) for k, v in spec.get("shape", {}).items()},
+            counts={k: compile_pattern(v["from"], where, what=f"[count.{k}] from") for k, v in spec.get("count", {}).items()},
             asks=[Ask(k, str(v.get("type", "int")), str(v.get("example", "N")), str(v.get("why", "")))
                   for k, v in spec.get("ask", {}).items()],
             defaults=dict(spec.get("default", {})), derive={k: str(v) for k, v in spec.get("derive", {}).items()},
             config_json=dict(spec.get("config_json", {})), config_from={k: str(v) for k, v in spec.get("config_from", {}).items()},
             tie=(str(tie[0]), str(tie[1])) if tie else None,
         )
-    except (KeyError, ValueError, TypeError, re.error, tomllib.TOMLDecodeError, IndexError) as exc:
+    except (KeyError, ValueError, TypeError, IndexError, OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"invalid Hugging Face mapping: {exc}", where=str(path)) from None
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import BadInput
+from reshard.patterns import compile_pattern
 from reshard.safefs import read_small_toml
 from reshard.semantics.conventions import load_user_convention
 
@@ -183,11 +184,7 @@ def _choices(spec: dict[str, Any], name: str, where: str) -> list[KeyChoice]:
                 or not isinstance(item.get("reason", ""), str) or set(item) - {"pattern", "reason"}:
             raise BadInput(f"profile field '{name}' must be a list of {{pattern, reason}} tables, got {item!r}",
                            where=where, hint=f"E.g. [[{name}]] pattern = '^ema\\.' reason = \"...\".")
-        try:
-            re.compile(item["pattern"])
-        except re.error as exc:
-            raise BadInput(f"profile {name} pattern {item['pattern']!r} is not a regular expression ({exc})",
-                           where=where) from None
+        compile_pattern(item["pattern"], where, what=f"profile {name} pattern")  # RE2: refused here, not matched slowly
         out.append(KeyChoice(item["pattern"], item.get("reason", "")))
     return out
 

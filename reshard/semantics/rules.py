@@ -11,9 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 import os
-import re
 import stat
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from math import ceil
@@ -22,6 +20,8 @@ from typing import Any
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import loads_toml
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,16 @@ class ConfigShape:
     """
 
     name: str
-    source: re.Pattern[str]
+    source: Pattern
     axis: int
 
 
 @dataclass
 class Pipeline:
-    layer: re.Pattern[str] | None
+    layer: Pattern | None
     num_layers: str | None
-    first: list[re.Pattern[str]]
-    last: list[re.Pattern[str]]
+    first: list[Pattern]
+    last: list[Pattern]
     tied: list[tuple[str, str]]
 
 
@@ -78,9 +78,9 @@ class ModelRules:
     family: str
     description: str
     source: str
-    params: list[tuple[re.Pattern[str], ParamRule]]
+    params: list[tuple[Pattern, ParamRule]]
     pipeline: Pipeline
-    match_params: list[re.Pattern[str]] = field(default_factory=list)
+    match_params: list[Pattern] = field(default_factory=list)
     config_shapes: list[ConfigShape] = field(default_factory=list)
 
     def rule_for(self, fqn: str) -> ParamRule | None:
@@ -125,8 +125,9 @@ def _read(path: Path, way_out: str = _FILE_HINT) -> str:
 def _load(path: Path, way_out: str = _FILE_HINT) -> ModelRules:
     path = Path(path)
     text = _read(path, way_out)
+    where = str(path)
+    spec = loads_toml(text, where=where, what="partition rules file")  # nesting bounded (exit 2 naming the file)
     try:
-        spec = tomllib.loads(text)
         if not isinstance(spec.get("family"), str) or not spec["family"]:
             raise ValueError("'family' must be a non-empty string naming the model family")
         params = []
@@ -144,20 +145,23 @@ def _load(path: Path, way_out: str = _FILE_HINT) -> ModelRules:
             )
             if rule.tp == "fused" and len(rule.parts) < 2:
                 raise ValueError(f"fused rule {p['match']!r} needs at least two parts")
-            params.append((re.compile(p["match"]), rule))
+            params.append((compile_pattern(p["match"], where, what="[[param]] match"), rule))
         pl = spec.get("pipeline", {})
         pipeline = Pipeline(
-            layer=re.compile(pl["layer"]) if pl.get("layer") else None, num_layers=pl.get("num_layers"),
-            first=[re.compile(x) for x in pl.get("first", [])], last=[re.compile(x) for x in pl.get("last", [])],
+            layer=compile_pattern(pl["layer"], where, what="[pipeline] layer") if pl.get("layer") else None,
+            num_layers=pl.get("num_layers"),
+            first=[compile_pattern(x, where, what="[pipeline] first pattern") for x in pl.get("first", [])],
+            last=[compile_pattern(x, where, what="[pipeline] last pattern") for x in pl.get("last", [])],
             tied=[tuple(t) for t in pl.get("tied", [])],  # type: ignore[misc]
         )
         return ModelRules(spec["family"], spec.get("description", ""), str(path), params, pipeline,
-                          [re.compile(x) for x in spec.get("match_params", [])], _config_shapes(spec.get("config", {})))
-    except (KeyError, ValueError, TypeError, re.error, tomllib.TOMLDecodeError) as exc:
+                          [compile_pattern(x, where, what="match_params pattern") for x in spec.get("match_params", [])],
+                          _config_shapes(spec.get("config", {}), where))
+    except (KeyError, ValueError, TypeError) as exc:
         raise BadInput(f"invalid partition rules: {exc}", where=str(path)) from None
 
 
-def _config_shapes(tables: Any) -> list[ConfigShape]:
+def _config_shapes(tables: Any, where: str) -> list[ConfigShape]:
     """The ``[config.NAME]`` tables: each names the parameters (``from``, a regex) and the ``axis`` that is NAME."""
     if not isinstance(tables, dict):
         raise ValueError("[config] must be a table of [config.NAME] tables")
@@ -166,7 +170,7 @@ def _config_shapes(tables: Any) -> list[ConfigShape]:
         if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("axis"), int) \
                 or isinstance(t.get("axis"), bool) or t["axis"] < 0:
             raise ValueError(f"[config.{name}] needs from = '<parameter regex>' and axis = <dim >= 0>")
-        out.append(ConfigShape(name, re.compile(t["from"]), t["axis"]))
+        out.append(ConfigShape(name, compile_pattern(t["from"], where, what=f"[config.{name}] from"), t["axis"]))
     return out
 
 

@@ -16,11 +16,12 @@ engine copies the bytes.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from reshard.errors import BadInput
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import loads_toml
 from reshard.units import consecutive_runs
 from reshard.semantics.rules import ModelRules, evaluate
 
@@ -35,7 +36,7 @@ class Axis:
 
     what: str                     # "layer" | "expert"
     flag: str                     # the option that chose it: --layers / --experts
-    pattern: re.Pattern[str]      # over a parameter FQN; the named group ``what`` is the index
+    pattern: Pattern      # over a parameter FQN; the named group ``what`` is the index
     count: int                    # how many the source has
     kept: tuple[int, ...]         # source indices kept, increasing
     config_name: str | None = None  # model config name of ``count`` (n_layers, n_experts)
@@ -77,12 +78,12 @@ class Slice:
     family: str
     rules_source: str
     axes: tuple[Axis, ...]
-    first: tuple[re.Pattern[str], ...] = ()
-    last: tuple[re.Pattern[str], ...] = ()
+    first: tuple[Pattern, ...] = ()
+    last: tuple[Pattern, ...] = ()
     notes: list[str] = field(default_factory=list, compare=False)
     # ``[experts] router``: parameters with one row (along ``dim``) per expert, e.g. the router's
     # gate: the slice keeps the rows of the kept experts, in order
-    routers: tuple[tuple[re.Pattern[str], int], ...] = ()
+    routers: tuple[tuple[Pattern, int], ...] = ()
 
     def rows_kept(self, param: str | None) -> tuple[int, tuple[int, ...]] | None:
         """(dim, source rows kept) of a router parameter; None: not one (or no expert slice)."""
@@ -212,7 +213,7 @@ def parse_indices(spec: str, count: int | None, *, flag: str, what: str) -> tupl
     return out
 
 
-def _count(axis_what: str, pattern: re.Pattern[str], params: list[str], config: dict[str, Any],
+def _count(axis_what: str, pattern: Pattern, params: list[str], config: dict[str, Any],
            config_name: str | None, rules: ModelRules) -> int:
     """How many layers (experts) the source has: from the parameter names, checked against the config."""
     seen = set()
@@ -240,13 +241,13 @@ def _count(axis_what: str, pattern: re.Pattern[str], params: list[str], config: 
 
 def declared_experts(rules: ModelRules) -> dict[str, Any]:
     """The family's ``[experts]`` table (empty: none), read from its rules file (already read once as rules)."""
-    import tomllib
     from pathlib import Path
 
     try:
-        spec = tomllib.loads(Path(rules.source).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        text = Path(rules.source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
         return {}
+    spec = loads_toml(text, where=rules.source, what="partition rules file")
     table = spec.get("experts")
     return table if isinstance(table, dict) else {}
 
@@ -263,7 +264,7 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
     config = dict(config or {})
     pl = rules.pipeline
     axes: list[Axis] = []
-    routers: tuple[tuple[re.Pattern[str], int], ...] = ()
+    routers: tuple[tuple[Pattern, int], ...] = ()
     if layers is not None:
         if pl.layer is None or "layer" not in pl.layer.groupindex:
             why = ("declares no [pipeline] table" if not (pl.first or pl.last or pl.layer) else
@@ -285,10 +286,7 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
                            hint="Only families that declare their expert dimension can slice experts: pass "
                                 "--rules FILE with [experts] match = '<regex with (?P<expert>\\d+)>' and "
                                 "num_experts = '<config name>', or drop --experts.")
-        try:
-            pattern = re.compile(table["match"])
-        except re.error as exc:
-            raise BadInput(f"[experts] match is not a regular expression ({exc})", where=rules.source) from None
+        pattern = compile_pattern(table["match"], rules.source, what="[experts] match")
         if "expert" not in pattern.groupindex:
             raise BadInput("[experts] match has no named group (?P<expert>\\d+)", where=rules.source)
         name = table.get("num_experts") if isinstance(table.get("num_experts"), str) else None
@@ -305,15 +303,12 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
     return Slice(rules.family, rules.source, tuple(axes), tuple(pl.first), tuple(pl.last), notes, routers)
 
 
-def _routers(tables: Any, rules: ModelRules) -> tuple[tuple[re.Pattern[str], int], ...]:
+def _routers(tables: Any, rules: ModelRules) -> tuple[tuple[Pattern, int], ...]:
     """``router = [{ match = REGEX, dim = N }]``: the parameters with a row per expert along ``dim``."""
     out = []
     for t in tables if isinstance(tables, list) else [tables]:
         if not isinstance(t, dict) or not isinstance(t.get("match"), str) or not isinstance(t.get("dim", 0), int):
             raise BadInput("[experts] router must be a list of { match = '<parameter regex>', dim = <int> }",
                            where=rules.source)
-        try:
-            out.append((re.compile(t["match"]), int(t.get("dim", 0))))
-        except re.error as exc:
-            raise BadInput(f"[experts] router match is not a regular expression ({exc})", where=rules.source) from None
+        out.append((compile_pattern(t["match"], rules.source, what="[experts] router match"), int(t.get("dim", 0))))
     return tuple(out)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import BadInput
+from reshard.safefs import check_depth, too_deep
 
 HINT = "See formats/step_log.md for the step-log format (one JSON object per line, steps increasing)."
 
@@ -96,7 +97,9 @@ def read_steplog(path: str | Path) -> list[StepRecord]:
             continue
         where = f"{path}:{n}"
         try:
-            rec = json.loads(raw)
+            rec = check_depth(json.loads(raw), where=where, what="step log line")  # bounded: exit 2, not a crash
+        except RecursionError:
+            raise too_deep(where, "step log line") from None
         except json.JSONDecodeError as exc:
             raise BadInput(f"not valid JSON ({exc.msg} at column {exc.colno})", where=where,
                            hint="A truncated last line usually means the job was killed mid-write; "

@@ -31,7 +31,8 @@ from typing import Any
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.safefs import read_small_text
+from reshard.patterns import Pattern, compile_pattern
+from reshard.safefs import check_depth, check_toml_nesting, loads_toml, read_small_text, too_deep
 
 MAX_TRAINER_CONFIG_BYTES = 16 << 20  # torchtitan 0.3's dump of a 126-layer model is under 1 MiB
 DEGREES = ("dp_shard", "dp_replicate", "tp", "pp", "cp")
@@ -58,7 +59,7 @@ class TrainerFormat:
 
     trainer: str
     file: str
-    step_folder: re.Pattern[str]
+    step_folder: Pattern
     kinds: tuple[KindSpec, ...]
     flavors: dict[str, dict[str, dict[str, Any]]]   # model name -> flavour -> values
     aliases: dict[str, dict[str, str]]               # model name -> alias -> flavour
@@ -141,7 +142,7 @@ def _table(spec: dict[str, Any], name: str, where: str) -> dict[str, tuple[str, 
 def _load_format(path: Path) -> TrainerFormat:
     where = str(path)
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        doc = loads_toml(path.read_text(encoding="utf-8"), where=where, what="trainer format file")
         kinds = []
         for spec in doc["kind"]:
             implies = spec.get("flavor_implies", {}).get("names", [])
@@ -152,10 +153,10 @@ def _load_format(path: Path) -> TrainerFormat:
                 facts=_table(spec, "facts", where), degrees=_table(spec, "degrees", where),
                 model_config=_table(spec, "model_config", where),
                 flavor_implies=_strings(implies, where, "flavor_implies.names")))
-        return TrainerFormat(trainer=str(doc["trainer"]), file=where, step_folder=re.compile(doc["step_folder"]),
+        return TrainerFormat(trainer=str(doc["trainer"]), file=where, step_folder=compile_pattern(doc["step_folder"], where, what="step_folder pattern"),
                              kinds=tuple(kinds), flavors=dict(doc.get("flavors", {})),
                              aliases=dict(doc.get("flavor_aliases", {})))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError, re.error) as exc:
+    except (OSError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise BadInput(f"invalid trainer format file: {exc!r}", where=where) from None
 
 
@@ -243,14 +244,20 @@ def _parse(text: str, file: str) -> tuple[str, dict[str, Any]]:
     if text.lstrip().startswith("{"):
         try:
             doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except RecursionError:
+            raise too_deep(file, "trainer config") from None
+        except json.JSONDecodeError as exc:
             raise BadInput(f"the trainer config is not valid JSON ({exc})", where=file, hint=_HINT) from None
-        return "json", doc
+        return "json", check_depth(doc, where=file, what="trainer config")  # nesting bounded (exit 2, not a crash)
+    check_toml_nesting(text, where=file, what="trainer config")  # before tomllib: a long dotted key is O(n^2) there
     try:
-        return "toml", tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        doc = tomllib.loads(text)
+    except RecursionError:
+        raise too_deep(file, "trainer config") from None
+    except tomllib.TOMLDecodeError as exc:
         raise BadInput(f"the trainer config is neither a JSON object nor valid TOML ({exc})", where=file,
                        hint=_HINT) from None
+    return "toml", check_depth(doc, where=file, what="trainer config")
 
 
 def _matches(kind: KindSpec, fmt: str, doc: dict[str, Any], file: str) -> bool:
@@ -352,6 +359,18 @@ def _read_kind(tf: TrainerFormat, kind: KindSpec, doc: dict[str, Any], file: str
                          global_batch=glob, grad_accum=grad_accum, seq_len=seq, degrees=degrees,
                          model_config=model_config, flavor=names["flavor"], model=names["model"], steps=steps,
                          origins=origins, notes=notes)
+
+
+def stated_at(kind_name: str, name: str) -> str:
+    """The key (path) of a trainer config of kind ``kind_name`` that states the model value ``name``, for a
+    message naming it (the paths of ``formats/trainers/*.toml``; "its flavour" where only a flavour implies it)."""
+    for tf in trainer_formats():
+        for kind in tf.kinds:
+            if kind.name == kind_name:
+                paths = " or ".join(kind.model_config.get(name, ()))
+                flavour = f"{name} (implied by its model flavour)" if name in kind.flavor_implies else ""
+                return " or ".join(p for p in (paths, flavour) if p) or name
+    return name
 
 
 def llama_ffn_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

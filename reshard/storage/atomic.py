@@ -10,7 +10,10 @@ Two runs into the same ``dst`` exclude each other with an ``flock`` on a lock fi
 ``.{dst.name}.reshard-lock`` in the parent directory; the second run fails at once with
 `BadInput` instead of waiting.
 
-Replacing a non-empty ``dst`` (``overwrite=True``) first tries the Linux
+``overwrite=True`` replaces only a checkpoint or an earlier reshard output
+(`reshard.storage.replaceable`, the rule in ``formats/replaceable.toml``): a folder holding
+anything else is refused naming what would be lost, so ``--overwrite`` never deletes a user's
+files without a word. Replacing a non-empty ``dst`` first tries the Linux
 ``renameat2(RENAME_EXCHANGE)`` system call, which swaps the two directories in one atomic
 step. Where that is unavailable (other kernels/filesystems, e.g. NFS) it falls back to two
 renames: old ``dst`` to a trash name, then the new directory to ``dst``. In that fallback
@@ -51,8 +54,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from reshard.errors import BadInput
+from reshard.storage.replaceable import survey
 
-__all__ = ["atomic_directory", "check_destination", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
+__all__ = ["atomic_directory", "check_destination", "output_path", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
            "reclaimable_bytes", "stale_temporaries"]
 
 _TMP_TAG = ".reshard-tmp-"
@@ -154,6 +158,26 @@ def _refuse(dst: Path) -> BadInput:
         "the output already exists and is not empty",
         where=str(dst),
         hint="Choose another output path, or pass --overwrite to replace it entirely.",
+    )
+
+
+def _check_replaceable(dst: Path, replaceable: Callable[[Path], bool] | None) -> None:
+    """`BadInput` unless ``--overwrite`` may delete what is at ``dst``: by default a checkpoint or an earlier
+    reshard output (`reshard.storage.replaceable`), naming the first files that would be lost."""
+    if replaceable is not None:
+        if replaceable(dst):
+            return
+        why = "the caller's rule does not let it be replaced"
+    else:
+        found = survey(dst)
+        if found.replaceable:
+            return
+        why = found.describe()
+    raise BadInput(
+        f"--overwrite will not replace this output: {why}",
+        where=str(dst),
+        hint="--overwrite replaces only a checkpoint or an earlier reshard output (formats/replaceable.toml); "
+             "move the other files out of it, or choose another output path.",
     )
 
 
@@ -330,12 +354,18 @@ def _clean_stale(parent: Path, name: str, keep: Path | None = None) -> None:
 @contextmanager
 def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
                      reuse: Callable[[list[Path]], Path | None] | None = None,
-                     keep: Callable[[BaseException], bool] | None = None) -> Iterator[Path]:
+                     keep: Callable[[BaseException], bool] | None = None,
+                     replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
 
     - ``dst`` absent or an empty directory: the temporary directory is renamed onto it.
     - ``dst`` non-empty (or a file/symlink): `BadInput` before anything is created, unless
-      ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring).
+      ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring), but
+      only when ``replaceable(dst)`` says so: by default (None) when it is a checkpoint or an
+      earlier reshard output (`reshard.storage.replaceable.survey`; the refusal names the
+      files that would be lost). Checked before anything is created, under the lock, and again
+      right before the swap. A ``dst`` that is a symbolic link is replaced as a link: its
+      target is never touched, and the new directory stands at ``dst`` itself.
     - An exception in the block deletes the temporary directory and propagates; ``dst``
       is untouched.
     - A concurrent run into the same ``dst`` raises `BadInput` ("another reshard run is
@@ -355,16 +385,20 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
     dst = Path(os.path.abspath(os.fspath(dst)))
     if not dst.name:
         raise BadInput("the output path has no name", where=str(dst))
-    if _state(dst) == "occupied" and not overwrite:
-        raise _refuse(dst)
+    if _state(dst) == "occupied":
+        if not overwrite:
+            raise _refuse(dst)
+        _check_replaceable(dst, replaceable)
     parent = dst.parent
     parent.mkdir(parents=True, exist_ok=True)
     lock_path = parent / f".{dst.name}{_LOCK_TAG}"
     lock_fd = _acquire_lock(lock_path, dst)
     try:
         # Re-check under the lock: another run may have finished since the first look.
-        if _state(dst) == "occupied" and not overwrite:
-            raise _refuse(dst)
+        if _state(dst) == "occupied":
+            if not overwrite:
+                raise _refuse(dst)
+            _check_replaceable(dst, replaceable)
         chosen = reuse(stale_temporaries(parent, dst.name)) if reuse is not None else None
         _clean_stale(parent, dst.name, keep=chosen)
         tmp = chosen if chosen is not None else _make_tmp(parent, dst.name)
@@ -375,6 +409,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
             if state == "occupied":
                 if not overwrite:
                     raise _refuse(dst)
+                _check_replaceable(dst, replaceable)  # files may have been added while the output was written
                 _replace_occupied(tmp, dst)
             else:
                 # rename(2) replaces an empty directory atomically.
@@ -392,6 +427,14 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
             raise
     finally:
         _release_lock(lock_fd, lock_path)
+
+
+def output_path(dst: str | os.PathLike) -> Path:
+    """The path the committed output stands at, for reports: ``dst`` absolute, its parent resolved, its own
+    name kept. Not ``dst.resolve()``: a ``dst`` that is a symbolic link is replaced by the new directory
+    (`atomic_directory`), so resolving it would name the old link's target, which nothing wrote."""
+    dst = Path(os.path.abspath(os.fspath(dst)))
+    return dst.parent.resolve() / dst.name
 
 
 def check_destination(src: Path, dst: Path) -> None:

@@ -39,10 +39,13 @@ no checksum for them. Its own files then need names no linked file has: ``file_n
 (rank -> name) replaces DCP's ``__{rank}_0.distcp``.
 
 Resuming (``journal``, a `reshard.storage.journal.Journal`): every item written gets a journal
-line, and a rerun of an interrupted conversion reopens the data files the journal vouches for
-and skips every item it keeps (`needs` tells the caller which reserved items still need their
-bytes); the kept items' checksums are the recorded ones, so `checksums` and ``.metadata``
-are what an uninterrupted run produces.
+line, and a rerun of an interrupted conversion reopens the data files the journal names. A
+journaled item is a candidate, never kept on the journal's word: an item whose bytes the
+writer is handed (`write_chunk`, objects, blobs) is kept only when the bytes on disk equal
+them (one read, compared byte for byte); a reserved item (`reserve_chunk`) stays pending and
+`candidate` tells the caller to prove it (`reshard.engine.resume.prove_spliced`) and report
+`proven` or `unproven`. The kept items' checksums are those of the bytes read in this run,
+so `checksums` and ``.metadata`` are what an uninterrupted run produces.
 
 Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
 that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
@@ -78,7 +81,7 @@ from reshard.storage import archive
 from reshard.storage.atomic import fault_point, fsync_dir
 from reshard.model.checkpoint import ItemLocation
 from reshard.storage.dcp import METADATA_FILE
-from reshard.storage.fileio import ALIGN, open_direct, start_writeback, write_exact
+from reshard.storage.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact
 
 try:  # the version string stock DCP stamps into .metadata
     from torch.distributed.checkpoint.filesystem import (
@@ -164,8 +167,7 @@ class DcpWriter:
         ``journal``: optional `reshard.storage.journal.Journal` (a resumable conversion)."""
         self.directory = Path(directory)
         self._journal = journal
-        self._kept_unchecked: set[str] = set()  # keys with a kept item not checked against the source when written
-        self._kept_checks: dict[tuple[str, int], dict[str, Any]] = {}  # kept item -> how it was checked when written
+        self._candidates: dict[tuple[str, int], str] = {}  # reserved journaled items to prove -> recorded CRC-32
         self._owned = owned
         self._file_name = file_name or data_file_name
         self._linked_files: set[str] = set()  # files whose items are declared by `link_chunk` / `link_object`
@@ -175,6 +177,8 @@ class DcpWriter:
         self._fd_of: dict[str, int] = {}        # file name -> the same descriptor
         self._direct: dict[int, int | None] = {}  # rank -> O_DIRECT descriptor of its file (None: unsupported)
         self._end: dict[int, int] = {}          # rank -> bytes reserved in its file so far
+        self._gaps: dict[int, list[tuple[int, int]]] = {}  # rank -> (start, end) of the holes before aligned items
+        self._reused: set[int] = set()          # ranks whose file a resumed run reopened
         self._pending: set[tuple[str, int]] = set()  # reserved items not yet filled
         self._foreign: set[tuple[str, int]] = set()  # items another process writes
         self._tensors: dict[str, _Tensor] = {}
@@ -236,14 +240,14 @@ class DcpWriter:
         elif archive.fits(t.numel() * t.element_size()):
             fr = archive.framing(t.dtype, tuple(t.shape))
             loc = self._reserve(rank, *_storage_at(fr))
-            if not self._keep(loc, key):
-                data = tensor_bytes(t)
-                scrc = zlib.crc32(data)
-                tail = fr.tail(scrc)
+            data = tensor_bytes(t)
+            scrc = zlib.crc32(data)
+            tail = fr.tail(scrc)
+            if not self._keep(loc, [fr.head, data, tail]):
                 write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
                 self._filled(loc, fr.item_crc(scrc, tail))
         else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
-            loc = self._write_blob(rank, _save_bytes(t), key)
+            loc = self._write_blob(rank, _save_bytes(t))
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -256,7 +260,7 @@ class DcpWriter:
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
         self._check_blob(blob, f"chunk of '{key}' at {list(offsets)}")
-        loc = self._write_blob(rank, blob, key)
+        loc = self._write_blob(rank, blob)
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -321,10 +325,7 @@ class DcpWriter:
             loc = self._reserve(rank, *_storage_at(fr))
         else:
             loc = self._reserve(rank, length)
-        if not self.owns(rank):
-            self._foreign.add((loc.file, loc.offset))
-        elif not self._keep(loc, key):
-            self._pending.add((loc.file, loc.offset))
+        self._reserved(loc, rank)
         self._add_chunk(key, offsets, sizes, loc)
         return loc
 
@@ -332,32 +333,47 @@ class DcpWriter:
         """Like `reserve_chunk`, for an object item."""
         self._check_object_key(key)
         loc = self._reserve(rank, length)
-        if not self.owns(rank):
-            self._foreign.add((loc.file, loc.offset))
-        elif not self._keep(loc, None):
-            self._pending.add((loc.file, loc.offset))
+        self._reserved(loc, rank)
         self._add_object(key, path, loc)
         return loc
 
+    def _reserved(self, loc: ItemLocation, rank: int) -> None:
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+            return
+        self._pending.add((loc.file, loc.offset))
+        recorded = self._journal.claim(loc.file, loc.offset, loc.length) if self._journal is not None else None
+        if recorded is not None:
+            self._candidates[(loc.file, loc.offset)] = recorded
+
     def needs(self, loc: ItemLocation) -> bool:
-        """Whether this writer must still write the bytes of the reserved item ``loc`` (its file is
-        this process's, and a resumed run's journal did not keep it)."""
+        """Whether this writer must still write (or, a `candidate`, prove) the bytes of the reserved
+        item ``loc``: its file is this process's and it is not filled yet."""
         return (loc.file, loc.offset) in self._pending
 
-    def vouch(self, loc: ItemLocation, check: dict[str, Any]) -> None:
-        """How the caller checked item ``loc`` against the source as it wrote it (any thread; JSON
-        data): the journal records it, and a rerun that keeps the item gets it back (`kept_check`)."""
-        if self._journal is not None:
-            self._journal.vouch(loc.file, loc.offset, check)
+    def candidate(self, loc: ItemLocation) -> bool:
+        """Whether the reserved item ``loc`` is journaled by the interrupted run this one resumes: the
+        caller may keep it by proving its bytes are the ones it would write (`proven`), else writes it
+        and calls `unproven` then `filled`."""
+        return (loc.file, loc.offset) in self._candidates
 
-    def kept_check(self, loc: ItemLocation) -> dict[str, Any] | None:
-        """The check record of an item a resumed run kept (what `vouch` was given), or None."""
-        return self._kept_checks.get((loc.file, loc.offset))
+    def proven(self, loc: ItemLocation, crc: int) -> None:
+        """The caller read the candidate ``loc`` in this run and found exactly the bytes it would write
+        (CRC-32 ``crc``, of the bytes read): kept, not written, no write event."""
+        name = (loc.file, loc.offset)
+        if name not in self._pending or self._candidates.pop(name, None) is None:
+            raise WriterError(f"item {loc.file}:{loc.offset} is not a journaled item to keep",
+                              where=str(self.directory))
+        self._pending.discard(name)
+        self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        self._journal.kept_item(loc.file, loc.length)
 
-    def kept_unchecked(self) -> set[str]:
-        """Keys with an item a resumed run kept that was not checked against the source when it
-        was written: the verification compares them after writing."""
-        return set(self._kept_unchecked)
+    def unproven(self, loc: ItemLocation, crc: int) -> None:
+        """The candidate ``loc`` was not what the caller writes (its bytes as read have CRC-32 ``crc``):
+        counted as rewritten; the caller writes it and calls `filled`."""
+        recorded = self._candidates.pop((loc.file, loc.offset), None)
+        if recorded is not None:
+            self._journal.rewritten(recorded, _crc_hex(crc))
 
     def owns(self, rank: int) -> bool:
         """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
@@ -455,6 +471,9 @@ class DcpWriter:
             for rank, fd in self._fds.items():  # a reused file ends where the last item ends, as a new one
                 if os.fstat(fd).st_size != self._end[rank]:
                     os.ftruncate(fd, self._end[rank])
+                if rank in self._reused:  # and its holes read as a new file's: zeros, whatever was put there
+                    for a, b in self._gaps.get(rank, ()):
+                        write_exact(fd, [bytes(b - a)], a)
         if sync_data:
             for fd in self._fds.values():
                 os.fsync(fd)
@@ -558,21 +577,25 @@ class DcpWriter:
             raise WriterError(f"invalid rank {rank!r}", where=str(self.directory))
         if rank not in self._end:
             if self.owns(rank):
-                # O_EXCL: never reuse or clobber a file that is already there (unless a resumed
-                # run's journal vouches for it: its items are checked before it is reopened).
+                # O_EXCL: never reuse or clobber a file that is already there (unless a resumed run's
+                # journal names it: a regular file of its own, whose items are proven before they are kept).
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
                 name = self._file_name(rank)
                 if name in self._linked_files:
                     raise WriterError(f"data file '{name}' is a linked file; the writer never writes into one",
                                       where=str(self.directory), hint="This is a bug in reshard; nothing was committed.")
                 if self._journal is not None and self._journal.open_file(name):
-                    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+                    flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+                    self._reused.add(rank)
                 self._fds[rank] = os.open(self.directory / name, flags, 0o644)
                 self._fd_of[name] = self._fds[rank]
             self._end[rank] = 0
         start = self._end[rank]
         if storage_offset is not None:
-            start += -(start + storage_offset) % ALIGN  # a hole of under 4 KiB that no item owns
+            skip = -(start + storage_offset) % ALIGN  # a hole of under 4 KiB that no item owns
+            if skip:
+                self._gaps.setdefault(rank, []).append((start, start + skip))
+            start += skip
         self._end[rank] = start + int(length)
         return ItemLocation(self._file_name(rank), start, int(length))
 
@@ -583,27 +606,29 @@ class DcpWriter:
             self._journal.record(loc.file, loc.offset, loc.length, digest)
         fault_point(f"item {loc.file}:{loc.offset}")
 
-    def _keep(self, loc: ItemLocation, key: str | None) -> bool:
-        """Whether a resumed run's journal keeps this owned item (its checksum is then the recorded one)."""
+    def _keep(self, loc: ItemLocation, parts: list[Any]) -> bool:
+        """Whether a resumed run keeps this owned item, whose bytes are ``parts``: only when its journal
+        names it and the bytes on disk now are exactly ``parts`` (read and compared in this run; the
+        recorded CRC-32 is not evidence). Its checksum is then the bytes'."""
         if self._journal is None:
             return False
-        k = self._journal.kept(loc.file, loc.offset, loc.length)
-        if k is None:
+        recorded = self._journal.claim(loc.file, loc.offset, loc.length)
+        if recorded is None:
             return False
-        self._checksums[f"{loc.file}:{loc.offset}"] = k[0]
-        if k[1] is None:
-            if key is not None:
-                self._kept_unchecked.add(key)
-        else:
-            self._kept_checks[(loc.file, loc.offset)] = k[1]
+        same, crc = _same_bytes(self._fd_of[loc.file], loc.offset, parts)
+        if not same:
+            self._journal.rewritten(recorded, _crc_hex(crc))
+            return False
+        self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        self._journal.kept_item(loc.file, loc.length)
         return True
 
-    def _write_blob(self, rank: int, blob: Any, key: str | None = None) -> ItemLocation:
+    def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
         loc = self._reserve(rank, len(blob))
         if not self.owns(rank):
             self._foreign.add((loc.file, loc.offset))
             return loc
-        if self._keep(loc, key):
+        if self._keep(loc, [blob]):
             return loc
         write_exact(self._fds[rank], [blob], loc.offset)
         self._filled(loc, zlib.crc32(blob))
@@ -633,6 +658,26 @@ def _storage_at(fr: archive.Framing) -> tuple[int, int | None]:
     """``_reserve`` arguments for a hand-framed item: its length, and its head length when
     its storage is large enough to be written with direct I/O (`reshard.engine.splice`)."""
     return fr.length, (fr.storage_offset if fr.storage_nbytes >= ALIGN_FROM else None)
+
+
+_COMPARE_SLAB = 8 << 20
+
+
+def _same_bytes(fd: int, offset: int, parts: list[Any]) -> tuple[bool, int]:
+    """Whether the bytes of ``fd`` at ``offset`` are exactly ``parts`` one after the other, and the
+    CRC-32 of the bytes read (all of them, also after a difference: the journal's caller names why)."""
+    same, crc, pos = True, 0, offset
+    buf = bytearray(min(_COMPARE_SLAB, max(1, sum(len(memoryview(p).cast("B")) for p in parts))))
+    for part in parts:
+        mv = memoryview(part).cast("B")
+        for i in range(0, len(mv), len(buf)):
+            n = min(len(buf), len(mv) - i)
+            view = memoryview(buf)[:n]
+            read_exact(fd, view, pos)
+            crc = zlib.crc32(view, crc)
+            same = same and view.tobytes() == mv[i:i + n].tobytes()  # memcmp, not element by element
+            pos += n
+    return same, crc
 
 
 def _save_bytes(obj: Any) -> bytes:

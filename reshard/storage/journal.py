@@ -16,50 +16,55 @@ output itself never contains it):
   change the bytes without being part of the plan (output format, reshard and torch
   versions). I/O options (threads, window, direct or buffered I/O, number of workers) are
   not in it: they never change a byte.
-* ``<data file>.jsonl``, one line per item once its bytes are written (offset, length,
-  CRC-32 of exactly those bytes, and how the item was checked against the source while it
-  was written: the writer's ``check`` record, replayed by a rerun that keeps the item so its
-  verification and report are the uninterrupted run's). Lines are appended with one ``write`` each (a SIGKILL never tears one)
-  and the journal is fsynced at most every `SYNC_SECONDS` and when the writer closes.
+* ``<data file>.jsonl``, one line per item once its bytes are written (offset, length and
+  CRC-32 of exactly those bytes). Lines are appended with one ``write`` each (a SIGKILL never
+  tears one) and the journal is fsynced at most every `SYNC_SECONDS` and when the writer closes.
 
 A rerun into the same destination (`Journal.choose`) reuses the interrupted run's
 temporary directory only when its key equals the rerun's; otherwise it starts over and says
-why (the source changed, the plan changed, an option changed, the journal is unreadable;
-``--restart``: on purpose). A reused directory loses everything but its journaled data files
-(`Journal.prepare`). Each data file's journal is then checked before the file is reopened
-(`Journal.open_file`): every journaled item is read back and kept only if its CRC-32 equals
-the recorded one, so the journal alone is never trusted (a line whose bytes a power cut
-lost, or a byte changed since, costs a rewrite, never a wrong byte). The writer skips the
-kept items and writes every other one in place, so the output is byte-identical to an
-uninterrupted run's.
+why (the source changed, the plan changed, an option changed, the journal is unreadable or
+holds something that is not a plain file of its own, such as a symlink; ``--restart``: on
+purpose). A reused directory loses everything but its journaled data files
+(`Journal.prepare`), and every journal file is opened with ``O_NOFOLLOW``: a symlink planted
+in the journal directory is never followed, so nothing outside it is read or written.
 
-A kept item's check is covered by the key: the same source files (size and mtime) and the
-same bytes as when it was checked. A kept item with no check record is compared with the
-source by the rerun's verification like any item written after the fact.
+The key is a hint, not a proof: sizes and mtimes are what ``cp -p``, ``touch -r`` and
+``rsync -t`` carry over to other bytes, and a journal line is a file anyone who can write the
+directory can edit. So a journaled item is only a *candidate* (`Journal.claim`): the writer
+keeps it only once this run has shown that its bytes on disk now are exactly the bytes this
+run would write from the source as it is now (`reshard.storage.dcp_writer.DcpWriter`, and
+`reshard.engine.resume.prove_spliced` for items spliced from source bytes). The recorded
+CRC-32 is never evidence; it only tells, for the report, an item changed since its line was
+written ("damaged") from one whose line still matches but whose bytes are not this source's.
+Every candidate not shown equal is rewritten, so the output is byte-identical to an
+uninterrupted run's whatever happened to the source or the directory in between.
 
 Distributed runs: the data files are divided among the workers; each worker opens and
-checks the journals of the files it writes. The decision to resume or start over is made
-once, by the worker that holds the destination's lock, and sent to every worker.
+proves the items journaled for the files it writes. The decision to resume or start over is
+made once, by the worker that holds the destination's lock, and sent to every worker.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.storage.atomic import fsync_dir, fsync_file, journal_dir
+from reshard.storage.atomic import fsync_dir, journal_dir
 
 __all__ = ["KEY_FILE", "SYNC_SECONDS", "Journal", "ResumeKey", "describe", "merge_summaries", "source_identity"]
 
 KEY_FILE = "key.json"
 SYNC_SECONDS = 2.0  # how stale the journal may be on disk after a power cut (a SIGKILL loses nothing)
-_READ_SLAB = 8 << 20
+LINE_MAX = 64 << 10   # a journal line is about 60 bytes: a longer one is not this writer's (skipped, its item rewritten)
+KEY_MAX = 256 << 20   # the key lists every source file (about 60 bytes each)
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_HEX = frozenset("0123456789abcdef")
 
 
 def source_identity(root: Path) -> dict[str, list[int]]:
@@ -129,16 +134,10 @@ def _first_change(old: dict[str, list[int]], new: dict[str, list[int]]) -> str:
 
 
 @dataclass
-class _Kept:
-    crc: str
-    check: dict[str, Any] | None
-
-
-@dataclass
 class Journal:
     """One process's side of a resumable conversion; a `reshard.storage.dcp_writer.DcpWriter` calls
-    `open_file`, `kept`, `vouch` and `record`, the command calls `choose` (the lock holder),
-    `begin` (every process, once the temporary directory is known) and `summary`.
+    `open_file`, `claim`, `kept_item`, `rewritten` and `record`, the command calls `choose` (the
+    lock holder), `begin` (every process, once the temporary directory is known) and `summary`.
 
     ``restart``: discard an interrupted run's work on purpose (``--restart``).
     """
@@ -148,15 +147,15 @@ class Journal:
     resumed: bool = False
     message: str | None = None                # what the command says about the decision, or None
     directory: Path | None = None             # the temporary directory written into
-    _kept: dict[str, dict[tuple[int, int], _Kept]] = field(default_factory=dict)
+    _candidates: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)  # file -> item -> recorded CRC
     _fds: dict[str, int] = field(default_factory=dict)
-    _vouched: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _synced: float = field(default_factory=time.monotonic)
-    items_kept: int = 0
+    items_kept: int = 0                       # journaled items shown equal, in this run, to what it writes
     bytes_kept: int = 0
     items_written: int = 0
-    items_damaged: int = 0
+    items_damaged: int = 0                    # journaled items whose bytes no longer have their recorded CRC-32
+    items_not_matching: int = 0               # ... that have it, but are not what this run writes from the source now
     files_kept: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------ the decision (lock holder)
@@ -164,27 +163,33 @@ class Journal:
         """The interrupted run's temporary directory to continue in, or None (start a new one).
 
         ``candidates``: the temporary directories earlier runs into the same destination left
-        (`reshard.storage.atomic.stale_temporaries`); the newest whose journal key is readable
-        is considered. Sets `resumed` and `message` (why not, when there was something to resume).
+        (`reshard.storage.atomic.stale_temporaries`); the newest one with a journal key is
+        considered. Sets `resumed` and `message` (why not, when there was something to resume).
         """
-        found: list[tuple[float, Path, ResumeKey | None]] = []
+        found: list[tuple[float, Path, ResumeKey | None, str | None]] = []
         for tmp in candidates:
-            kf = journal_dir(tmp) / KEY_FILE
+            jd = journal_dir(tmp)
             try:
-                old: ResumeKey | None = ResumeKey.from_dict(json.loads(kf.read_text()))
-                when = kf.stat().st_mtime
+                st = os.lstat(jd / KEY_FILE) if stat.S_ISDIR(os.lstat(jd).st_mode) else os.lstat(jd)
             except FileNotFoundError:
                 continue  # a run from before journals, or killed before its first byte: nothing to keep
-            except (OSError, ValueError, KeyError, TypeError):
-                old, when = None, 0.0
-            found.append((when, tmp, old))
+            except OSError:
+                continue
+            old, why = None, _untrusted(tmp)
+            if why is None:
+                try:
+                    old = ResumeKey.from_dict(_read_json(jd / KEY_FILE, KEY_MAX))
+                except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                    why = "the interrupted run's journal is unreadable"
+            found.append((st.st_mtime, tmp, old, why))
         if not found:
             return None
-        _when, tmp, old = max(found, key=lambda f: f[0])
+        _when, tmp, old, why = max(found, key=lambda f: f[0])
         if self.restart:
             self.message = "starting over (--restart): the interrupted run's partial output is discarded"
             return None
-        why = "the interrupted run's journal is unreadable" if old is None else self.key.why_not(old)
+        if why is None and old is not None:
+            why = self.key.why_not(old)
         if why is not None:
             self.message = f"starting over: {why}; its partial output is discarded"
             return None
@@ -193,13 +198,15 @@ class Journal:
 
     def prepare(self, tmp: Path) -> None:
         """A reused temporary directory back to its journaled data files (the lock holder, before anyone writes):
-        ``.metadata``, the manifest, the reports, copied sidecars and unjournaled files go."""
+        ``.metadata``, the manifest, the reports, copied sidecars, unjournaled files and anything that is
+        not a regular file with one link (a symlink or a hard link would be written through) go."""
         jd = journal_dir(tmp)
-        journaled = {p.name[:-len(".jsonl")] for p in jd.glob("*.jsonl")}
+        with os.scandir(jd) as it:
+            journaled = {e.name[:-len(".jsonl")] for e in it if e.name.endswith(".jsonl")}
         with os.scandir(tmp) as it:
             entries = list(it)
         for e in entries:
-            if e.name in journaled and e.is_file(follow_symlinks=False):
+            if e.name in journaled and _own_file(e.stat(follow_symlinks=False)):
                 continue
             if e.is_dir(follow_symlinks=False):
                 shutil.rmtree(e.path, ignore_errors=True)
@@ -217,73 +224,85 @@ class Journal:
         if self.resumed:
             self.prepare(self.directory)
             return
+        if os.path.islink(jd):
+            os.unlink(jd)
         shutil.rmtree(jd, ignore_errors=True)
         jd.mkdir()
         part = jd / (KEY_FILE + ".tmp")
-        part.write_text(json.dumps(self.key.to_dict(), sort_keys=True))
-        fsync_file(part)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        try:
+            os.write(fd, json.dumps(self.key.to_dict(), sort_keys=True).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(part, jd / KEY_FILE)
         fsync_dir(jd)
 
     # ------------------------------------------------------------------ the writer's side
     def open_file(self, name: str) -> bool:
-        """Before the writer opens its data file ``name``: check the items journaled for it (resumed
-        runs) and open its journal for appending. Returns whether the file is reused (open it
-        without creating it afresh)."""
+        """Before the writer opens its data file ``name``: read the items journaled for it (resumed
+        runs: the candidates the writer may keep once it has proven them) and open its journal for
+        appending. Returns whether the file is reused (open it without creating it afresh).
+
+        The journal is rewritten first (a new file renamed over the old name, so a symlink or a hard
+        link planted there is replaced, never written through) with the readable lines only, then
+        opened ``O_NOFOLLOW``; a line that is not this writer's (torn, too long, too deep, the
+        wrong types) is dropped and its item rewritten."""
         assert self.directory is not None, "Journal.begin first"
         path = self.directory / name
         jpath = journal_dir(self.directory) / f"{name}.jsonl"
-        reuse = self.resumed and path.is_file()
-        if reuse:
-            self._kept[name] = self._check(path, _read_lines(jpath))
-            if self._kept[name]:
-                self.files_kept.add(name)
-        else:
+        reuse = False
+        lines: dict[tuple[int, int], str] = {}
+        if self.resumed:
             try:
-                jpath.unlink()
+                st = os.lstat(path)
+                reuse = _own_file(st)
             except FileNotFoundError:
                 pass
-        self._fds[name] = os.open(jpath, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+            if reuse:
+                for (offset, length), crc in _read_lines(jpath).items():
+                    if offset + length <= st.st_size:
+                        lines[(offset, length)] = crc
+                    else:
+                        self.items_damaged += 1  # the file ends before the item: its bytes are lost
+                self._candidates[name] = lines
+        part = jpath.with_name(jpath.name + ".tmp")
+        try:
+            os.unlink(part)
+        except FileNotFoundError:
+            pass
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _NOFOLLOW, 0o644)
+        if lines:
+            os.write(fd, b"".join(_line(o, n, c) for (o, n), c in sorted(lines.items())))
+        os.replace(part, jpath)
+        self._fds[name] = fd
         return reuse
 
-    def _check(self, path: Path, lines: dict[tuple[int, int], tuple[str, Any]]) -> dict[tuple[int, int], _Kept]:
-        """The journaled items of ``path`` whose bytes still have their recorded CRC-32 (read back, in offset order)."""
-        kept: dict[tuple[int, int], _Kept] = {}
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(_READ_SLAB)
-            for (offset, length), (crc, check) in sorted(lines.items()):
-                if offset + length > size or _crc_at(fd, offset, length, buf) != crc:
-                    self.items_damaged += 1
-                    continue
-                kept[(offset, length)] = _Kept(crc, check)
-        finally:
-            os.close(fd)
-        return kept
-
-    def kept(self, file: str, offset: int, length: int) -> tuple[str, dict[str, Any] | None] | None:
-        """(recorded CRC-32 hex, the check record it was written with, or None) of a kept item, or
-        None (write it). Counts the item as kept."""
-        k = self._kept.get(file, {}).pop((offset, length), None)
-        if k is None:
-            return None
-        self.items_kept += 1
-        self.bytes_kept += length
-        return k.crc, k.check
-
-    def vouch(self, file: str, offset: int, check: dict[str, Any]) -> None:
-        """How the item at ``file:offset`` was checked against the source as it was written (any
-        thread; plain JSON data, the writer's caller decides what it holds)."""
+    def claim(self, file: str, offset: int, length: int) -> str | None:
+        """The CRC-32 recorded for the journaled item at ``file:offset`` of ``length`` bytes (a candidate
+        the writer keeps only once it has proven it), or None: no line for it, write it."""
         with self._lock:
-            self._vouched[(file, offset)] = check
+            return self._candidates.get(file, {}).pop((offset, length), None)
+
+    def kept_item(self, file: str, length: int) -> None:
+        """A claimed item was shown, in this run, to be exactly the bytes this run writes: kept."""
+        with self._lock:
+            self.items_kept += 1
+            self.bytes_kept += length
+            self.files_kept.add(file)
+
+    def rewritten(self, recorded: str, found: str) -> None:
+        """A claimed item was not what this run writes (its bytes as read now have CRC-32 ``found``;
+        the journal said ``recorded``): counted by why, then written like any other item."""
+        with self._lock:
+            if found != recorded:
+                self.items_damaged += 1
+            else:
+                self.items_not_matching += 1
 
     def record(self, file: str, offset: int, length: int, crc: str) -> None:
         """One item's bytes are written: its journal line (one append)."""
-        with self._lock:
-            check = self._vouched.pop((file, offset), None)
-        line = json.dumps({"o": offset, "n": length, "c": crc, "v": check}, separators=(",", ":")) + "\n"
-        os.write(self._fds[file], line.encode())
+        os.write(self._fds[file], _line(offset, length, crc))
         self.items_written += 1
         now = time.monotonic()
         if now - self._synced > SYNC_SECONDS:
@@ -306,18 +325,24 @@ class Journal:
 
     # ------------------------------------------------------------------ the result
     def summary(self) -> dict[str, Any]:
-        """What the report records of the resume (this process's files)."""
+        """What the report records of the resume (this process's files). Every kept item was
+        compared in this run with what this run writes from the source as it is now."""
         return {"resumed": self.resumed, "items_kept": self.items_kept,
                 "items": self.items_kept + self.items_written, "files_kept": len(self.files_kept),
                 "bytes_not_rewritten": self.bytes_kept, "items_damaged": self.items_damaged,
+                "items_not_matching_source": self.items_not_matching,
+                "kept_items_checked": "compared in this run with the bytes it writes from the source as it is now",
                 "message": self.message}
+
+
+_COUNTS = ("items_kept", "items", "files_kept", "bytes_not_rewritten", "items_damaged", "items_not_matching_source")
 
 
 def merge_summaries(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The workers' `Journal.summary` as one (the decision and its message are the same on all)."""
     out = dict(parts[0])
-    for k in ("items_kept", "items", "files_kept", "bytes_not_rewritten", "items_damaged"):
-        out[k] = sum(int(p[k]) for p in parts)
+    for k in _COUNTS:
+        out[k] = sum(int(p.get(k, 0)) for p in parts)
     return out
 
 
@@ -327,7 +352,11 @@ def describe(summary: dict[str, Any]) -> str | None:
         from reshard.units import human_bytes
 
         line = (f"resumed: {summary['items_kept']:,} of {summary['items']:,} items kept "
-                f"(in {summary['files_kept']} files), {human_bytes(summary['bytes_not_rewritten'])} not rewritten")
+                f"(in {summary['files_kept']} files, each compared with the source in this run), "
+                f"{human_bytes(summary['bytes_not_rewritten'])} not rewritten")
+        if summary.get("items_not_matching_source"):
+            line += (f"; {summary['items_not_matching_source']:,} journaled items no longer matched the source "
+                     "and were rewritten")
         if summary["items_damaged"]:
             line += (f"; {summary['items_damaged']:,} journaled items no longer had their recorded CRC-32 "
                      "(file damaged) and were rewritten")
@@ -335,35 +364,89 @@ def describe(summary: dict[str, Any]) -> str | None:
     return summary.get("message")
 
 
-def _read_lines(path: Path) -> dict[tuple[int, int], tuple[str, Any]]:
-    """(offset, length) -> (crc, check record); a later line for the same item wins; a torn last line is ignored."""
-    out: dict[tuple[int, int], tuple[str, Any]] = {}
+def _own_file(st: os.stat_result) -> bool:
+    """A regular file with no other name: writing it in place changes nothing outside the directory."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _untrusted(tmp: Path) -> str | None:
+    """Why an interrupted run's journal directory cannot be trusted (None: it can): it or an entry in it
+    is a symlink, or an entry is not a regular file with one link. Such state is never followed:
+    the rerun starts over."""
+    jd = journal_dir(tmp)
     try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
+        if not stat.S_ISDIR(os.lstat(tmp).st_mode):
+            return f"the interrupted run's temporary directory {tmp.name} is not a directory (a symlink?), which is never followed"
+        if not stat.S_ISDIR(os.lstat(jd).st_mode):
+            return f"the interrupted run's journal directory {jd.name} is not a directory (a symlink?), which is never followed"
+        with os.scandir(jd) as it:
+            for e in it:
+                if e.is_symlink():
+                    return f"the interrupted run's journal holds a symlink ({e.name}), which is never followed"
+                if not _own_file(e.stat(follow_symlinks=False)):
+                    return f"the interrupted run's journal holds {e.name}, which is not a regular file of its own (a hard link?)"
+    except OSError as exc:
+        return f"the interrupted run's journal cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def _open_regular(path: Path) -> int:
+    """A read descriptor of ``path`` that is a regular file, never through a symlink (`OSError` otherwise)."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path.name} is not a regular file")
+    return fd
+
+
+def _read_json(path: Path, cap: int) -> Any:
+    """A small JSON file read through `_open_regular`, at most ``cap`` bytes (larger: `ValueError`)."""
+    fd = _open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise ValueError(f"{path.name} is larger than {cap} bytes")
+    return json.loads(data)
+
+
+def _line(offset: int, length: int, crc: str) -> bytes:
+    return (json.dumps({"o": offset, "n": length, "c": crc}, separators=(",", ":")) + "\n").encode()
+
+
+def _read_lines(path: Path) -> dict[tuple[int, int], str]:
+    """(offset, length) -> recorded CRC-32; a later line for the same item wins. A line that is not
+    this writer's (torn, longer than `LINE_MAX`, nested too deep for the parser, the wrong types) is
+    skipped, so its item is rewritten; a journal that is not a regular file (a symlink) yields nothing."""
+    out: dict[tuple[int, int], str] = {}
+    try:
+        fd = _open_regular(path)
+    except OSError:
         return out
-    for ln in text.splitlines():
-        try:
-            d = json.loads(ln)
-            key = (int(d["o"]), int(d["n"]))
-            crc = str(d["c"])
-            check = d.get("v")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if key[0] < 0 or key[1] < 0 or not (check is None or isinstance(check, dict)):
-            continue
-        out[key] = (crc, check)
+    with os.fdopen(fd, "rb") as f:
+        while True:
+            ln = f.readline(LINE_MAX + 1)
+            if not ln:
+                break
+            if len(ln) > LINE_MAX or not ln.endswith(b"\n"):
+                while ln and not ln.endswith(b"\n"):  # the rest of an overlong line
+                    ln = f.readline(LINE_MAX + 1)
+                continue
+            item = _parse_line(ln)
+            if item is not None:
+                out[item[0]] = item[1]
     return out
 
 
-def _crc_at(fd: int, offset: int, length: int, buf: bytearray) -> str:
-    view = memoryview(buf)
-    crc, pos, left = 0, offset, length
-    while left > 0:
-        n = os.preadv(fd, [view[:min(left, len(view))]], pos)
-        if n <= 0:
-            return ""  # shorter than recorded
-        crc = zlib.crc32(view[:n], crc)
-        pos += n
-        left -= n
-    return format(crc & 0xFFFFFFFF, "08x")
+def _parse_line(ln: bytes) -> tuple[tuple[int, int], str] | None:
+    try:
+        d = json.loads(ln)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    o, n, c = d.get("o"), d.get("n"), d.get("c")
+    if type(o) is not int or type(n) is not int or o < 0 or n < 0:
+        return None
+    if not isinstance(c, str) or len(c) != 8 or not set(c) <= _HEX:
+        return None
+    return (o, n), c

@@ -224,6 +224,16 @@ class PickleTooCostly(ValueError):
     """The pickle would build more than its budget, or cannot be scanned (malformed, unsupported opcode)."""
 
 
+SELF_REFERENCE = "an object is changed after a reference to it was taken"
+"""What both scans say when a container or record is changed after a memo reference (or DUP) to it was
+taken: the only way a pickle builds an object that contains itself (a list holding itself, a chunk whose
+field points back to the metadata), which neither DCP nor torch.save ever writes."""
+
+
+class PickleSelfReference(PickleTooCostly):
+    """The pickle builds an object that refers to itself (`SELF_REFERENCE`): refused as a forgery, not as a cost."""
+
+
 def pickle_budget(n_bytes: int) -> int:
     """The most a pickle of ``n_bytes`` may cost: ``COST_PER_BYTE * n_bytes + COST_SLACK`` units."""
     return COST_PER_BYTE * n_bytes + COST_SLACK
@@ -263,7 +273,7 @@ def pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
             return r
         code, at, detail = r
         if code == 0:
-            raise PickleTooCostly(f"{detail} (opcode at byte {at})")
+            raise (PickleSelfReference if detail == SELF_REFERENCE else PickleTooCostly)(f"{detail} (opcode at byte {at})")
         if code == 1:
             raise PickleTooCostly(f"the pickle ends without STOP (at byte {at})")
         if code == 3:
@@ -322,7 +332,7 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
         if x.__class__ is int:
             raise bad("items are given to a value that cannot hold them")
         if x[1]:
-            raise bad("an object is changed after a reference to it was taken")
+            raise PickleSelfReference(f"{SELF_REFERENCE} (opcode at byte {at[0]})")
         return x
 
     def to_mark() -> list[Any]:
@@ -568,6 +578,15 @@ def check_cost(data: bytes, *, where: str, what: str) -> int:
     limit = pickle_budget(len(data))
     try:
         return pickle_cost(data, limit=limit)
+    except PickleSelfReference as exc:
+        # A cycle, not a cost: the unpickler would build it, and whatever walks the result (the metadata
+        # decoder, hashing a record, repr in an error) would recurse or loop on it.
+        raise BadInput(
+            f"refusing {what}: it refers back to an object that is still being built, i.e. a record or list "
+            f"that contains itself ({exc}); DCP and torch.save never write such a cycle",
+            where=where,
+            hint="The file is forged or corrupt; restore it from its writer or use another checkpoint.",
+        ) from None
     except PickleTooCostly as exc:
         raise BadInput(
             f"refusing {what}: {exc}. A pickle of {len(data)} bytes may build at most {COST_PER_BYTE} units per byte "

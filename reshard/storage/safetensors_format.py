@@ -487,7 +487,7 @@ class ExportIndex(EntryQueries):
                 continue
             try:
                 out[k] = json.loads(v)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested past the stack: kept as the text it is
                 out[k] = v
         return out
 
