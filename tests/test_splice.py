@@ -320,10 +320,10 @@ def test_bits_equal_is_bytewise_equality_of_any_box(data):
     offsets = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
     sizes = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
     box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-    assert splice._bits_equal(raw[box], other[box])
+    assert splice.bits_equal(raw[box], other[box])
     flip = tuple(data.draw(st.integers(o, o + s - 1)) for o, s in zip(offsets, sizes)) + (data.draw(st.integers(0, isz - 1)),)
     other[flip] ^= 0x01
-    assert not splice._bits_equal(raw[box], other[box])
+    assert not splice.bits_equal(raw[box], other[box])
 
 
 @pytest.mark.parametrize("how", ["no O_DIRECT", "reads refused"])

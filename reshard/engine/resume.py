@@ -36,10 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from reshard.engine.splice import CHECK_WINDOW, SpliceJob, WorkerBuffers, as_array, item_row_bytes
+from reshard.engine.splice import CHECK_WINDOW, SpliceJob, WorkerBuffers, as_array, bits_equal, item_row_bytes
 from reshard.model.geometry import Box, contiguous_run
 from reshard.model.plan import Plan
 from reshard.storage.crcledger import CrcLedger
@@ -165,26 +164,7 @@ def _slab_equal(out: Any, slab: Box, meeting: list, isz: int, files: FdCache, bu
         if s.crc is not None and ledger is not None:  # the source rows, checked against their writer's record
             ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
         srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
-        if not _bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
+        if not bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
             return False
         seen += inter.numel
     return seen == slab.numel
-
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bitwise equality of two ``(..., itemsize)`` uint8 views, compared as wide integers (a boolean
-    per byte costs about ten times more): contiguous ones as uint64, strided ones by element."""
-    if a.shape != b.shape:
-        return False
-    if a.flags.c_contiguous and b.flags.c_contiguous:
-        fa, fb = a.reshape(-1), b.reshape(-1)
-        if fa.size % 8 == 0:
-            return bool(np.array_equal(fa.view(np.uint64), fb.view(np.uint64)))
-        return bool(np.array_equal(fa, fb))
-    dt = _UINT.get(a.shape[-1]) if a.ndim else None
-    if dt is not None and a.strides[-1] == 1 and b.strides[-1] == 1:
-        return bool(np.array_equal(a.view(dt)[..., 0], b.view(dt)[..., 0]))
-    return bool(np.array_equal(a, b))

@@ -324,7 +324,7 @@ class SpliceJob:
                 srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
                 a = outv[inter.relative_to(slab).slices()]
                 b = srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]
-                if not _bits_equal(a, b):
+                if not bits_equal(a, b):
                     raise SpliceMismatch(f"the item written at {path}:{at} differs from the source in rows "
                                          f"{inter.offsets[0]}..{inter.offsets[0] + inter.sizes[0] - 1}")
                 seen += inter.numel
@@ -515,7 +515,7 @@ def _window(fd: int, pos: int, n: int, fallback: Callable[[int], memoryview]) ->
     return view
 
 
-def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality of two ``(..., itemsize)`` uint8 views, compared as wide integers.
 
     ``np.array_equal`` builds a boolean per compared unit, so comparing bytes costs about
