@@ -8,8 +8,10 @@ make it matter, a warning. Nothing here imports torch or reads a checkpoint.
 """
 from __future__ import annotations
 
+import os
 import re
 import tomllib
+from pathlib import Path
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
@@ -31,6 +33,15 @@ __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTP
            "import_formats", "check_import", "check_slice", "check_restart"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def check_source(*paths: Path) -> None:
+    """A checkpoint path that does not exist, said before any heavy import (torch takes seconds to
+    import, and a typo deserves an answer at once), in the words the checkpoint reader uses."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise BadInput("no such checkpoint directory", where=str(path),
+                           hint="Check the path (a checkpoint is the directory that holds `.metadata`).")
 
 
 def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,

@@ -92,6 +92,7 @@ def inspect(
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
+    args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect, to_json
@@ -169,6 +170,7 @@ def plan(
     args.check_slice(layers=layers, experts=experts)
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
+    args.check_source(ckpt)
     _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
@@ -247,6 +249,8 @@ def convert(
     args.check_restart(restart=restart, output_format=output_format, data=data)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
+    if not in_torchrun():  # a worker's errors go through its launcher's relay
+        args.check_source(src)
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
     # --workers, has already said the first line)
     lead = not in_torchrun() or os.environ.get("RANK", "0") == "0"
@@ -321,6 +325,7 @@ def verify(
     quiet: bool = _QUIET, progress_mode: str = _PROGRESS,
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
+    args.check_source(a, b)
     progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.verify import verify as run_verify
     from reshard.render.report import to_json
@@ -354,6 +359,7 @@ def export(
     Exit 0 exported, 2 bad input (options, source, destination).
     """
     args.check_export(fmt=fmt, model_config=model_config)
+    args.check_source(src)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.export import export as run_export
     from reshard.render.report import to_json

@@ -82,6 +82,12 @@ MISTAKES = {
                                                  "--restart"], ["--restart has no effect", "--data link"]),
     "choice: import --format": (["import", "ckpt", "out", "--format", "torchtitn"],
                                 ["unknown import format 'torchtitn'", "torchtitan", "llama-fused"]),
+    # a path that does not exist: said before torch is imported, in the reader's own words
+    "path: inspect": (["inspect", "ckpt"], ["ckpt: no such checkpoint directory", "Check the path"]),
+    "path: plan": (["plan", "ckpt", "--to", "dp=2"], ["ckpt: no such checkpoint directory"]),
+    "path: convert": (["convert", "ckpt", "out", "--to", "dp=2"], ["ckpt: no such checkpoint directory"]),
+    "path: verify": (["verify", ".", "ckpt"], ["ckpt: no such checkpoint directory"]),
+    "path: export": (["export", "ckpt", "out"], ["ckpt: no such checkpoint directory"]),
 }
 
 
