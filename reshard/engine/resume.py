@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from reshard.engine.splice import CHECK_WINDOW, SpliceJob, WorkerBuffers, as_array, bits_equal, item_row_bytes
-from reshard.model.geometry import Box, contiguous_run
+from reshard.engine.splice import SpliceJob, WorkerBuffers, item_row_bytes, slab_difference
+from reshard.model.geometry import contiguous_run
 from reshard.model.plan import Plan
 from reshard.storage.crcledger import CrcLedger
 from reshard.storage.fileio import FdCache, read_exact
@@ -110,18 +110,15 @@ def prove_spliced(job: SpliceJob, fd: int, at: int, buffers: WorkerBuffers, file
         equal = equal and bytes(view) == bytes(other)
     elif sizes[0] and item_row_bytes(sizes, isz):
         row = item_row_bytes(sizes, isz)
-        meeting = [s for s in job.sources if s.box.intersect(box) is not None]
-        widest = max([row] + [item_row_bytes(s.box.sizes, isz) for s in meeting])
-        per_slab = max(1, min(slab_bytes, CHECK_WINDOW) // widest)
-        for r0 in range(0, sizes[0], per_slab):
-            r1 = min(sizes[0], r0 + per_slab)
-            slab = Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))
+        meeting, slabs = job.check_slabs(slab_bytes)
+        for r0, slab in slabs:
             out = buffers.get(slab.numel * isz)
             read_exact(fd, out, pos + r0 * row)
             scrc = zlib.crc32(out, scrc)
             crc = zlib.crc32(out, crc)
             if equal:
-                equal = _slab_equal(out, slab, meeting, isz, files, buffers, ledger)
+                bad, seen = slab_difference(out, slab, meeting, isz, files, buffers, ledger)
+                equal = bad is None and seen == slab.numel
     if equal and recorded is not None and scrc != recorded:
         equal = False  # equal to a source that contradicts its records: rewritten, and the copy names it
     tail = bytearray(fr.tail_nbytes)
@@ -145,26 +142,3 @@ def whole_storages(job: SpliceJob) -> bool:
             return False
         covered += inter.numel
     return covered == box.numel
-
-
-def _slab_equal(out: Any, slab: Box, meeting: list, isz: int, files: FdCache, buffers: WorkerBuffers,
-                ledger: Any) -> bool:
-    """Whether the target rows ``out`` (of box ``slab``) are bitwise the source rows they are cut from
-    (the source rows' CRC-32s to ``ledger`` unless it is None)."""
-    outv = as_array(out, slab.sizes, isz)
-    seen = 0
-    for s in meeting:
-        inter = s.box.intersect(slab)
-        if inter is None or inter.is_empty():
-            continue
-        rel = inter.relative_to(s.box)
-        srow = item_row_bytes(s.box.sizes, isz)
-        span = buffers.get_aux(rel.sizes[0] * srow)
-        read_exact(files.fd(s.path), span, s.storage_at + rel.offsets[0] * srow)
-        if s.crc is not None and ledger is not None:  # the source rows, checked against their writer's record
-            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
-        srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
-        if not bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
-            return False
-        seen += inter.numel
-    return seen == slab.numel

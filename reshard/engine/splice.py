@@ -68,6 +68,7 @@ __all__ = [
     "SpliceJob",
     "WorkerBuffers",
     "default_window",
+    "slab_difference",
     "run_jobs",
     "source_chunks",
 ]
@@ -302,34 +303,30 @@ class SpliceJob:
         row = item_row_bytes(sizes, isz)
         if not row or not sizes[0]:
             return
+        meeting, slabs = self.check_slabs(slab_bytes)
+        for r0, slab in slabs:
+            out = _window(fd, lay.storage_file_offset + r0 * row, slab.numel * isz, buffers.get)
+            bad, seen = slab_difference(out, slab, meeting, isz, files, buffers, ledger)
+            if bad is not None:
+                raise SpliceMismatch(f"the item written at {path}:{at} differs from the source in rows "
+                                     f"{bad.offsets[0]}..{bad.offsets[0] + bad.sizes[0] - 1}")
+            if seen != slab.numel:
+                raise SpliceMismatch(f"the sources cover {seen} of {slab.numel} elements of the item at {path}:{at}")
+
+    def check_slabs(self, slab_bytes: int) -> tuple[list, list[tuple[int, Box]]]:
+        """How a check reads the target back: the source chunks that meet it, and its slabs of whole
+        rows ``(first row, box)``, each at most `CHECK_WINDOW` (or ``slab_bytes``) on either side."""
+        box, isz = self.box, self.itemsize
+        sizes = box.sizes
+        row = item_row_bytes(sizes, isz)
         meeting = [s for s in self.sources if s.box.intersect(box) is not None]
         widest = max([row] + [item_row_bytes(s.box.sizes, isz) for s in meeting])
         per_slab = max(1, min(slab_bytes, CHECK_WINDOW) // widest)
+        slabs = []
         for r0 in range(0, sizes[0], per_slab):
             r1 = min(sizes[0], r0 + per_slab)
-            slab = Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))
-            out = _window(fd, lay.storage_file_offset + r0 * row, slab.numel * isz, buffers.get)
-            outv = as_array(out, slab.sizes, isz)
-            seen = 0
-            for s in meeting:
-                inter = s.box.intersect(slab)
-                if inter is None:
-                    continue
-                rel = inter.relative_to(s.box)
-                srow = item_row_bytes(s.box.sizes, isz)
-                span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow,
-                               buffers.get_aux)
-                if s.crc is not None:  # the source rows, checked against their writer's record
-                    ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
-                srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
-                a = outv[inter.relative_to(slab).slices()]
-                b = srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]
-                if not bits_equal(a, b):
-                    raise SpliceMismatch(f"the item written at {path}:{at} differs from the source in rows "
-                                         f"{inter.offsets[0]}..{inter.offsets[0] + inter.sizes[0] - 1}")
-                seen += inter.numel
-            if seen != slab.numel:
-                raise SpliceMismatch(f"the sources cover {seen} of {slab.numel} elements of the item at {path}:{at}")
+            slabs.append((r0, Box((box.offsets[0] + r0,) + tuple(box.offsets[1:]), (r1 - r0,) + tuple(sizes[1:]))))
+        return meeting, slabs
 
     def recorded_crc(self) -> int | None:
         """The CRC-32 the target storage must have, from the source items' own zip records:
@@ -513,6 +510,30 @@ def _window(fd: int, pos: int, n: int, fallback: Callable[[int], memoryview]) ->
     view = fallback(n)
     read_exact(fd, view, pos)
     return view
+
+
+def slab_difference(out: Any, slab: Box, meeting: list, isz: int, files: FdCache, buffers: WorkerBuffers,
+                    ledger: Any) -> tuple[Box | None, int]:
+    """Target rows ``out`` (of box ``slab``) against the source rows they are cut from, read now:
+    (the first intersection that differs, or None; the elements compared). The source rows'
+    CRC-32s go to ``ledger`` (unless None), so a source contradicting its own records is caught
+    by the same read. Used by the write check (`SpliceJob.check`) and the resume proof."""
+    outv = as_array(out, slab.sizes, isz)
+    seen = 0
+    for s in meeting:
+        inter = s.box.intersect(slab)
+        if inter is None or inter.is_empty():
+            continue
+        rel = inter.relative_to(s.box)
+        srow = item_row_bytes(s.box.sizes, isz)
+        span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow, buffers.get_aux)
+        if s.crc is not None and ledger is not None:  # the source rows, checked against their writer's record
+            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
+        srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
+        if not bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
+            return inter, seen
+        seen += inter.numel
+    return None, seen
 
 
 def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
