@@ -169,7 +169,7 @@ def test_bf16_export_verifies_within_tolerance_only(reference_ckpt, tmp_path):
     rep = export(reference_ckpt, exp, fmt="safetensors", dtype="bf16")
     assert rep["dtype"] == "bfloat16"
     ex = ExportIndex(exp)
-    assert {e.dtype for e in ex.entries.values()} == {torch.bfloat16}
+    assert {e.dtype_name for e in ex.entries.values()} == {"bfloat16"}
     loose = verify_checkpoints(reference_ckpt, exp, rtol=1e-2, atol=1e-6, recompute=True)
     assert loose["equal"], loose["differences"][:3]
     strict = verify_checkpoints(reference_ckpt, exp, recompute=True)

@@ -21,7 +21,7 @@ from reshard.engine.conversion import check_data_mode, convert
 from reshard.engine.copy import IOOptions
 from reshard.engine.distributed import convert_distributed, in_torchrun, launch_workers
 from reshard.planning.options import check_plan_matches, options_from_plan
-from reshard.planning.plan import make_plan
+from reshard.planning.plan import make_plan, source_index
 
 
 @dataclass
@@ -91,7 +91,7 @@ def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[s
             from reshard.engine.space import conversion_preflight
             from reshard.storage.hf_dcp import open_source
 
-            estimate = conversion_preflight(p, open_source(src, trust_pickle=p.options.trust_pickle), dst,
+            estimate = conversion_preflight(p, source_index(p, src) or open_source(src, trust_pickle=p.options.trust_pickle), dst,
                                             force=force, progress=progress)
         report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
         if report is None:

@@ -58,6 +58,7 @@ from typing import Any
 
 from reshard.errors import BadInput, Infeasible
 from reshard.units import now_text
+from reshard.planning.plan import source_index
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
 from reshard.engine.space import conversion_preflight
@@ -86,7 +87,7 @@ def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, Ch
     src, dst = Path(src), Path(dst)
     check_destination(src, dst)
     # a DCP checkpoint, or torch's safetensors-backed DCP (HuggingFaceStorageWriter): the output is DCP either way
-    return src, dst, open_source(src, trust_pickle=plan.options.trust_pickle)
+    return src, dst, source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)
 
 
 def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,

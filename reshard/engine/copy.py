@@ -24,14 +24,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from reshard.model.geometry import Box
+from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
 from reshard.storage import archive, fastread
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
-from reshard.semantics.transforms import write_transformed
+from reshard.storage.plain_items import check_loadable
 from reshard.storage.crcledger import CrcLedger, StorageRecord
 from reshard.storage.dcp_writer import DcpWriter
 from reshard.storage.fileio import ALIGN, FdCache
@@ -174,13 +173,15 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
                     locator: Any, checked: set[str], direct: bool = True):
+    from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
+
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action == "dropped":
             continue
         if e.is_tensor:
             t = planned[key]
-            w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
+            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
             if a.action == "rewritten" and not t.copy_from:
                 w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
             elif t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
@@ -196,7 +197,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
                 raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
                 raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
                 fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
-                dcp_io.torch_load_item(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+                check_loadable(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
         if progress is not None:  # by bytes (`writing_bytes` is the total)
             progress.update(e.nbytes)
@@ -205,11 +206,11 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             continue
         t = planned.get(a.key)
         if t is not None and t.copy_from:
-            w.declare_tensor(a.key, t.shape, getattr(torch, t.dtype))
+            w.declare_tensor(a.key, t.shape, dtype_named(t.dtype))
             write_transformed(ix, w, t, source_key=t.copy_from)
             continue
         v = plan.new_values[a.key]
-        if isinstance(v, torch.Tensor):
+        if is_torch_tensor(v):
             w.declare_tensor(a.key, tuple(v.shape), v.dtype)
             w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
         else:

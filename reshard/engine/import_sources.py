@@ -61,6 +61,7 @@ from typing import Any, Callable
 
 import torch
 
+from reshard.model.dtypes import DType, from_torch
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box
 from reshard.model.topology import Topology
@@ -77,7 +78,7 @@ class SourceTensor:
     name: str                 # as stored
     key: str                  # reshard key it becomes
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     read: Callable[[Box], torch.Tensor]
     placement: Any = None     # the target placement when the model's partition rules decide it (--format FAMILY)
 
@@ -239,7 +240,7 @@ def _torch_source(src: Path, rename) -> tuple[list[SourceTensor], dict[str, Any]
             for n in g:
                 names.setdefault(n, stored[real])
     for name, t in names.items():
-        out.append(SourceTensor(name, key_for(name), tuple(t.shape), t.dtype,
+        out.append(SourceTensor(name, key_for(name), tuple(t.shape), from_torch(t.dtype),
                         (lambda b, t=t: (t[b.slices()] if t.dim() else t).clone())))
     return out, meta, tied, skipped
 

@@ -228,7 +228,7 @@ def _check_keys(srcs: list[SourceTensor], src: Path) -> None:
             raise BadInput(f"'{seen[s.key]}' and '{s.name}' would both be imported as '{s.key}'", where=str(src),
                            hint="Fix the rename rules.")
         seen[s.key] = s.name
-        if s.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64) and s.key.startswith("model."):
+        if s.dtype.name not in ("float32", "bfloat16", "float16", "float64") and s.key.startswith("model."):
             raise BadInput(f"parameter '{s.name}' has dtype {s.dtype}", where=str(src))
 
 

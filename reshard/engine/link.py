@@ -13,13 +13,13 @@ import time as _time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reshard.errors import BadInput, Infeasible
+from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.units import now_text
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import fastread
+from reshard.storage.plain_items import check_loadable
 from reshard.storage import dcp as dcp_io
 from reshard.storage.atomic import atomic_directory, fault_point
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
@@ -120,7 +120,7 @@ def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, 
             continue
         if e.is_tensor:
             t = planned[key]
-            w.declare_tensor(key, t.shape, getattr(torch, t.dtype), path=e.path or None)
+            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
             if a.action == "rewritten":
                 w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
             else:
@@ -133,7 +133,7 @@ def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, 
             raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
             raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=where)
             fastread.check_item_crcs(raw, key=key, where=where)
-            dcp_io.torch_load_item(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
+            check_loadable(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
             w.link_object(key, replace(e.location, file=names[e.location.file]), path=e.path or None)
         if progress is not None:  # by bytes (`writing_bytes` is the total)
             progress.update(e.nbytes)
@@ -141,7 +141,7 @@ def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, 
         if a.action != "added":
             continue
         v = plan.new_values[a.key]
-        if isinstance(v, torch.Tensor):
+        if is_torch_tensor(v):
             w.declare_tensor(a.key, tuple(v.shape), v.dtype)
             w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
         else:

@@ -22,7 +22,7 @@ from reshard.model.layout import Placement, local_box, mesh_coords
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
 from reshard.storage.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
-                                          rank_objects_file, torch_dtype)
+                                          rank_objects_file, index_dtype)
 
 TRANSFORM_CACHE_BYTES = 256 << 20
 PER_RANK_ROLES = ("rng", "data")
@@ -174,7 +174,7 @@ def _check_storable(tensors: list[_HeldTensor], ix: CheckpointIndex) -> None:
     """
     bad = []
     for h in tensors:
-        dt = torch_dtype(h.plan.dtype) if h.plan.dtype else None
+        dt = index_dtype(h.plan.dtype) if h.plan.dtype else None
         if dt is not None and (dt not in SAFETENSORS_NAMES or (dt in PACKED and not h.plan.shape)):
             bad.append((h.plan.key, h.plan.dtype))
     if bad:

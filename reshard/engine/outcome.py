@@ -19,6 +19,7 @@ from typing import Any
 
 from reshard.errors import Infeasible
 from reshard.units import reproducible
+from reshard.planning.plan import source_index, source_inspection
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
 from reshard.storage import sidecars
@@ -78,7 +79,8 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     from reshard.verification.checkpoints import check_transforms, verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
-    src_dtypes = {k: e.dtype_name for k, e in open_source(src).entries.items() if e.is_tensor}
+    src_ix = source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)
+    src_dtypes = {k: e.dtype_name for k, e in src_ix.entries.items() if e.is_tensor}
     for t in plan.tensors:
         if t.transform:
             expected[t.key] = "TP-dependent layout rewritten (checked in canonical form)"
@@ -89,7 +91,8 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     # full recomputation); here its bytes are compared with the source, and the source's own
     # checksums (if it records any) are checked.
     result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
-                                check_integrity="a", values_checked=checked, progress=progress, **extra)
+                                check_integrity="a", values_checked=checked, progress=progress,
+                                a_inspection=source_inspection(plan, src, trust_pickle=plan.options.trust_pickle), **extra)
     result["checked_while_writing"] = len(checked or ())
     if isinstance(checked, WriteChecks):
         result["write_checks"] = checked.summary()

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reshard.engine.splice import SpliceJob, WorkerBuffers, item_row_bytes, slab_difference
 from reshard.model.geometry import contiguous_run
 from reshard.model.plan import Plan
@@ -51,10 +49,13 @@ __all__ = ["Proof", "Resumed", "prove_spliced", "resume_key", "whole_storages"]
 def resume_key(plan: Plan, src: Path, output_format: str = "dcp") -> ResumeKey:
     """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.journal`):
     the plan, the source files as they are on disk, and what else decides the bytes written."""
+    from importlib.metadata import version
+
     from reshard import __version__
 
+    # torch's version from its installed metadata (what torch.__version__ says) without importing it
     return ResumeKey(plan=plan.fingerprint(), source=source_identity(src),
-                     options={"output_format": output_format, "reshard": __version__, "torch": torch.__version__})
+                     options={"output_format": output_format, "reshard": __version__, "torch": version("torch")})
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput
+from reshard.model.dtypes import dtype_named
 from reshard.render.space import space_line
 from reshard.storage import dcp_writer
 from reshard.storage.atomic import reclaimable_bytes
@@ -28,15 +29,10 @@ from reshard.storage.integrity import nearest_existing
 from reshard.units import human_bytes
 
 
-def _save_overhead() -> int:
-    """Bytes ``torch.save`` adds around a tensor's payload (zip records, pickle, alignment)."""
-    import io
-
-    import torch
-
-    b = io.BytesIO()
-    torch.save(torch.empty(0, dtype=torch.float32), b)
-    return len(b.getvalue())
+SAVE_OVERHEAD = 1513
+"""Bytes ``torch.save`` adds around a tensor's payload (zip records, pickle, alignment): the
+length of ``torch.save(torch.empty(0))`` in torch 2.13 (``tests/test_no_torch.py`` checks it), stated
+so that an estimate needs no torch import."""
 
 
 def _numel(sizes: Iterable[int]) -> int:
@@ -58,13 +54,11 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     """
     import pickle
 
-    import torch
-
     ix = index if index is not None else open_source(plan.source["path"], trust_pickle=plan.options.trust_pickle)
-    over = _save_overhead()
+    over = SAVE_OVERHEAD
     total = items = 0
     for t in plan.tensors:
-        size = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+        size = dtype_named(t.dtype).itemsize
         for _rank, _offsets, sizes in t.chunks:
             nbytes = _numel(sizes) * size
             # a storage this large starts block-aligned: up to one block of padding before it
@@ -257,7 +251,7 @@ def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> Rate:
 def estimate_dcp_bytes(chunk_bytes: Iterable[int], keys: int) -> int:
     """What a DCP checkpoint of chunks of these sizes (and ``keys`` keys) takes on disk, as
     `estimate_output_bytes` counts it (``.metadata`` taken as ~400 bytes per chunk)."""
-    over = _save_overhead()
+    over = SAVE_OVERHEAD
     total = items = 0
     for nbytes in chunk_bytes:
         total += nbytes + over + (dcp_writer.ALIGN if nbytes >= dcp_writer.ALIGN_FROM else 0)

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from reshard.errors import BadInput
+from reshard.model.dtypes import DType
 from reshard.model.geometry import Box
 
 __all__ = ["Chunk", "Entry", "EntryQueries", "Finding", "ItemLocation"]
@@ -44,7 +43,7 @@ class Entry:
     key: str
     kind: str  # "tensor" | "object"
     shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
+    dtype: DType | None = None
     chunks: list[Chunk] = field(default_factory=list)
     location: ItemLocation | None = None  # objects only
     path: tuple = ()
@@ -112,6 +111,11 @@ class EntryQueries:
             return self.entries[key]
         except KeyError:
             raise BadInput(f"no entry '{key}' in the checkpoint", where=str(self.root)) from None
+
+    def read_plain(self, key: str) -> Any:
+        """A small item's value for a counter: what `read_object` gives, unless a reader decodes
+        small items without torch (`reshard.storage.index.CheckpointIndex.read_plain`)."""
+        return self.read_object(key)  # type: ignore[attr-defined]
 
     def item_count(self) -> int:
         return sum(len(e.chunks) if e.is_tensor else 1 for e in self.entries.values())

@@ -21,6 +21,9 @@ class Inspection:
     manifest: Any  # reshard.semantics.manifest.Manifest | None
     topology: topo_mod.Topology
     report: dict[str, Any]
+    as_found: bool = False
+    """Described from the checkpoint alone (no ``--from``, ``--convention``, ``--tie``, ``--deep``):
+    any later step of the same run that would inspect the same source takes this one instead."""
 
     @property
     def exit_code(self) -> int:

@@ -140,6 +140,7 @@ class Plan:
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
     data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
     slice: dict[str, Any] | None = None  # --layers / --experts: what the slice keeps, renames and drops (`reshard.planning.slice`)
+    inspection: Any = field(default=None, repr=False, compare=False)  # the source's Inspection this run made (not in JSON)
 
     def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
         """The plan as JSON data; ``tensors``: True (every tensor with its chunks), False, or

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from reshard.errors import BadInput
+from reshard.model.dtypes import dtype_named
 from reshard.model.plan import DTYPES, NOT_CAST, KeyAction, Options, TensorPlan
 from reshard.model.layout import local_box, rank_sizes
 from reshard.planning.keys import dtype_size
@@ -63,7 +63,7 @@ def reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction]
         cast = 0
         by_key = {a.key: a for a in actions}
         for t in tensors:
-            if t.role in ("parameter", "optimizer_moment") and getattr(torch, t.dtype).is_floating_point \
+            if t.role in ("parameter", "optimizer_moment") and dtype_named(t.dtype).is_floating_point \
                     and t.dtype != name and t.dtype not in NOT_CAST:
                 a = by_key.get(t.key)
                 t.dtype = name

@@ -12,8 +12,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from reshard.gc_pause import paused_gc
 from reshard.render.report import moment_sets_text
 from reshard.model import topology as topo_mod
@@ -22,10 +20,12 @@ from reshard.semantics.conventions import Classification, Convention, KeyRole, c
 from reshard.semantics.trainer_config import step_from_folder
 from reshard.errors import BadInput, ReshardError
 from reshard.model.checkpoint import Finding
+from reshard.model.dtypes import is_torch_tensor
 from reshard.model.inspection import JSON_VERSION, Inspection
 from reshard.storage.index import CheckpointIndex, bitwise_equal
 from reshard import safefs
 from reshard.storage import sidecars
+from reshard.storage.plain_items import PlainTensor
 from reshard.storage.local_format import open_any
 
 
@@ -36,7 +36,7 @@ def _load_manifest(root: Path) -> Any:
 
 
 def _scalar(v: Any) -> Any:
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
+    if (is_torch_tensor(v) and v.numel() == 1) or (isinstance(v, PlainTensor) and v.numel == 1):
         x = v.item()
         return int(x) if float(x).is_integer() else x
     return v
@@ -92,7 +92,8 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     report = _report(root, ix, cls, manifest, mdict, topo, deep=deep, step=step, step_source=step_source,
                      by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
     report["sidecars"] = side
-    return Inspection(ix, cls, manifest, topo, report)
+    return Inspection(ix, cls, manifest, topo, report,
+                      as_found=from_spec is None and not conventions and not ties and not deep)
 
 
 HF_CONFIG = "config.json"
@@ -290,7 +291,7 @@ def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dic
     values: dict[str, Any] = {}
     for name, key in keys.items():
         try:
-            values[name] = _scalar(ix.read_object(key))
+            values[name] = _scalar(ix.read_plain(key))
         except ReshardError as exc:
             findings.append(Finding("error", "unreadable_item", exc.message, keys=(key,)))
     return values
@@ -411,7 +412,7 @@ def _param_groups(ix: Any, roles: dict[str, KeyRole], can_read: bool,
         if not (k.endswith(".params") or k.endswith("param_groups") or ".params." in k):
             continue
         try:
-            value = ix.read_object(k)
+            value = ix.read_plain(k)
         except ReshardError as exc:
             findings.append(Finding("error", "unreadable_item", exc.message, keys=(k,)))
             return None

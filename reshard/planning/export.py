@@ -48,28 +48,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
+from reshard.model.dtypes import DTYPES as BY_NAME, DType
 from reshard.model.plan import NOT_CAST
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
 
 EXPORT_FORMAT_VERSION = "1"
 HF_CONFIG = "config.json"
 
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+DTYPES: dict[str, DType] = {
+    "bf16": BY_NAME["bfloat16"], "bfloat16": BY_NAME["bfloat16"],
+    "fp16": BY_NAME["float16"], "float16": BY_NAME["float16"], "half": BY_NAME["float16"],
+    "fp32": BY_NAME["float32"], "float32": BY_NAME["float32"], "float": BY_NAME["float32"],
 }
 
-ST_DTYPE_NAMES: dict[torch.dtype, str] = SAFETENSORS_NAMES
+ST_DTYPE_NAMES: dict[DType, str] = SAFETENSORS_NAMES
 """The safetensors name of every dtype the format stores (float8 e4m3fn/e5m2 and their fnuz
 variants, F8_E8M0, F4, U16-U64, C64, ...); what is not here (complex32, complex128, the bits
 dtypes) an export in safetensors refuses by key and dtype before writing (`unstorable`)."""
-UNCASTABLE: frozenset[torch.dtype] = frozenset(getattr(torch, n) for n in NOT_CAST)
+UNCASTABLE: frozenset[DType] = frozenset(BY_NAME[n] for n in NOT_CAST)
 """Floating dtypes ``--dtype`` leaves as they are (`reshard.model.plan.NOT_CAST`: float4_e2m1fn_x2)."""
 
 
@@ -184,8 +183,8 @@ class ExportItem:
     name: str           # exported name
     role: str
     shape: tuple[int, ...]
-    src_dtype: torch.dtype
-    dtype: torch.dtype
+    src_dtype: DType
+    dtype: DType
     file: str = ""
     offset: int = 0     # within the shard's data section
     src_shape: tuple[int, ...] | None = None        # the source's shape, when ``make`` changes it
@@ -211,7 +210,7 @@ class ExportPlan:
     warnings: list[str] = field(default_factory=list)
 
 
-def dtype_arg(dtype: str | None) -> torch.dtype | None:
+def dtype_arg(dtype: str | None) -> DType | None:
     if dtype is None:
         return None
     dt = DTYPES.get(str(dtype).lower())
@@ -243,7 +242,7 @@ def unstorable(items: list[ExportItem], fmt: str, *, where: str | None = None) -
                          + "; nothing was written.")
 
 
-def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: torch.dtype | None,
+def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | None,
                 rules: RenameRules | None, fmt: str = "safetensors") -> ExportPlan:
     """What an export of ``ix`` writes (see the module docstring); ``fmt``'s dtypes are checked
     (`unstorable`: a dtype safetensors has no name for is refused, every such key named)."""
@@ -360,7 +359,7 @@ def assign_shards(items: list[ExportItem], max_shard_size: int, ext: str) -> lis
     return shards
 
 
-def export_essentials(src: Path, mdict: dict[str, Any], convention: str, *, dtype: torch.dtype | None, only: str,
+def export_essentials(src: Path, mdict: dict[str, Any], convention: str, *, dtype: DType | None, only: str,
                       rules: RenameRules | None, tied: list[list[str]], fmt: str) -> dict[str, Any]:
     return {
         "reshard_export": EXPORT_FORMAT_VERSION,
@@ -458,7 +457,7 @@ def _source_tp(src: Path) -> int:
 
 
 def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: ExportPlan, model_config: dict[str, Any],
-            dtype: torch.dtype | None) -> HfPlan:
+            dtype: DType | None) -> HfPlan:
     """Map ``plan`` (every parameter, ties written once) to the family's Hugging Face names and transforms, in place.
 
     Public for `reshard verify SRC HF_EXPORT`, which re-derives the export from the source the same way.

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
+from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.model.plan import KeyAction, TensorPlan
 from reshard.model.layout import Placement, rank_sizes, target_chunks_cached
 from reshard.semantics import placement as placement_mod
@@ -172,7 +172,7 @@ def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngD
         why = (f"new rank {rank}: " if rank is not None else "") + ("data position " + ddec.policy if role == "data" else rdec.per_rank.get(rank, "RNG"))
         keys.new_values[k] = v
         keys.actions.append(KeyAction(k, role, "added", why, rank=rank if rank is not None else 0))
-        if isinstance(v, torch.Tensor):
+        if is_torch_tensor(v):
             keys.tensors.append(_replicated(k, role, v, rank or 0))
 
 
@@ -231,11 +231,13 @@ def _owner_rank(key: str, cls, target: Topology) -> int:
     return 0
 
 
-def _replicated(key: str, role: str, value: torch.Tensor, rank: int) -> TensorPlan:
+def _replicated(key: str, role: str, value: Any, rank: int) -> TensorPlan:
+    """A new tensor value (a torch.Tensor) held whole by one rank."""
     shape = tuple(value.shape)
     return TensorPlan(key, role, shape, str(value.dtype).removeprefix("torch."), Placement.replicated(),
                       [(rank, tuple(0 for _ in shape), shape)])
 
 
 def dtype_size(name: str) -> int:
-    return torch.empty((), dtype=getattr(torch, name)).element_size()
+    """Bytes per element of the dtype torch names ``name`` (a plan's dtypes are names)."""
+    return dtype_named(name).itemsize

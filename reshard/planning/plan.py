@@ -85,7 +85,35 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     plan.data_link = link_summary(plan, ix)
     if sliced is not None:
         plan.slice = sliced.summary
+    plan.inspection = ins  # one inspection per run: convert and verify take it (`source_index`)
     return plan
+
+
+def source_index(plan: Plan, src: str | Path, *, trust_pickle: bool | None = None) -> Any:
+    """The opened source this run's plan was made from, when it is what a conversion reads at ``src``
+    (a DCP checkpoint or torch's safetensors-backed DCP, opened with the same ``trust_pickle``), else None.
+
+    Opening a checkpoint parses its whole ``.metadata`` (seconds at a thousand ranks): a run opens
+    its source once, and every later step (preflight, copy, verification) asks here first.
+    """
+    from reshard.storage.hf_dcp import HfDcpIndex
+    from reshard.storage.index import CheckpointIndex
+
+    ins = plan.inspection
+    trust = plan.options.trust_pickle if trust_pickle is None else trust_pickle
+    if ins is None or type(ins.index) not in (CheckpointIndex, HfDcpIndex):
+        return None
+    if getattr(ins.index, "trust_pickle", None) != trust or Path(ins.index.root) != Path(src):
+        return None
+    return ins.index
+
+
+def source_inspection(plan: Plan, src: str | Path, *, trust_pickle: bool) -> Inspection | None:
+    """This run's inspection of the source, when a comparison may take it as its own (`source_index`,
+    and described from the checkpoint alone: `Inspection.as_found`), else None."""
+    if source_index(plan, src, trust_pickle=trust_pickle) is None or not plan.inspection.as_found:
+        return None
+    return plan.inspection
 
 
 def _with_user_ties(mdict: dict[str, Any], ties: list[list[str]] | None) -> dict[str, Any]:

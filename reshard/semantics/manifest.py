@@ -413,10 +413,19 @@ class Writer:
 
     @classmethod
     def current(cls, tool: str | None = None) -> "Writer":
-        import torch
-
         from reshard import __version__
-        return cls(tool=tool or f"reshard {__version__}", torch=str(torch.__version__))
+        return cls(tool=tool or f"reshard {__version__}", torch=torch_version())
+
+
+def torch_version() -> str:
+    """The installed torch's version as ``torch.__version__`` says it, from its package metadata: a
+    manifest names the torch that can load the checkpoint, and stating it needs no torch import."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:  # pragma: no cover - torch is a dependency
+        return "unknown"
 
 
 @dataclass

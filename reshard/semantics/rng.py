@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from reshard.errors import BadInput
 
@@ -50,7 +49,11 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
 
 
 def seeded_state(seed: int) -> dict[str, Any]:
-    """A fresh state in the shape `reshard.train.rng.capture()` returns, without touching this process's RNGs."""
+    """A fresh state in the shape `reshard.train.rng.capture()` returns, without touching this process's RNGs.
+
+    Its values are tensors, so torch is imported here, when a new rank's state is made, and not before."""
+    import torch
+
     py_version, py_state, py_gauss = random.Random(seed).getstate()
     _, np_keys, np_pos, np_has_gauss, np_cached = np.random.RandomState(seed % (2**32)).get_state(legacy=True)
     g = torch.Generator()

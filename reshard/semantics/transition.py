@@ -80,7 +80,7 @@ def output_manifest(plan: Plan, src: dict[str, Any] | None, *, time: str) -> mf.
         "rng": rng,
         "continuity": "warm_start" if kind == "warm_start" or src.get("continuity") == "warm_start" else "continuation",
         "lineage": lineage,
-        "writer": {"tool": f"reshard {__version__}", "torch": _torch_version(), "time": time},
+        "writer": {"tool": f"reshard {__version__}", "torch": mf.torch_version(), "time": time},
     }
     return mf.Manifest.from_dict(d, source="<output manifest>")
 
@@ -122,12 +122,6 @@ def _model(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
             tied.append(list(t))
     model["tied"] = tied
     return model
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def _int_or_none(v: object) -> int | None:

@@ -29,7 +29,7 @@ every newer dtype (float8 e4m3fn/e5m2 and their fnuz variants, float8_e8m0fnu,
 float4_e2m1fn_x2, uint16/32/64, bits8/16 and the packed bits, complex32) has none, so torch
 pickles ``_rebuild_tensor_v3(storage, 0, size, stride, False, OrderedDict(), dtype)`` over a
 ``torch.storage.UntypedStorage`` whose size is counted in bytes. Both are framed here
-(`WRITABLE`); the storage bytes are the tensor's either way. What is left out cannot be an
+(`writable`); the storage bytes are the tensor's either way. What is left out cannot be an
 item of plain storage bytes: quantized dtypes (their pickle carries the quantizer's scale
 and zero point) and the sub-byte ``int1``..``int7``/``uint1``..``uint7`` (names without a
 storage, which ``torch.save`` itself refuses). `unwritable_reason` says why, for the index
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 import struct
 import sys
 import zlib
@@ -55,9 +54,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["WRITABLE", "Framing", "archive_bytes", "crc32_combine", "fits", "framing", "unwritable_reason"]
+from reshard.model.dtypes import DType, from_torch, torch_dtype, unstorable_reason
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Framing", "writable", "archive_bytes", "crc32_combine", "fits", "framing", "unwritable_reason"]
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -80,52 +84,56 @@ class _Rebuild:
     appended when the storage is untyped (``dtype`` not None)."""
 
     def __init__(self, storage: _Storage, shape: tuple[int, ...], stride: tuple[int, ...],
-                 dtype: torch.dtype | None = None):
+                 dtype: "torch.dtype | None" = None):
         self.args: tuple = (storage, 0, shape, stride, False, OrderedDict())
         if dtype is not None:
             self.args += (dtype,)
 
     def __reduce__(self):
+        import torch
+
         fn = torch._utils._rebuild_tensor_v3 if len(self.args) == 7 else torch._utils._rebuild_tensor_v2
         return (fn, self.args)
 
 
-_SUB_BYTE = re.compile(r"u?int[1-7]")
-_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-_LEGACY: dict[torch.dtype, str] = {d: name for d, name in torch.storage._dtype_to_storage_type_map().items()
-                                   if d not in _QUANTIZED}
-"""dtype -> the legacy typed-storage class ``torch.save`` names for it (``FloatStorage``, ...)."""
-_UNTYPED: frozenset[torch.dtype] = frozenset(
-    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d not in _LEGACY and d not in _QUANTIZED
-    and not _SUB_BYTE.fullmatch(str(d).removeprefix("torch.")))
-"""Dtypes ``torch.save`` writes over an untyped storage (``_rebuild_tensor_v3``): every other dtype of
-torch's table with a storage of whole bytes (the sub-byte ``int1``..``uint7`` names have none)."""
-WRITABLE: frozenset[torch.dtype] = frozenset(_LEGACY) | _UNTYPED
-"""Every dtype whose items this module frames: the storage bytes are the tensor's, whatever the dtype."""
+@lru_cache(maxsize=1)
+def _legacy() -> dict[Any, str]:
+    """torch dtype -> the legacy typed-storage class ``torch.save`` names for it (``FloatStorage``, ...);
+    every other dtype with a storage of whole bytes is written over an untyped storage
+    (``_rebuild_tensor_v3``). Made on first use: framing a tensor needs torch, this module's CRC
+    arithmetic (used on the metadata path) does not."""
+    import torch
+
+    return {d: name for d, name in torch.storage._dtype_to_storage_type_map().items()
+            if unstorable_reason(from_torch(d)) is None}
 
 
-def unwritable_reason(dtype: torch.dtype) -> str | None:
+def writable(dtype: "DType | torch.dtype") -> bool:
+    """Whether this module frames items of ``dtype``: every dtype whose storage bytes are the tensor's
+    (`reshard.model.dtypes.unstorable_reason`: not quantized, not sub-byte)."""
+    return unstorable_reason(from_torch(dtype)) is None
+
+
+def unwritable_reason(dtype: "DType | torch.dtype") -> str | None:
     """Why reshard cannot write items of ``dtype`` (None: it can), in words for an error message."""
-    if dtype in WRITABLE:
-        return None
-    if dtype in _QUANTIZED:
-        return ("a quantized dtype: its items hold the quantizer (scale, zero point) beside the bytes, "
-                "so its chunks cannot be cut or joined as plain storage")
-    return "a dtype without a storage of whole bytes (torch.save itself cannot write it)"
+    return unstorable_reason(from_torch(dtype))
 
 
-def _storage_pid(dtype: torch.dtype, numel: int) -> tuple:
+def _storage_pid(dtype: "torch.dtype", numel: int) -> tuple:
     """The persistent id ``torch.save`` gives the storage of a ``dtype`` tensor of ``numel`` elements."""
-    legacy = _LEGACY.get(dtype)
+    import torch
+
+    legacy = _legacy().get(dtype)
     if legacy is not None:
         return ("storage", getattr(torch, legacy), "0", "cpu", numel)
-    if dtype in _UNTYPED:
+    if writable(dtype):
         return ("storage", torch.storage.UntypedStorage, "0", "cpu", numel * dtype.itemsize)
     raise ValueError(f"reshard cannot write {dtype} items: {unwritable_reason(dtype)}")
 
 
-def data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+def data_pkl(dtype: "torch.dtype | DType", shape: tuple[int, ...]) -> bytes:
     """``archive/data.pkl`` for a C-contiguous tensor of ``dtype`` and ``shape`` with its own storage."""
+    dtype = torch_dtype(dtype)
     shape = tuple(int(s) for s in shape)
     stride, acc = [], 1
     for s in reversed(shape):
@@ -141,7 +149,7 @@ def data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(_Rebuild(storage, shape, tuple(reversed(stride)),
-                                            None if dtype in _LEGACY else dtype))
+                                            None if dtype in _legacy() else dtype))
     return buf.getvalue()
 
 
@@ -241,7 +249,7 @@ def fits(nbytes: int) -> bool:
     return nbytes < _U32 - (1 << 20)
 
 
-def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> Framing:
+def framing(dtype: "torch.dtype | DType", shape: tuple[int, ...]) -> Framing:
     """The framing of a C-contiguous ``dtype`` tensor of ``shape``; see the module docstring."""
     numel = 1
     for s in shape:
@@ -286,8 +294,10 @@ def _tail(f: Framing, storage_crc: int) -> bytes:
     return bytes(out)
 
 
-def archive_bytes(t: torch.Tensor) -> bytes:
+def archive_bytes(t: "torch.Tensor") -> bytes:
     """The whole item for a small tensor, in memory (tests and small objects)."""
+    import torch
+
     t = t.detach().contiguous()
     f = framing(t.dtype, tuple(t.shape))
     raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""

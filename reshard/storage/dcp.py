@@ -8,7 +8,7 @@ optionally passed through stream transforms such as zstd.
 This module knows bytes and formats, nothing of training: it turns `.metadata` into plain
 records without executing code, and reads single items from their byte ranges with
 ``torch.load(weights_only=True)``. Every dtype whose items are plain storage bytes is read
-(float8, float4, uint16-64, bits and complex included: `reshard.storage.archive.WRITABLE`);
+(float8, float4, uint16-64, bits and complex included: `reshard.model.dtypes.unstorable_reason`);
 a tensor of any other (a quantized dtype, whose items carry the quantizer) is refused when
 `.metadata` is read, every such key named with its dtype, so inspect and plan exit 2 before
 anything is planned.
@@ -25,14 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
+from reshard.model.dtypes import DType, unstorable_reason
 from reshard.storage import save_plans
-from reshard.storage import archive
-from reshard.storage.fastread import check_item_crcs
 from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
@@ -44,7 +41,7 @@ MIN_METADATA_CAP = 256 << 20
 class RawTensor:
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes)
 
 
@@ -177,12 +174,12 @@ def _bad(where: str, what: str) -> BadInput:
     )
 
 
-def _unwritable(where: str, found: list[tuple[str, torch.dtype]]) -> BadInput:
-    """The refusal of a checkpoint holding tensors of a dtype reshard cannot write (`reshard.storage.archive.WRITABLE`:
-    every dtype whose items are plain storage bytes, float8/float4/uint16-64/bits/complex included), every such key
-    named with its dtype, before anything is planned."""
+def _unwritable(where: str, found: list[tuple[str, DType]]) -> BadInput:
+    """The refusal of a checkpoint holding tensors of a dtype reshard cannot write (`reshard.model.dtypes.unstorable_reason`:
+    every dtype whose items are plain storage bytes is written, float8/float4/uint16-64/bits/complex included), every
+    such key named with its dtype, before anything is planned."""
     listed = ", ".join(f"'{k}' ({str(d).removeprefix('torch.')})" for k, d in found[:8]) + (" ..." if len(found) > 8 else "")
-    reasons = sorted({f"{str(d).removeprefix('torch.')} is {archive.unwritable_reason(d)}" for _, d in found})
+    reasons = sorted({f"{str(d).removeprefix('torch.')} is {unstorable_reason(d)}" for _, d in found})
     quantized = any("quantized" in r for r in reasons)
     return BadInput(
         f"{len(found)} tensor(s) have a dtype reshard cannot read or write: {listed} ({'; '.join(reasons)})",
@@ -209,7 +206,7 @@ def _decode(md: Any, where: str) -> RawMetadata:
     if not isinstance(sdm, dict):
         raise _bad(where, "state_dict_metadata is not a mapping")
     entries: dict[str, RawTensor | RawObject] = {}
-    unwritable: list[tuple[str, torch.dtype]] = []
+    unwritable: list[tuple[str, DType]] = []
     for key, value in sdm.items():
         if not isinstance(key, str):
             raise _bad(where, f"entry key {key!r} is not a string")
@@ -219,9 +216,9 @@ def _decode(md: Any, where: str) -> RawMetadata:
         elif kind == "TensorStorageMetadata":
             props = value.get("properties")
             dtype = props.get("dtype") if isinstance(props, Record) else None
-            if not isinstance(dtype, torch.dtype):
+            if not isinstance(dtype, DType):
                 raise _bad(where, f"tensor '{key}' has no valid dtype")
-            if dtype not in archive.WRITABLE:
+            if unstorable_reason(dtype) is not None:
                 unwritable.append((key, dtype))
             shape = _int_tuple(value.get("size"), where, "global shape", key)
             chunks_in = value.get("chunks")
@@ -474,6 +471,8 @@ def item_pickle(data: bytes, *, key: str, where: str) -> bytes:
 
 def _loaded_size(obj: Any, limit: int) -> int:
     """Bytes ``obj`` holds counted expanded (see `OBJECT_INFLATION`), stopping once past ``limit``."""
+    import torch
+
     total, todo = 0, [obj]
     while todo and total <= limit:
         x = todo.pop()
@@ -510,6 +509,8 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
     command's warning). A tensor item (``tensor=True``) never needs more than the safe set,
     so it is refused whatever ``trust_pickle`` says.
     """
+    import torch  # only here, where an item's bytes are decoded
+
     check_cost(item_pickle(data, key=key, where=where), where=where, what=f"the pickle of item '{key}'")
     try:
         try:
@@ -557,6 +558,8 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
 def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
               tensor: bool = False) -> Any:
     """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`torch_load_item`)."""
+    from reshard.storage.fastread import check_item_crcs
+
     where = str(ckpt / loc.file)
     data = read_item_bytes(ckpt, loc, key=key)
     data = untransform(data, loc.transforms, key=key, where=where, limit=limit)

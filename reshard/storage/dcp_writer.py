@@ -14,7 +14,8 @@ a time, so memory stays bounded by the largest single item:
   layout depends only on the order of reservations.
 - checksums: the CRC-32 of every item as written (`checksums`), for the manifest's
   ``integrity`` record.
-- ``.metadata``, a pickle of a real ``torch.distributed.checkpoint.metadata.Metadata``:
+- ``.metadata``, a pickle that loads as a real ``torch.distributed.checkpoint.metadata.Metadata``
+  (written by `reshard.storage.metadata_pickle` without importing torch):
   ``state_dict_metadata`` (global shape, dtype and chunk list per tensor; a
   ``BytesStorageMetadata`` per object), ``storage_data`` (``MetadataIndex`` ->
   ``_StorageInfo``), ``planner_data`` (flat key -> path in the nested state dict) and
@@ -56,39 +57,32 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import zlib
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING
 
 from reshard.errors import ReshardError
+from reshard.model.dtypes import DType, from_torch
 from reshard.model.geometry import Box, coverage_problems
-from reshard.storage import archive
 from reshard.storage.atomic import fault_point, fsync_dir
 from reshard.model.checkpoint import ItemLocation
 from reshard.storage.dcp import METADATA_FILE
+from reshard.storage.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
 from reshard.storage.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact
 
-try:  # the version string stock DCP stamps into .metadata
-    from torch.distributed.checkpoint.filesystem import (
-        CURRENT_DCP_VERSION as _DCP_VERSION,
-    )
-except ImportError:  # pragma: no cover - older torch
-    _DCP_VERSION = "1.0.0"
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.storage.archive import Framing
+
+DCP_VERSION = "1.0.0"
+"""The version stock DCP stamps into `.metadata` (``CURRENT_DCP_VERSION`` of torch 2.13's
+filesystem writer; ``tests/test_no_torch.py`` checks it), stated here so that writing
+`.metadata` needs no torch import."""
 
 __all__ = ["DcpWriter", "WriterError", "data_file_name"]
 
@@ -114,7 +108,7 @@ def data_file_name(rank: int) -> str:
 @dataclass
 class _Tensor:
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     path: tuple
     chunks: list[tuple[tuple[int, ...], tuple[int, ...], ItemLocation]] = field(default_factory=list)
     offsets_seen: set[tuple[int, ...]] = field(default_factory=set)
@@ -133,8 +127,10 @@ def _crc_hex(crc: int) -> str:
     return format(crc & 0xFFFFFFFF, "08x")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: "torch.Tensor") -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -188,7 +184,8 @@ class DcpWriter:
         self._closed = False
 
     # ------------------------------------------------------------------ declarations
-    def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, path: tuple | None = None) -> None:
+    def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: "DType | torch.dtype",
+                       path: tuple | None = None) -> None:
         """Announce a tensor's global shape and dtype; its chunks follow with `write_chunk`.
 
         Declaring the same key again with the same shape and dtype is a no-op.
@@ -198,8 +195,10 @@ class DcpWriter:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise WriterError(f"tensor '{key}' declared with negative size {list(shape)}", where=str(self.directory))
-        if not isinstance(dtype, torch.dtype):
-            raise WriterError(f"tensor '{key}' declared with {dtype!r}, not a torch.dtype", where=str(self.directory))
+        try:
+            dtype = from_torch(dtype)
+        except ValueError:
+            raise WriterError(f"tensor '{key}' declared with {dtype!r}, not a dtype", where=str(self.directory)) from None
         if key in self._objects:
             raise WriterError(f"'{key}' was already written as an object", where=str(self.directory))
         old = self._tensors.get(key)
@@ -212,13 +211,17 @@ class DcpWriter:
         self._order.append(key)
 
     # ------------------------------------------------------------------ tensors
-    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...], tensor: torch.Tensor) -> ItemLocation:
+    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...], tensor: "torch.Tensor") -> ItemLocation:
         """Append one chunk of a declared tensor to rank ``rank``'s file.
 
         The chunk's sizes are ``tensor.shape``; dtype, rank (number of dims) and bounds are
         checked against the declaration. Views are saved compact (contiguous, own storage),
         so a slice never drags its whole base storage into the file.
         """
+        import torch
+
+        from reshard.storage import archive
+
         if not isinstance(tensor, torch.Tensor):
             raise WriterError(f"chunk of '{key}' is a {type(tensor).__name__}, not a tensor", where=str(self.directory))
         t = tensor.detach()
@@ -227,7 +230,7 @@ class DcpWriter:
                               where=str(self.directory))
         offsets, sizes = self._check_chunk(key, offsets, tuple(t.shape))
         decl = self._tensors[key]
-        if t.dtype != decl.dtype:
+        if from_torch(t.dtype) != decl.dtype:
             raise WriterError(f"chunk of '{key}' at {list(offsets)} is {t.dtype}, declared {decl.dtype}",
                               where=str(self.directory))
         t = _compact(t)
@@ -319,6 +322,8 @@ class DcpWriter:
         byte-identical to a sequential one.
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
+        from reshard.storage import archive
+
         dtype = self._tensors[key].dtype
         fr = archive.framing(dtype, sizes) if archive.fits(prod(sizes) * dtype.itemsize) else None
         if fr is not None and fr.length == length:  # a hand-framed item: its storage may be aligned
@@ -380,8 +385,10 @@ class DcpWriter:
         return self._owned is None or bool(self._owned(rank))
 
     @staticmethod
-    def chunk_length(dtype: torch.dtype, sizes: tuple[int, ...]) -> int:
+    def chunk_length(dtype: "DType | torch.dtype", sizes: tuple[int, ...]) -> int:
         """The length of the item `write_chunk` writes for a chunk of ``dtype`` and ``sizes``."""
+        from reshard.storage import archive
+
         return archive.framing(dtype, tuple(sizes)).length
 
     def adopt(self, checksums: dict[str, str]) -> None:
@@ -483,7 +490,7 @@ class DcpWriter:
         tmp = self.directory / (METADATA_FILE + ".tmp")
         final = self.directory / METADATA_FILE
         with open(tmp, "wb") as f:
-            pickle.dump(md, f)
+            f.write(md)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -505,29 +512,19 @@ class DcpWriter:
                 pass
 
     # ------------------------------------------------------------------ internals
-    def _metadata(self) -> Metadata:
-        sdm: dict[str, Any] = {}
-        storage: dict[MetadataIndex, _StorageInfo] = {}
-        planner: dict[str, tuple] = {}
+    def _metadata(self) -> bytes:
+        """`.metadata` as torch's ``pickle.dump`` of its ``Metadata`` would read back, written without
+        torch (`reshard.storage.metadata_pickle`): the keys in first-declared order, each chunk with
+        its storage record; ``checkpoint_id`` unset (the directory is normally renamed into place later)."""
+        items: list[TensorMeta | ObjectMeta] = []
         for key in self._order:
             if key in self._tensors:
                 d = self._tensors[key]
-                sdm[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=d.dtype),
-                    size=torch.Size(d.shape),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in d.chunks],
-                )
-                for o, _s, loc in d.chunks:
-                    storage[MetadataIndex(key, o)] = _storage_info(loc)
-                planner[key] = d.path
+                items.append(TensorMeta(key, d.dtype.name, d.shape, d.chunks, d.path))
             else:
                 ob = self._objects[key]
-                sdm[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = _storage_info(ob.location)
-                planner[key] = ob.path
-        # checkpoint_id is left unset: the directory is normally renamed into place later.
-        return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
-                        storage_meta=StorageMeta(), version=_DCP_VERSION)
+                items.append(ObjectMeta(key, ob.location, ob.path))
+        return metadata_bytes(items, version=DCP_VERSION)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -644,17 +641,10 @@ class DcpWriter:
         self._order.append(key)
 
 
-def _storage_info(loc: ItemLocation) -> _StorageInfo:
-    """DCP's record of where an item lies (a linked item keeps its storage transforms)."""
-    if loc.transforms:
-        return _StorageInfo(loc.file, loc.offset, loc.length, transform_descriptors=list(loc.transforms))
-    return _StorageInfo(loc.file, loc.offset, loc.length)
-
-
 ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
 
 
-def _storage_at(fr: archive.Framing) -> tuple[int, int | None]:
+def _storage_at(fr: Framing) -> tuple[int, int | None]:
     """``_reserve`` arguments for a hand-framed item: its length, and its head length when
     its storage is large enough to be written with direct I/O (`reshard.engine.splice`)."""
     return fr.length, (fr.storage_offset if fr.storage_nbytes >= ALIGN_FROM else None)
@@ -682,12 +672,14 @@ def _same_bytes(fd: int, offset: int, parts: list[Any]) -> tuple[bool, int]:
 
 def _save_bytes(obj: Any) -> bytes:
     """``torch.save(obj)`` in memory (objects are small; tensors take the framing path)."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
+def _compact(t: "torch.Tensor") -> "torch.Tensor":
     """A CPU tensor that is contiguous and owns exactly its bytes (no offset, no excess)."""
     if t.device.type != "cpu":
         t = t.cpu()

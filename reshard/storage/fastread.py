@@ -56,17 +56,22 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import torch
-from torch import _weights_only_unpickler
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from reshard.errors import BadInput
 from reshard import safefs
+from reshard.model.dtypes import DType, from_torch
 from reshard.storage.crcledger import CorruptItem
 from reshard.storage.fileio import ShortRead, read_exact
+from reshard.storage.plain_items import NotPlain, tensor_layout
 
 __all__ = ["CrcStatus", "ItemLayout", "Member", "MemberCrcs", "check_file_crcs", "check_item_crcs", "item_members",
            "item_members_at", "read_tensor_item",
            "storage_byte_range", "dim0_byte_range", "copy_byte_range", "item_layout"]
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_PICKLE_BYTES = 1 << 20      # a plain tensor's data.pkl is ~300 bytes
 MAX_MEMBERS = 64                # torch.save of one tensor writes ~6 members
@@ -136,7 +141,7 @@ class _Window(_Seekable):
 class ItemLayout:
     """What ``data.pkl`` says about one tensor item, and where its storage bytes are."""
 
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int          # in elements
@@ -164,32 +169,47 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-class _MetaUnpickler(_weights_only_unpickler.Unpickler):
-    """torch's weights-only unpickler; storages become meta storages (shape only, no bytes)."""
+@lru_cache(maxsize=1)
+def _meta_unpickler() -> type:
+    """The unpickler class, made on first use: it subclasses torch's, and the CRC checks of this
+    module (`check_item_crcs`, used on the metadata path) must not import torch."""
+    import torch
+    from torch import _weights_only_unpickler
 
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data), encoding="ASCII")
-        self.storages: list[tuple[str, torch.dtype, int]] = []  # (key, dtype, nbytes)
+    class MetaUnpickler(_weights_only_unpickler.Unpickler):
+        """torch's weights-only unpickler; storages become meta storages (shape only, no bytes)."""
 
-    def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is not tuple or len(pid) != 5:
-            raise _Unusual("unexpected persistent id")
-        typename, storage_type, key, location, numel = pid
-        typename = torch.serialization._maybe_decode_ascii(typename)
-        if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise _Unusual("unexpected persistent id")
-        if self.storages:
-            raise _Unusual("more than one storage")
-        if storage_type is torch.UntypedStorage:  # _rebuild_tensor_v3 (float8, uint16, ...): numel counts bytes
-            dtype = torch.uint8
-        else:
-            dtype = getattr(storage_type, "dtype", None)
-            if not isinstance(dtype, torch.dtype):
-                raise _Unusual("unknown storage type")
-        nbytes = numel * dtype.itemsize
-        self.storages.append((key, dtype, nbytes))
-        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype,
-                                          _internal=True)
+        def __init__(self, data: bytes):
+            super().__init__(io.BytesIO(data), encoding="ASCII")
+            self.storages: list[tuple[str, torch.dtype, int]] = []  # (key, dtype, nbytes)
+
+        persistent_load = _meta_persistent_load
+
+    return MetaUnpickler
+
+
+def _meta_persistent_load(self: Any, pid: Any) -> Any:
+    """A storage becomes a meta storage of its size: the pickle gives dtype, shape and strides, no bytes."""
+    import torch
+
+    if type(pid) is not tuple or len(pid) != 5:
+        raise _Unusual("unexpected persistent id")
+    typename, storage_type, key, location, numel = pid
+    typename = torch.serialization._maybe_decode_ascii(typename)
+    if typename != "storage" or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+        raise _Unusual("unexpected persistent id")
+    if self.storages:
+        raise _Unusual("more than one storage")
+    if storage_type is torch.UntypedStorage:  # _rebuild_tensor_v3 (float8, uint16, ...): numel counts bytes
+        dtype = torch.uint8
+    else:
+        dtype = getattr(storage_type, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise _Unusual("unknown storage type")
+    nbytes = numel * dtype.itemsize
+    self.storages.append((key, dtype, nbytes))
+    return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"), dtype=dtype,
+                                      _internal=True)
 
 
 def _parse(fd: int, offset: int, length: int) -> ItemLayout:
@@ -243,7 +263,27 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
     pkl = member_bytes("data.pkl", MAX_PICKLE_BYTES)
     if pkl is None:
         raise _Unusual("no data.pkl")
-    up = _MetaUnpickler(pkl)
+    try:  # without torch: the allow-listed stand-ins of reshard.storage.plain_items
+        plain = tensor_layout(pkl)
+        key, dtype, nbytes = plain.storage_key, plain.dtype, plain.storage_nbytes
+        shape, stride, storage_offset = plain.shape, plain.stride, plain.storage_offset
+    except NotPlain:  # anything else: torch's own weights-only unpickler decides
+        key, dtype, nbytes, shape, stride, storage_offset = _torch_layout(pkl)
+    zi = members.get(f"data/{key}")
+    if zi is None or zi.file_size != nbytes:
+        raise _Unusual("storage member missing or of the wrong size")
+    if any(m.startswith("data/") and m != f"data/{key}" for m in members):
+        raise _Unusual("extra storage members")
+    return ItemLayout(dtype=dtype, shape=shape, stride=stride, storage_offset=storage_offset, storage_nbytes=nbytes,
+                      storage_file_offset=offset + member_data_offset(zi), storage_crc=zi.CRC)
+
+
+def _torch_layout(pkl: bytes) -> tuple[str, DType, int, tuple[int, ...], tuple[int, ...], int]:
+    """(storage key, dtype, storage bytes, shape, stride, storage offset) of ``data.pkl`` by torch's
+    weights-only unpickler over meta storages; `_Unusual` unless it is one plain tensor over one storage."""
+    import torch
+
+    up = _meta_unpickler()(pkl)
     try:
         obj = up.load()
     except _Unusual:
@@ -256,15 +296,7 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
     # an untyped storage (uint8 here) carries a tensor of any dtype: its elements are whole bytes of it
     if (obj.dtype != dtype and dtype != torch.uint8) or obj.device.type != "meta":
         raise _Unusual("tensor and storage disagree")
-    dtype = obj.dtype
-    zi = members.get(f"data/{key}")
-    if zi is None or zi.file_size != nbytes:
-        raise _Unusual("storage member missing or of the wrong size")
-    if any(m.startswith("data/") and m != f"data/{key}" for m in members):
-        raise _Unusual("extra storage members")
-    return ItemLayout(dtype=dtype, shape=tuple(obj.shape), stride=tuple(obj.stride()),
-                      storage_offset=int(obj.storage_offset()), storage_nbytes=nbytes,
-                      storage_file_offset=offset + member_data_offset(zi), storage_crc=zi.CRC)
+    return key, from_torch(obj.dtype), nbytes, tuple(obj.shape), tuple(obj.stride()), int(obj.storage_offset())
 
 
 def _open(path: str | os.PathLike) -> int:
@@ -289,9 +321,9 @@ def _read_exact(fd: int, buf: memoryview, pos: int) -> None:
         raise _Unusual("short read of the storage") from None
 
 
-def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expected_dtype: torch.dtype | None = None,
+def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expected_dtype: Any = None,
                      expected_shape: tuple[int, ...] | None = None, check_crc: bool = True,
-                     key: str | None = None) -> torch.Tensor | None:
+                     key: str | None = None) -> "torch.Tensor | None":
     """The tensor of the DCP item at ``[offset, offset + length)`` of ``path``, or None (use torch.load).
 
     Bitwise what ``torch.load(weights_only=True)`` of the same bytes returns (dtype, shape,
@@ -302,10 +334,12 @@ def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expec
     ``check_crc`` (default): the storage read must have the CRC-32 its writer recorded,
     else `CorruptItem` naming ``key`` (the buffer is in memory anyway: about 4 GB/s).
     """
+    import torch
+
     fd = _open(path)
     try:
         lay = _parse(fd, offset, length)
-        if expected_dtype is not None and lay.dtype != expected_dtype:
+        if expected_dtype is not None and lay.dtype != from_torch(expected_dtype):  # a DType or a torch.dtype
             return None
         if expected_shape is not None and lay.shape != tuple(expected_shape):
             return None
@@ -316,7 +350,7 @@ def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expec
                 got = zlib.crc32(_byte_view(buf))
                 if got != lay.storage_crc:
                     raise CorruptItem(key, path, lay.storage_crc, got)
-        out = torch.empty((0,), dtype=lay.dtype)
+        out = torch.empty((0,), dtype=lay.dtype.torch)
         out.set_(buf.untyped_storage(), lay.storage_offset, lay.shape, lay.stride)
         return out
     except _Unusual:
@@ -518,7 +552,7 @@ def check_file_crcs(fd: int, *, where: Any) -> CrcStatus:
     return stream.finish()
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def _byte_view(t: "torch.Tensor") -> memoryview:
     """A writable memoryview over a contiguous CPU uint8 tensor's bytes (no numpy needed)."""
     import ctypes
 
@@ -526,7 +560,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(bytearray())
 
 
-def storage_byte_range(path: str | os.PathLike, offset: int, length: int) -> tuple[int, int, torch.dtype, tuple[int, ...]] | None:
+def storage_byte_range(path: str | os.PathLike, offset: int, length: int) -> tuple[int, int, DType, tuple[int, ...]] | None:
     """``(file_offset, nbytes, dtype, shape)`` of a C-contiguous tensor item's element bytes, or None.
 
     ``[file_offset, file_offset + nbytes)`` of ``path`` are exactly the row-major bytes of
@@ -542,7 +576,7 @@ def storage_byte_range(path: str | os.PathLike, offset: int, length: int) -> tup
     return lay.storage_file_offset + start, lay.nbytes, lay.dtype, lay.shape
 
 
-def dim0_byte_range(file_offset: int, dtype: torch.dtype, shape: tuple[int, ...], start: int, rows: int) -> tuple[int, int]:
+def dim0_byte_range(file_offset: int, dtype: Any, shape: tuple[int, ...], start: int, rows: int) -> tuple[int, int]:
     """Within a C-contiguous item at ``file_offset``: ``(file_offset, nbytes)`` of rows ``[start, start + rows)`` of dim 0."""
     if not shape or start < 0 or rows < 0 or start + rows > shape[0]:
         raise ValueError(f"rows [{start}, {start + rows}) outside dim 0 of {list(shape)}")

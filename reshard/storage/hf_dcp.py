@@ -44,18 +44,21 @@ import os
 import re
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.storage.index import CheckpointIndex
+from reshard.model.dtypes import DType
 from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, read_span, torch_shape
 
 FORMAT = "hf-safetensors-dcp"
+if TYPE_CHECKING:
+    import torch
+
 SHARDING_KEY = "DCP_SHARDING_INFO"   # torch's CUSTOM_METADATA_KEY
 VERSION_KEY = "DCP_VERSION"
 OFFSETS_KEY = "saved_offsets"
@@ -148,7 +151,7 @@ class HfDcpIndex(EntryQueries):
         if not files:
             raise BadInput("no .safetensors files", where=str(self.root))
         pieces: dict[str, list[tuple[Box, ItemLocation]]] = {}
-        dtypes: dict[str, tuple[torch.dtype, str]] = {}
+        dtypes: dict[str, tuple[DType, str]] = {}
         for fname in files:
             for key, box, dt, loc in self._read_file(fname, real_root):
                 if key in dtypes and dtypes[key][0] != dt:
@@ -159,7 +162,7 @@ class HfDcpIndex(EntryQueries):
             self._add_entry(key, dtypes[key][0], pieces[key])
         self.version = f"{FORMAT}/{self.dcp_version}" if self.dcp_version else FORMAT
 
-    def _read_file(self, fname: str, real_root: Path) -> list[tuple[str, Box, torch.dtype, ItemLocation]]:
+    def _read_file(self, fname: str, real_root: Path) -> list[tuple[str, Box, DType, ItemLocation]]:
         """One shard's tensors: (key, global box, dtype, byte range), every header field checked."""
         fpath = self.root / fname
         try:
@@ -226,7 +229,7 @@ class HfDcpIndex(EntryQueries):
         return out
 
     def _tensor_header(self, name: str, h: Any, fname: str, data_start: int,
-                       size: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+                       size: int) -> tuple[DType, tuple[int, ...], int, int]:
         """A header entry's dtype, torch shape and byte range, checked against each other and the file."""
         if not isinstance(h, dict):
             raise self._bad(f"header entry '{name}' is not an object", fname)
@@ -250,7 +253,7 @@ class HfDcpIndex(EntryQueries):
                              where=str(self.root / fname), hint=HINT)
         return dt, shape, begin, end
 
-    def _add_entry(self, key: str, dtype: torch.dtype, pieces: list[tuple[Box, ItemLocation]]) -> None:
+    def _add_entry(self, key: str, dtype: DType, pieces: list[tuple[Box, ItemLocation]]) -> None:
         """One key from its chunks; its global shape is their extent (the format records none, see the
         module docstring). A chunk stored twice is an error; gaps and overlaps are findings."""
         seen: dict[tuple[int, ...], str] = {}
@@ -282,37 +285,41 @@ class HfDcpIndex(EntryQueries):
         return sorted({r for f in self.file_sizes if (r := self.writer_of(f)) is not None})
 
     # ------------------------------------------------------------------ reading bytes
-    def _read_rows(self, e: Entry, c: Chunk, first: int, rows: int) -> torch.Tensor:
+    def _read_rows(self, e: Entry, c: Chunk, first: int, rows: int) -> "torch.Tensor":
         """Rows ``first .. first+rows`` of one stored chunk (the whole chunk for 0-d), read with pread."""
+        import torch
+
         sizes, esize = c.box.sizes, e.dtype.itemsize
         row = prod(sizes[1:]) * esize if sizes else esize
         start, n = c.location.offset + first * row, (rows * row if sizes else esize)
         out_shape = (rows, *sizes[1:]) if sizes else ()
         if n == 0:
-            return torch.empty(out_shape, dtype=e.dtype)
+            return torch.empty(out_shape, dtype=e.dtype.torch)
         path = self.root / c.location.file
         try:
             fd = safefs.open_read(path, root=safefs.resolve_root(self.root))
         except FileNotFoundError:
             raise Incomplete(f"shard file holding '{e.key}' is missing", where=str(path), hint=HINT) from None
         buf = read_span(fd, start, n, name=e.key, path=path, hint=HINT)
-        return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
+        return torch.frombuffer(buf, dtype=e.dtype.torch).reshape(out_shape)
 
     def read_object(self, key: str) -> Any:
         return self.read_tensor(key)  # every entry is a tensor
 
-    def read_tensor(self, key: str) -> torch.Tensor:
+    def read_tensor(self, key: str) -> "torch.Tensor":
         return self.read_box(key, whole(self.entry(key).shape))
 
-    def read_box(self, key: str, box: Box) -> torch.Tensor:
+    def read_box(self, key: str, box: Box) -> "torch.Tensor":
         """One box of a tensor from the chunks it meets, reading only the rows of each that it spans."""
+        import torch
+
         e = self.entry(key)
         if len(box.sizes) != len(e.shape) or not whole(e.shape).contains(box):
             raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
                            where=str(self.root))
         if not e.shape:
             return self._read_rows(e, e.chunks[0], 0, 1)
-        out = torch.empty(box.sizes, dtype=e.dtype)
+        out = torch.empty(box.sizes, dtype=e.dtype.torch)
         filled = 0
         for c in e.chunks:
             inter = c.box.intersect(box)

@@ -11,9 +11,7 @@ import math
 from math import prod
 import re
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.geometry import Box, coverage_problems, whole
@@ -22,6 +20,10 @@ from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
 from reshard.storage import dcp, save_plans
 from reshard.storage.fastread import check_item_crcs
+from reshard.storage.plain_items import NotPlain, PlainTensor, check_loadable, contains_tensor, decode_item
+
+if TYPE_CHECKING:
+    import torch
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -172,19 +174,71 @@ class CheckpointIndex(EntryQueries):
             raise Incomplete(f"object '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
         return dcp.load_item(self.root, e.location, key=key, trust_pickle=self.trust_pickle)
 
-    def read_tensor(self, key: str) -> torch.Tensor:
+    def read_plain(self, key: str) -> Any:
+        """A small item's value (a step counter, a scheduler's count, Adam's ``step``) decoded
+        without torch where `reshard.storage.plain_items` can: plain Python values, or a one-element
+        tensor as a `PlainTensor`. Anything else (larger, other dtypes, other classes) is read
+        through torch by `read_object`, which decides and raises as it always did.
+        """
+        e = self.entry(key)
+        if e.is_tensor:
+            c = e.chunks[0] if len(e.chunks) == 1 else None
+            loc = c.location if c is not None and e.numel == 1 and c.box.sizes == tuple(e.shape) else None
+            limit = dcp.tensor_item_limit(1, e.dtype.itemsize)
+        else:
+            loc, limit = e.location, None
+        if loc is not None:
+            where = str(self.root / loc.file)
+            data = dcp.untransform(dcp.read_item_bytes(self.root, loc, key=key), loc.transforms, key=key,
+                                   where=where, limit=limit)
+            check_item_crcs(data, key=key, where=where)  # against the writer's CRC-32s, as every read (CorruptItem)
+            try:
+                value = decode_item(data, key=key, where=where)
+            except NotPlain:
+                value = None
+            else:
+                if not e.is_tensor and not contains_tensor(value):
+                    return value
+                if e.is_tensor and isinstance(value, PlainTensor) and value.dtype == e.dtype \
+                        and value.shape == tuple(e.shape):
+                    return value
+        return self.read_object(key)
+
+    def object_bytes(self, key: str) -> bytes | None:
+        """An object item's bytes as ``torch.load`` reads them (untransformed, CRC-checked), once
+        proven to load safely (`reshard.storage.plain_items.check_loadable`); None without a location."""
+        e = self.entry(key)
+        if e.is_tensor or e.location is None:
+            return None
+        loc, where = e.location, str(self.root / e.location.file)
+        data = dcp.untransform(dcp.read_item_bytes(self.root, loc, key=key), loc.transforms, key=key, where=where)
+        check_item_crcs(data, key=key, where=where)
+        check_loadable(data, key=key, where=where, trust_pickle=self.trust_pickle)
+        return data
+
+    def same_object_bytes(self, other: Any, key: str) -> bool:
+        """Whether object ``key`` is stored as the same bytes here and in ``other`` (both DCP), each
+        proven loadable: then both load as the same value, and comparing needs no decoding."""
+        if not isinstance(other, CheckpointIndex):
+            return False
+        a = self.object_bytes(key)
+        return a is not None and a == other.object_bytes(key)
+
+    def read_tensor(self, key: str) -> "torch.Tensor":
         e = self.entry(key)
         return self.read_box(key, whole(e.shape))
 
-    def read_box(self, key: str, box: Box) -> torch.Tensor:
+    def read_box(self, key: str, box: Box) -> "torch.Tensor":
         """Assemble one box of a tensor from the chunks that intersect it, reading only those."""
+        import torch  # tensor bytes are decoded here, and only here of this module
+
         e = self.entry(key)
         if not e.is_tensor:
             raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
         if not whole(e.shape).contains(box) or len(box.sizes) != len(e.shape):
             raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
                            where=str(self.root))
-        out = torch.empty(box.sizes, dtype=e.dtype)
+        out = torch.empty(box.sizes, dtype=e.dtype.torch)
         filled = 0
         for c in e.chunks:
             inter = c.box.intersect(box) if e.shape else (c.box if not c.box.offsets else None)
@@ -198,7 +252,7 @@ class CheckpointIndex(EntryQueries):
                 raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
                                f"metadata says {list(c.box.sizes)}", where=str(self.root / c.location.file),
                                hint="The checkpoint is corrupt.")
-            if t.dtype != e.dtype:
+            if t.dtype != e.dtype.torch:
                 raise BadInput(f"chunk of '{key}' is {t.dtype}, metadata says {e.dtype}",
                                where=str(self.root / c.location.file), hint="The checkpoint is corrupt.")
             src = inter.relative_to(c.box).slices()
@@ -220,6 +274,8 @@ class CheckpointIndex(EntryQueries):
         that differ are reported first, in (file, offset) order, by one finding whose
         message names the first corrupt item (key and file) and whose keys list them all.
         """
+        import torch
+
         from reshard.storage import integrity as integ
 
         found: list[Finding] = []
@@ -250,7 +306,7 @@ class CheckpointIndex(EntryQueries):
                                            limit=dcp.tensor_item_limit(math.prod(sizes), e.dtype.itemsize) if sizes is not None else None)
                     check_item_crcs(data, key=e.key, where=where)  # against the writer's CRC-32s (CorruptItem)
                     obj = dcp.torch_load_item(data, key=e.key, where=where, trust_pickle=self.trust_pickle, tensor=sizes is not None)
-                    if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype):
+                    if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype.torch):
                         raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
                                        f"metadata says {e.dtype_name} {list(sizes)}")
                 except ReshardError as exc:
@@ -278,6 +334,8 @@ class CheckpointIndex(EntryQueries):
 
 def bitwise_equal(ix: CheckpointIndex, a: str, b: str) -> bool:
     """Compare two tensors bit for bit, one stored chunk of ``a`` at a time (bounded memory)."""
+    import torch
+
     ea, eb = ix.entries[a], ix.entries[b]
     if ea.shape != eb.shape or ea.dtype != eb.dtype:
         return False

@@ -83,16 +83,14 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.safe_pickle import DTYPES
+from reshard.model.dtypes import DType, lookup
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_DTYPES, torch_shape
 
 FORMAT = "reshard-local"
@@ -110,13 +108,17 @@ def rank_objects_file(rank: int) -> str:
     return f"rank-{rank:05d}-objects.pt"
 
 
-def dtype_name(dt: torch.dtype) -> str:
+if TYPE_CHECKING:
+    import torch
+
+
+def dtype_name(dt: "DType | torch.dtype") -> str:
     return str(dt).removeprefix("torch.")
 
 
-def torch_dtype(name: str) -> torch.dtype | None:
+def index_dtype(name: str) -> DType | None:
     """The dtype an index names, from a static table (never ``getattr(torch, name)`` on a file's name)."""
-    return DTYPES.get(str(name))
+    return lookup(str(name))
 
 
 # ====================================================================================== reading
@@ -213,7 +215,7 @@ class LocalIndex(EntryQueries):
     def _load_tensor(self, key: str, t: Any, headers, named) -> None:
         try:
             shape = tuple(int(s) for s in t["global_shape"])
-            dtype = torch_dtype(t["dtype"])
+            dtype = index_dtype(t["dtype"])
             writers = [int(w) for w in t["writers"]]
             ranks = {int(r): Box(tuple(int(o) for o in b["offsets"]), tuple(int(s) for s in b["sizes"]))
                      for r, b in t["ranks"].items()}
@@ -278,6 +280,8 @@ class LocalIndex(EntryQueries):
             path = self.root / fname
             try:
                 with os.fdopen(safefs.open_read(path, root=self.root), "rb") as fh:
+                    import torch  # the objects files are torch.save pickles: decoding them needs torch
+
                     objs = torch.load(fh, weights_only=True)
             except (FileNotFoundError, BadInput):
                 if not os.path.lexists(path):
@@ -320,7 +324,7 @@ class LocalIndex(EntryQueries):
             self._handles[name] = h
         return h
 
-    def read_local(self, rank: int, key: str) -> torch.Tensor:
+    def read_local(self, rank: int, key: str) -> "torch.Tensor":
         """The tensor ``rank`` holds for ``key`` (its own file)."""
         return self._handle(self.files[rank]).get_tensor(key)
 
@@ -330,10 +334,12 @@ class LocalIndex(EntryQueries):
             return self.read_tensor(key)
         return self._objects[e.location.file][key]
 
-    def read_tensor(self, key: str) -> torch.Tensor:
+    def read_tensor(self, key: str) -> "torch.Tensor":
         return self.read_box(key, whole(self.entry(key).shape))
 
-    def read_box(self, key: str, box: Box) -> torch.Tensor:
+    def read_box(self, key: str, box: Box) -> "torch.Tensor":
+        import torch
+
         e = self.entry(key)
         if not e.is_tensor:
             raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
@@ -343,7 +349,7 @@ class LocalIndex(EntryQueries):
         if not e.shape:
             c = e.chunks[0]
             return self._handle(c.location.file).get_tensor(key)
-        out = torch.empty(box.sizes, dtype=e.dtype)
+        out = torch.empty(box.sizes, dtype=e.dtype.torch)
         if box.is_empty():
             return out
         filled = 0
@@ -355,7 +361,7 @@ class LocalIndex(EntryQueries):
                 piece = self._handle(c.location.file).get_tensor(key)[inter.relative_to(c.box).slices()]
             else:
                 piece = self._handle(c.location.file).get_slice(key)[inter.relative_to(c.box).slices()]
-            if piece.dtype != e.dtype or tuple(piece.shape) != inter.sizes:
+            if piece.dtype != e.dtype.torch or tuple(piece.shape) != inter.sizes:
                 raise BadInput(f"'{key}' reads as {piece.dtype}{tuple(piece.shape)}, expected {e.dtype}{list(inter.sizes)}",
                                where=str(self.root / c.location.file))
             out[inter.relative_to(box).slices()] = piece
@@ -373,7 +379,7 @@ class LocalIndex(EntryQueries):
                 for r, box in getattr(e, "holders", {}).items():
                     try:
                         x = self.read_local(r, e.key)
-                        if tuple(x.shape) != box.sizes or x.dtype != e.dtype:
+                        if tuple(x.shape) != box.sizes or x.dtype != e.dtype.torch:
                             raise BadInput(f"holds {x.dtype}{tuple(x.shape)}, index says {e.dtype_name}{list(box.sizes)}")
                     except Exception as exc:  # noqa: BLE001
                         found.append(Finding("error", "unreadable_item", str(exc), file=self.files[r], keys=(e.key,)))

@@ -5,9 +5,9 @@ opened (pytorch #189308). Here every global the pickle names is looked up in
 ``formats/dcp_metadata.toml`` and replaced by an inert stand-in; reshard never imports or
 calls a class the pickle asks for. Anything not listed is refused before it is built.
 Deciding is a dictionary lookup and nothing else: ``torch.<dtype>`` names are resolved
-through a table of torch's dtypes collected once when this module is imported (never
-``getattr(torch, name)`` on a name taken from the file, which would import whatever lazy
-submodule the file names, such as ``torch._inductor``).
+through the table of torch's dtypes in `reshard.model.dtypes` (never ``getattr(torch, name)``
+on a name taken from the file, which would import whatever lazy submodule the file names, such
+as ``torch._inductor``). Nothing here imports torch.
 
 **Memory proportional to the input.** Before `.metadata` is unpickled, `pickle_cost`
 walks its opcodes once and counts what they would build, with memo references counted as
@@ -29,15 +29,9 @@ import tomllib
 from functools import lru_cache
 from typing import Any
 
-import torch
-
 from reshard.errors import BadInput, UnsafeInput
+from reshard.model.dtypes import DTYPES
 from reshard.paths import formats_root
-
-DTYPES: dict[str, torch.dtype] = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-"""Every dtype torch defines, by attribute name (``float32``, ``bfloat16``, ``float8_e4m3fn``, ...),
-collected once at import from the names torch has already bound: no name from a file is looked up
-on ``torch``, so no lazy submodule is ever imported because a pickle named it."""
 
 
 class Record:

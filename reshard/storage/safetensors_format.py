@@ -48,13 +48,12 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
+from reshard.model.dtypes import DTYPES, DType, from_torch
 from reshard.storage.fileio import ShortRead, read_exact
 from reshard import safefs
 
@@ -63,33 +62,38 @@ FORMAT_VERSION = 1
 ST_INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit for the JSON header
+if TYPE_CHECKING:
+    import torch
+
 INDEX_HINT = ("Fix or regenerate the index so that it lists every tensor of every shard, each in the shard "
               "that holds it, and names only shard files inside the source directory.")
 
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {  # the format's dtype names (safetensors 0.8)
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2,
+SAFETENSORS_DTYPES: dict[str, DType] = {  # the format's dtype names (safetensors 0.8)
+    name: DTYPES[torch_name] for name, torch_name in (
+        ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+        ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"),
+        ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("F8_E4M3", "float8_e4m3fn"),
+        ("F8_E5M2", "float8_e5m2"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+        ("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2"))
 }
 """Every dtype the format names; torch's others (complex32, complex128, the bits dtypes) it cannot store."""
-SAFETENSORS_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
-PACKED: dict[torch.dtype, int] = {torch.float4_e2m1fn_x2: 2}
+SAFETENSORS_NAMES: dict[DType, str] = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
+PACKED: dict[DType, int] = {DTYPES["float4_e2m1fn_x2"]: 2}
 """Dtypes whose torch element holds several of the format's: ``F4`` counts 4-bit values, two per
 byte, so its header's last dimension is twice torch's (what ``safetensors.torch`` itself writes)."""
 
 
-def header_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+def header_shape(dtype: DType | "torch.dtype", shape: tuple[int, ...]) -> list[int]:
     """The shape a safetensors header records for a torch tensor of ``dtype`` and ``shape``."""
+    dtype = from_torch(dtype)
     out = list(shape)
     if dtype in PACKED and out:
         out[-1] *= PACKED[dtype]
     return out
 
 
-def torch_shape(dtype: torch.dtype, shape: list[int]) -> tuple[int, ...] | None:
+def torch_shape(dtype: DType, shape: list[int]) -> tuple[int, ...] | None:
     """The torch shape of a header's ``dtype`` and ``shape`` (None: a packed dtype whose last
     dimension does not divide into whole torch elements, or that has none)."""
     n = PACKED.get(dtype)
@@ -355,7 +359,7 @@ class ExportIndex(EntryQueries):
         self._weight_map = weight_map or {}
         index_path = str(self.root / ST_INDEX)
         dtypes = SAFETENSORS_DTYPES
-        located: dict[str, tuple[str, tuple[int, ...], torch.dtype, int, int]] = {}
+        located: dict[str, tuple[str, tuple[int, ...], DType, int, int]] = {}
         export_map: dict[str, str] = {}
         tied: list[list[str]] = []
         for fname in files:
@@ -492,13 +496,15 @@ class ExportIndex(EntryQueries):
         return out
 
     # ------------------------------------------------------------------ reading bytes
-    def _read_rows(self, key: str, first: int, rows: int) -> torch.Tensor:
+    def _read_rows(self, key: str, first: int, rows: int) -> "torch.Tensor":
         """Rows ``first .. first+rows`` along dim 0 (the whole tensor for 0-d), read with pread.
 
         Plain reads, not ``safe_open``'s mmap: pages of a memory-mapped file that were touched
         count as resident memory of this process, so a pass over a large export through
         mmap handles grows the RSS with the export's size.
         """
+        import torch
+
         e = self.entry(key)
         fname, stored = self.stored[key]
         loc = e.chunks[0].location
@@ -514,17 +520,17 @@ class ExportIndex(EntryQueries):
             start, n, out_shape = loc.offset, esize, ()
         buf = read_span(self._open_shard(fname), start, n, name=stored, path=self.root / fname)
         if n == 0:
-            return torch.empty(out_shape, dtype=e.dtype)
-        return torch.frombuffer(buf, dtype=e.dtype).reshape(out_shape)
+            return torch.empty(out_shape, dtype=e.dtype.torch)
+        return torch.frombuffer(buf, dtype=e.dtype.torch).reshape(out_shape)
 
     def read_object(self, key: str) -> Any:
         e = self.entry(key)
         return self.read_tensor(e.key)
 
-    def read_tensor(self, key: str) -> torch.Tensor:
+    def read_tensor(self, key: str) -> "torch.Tensor":
         return self.read_box(key, whole(self.entry(key).shape))
 
-    def read_box(self, key: str, box: Box) -> torch.Tensor:
+    def read_box(self, key: str, box: Box) -> "torch.Tensor":
         e = self.entry(key)
         if len(box.sizes) != len(e.shape) or not whole(e.shape).contains(box):
             raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",

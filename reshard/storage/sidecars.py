@@ -33,10 +33,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import torch
-
 from reshard import safefs
 from reshard.errors import BadInput
+from reshard.model.dtypes import is_torch_tensor
 from reshard.paths import formats_root
 
 FORMATS = ("torch-weights-only", "json", "opaque")
@@ -220,7 +219,7 @@ def summarize(value: Any, depth: int = 0) -> Any:
     """A JSON-safe description: scalars as they are, tensors by dtype and shape, containers by their keys."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value if not isinstance(value, str) or len(value) <= 200 else value[:200] + "..."
-    if isinstance(value, torch.Tensor):
+    if is_torch_tensor(value):
         if value.numel() == 1 and depth > 0:
             x = value.item()
             return {"tensor": str(value.dtype).removeprefix("torch."), "value": x}

@@ -120,9 +120,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput
 from reshard.model.checkpoint import Entry
@@ -132,6 +130,9 @@ from reshard.storage.integrity import check_algorithm
 from reshard.render.progress import phase_of
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
 from reshard.verification.objects import bits, element, object_difference, widened
+
+if TYPE_CHECKING:  # tensors are decoded only where values must be compared (the byte comparison needs no torch)
+    import torch
 
 # the comparison's entry points; `check_transforms` is `reshard.verification.evidence`'s, named here too
 __all__ = ["verify_checkpoints", "progress_bytes", "check_item_checksums", "check_transforms"]
@@ -171,7 +172,7 @@ def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None =
 
 
 # ---------------------------------------------------------------------------------- tensors
-def _item(t: torch.Tensor, flat: int) -> Any:
+def _item(t: "torch.Tensor", flat: int) -> Any:
     return element(t, flat)  # float8 as its number; float4 and bits dtypes as their hex bits
 
 
@@ -284,7 +285,7 @@ class _Mismatch:
     a: Any = None
     b: Any = None
 
-    def add(self, box: Any, bad: torch.Tensor, ta: torch.Tensor, tb: torch.Tensor) -> None:
+    def add(self, box: Any, bad: "torch.Tensor", ta: "torch.Tensor", tb: "torch.Tensor") -> None:
         """The differing elements ``bad`` (a flat mask) of ``box``, read as ``ta`` and ``tb``."""
         n = int(bad.sum())
         if not n:
@@ -315,8 +316,10 @@ def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes:
     return mismatch
 
 
-def _differing(ta: torch.Tensor, tb: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+def _differing(ta: "torch.Tensor", tb: "torch.Tensor", rtol: float, atol: float) -> "torch.Tensor":
     """A flat mask of the elements that differ: bit for bit, or (a tolerance given) beyond it, widened."""
+    import torch
+
     if rtol > 0 or atol > 0:
         wa, wb = widened(ta), widened(tb)
         if wa is not None and wb is not None:
@@ -330,8 +333,10 @@ def _differing(ta: torch.Tensor, tb: torch.Tensor, rtol: float, atol: float) -> 
 
 def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: float) -> dict[str, Any]:
     """The ``value`` difference of a key with differing elements."""
+    import torch
+
     how = "bitwise" if not (rtol > 0 or atol > 0) else f"beyond rtol={rtol}, atol={atol}"
-    if how != "bitwise" and widened(torch.empty(1, dtype=ea.dtype)) is None:  # one element: an empty one converts
+    if how != "bitwise" and widened(torch.empty(1, dtype=ea.dtype.torch)) is None:  # one element: an empty one converts
         how = f"bitwise: {ea.dtype_name} has no arithmetic for a tolerance"
     return {"key": key, "kind": "value",
             "detail": f"{m.count} of {ea.numel} elements differ ({how}); first at {m.index}: {m.a!r} in A, {m.b!r} in B",
@@ -354,8 +359,11 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
                        workers: int | None = None, b_files: set[str] | None = None,
                        values_checked: set[str] | None = None, direct: bool = True,
                        recompute: bool = False, strict: bool = False,
-                       evidence: Evidence | None = None) -> dict[str, Any]:
+                       evidence: Evidence | None = None, a_inspection: Inspection | None = None) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
+
+    ``a_inspection``: this run's inspection of ``a`` (a conversion's source, made when it was
+    planned), taken instead of inspecting ``a`` again.
 
     ``expected_rewrites``: keys the *caller* changed on purpose (`reshard convert` passes its
     own plan's); never read from either checkpoint.
@@ -391,7 +399,7 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     if hf_sides is not None:
         return compare_hf_export(*hf_sides, a=a, b=b, rtol=rtol, atol=atol)
     rewrites = dict(expected_rewrites or {})
-    sa, sb = open_checkpoint(a, trust_pickle), open_checkpoint(b, trust_pickle)
+    sa, sb = open_checkpoint(a, trust_pickle, a_inspection), open_checkpoint(b, trust_pickle)
     sides = _integrity_sides(check_integrity)
     records = _checksum_records(sides, (a, sa), (b, sb))
     with phase_of(progress, "comparing", progress_bytes(sa.index)) as bar:
@@ -616,6 +624,10 @@ def _tensor_key_difference(kc: _KeyComparison, key: str, ea: Entry, eb: Entry) -
 def _object_key_difference(kc: _KeyComparison, key: str) -> dict[str, Any] | None:
     """An object key on both sides, compared bit for bit (`object_difference`)."""
     kc.stats["objects"] += 1
+    same = getattr(kc.ia, "same_object_bytes", None)
+    if same is not None and same(kc.ib, key):  # the same bytes, proven loadable: the same value, nothing decoded twice
+        kc.tick(kc.ia.entries[key].nbytes)
+        return None
     d = object_difference(kc.ia.read_object(key), kc.ib.read_object(key))
     kc.tick(kc.ia.entries[key].nbytes)
     return {"key": key, "kind": "object", "detail": d} if d else None

@@ -20,20 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from reshard.semantics import rules as rules_mod
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.inspection import Inspection
 from reshard.planning.describe import inspect_checkpoint
+from reshard.planning.plan import source_index
 from reshard.model.plan import Options, Plan
 from reshard.verification.objects import identical, short_repr
 
 
 # ---------------------------------------------------------------------------------- opening
-def open_checkpoint(path: Path, trust_pickle: bool) -> Inspection:
-    """A checkpoint opened for a comparison: its inspection, or the error that says why it cannot be compared."""
-    insp = inspect_checkpoint(path, trust_pickle=trust_pickle)
+def open_checkpoint(path: Path, trust_pickle: bool, known: Inspection | None = None) -> Inspection:
+    """A checkpoint opened for a comparison: its inspection, or the error that says why it cannot be compared.
+
+    ``known``: this run's inspection of the same checkpoint (`reshard.planning.plan.source_inspection`),
+    taken instead of reading it again."""
+    insp = known if known is not None else inspect_checkpoint(path, trust_pickle=trust_pickle)
     errors = [p for p in insp.report["problems"] if p["severity"] == "error"]
     if errors:
         first = errors[0]
@@ -380,12 +383,17 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
 
     ``b_files``: only tensors with a chunk in these files of ``out`` (a distributed worker's part).
     """
+    if plan.options.dtype is None and not any(t.transform or t.copy_from for t in plan.tensors):
+        return []  # nothing rewritten, renamed or cast: the global comparison covers every tensor
+    import torch
+
     from reshard.semantics import transforms
     from reshard.storage.hf_dcp import open_source
     from reshard.storage.local_format import open_any
     from reshard.semantics.conventions import reshard_key
 
-    a, b = open_source(src), open_any(out, source_key=reshard_key)  # a DCP source, or torch's safetensors DCP
+    a = source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)  # the run's own, when it has one
+    b = open_any(out, source_key=reshard_key)  # a DCP source, or torch's safetensors DCP
     problems = []
     def mine(key: str) -> bool:
         return b_files is None or any(c.location is not None and c.location.file in b_files

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.planning.export import DTYPES, HF_CONFIG, ExportItem, dtype_arg, hf_plan, plan_export
+
+if TYPE_CHECKING:
+    import torch
 
 
 def hf_export_sides(a: Path, b: Path) -> tuple[Path, Path] | None:
@@ -57,6 +58,8 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
     from reshard.semantics.rules import select
     from reshard.storage.local_format import open_any
     from reshard.storage.safetensors_format import ExportIndex
+
+    import torch  # an export's values are compared decoded
 
     diffs: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -135,16 +138,16 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
     }
 
 
-def read_cast(ix, it: ExportItem) -> torch.Tensor:
+def read_cast(ix, it: ExportItem) -> "torch.Tensor":
     """The exported value of ``it``: read from ``ix``, checked against the planned source dtype and shape,
     transformed (``make``) and cast; what the export writes and what `reshard verify` compares it with."""
     t = ix.read_tensor(it.key)
     src_shape = it.src_shape if it.src_shape is not None else it.shape
-    if t.dtype != it.src_dtype or tuple(t.shape) != src_shape:
+    if t.dtype != it.src_dtype.torch or tuple(t.shape) != src_shape:
         raise Infeasible(f"'{it.key}' reads as {t.dtype}{tuple(t.shape)}, expected {it.src_dtype}{list(src_shape)}",
                          where=str(ix.root), hint="The checkpoint is corrupt.")
     if it.make is not None:
         t = it.make(t)
-    if t.dtype != it.dtype:
-        t = t.to(it.dtype)
+    if t.dtype != it.dtype.torch:
+        t = t.to(it.dtype.torch)
     return t.contiguous()

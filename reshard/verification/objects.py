@@ -16,13 +16,14 @@ from __future__ import annotations
 import io
 import reprlib
 import struct
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput
+from reshard.model.dtypes import is_torch_tensor
 
-_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+if TYPE_CHECKING:  # torch is imported by the functions that get tensors, never by importing this module
+    import torch
+
 _repr = reprlib.Repr()
 _repr.maxstring = 60
 _repr.maxother = 60
@@ -30,27 +31,32 @@ _repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
 
 
 def short_repr(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
+    if is_torch_tensor(x):
         return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)})"
     return _repr.repr(x)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: "torch.Tensor") -> "torch.Tensor":
     """A 2-D integer view ``[numel, words]`` of the raw bytes of ``t`` (contiguous)."""
+    import torch
+
+    by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     flat = t.contiguous().reshape(-1)
     size = flat.element_size()
     if flat.dtype == torch.bool:
         return flat.view(torch.uint8).reshape(-1, 1)
-    if size in _INT_BY_SIZE:
-        return flat.view(_INT_BY_SIZE[size]).reshape(-1, 1)
+    if size in by_size:
+        return flat.view(by_size[size]).reshape(-1, 1)
     return flat.view(torch.uint8).reshape(-1, size)
 
 
-def element(t: torch.Tensor, flat: int) -> Any:
+def element(t: "torch.Tensor", flat: int) -> Any:
     """Element ``flat`` of ``t`` as a Python value for a difference report: its number when the
     dtype has arithmetic on CPU (float8 through float64), else its raw bits as hex (``0x7f``:
     float4_e2m1fn_x2 and the bits dtypes have neither ``.item()`` nor a conversion); a NaN with
     its bits (``nan (0x7f)``), since two NaNs that differ differ only there."""
+    import torch
+
     v = t.reshape(-1)[flat]
     hexbits = "0x" + bytes(v.reshape(1).contiguous().view(torch.uint8).tolist()[::-1]).hex()  # little-endian
     try:
@@ -65,10 +71,12 @@ def element(t: torch.Tensor, flat: int) -> Any:
     return x
 
 
-def widened(t: torch.Tensor) -> torch.Tensor | None:
+def widened(t: "torch.Tensor") -> "torch.Tensor | None":
     """``t`` as float64 (complex128 when complex) for a comparison within a tolerance, or None for
     a dtype that has no numeric conversion on CPU (float4_e2m1fn_x2, the bits dtypes): such
     elements can only be compared by their bits."""
+    import torch
+
     try:
         return t.to(torch.complex128 if t.is_complex() else torch.float64)
     except (RuntimeError, TypeError):
@@ -99,8 +107,10 @@ def _key_token(k: Any) -> Any:
     return (type(k), k)
 
 
-def _tensor_same(x: torch.Tensor, y: torch.Tensor) -> bool:
+def _tensor_same(x: "torch.Tensor", y: "torch.Tensor") -> bool:
     """Same layout, shape, dtype and bits (the rule `verify` applies to tensor entries)."""
+    import torch
+
     if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
         return False
     if x.layout != torch.strided:
@@ -177,7 +187,7 @@ def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | 
     if isinstance(x, (set, frozenset)):
         same = {_key_token(e) for e in x} == {_key_token(e) for e in y}
         return None if same else f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
-    if isinstance(x, torch.Tensor):
+    if is_torch_tensor(x):
         if x.layout != y.layout or x.shape != y.shape or x.dtype != y.dtype:
             return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
         return None if _tensor_same(x, y) else f"{where}: tensor values differ (bitwise)"
