@@ -125,6 +125,34 @@ def test_link_conversion_and_its_verify_import_no_torch(plain_fsdp2_ckpt, tmp_pa
         assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
 
 
+TENSOR_MODULES = {
+    "reshard/engine/export.py", "reshard/engine/import_sources.py", "reshard/engine/importing.py",
+    "reshard/engine/local_output.py", "reshard/semantics/hf.py", "reshard/semantics/transforms.py",
+}
+"""Modules below the trainers layer whose every path works on tensors (docs/architecture.md, "Where torch is imported")."""
+
+
+def test_torch_at_module_top_only_where_tensors_are_the_work():
+    """No module below the trainers layer imports torch when it is imported, except `TENSOR_MODULES`:
+    the others import it inside the functions that decode or encode tensor bytes."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    trainers = ("reshard/train/", "reshard/reference/", "reshard/testing/", "reshard/rehearsal/")
+    found = set()
+    for path in sorted((root / "reshard").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(trainers):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                found.add(rel)
+    assert found == TENSOR_MODULES, f"imports torch at its top: {sorted(found - TENSOR_MODULES)}; " \
+                                    f"no longer does: {sorted(TENSOR_MODULES - found)}"
+
+
 def test_stated_constants_match_torch():
     """What reshard states so that the metadata path needs no torch, against the installed torch."""
     import io
