@@ -219,9 +219,9 @@ def _reference_like(tmp_path, reference_ckpt, n_layers: int):
         name = k[len("model."):]
         if name.startswith("blocks.0."):
             for layer in range(n_layers):
-                model[name.replace("blocks.0.", f"blocks.{layer}.", 1)] = torch.zeros(e.shape, dtype=e.dtype)
+                model[name.replace("blocks.0.", f"blocks.{layer}.", 1)] = torch.zeros(e.shape, dtype=e.dtype.torch)
         elif not name.startswith("blocks."):
-            model[name] = torch.zeros(e.shape, dtype=e.dtype)
+            model[name] = torch.zeros(e.shape, dtype=e.dtype.torch)
     ck = tmp_path / "ck"
     dcp.save({"model": model, "trainer": {"step": 3}}, checkpoint_id=str(ck), no_dist=True)
     m = json.loads((reference_ckpt / "manifest.json").read_text())

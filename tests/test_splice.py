@@ -287,7 +287,7 @@ def test_direct_output_loads_with_dcp_and_equals_the_source(sources, tmp_path):
     keys = [k for k, e in ix.entries.items() if e.is_tensor]
 
     def load(path: Path) -> dict[str, torch.Tensor]:
-        sd = {k: torch.empty(tuple(ix.entries[k].shape), dtype=ix.entries[k].dtype) for k in keys}
+        sd = {k: torch.empty(tuple(ix.entries[k].shape), dtype=ix.entries[k].dtype.torch) for k in keys}
         dcp.load(sd, checkpoint_id=str(path))
         return sd
 

@@ -30,7 +30,7 @@ from reshard.storage.index import CheckpointIndex
 from reshard.storage import archive, fastread
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
-from reshard.storage.plain_items import check_loadable
+from reshard.storage.dcp import check_loadable
 from reshard.storage.crcledger import CrcLedger, StorageRecord
 from reshard.storage.dcp_writer import DcpWriter
 from reshard.storage.fileio import ALIGN, FdCache

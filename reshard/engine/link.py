@@ -19,7 +19,7 @@ from reshard.units import now_text
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage import fastread
-from reshard.storage.plain_items import check_loadable
+from reshard.storage.dcp import check_loadable
 from reshard.storage import dcp as dcp_io
 from reshard.storage.atomic import atomic_directory, fault_point
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter

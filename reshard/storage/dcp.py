@@ -18,9 +18,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +28,7 @@ from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DType, unstorable_reason
 from reshard.storage import save_plans
+from reshard.storage.plain_items import NotPlain, decode_item, item_pickle
 from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
 METADATA_FILE = ".metadata"
@@ -378,7 +377,6 @@ OBJECT_INFLATION = 64
 every tensor its elements times their size, once per place it appears. Real object items
 (counters, hyperparameters, sampler states) hold less than their stored bytes."""
 OBJECT_SLACK = 1 << 20
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, 30 bytes
 
 
 @dataclass
@@ -414,59 +412,6 @@ class TrustedUnpickles:
 
 
 TRUSTED_UNPICKLES = TrustedUnpickles()
-
-
-def item_pickle(data: bytes, *, key: str, where: str) -> bytes:
-    """The ``data.pkl`` of the torch.save archive ``data``, once the archive is known not to inflate.
-
-    ``torch.load`` inflates deflate-compressed members (a 1 MB item can hold gigabytes of
-    zeros), but ``torch.save`` stores every member uncompressed. So an item is refused
-    (`BadInput`, key and file named) unless it is a zip archive whose members all lie under
-    one folder, are STORED (central directory and local header agree), unencrypted, fit
-    inside the item without overlapping, and include exactly one ``data.pkl``: its members
-    then hold at most the item's own length, whatever they claim.
-    """
-    def refuse(what: str) -> BadInput:
-        return BadInput(f"item '{key}' {what}", where=where,
-                        hint="torch.save writes plain uncompressed zip archives; this item is corrupt or forged "
-                             "(a compression bomb, or not written by torch.distributed.checkpoint).")
-
-    try:
-        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-        raise refuse(f"is not a torch.save zip archive ({str(exc)[:120]})") from None
-    if not infos:
-        raise refuse("is an empty zip archive")
-    prefix = infos[0].filename.split("/", 1)[0] + "/"
-    names: set[str] = set()
-    spans: list[tuple[int, int]] = []
-    pkl: tuple[int, int] | None = None
-    for zi in infos:
-        name = zi.filename
-        if not name.startswith(prefix) or name in names:
-            raise refuse(f"has members outside one folder or twice ('{name[:80]}')")
-        names.add(name)
-        if zi.compress_type != zipfile.ZIP_STORED or zi.flag_bits & 0x1 or zi.file_size != zi.compress_size:
-            raise refuse(f"has a compressed or encrypted member '{name[:80]}' (declared {zi.file_size:,} bytes "
-                         f"from {zi.compress_size:,})")
-        head = data[zi.header_offset:zi.header_offset + _LOCAL_HEADER.size]
-        if len(head) != _LOCAL_HEADER.size:
-            raise refuse(f"has a member '{name[:80]}' whose header lies outside it")
-        magic, _v, flags, method, *_rest, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-        if magic != b"PK\x03\x04" or method != zipfile.ZIP_STORED or flags & 0x1:
-            raise refuse(f"has a member '{name[:80]}' whose local header says it is compressed or is not a header")
-        start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        if start + zi.file_size > len(data):
-            raise refuse(f"has a member '{name[:80]}' of {zi.file_size:,} bytes running past its end")
-        spans.append((start, start + zi.file_size))
-        if name == prefix + "data.pkl":
-            pkl = (start, start + zi.file_size)
-    spans.sort()
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-        raise refuse("has members that overlap (one byte range read as several members)")
-    if pkl is None:
-        raise refuse("has no data.pkl (not a torch.save archive)")
-    return data[pkl[0]:pkl[1]]
 
 
 def _loaded_size(obj: Any, limit: int) -> int:
@@ -565,3 +510,14 @@ def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = F
     data = untransform(data, loc.transforms, key=key, where=where, limit=limit)
     check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
     return torch_load_item(data, key=key, where=where, trust_pickle=trust_pickle, tensor=tensor)
+
+
+def check_loadable(data: bytes, *, key: str, where: str, trust_pickle: bool) -> None:
+    """Prove an object item loads as ``torch.load(weights_only=True)`` would load it, before it is
+    carried unchanged: decoded without torch when it is plain (`reshard.storage.plain_items` admits a
+    subset of torch's weights-only set), else by `torch_load_item` itself, which raises as it always
+    did (an unsafe global, an amplifying pickle, a corrupt archive)."""
+    try:
+        decode_item(data, key=key, where=where)
+    except NotPlain:
+        torch_load_item(data, key=key, where=where, trust_pickle=trust_pickle)

@@ -20,7 +20,7 @@ from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
 from reshard.storage import dcp, save_plans
 from reshard.storage.fastread import check_item_crcs
-from reshard.storage.plain_items import NotPlain, PlainTensor, check_loadable, contains_tensor, decode_item
+from reshard.storage.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
 
 if TYPE_CHECKING:
     import torch
@@ -206,14 +206,14 @@ class CheckpointIndex(EntryQueries):
 
     def object_bytes(self, key: str) -> bytes | None:
         """An object item's bytes as ``torch.load`` reads them (untransformed, CRC-checked), once
-        proven to load safely (`reshard.storage.plain_items.check_loadable`); None without a location."""
+        proven to load safely (`reshard.storage.dcp.check_loadable`); None without a location."""
         e = self.entry(key)
         if e.is_tensor or e.location is None:
             return None
         loc, where = e.location, str(self.root / e.location.file)
         data = dcp.untransform(dcp.read_item_bytes(self.root, loc, key=key), loc.transforms, key=key, where=where)
         check_item_crcs(data, key=key, where=where)
-        check_loadable(data, key=key, where=where, trust_pickle=self.trust_pickle)
+        dcp.check_loadable(data, key=key, where=where, trust_pickle=self.trust_pickle)
         return data
 
     def same_object_bytes(self, other: Any, key: str) -> bool:

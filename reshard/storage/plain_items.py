@@ -6,7 +6,7 @@ them, or a 0-d / 1-element tensor item such as Adam's ``step``. Decoding them wi
 and over 20 s on a loaded one, to read a handful of bytes. Such an item is a ``torch.save`` zip
 archive: ``data.pkl`` (a protocol-2 pickle), ``byteorder`` and ``data/<key>`` storage members.
 
-What is admitted: `decode_item` checks the archive (`reshard.storage.dcp.item_pickle`: stored,
+What is admitted: `decode_item` checks the archive (`item_pickle`: stored,
 non-overlapping members under one folder, one ``data.pkl``) and the pickle's cost
 (`reshard.storage.safe_pickle.check_cost`), then unpickles with `_PlainUnpickler`, whose
 ``find_class`` admits only ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2`` /
@@ -45,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from reshard.errors import BadInput
 from reshard.model.dtypes import DType, lookup
-from reshard.storage.dcp import item_pickle, torch_load_item
 from reshard.storage.safe_pickle import check_cost
 
 __all__ = ["NotPlain", "PlainTensor", "decode_item"]
@@ -144,6 +144,60 @@ class _Storage:
     dtype: DType | None
 
     __setstate__ = _no_state
+
+
+
+def item_pickle(data: bytes, *, key: str, where: str) -> bytes:
+    """The ``data.pkl`` of the torch.save archive ``data``, once the archive is known not to inflate.
+
+    ``torch.load`` inflates deflate-compressed members (a 1 MB item can hold gigabytes of
+    zeros), but ``torch.save`` stores every member uncompressed. So an item is refused
+    (`BadInput`, key and file named) unless it is a zip archive whose members all lie under
+    one folder, are STORED (central directory and local header agree), unencrypted, fit
+    inside the item without overlapping, and include exactly one ``data.pkl``: its members
+    then hold at most the item's own length, whatever they claim.
+    """
+    def refuse(what: str) -> BadInput:
+        return BadInput(f"item '{key}' {what}", where=where,
+                        hint="torch.save writes plain uncompressed zip archives; this item is corrupt or forged "
+                             "(a compression bomb, or not written by torch.distributed.checkpoint).")
+
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise refuse(f"is not a torch.save zip archive ({str(exc)[:120]})") from None
+    if not infos:
+        raise refuse("is an empty zip archive")
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    names: set[str] = set()
+    spans: list[tuple[int, int]] = []
+    pkl: tuple[int, int] | None = None
+    for zi in infos:
+        name = zi.filename
+        if not name.startswith(prefix) or name in names:
+            raise refuse(f"has members outside one folder or twice ('{name[:80]}')")
+        names.add(name)
+        if zi.compress_type != zipfile.ZIP_STORED or zi.flag_bits & 0x1 or zi.file_size != zi.compress_size:
+            raise refuse(f"has a compressed or encrypted member '{name[:80]}' (declared {zi.file_size:,} bytes "
+                         f"from {zi.compress_size:,})")
+        head = data[zi.header_offset:zi.header_offset + _LOCAL_HEADER.size]
+        if len(head) != _LOCAL_HEADER.size:
+            raise refuse(f"has a member '{name[:80]}' whose header lies outside it")
+        magic, _v, flags, method, *_rest, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+        if magic != b"PK\x03\x04" or method != zipfile.ZIP_STORED or flags & 0x1:
+            raise refuse(f"has a member '{name[:80]}' whose local header says it is compressed or is not a header")
+        start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if start + zi.file_size > len(data):
+            raise refuse(f"has a member '{name[:80]}' of {zi.file_size:,} bytes running past its end")
+        spans.append((start, start + zi.file_size))
+        if name == prefix + "data.pkl":
+            pkl = (start, start + zi.file_size)
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        raise refuse("has members that overlap (one byte range read as several members)")
+    if pkl is None:
+        raise refuse("has no data.pkl (not a torch.save archive)")
+    return data[pkl[0]:pkl[1]]
 
 
 class _Archive:
@@ -436,14 +490,3 @@ def tensor_layout(pkl: bytes) -> TensorLayout:
     if type(value) is not TensorLayout:
         raise NotPlain("the pickle is not one plain tensor")
     return value
-
-
-def check_loadable(data: bytes, *, key: str, where: str, trust_pickle: bool) -> None:
-    """Prove an object item loads as ``torch.load(weights_only=True)`` would load it, before it is
-    carried unchanged: decoded here without torch when it is plain (what this module admits is a
-    subset of torch's weights-only set), else by `reshard.storage.dcp.torch_load_item` itself,
-    which raises as it always did (an unsafe global, an amplifying pickle, a corrupt archive)."""
-    try:
-        decode_item(data, key=key, where=where)
-    except NotPlain:
-        torch_load_item(data, key=key, where=where, trust_pickle=trust_pickle)
