@@ -47,6 +47,23 @@ class Record:
     _key_fields: tuple[str, ...] = ()
     _qualname = "Record"
 
+    def __setstate__(self, state: Any) -> None:
+        """BUILD with a dataclass's state dict: that dict becomes this record's ``__dict__``.
+
+        torch's pickler memoizes the state dict, so the unpickler holds it until the load ends
+        anyway; adopting it instead of copying it into a second dict (what the C unpickler does
+        for a class without ``__setstate__``) keeps one dict per record: a third less memory
+        for a million-chunk `.metadata`. A slotted class's ``(dict, slots)`` pair is merged."""
+        if type(state) is dict:
+            self.__dict__ = state
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], (dict, type(None))) \
+                and isinstance(state[1], (dict, type(None))):
+            merged = dict(state[0] or {})
+            merged.update(state[1] or {})
+            self.__dict__ = merged
+        else:
+            raise pickle.UnpicklingError(f"unexpected state for {self._qualname}: {type(state).__name__}")
+
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
 
