@@ -30,7 +30,7 @@ CONTROLS = ("relaunch", "naive-state", "none")
 
 __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
-           "import_formats", "check_import", "check_slice", "check_restart"]
+           "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -148,3 +148,25 @@ def check_restart(*, restart: bool, output_format: str, data: str) -> None:
         given = f"--output-format {output_format}" if output_format != "dcp" else f"--data {data}"
         raise BadInput(f"--restart has no effect with {given}: such a conversion always starts over",
                        hint="Drop --restart (only DCP output copied by convert resumes after a kill).")
+
+
+def check_conflicts(*, profile: Path | None = None, no_profile: bool = False, quiet: bool = False,
+                    progress: str = "auto", buffered: bool = False, data: str = "copy") -> None:
+    """Two flags that ask for opposite things are refused, naming both (docs/cli.md, "Flags that conflict").
+
+    Letting one of them win silently would leave the user believing the other did what it says:
+    ``--profile F --no-profile`` used to read F; ``--quiet --progress json`` has to drop one of them.
+    ``--quiet`` agrees with ``--progress none`` and with the default ``auto``.
+    """
+    if profile is not None and no_profile:
+        raise BadInput(f"--profile {profile} and --no-profile contradict each other: one reads that profile, "
+                       "the other reads none", hint="Drop --no-profile to use the profile, or drop --profile "
+                       "to read no reshard.toml at all.")
+    if quiet and progress == "json":
+        raise BadInput("--quiet and --progress json contradict each other: one asks for no progress on stderr, "
+                       "the other for a JSON event per line there", hint="Drop --quiet to get the JSON events, "
+                       "or drop --progress json (or write --progress none) for silence.")
+    if buffered and data == "link":
+        raise BadInput("--buffered and --data link contradict each other: --buffered copies the tensor bytes "
+                       "through the page cache, --data link copies none (it shares the source's files)",
+                       hint="Drop --buffered to link, or drop --data link to copy.")

@@ -87,11 +87,13 @@ def inspect(
     trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
     convention: Optional[list[Path]] = _CONV, tie: Optional[list[str]] = _TIE,
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, quiet: bool = _QUIET,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also how an inferred topology was read from the chunks."),
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
+    args.check_conflicts(profile=profile, no_profile=no_profile)
     args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
     from reshard.commands.inspect import inspect as run_inspect
@@ -100,7 +102,7 @@ def inspect(
     opts = _options(ckpt, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
                     profile=profile, no_profile=no_profile)
     result = run_inspect(ckpt, opts, deep=deep, progress=progress)
-    typer.echo(to_json(result.report) if json_out else render_inspect(result.report))
+    typer.echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
 
@@ -158,7 +160,7 @@ def plan(
     profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
     layers: Optional[str] = _LAYERS, experts: Optional[str] = _EXPERTS,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Per-tensor placement table and per-rank memory."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also the per-tensor placement table, per-rank memory and what each rank would read after --data link."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
     tensors_out: Optional[Path] = typer.Option(None, "--tensors-out", help="Write every tensor's placement and chunks to this file (JSON lines), however large."),
     quiet: bool = _QUIET,
@@ -167,11 +169,12 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
+    args.check_conflicts(profile=profile, no_profile=no_profile)
     args.check_slice(layers=layers, experts=experts)
     _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
                                 seed=seed, rng_policy=rng_policy))
     args.check_source(ckpt)
-    _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
+    progress = _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
 
@@ -182,7 +185,7 @@ def plan(
         source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
         conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
         trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
-        tensors_out=tensors_out)
+        tensors_out=tensors_out, progress=progress)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         typer.echo(f"warning: {d['space']['warning']}", err=True)
@@ -217,6 +220,7 @@ def convert(
     data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
     restart: bool = typer.Option(False, "--restart", help="Discard what an interrupted conversion into DST left (by default a rerun keeps every item its journal records whose bytes still match their CRC-32)."),
     quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also the full note on data files shared with the source (--data link)."),
 ) -> None:
     """Execute a plan: reshard tensors, rewrite trainer state, verify, commit atomically.
 
@@ -226,6 +230,9 @@ def convert(
     Exit 0 converted and verified equal, 1 the verification found a difference or the plan is
     infeasible, 2 bad input (options, plan file, source, destination).
     """
+    args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode,
+                         buffered=buffered, data=data)
+    _state["output"] = dst  # what the last line of a Ctrl-C speaks of (_interrupted)
     if plan_file is not None:
         args.check_beside_plan(str(plan_file), {
             "--from": from_spec, "--micro-batch": micro_batch, "--grad-accum": grad_accum,
@@ -251,6 +258,10 @@ def convert(
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay
         args.check_source(src)
+        if workers not in (None, 1):  # worker 0 commits, in another process: a Ctrl-C looks at dst itself
+            from reshard.commands.convert import watch_output
+
+            _state["output_before"] = watch_output(dst)
     # one process shows progress: this one, or worker 0 of a torchrun (whose launcher, if
     # --workers, has already said the first line)
     lead = not in_torchrun() or os.environ.get("RANK", "0") == "0"
@@ -259,6 +270,8 @@ def convert(
     from reshard.commands.convert import run_convert
     from reshard.render.report import render_convert, to_json
 
+    if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
+        progress.on_estimate = lambda figures: typer.echo(_estimate_text(figures).lstrip("\n"))
     opts = None
     if plan_file is None and to is not None:
         opts = _sliced(_options(
@@ -275,7 +288,7 @@ def convert(
     report = done.report
     if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
         raise typer.Exit(done.exit_code)
-    typer.echo(to_json(report) if json_out else render_convert(report) + _estimate_text(report.get("estimate")))
+    typer.echo(to_json(report) if json_out else render_convert(report, verbose=verbose))
     if done.resume_note:  # kept K of N items, or started over and why
         typer.echo(done.resume_note, err=True)
     raise typer.Exit(done.exit_code)
@@ -325,6 +338,7 @@ def verify(
     quiet: bool = _QUIET, progress_mode: str = _PROGRESS,
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
+    args.check_conflicts(quiet=quiet, progress=progress_mode)
     args.check_source(a, b)
     progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.verify import verify as run_verify
@@ -358,7 +372,9 @@ def export(
 
     Exit 0 exported, 2 bad input (options, source, destination).
     """
+    args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
     args.check_export(fmt=fmt, model_config=model_config)
+    _state["output"] = dst
     args.check_source(src)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.export import export as run_export
@@ -386,7 +402,9 @@ def import_(
 
     Exit 0 imported, 2 bad input (options, source, destination).
     """
+    args.check_conflicts(quiet=quiet, progress=progress_mode)
     args.check_import(fmt=fmt)
+    _state["output"] = dst
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.importer import import_ as run_import
     from reshard.render.report import to_json
@@ -490,7 +508,7 @@ def demo(
                          json_out=False, quiet=quiet)
     from reshard.commands.demo import run_demo
 
-    raise typer.Exit(run_demo(out, steps=steps, say=progress.say if progress.enabled else None))
+    raise typer.Exit(run_demo(out, steps=steps, progress=progress))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -517,14 +535,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    _state.update(debug=False, json=False)  # main() may run many times in one process (the tests)
+    _state.update(debug=False, json=False, output=None, output_before=None)  # main() may run many times in one process (the tests)
+    atomic = sys.modules.get("reshard.storage.atomic")  # not imported: nothing committed yet (no import for it)
+    if atomic is not None:  # an earlier command's commits are not this one's (a Ctrl-C's last line)
+        atomic.forget_commits()
     line = _normalise(list(argv) if argv is not None else sys.argv[1:])
     _state["argv"] = line
     try:
         code = app(args=line, prog_name="reshard", standalone_mode=False)
+        if code == 130:  # typer's own return for a KeyboardInterrupt in a command (typer.core); no command exits 130
+            raise KeyboardInterrupt
     except (KeyboardInterrupt, typer.Abort):
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(_interrupted())
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except TyperException as exc:
@@ -539,6 +561,25 @@ def _main(argv: list[str] | None = None) -> None:
     finally:
         _warn_trusted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one line saying what is left of the command's output, and the exit code
+    (`reshard.commands.convert.interruption`: 130, or 0 once the output is committed). A worker
+    of ``--workers`` says nothing: its launcher speaks for the run."""
+    from reshard.engine.distributed import ERRORS_ENV, in_torchrun
+
+    if in_torchrun() and os.environ.get(ERRORS_ENV):
+        return 130
+    dst = _state.get("output")
+    if dst is None:
+        typer.echo("interrupted", err=True)
+        return 130
+    from reshard.commands.convert import interruption
+
+    line, code = interruption(dst, _state.get("output_before"))
+    typer.echo(line, err=True)
+    return code
 
 
 def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:

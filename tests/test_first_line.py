@@ -30,7 +30,9 @@ STEP_LINE = re.compile(r"^\s+\S+( ranks)?\s+step \d+/\d+\s+loss \d", re.M)
 
 
 def _text(r: dict) -> str:
-    return r["err"].replace("\r\n", "\n")
+    """stderr as the terminal shows it: per line, the text after its last carriage return (the
+    seconds a waiting row counts, `Progress.waiting`, are redrawn and erased with them)."""
+    return "\n".join(ln.rsplit("\r", 1)[-1] for ln in r["err"].replace("\r\n", "\n").split("\n"))
 
 
 def _shown(r: dict) -> list[str]:

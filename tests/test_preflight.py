@@ -222,9 +222,11 @@ def test_progress_json_events_on_stderr(name, reference_ckpt, exported, tmp_path
 
 
 def test_quiet_and_none_silence_the_events(reference_ckpt):
-    for flags in (["--progress", "none"], ["--progress", "json", "--quiet"]):
+    for flags in (["--progress", "none"], ["--progress", "none", "--quiet"]):
         code, out, err = cli(["verify", reference_ckpt, reference_ckpt, *flags])
         assert code == 0 and err == "", err
+    code, out, err = cli(["verify", reference_ckpt, reference_ckpt, "--progress", "json", "--quiet"])
+    assert code == 2 and "--quiet" in err and "--progress json" in err, err  # a contradiction, refused (issue 35)
 
 
 def test_phase_rate_and_eta_are_from_bytes():

@@ -60,7 +60,7 @@ def test_first_line_before_torch_then_bytes(name, sides, tmp_path):
     args = _commands(sides, tmp_path)[name]
     r = _run(args, terminal=True, importtime=True)
     assert r["code"] == 0, r["out"] + r["err"][-3000:]
-    text = r["err"].replace("\r\n", "\n")
+    text = r["err"].replace("\r\n", "\n").replace("\r", "\n")  # a redrawn row (bar, waiting seconds): a line each
     first = re.search(r"^reading .* …$", text, re.M)
     assert first, text[-3000:]
     torch_line = TORCH_IMPORT.search(text)
@@ -80,7 +80,7 @@ def test_workers_show_one_progress(sides, tmp_path):
     """`convert --workers 2`: the launcher says the first line, worker 0 alone shows the bars."""
     r = _run(["convert", str(sides["ckpt"]), str(tmp_path / "w"), "--to", "dp=2", "--workers", "2"], terminal=True)
     assert r["code"] == 0, r["out"] + r["err"][-3000:]
-    text = r["err"].replace("\r\n", "\n")
+    text = r["err"].replace("\r\n", "\n").replace("\r", "\n")  # a redrawn row (bar, waiting seconds): a line each
     assert len(re.findall(r"^reading .* …$", text, re.M)) == 1, text[-3000:]
     assert len(re.findall(r"converting .* to dp=2 …", text)) == 1, text[-3000:]
     assert len(re.findall(r"^checking space: ", text, re.M)) == 1, text[-3000:]  # checked once, by worker 0

@@ -22,6 +22,7 @@ from reshard.engine.copy import IOOptions
 from reshard.engine.distributed import convert_distributed, in_torchrun, launch_workers
 from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan, source_index
+from reshard.render.progress import waiting
 
 
 @dataclass
@@ -80,6 +81,16 @@ def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[s
                    **{k: v for k, v in (("threads", threads), ("window", window)) if v is not None})
     if progress is not None:
         progress.say(f"planning the conversion to {opts.to} …")
+    with waiting(progress):  # planning, the torch import, the index: seconds with no bytes to count
+        return _planned_and_run(src, dst, opts, given, output_format=output_format, data=data, io=io,
+                                overwrite=overwrite, restart=restart, force=force, progress=progress,
+                                distributed=distributed)
+
+
+def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict], *, output_format: str, data: str,
+                     io: IOOptions, overwrite: bool, restart: bool, force: bool, progress: Any,
+                     distributed: bool) -> Converted:
+    """Plan (checked against ``given``, the plan file's) and convert, in this process or as a torchrun worker."""
     p = make_plan(src, opts)
     if given is not None:
         check_plan_matches(given, p)
@@ -117,3 +128,31 @@ def _without_workers(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def watch_output(dst: Path) -> tuple[int, int]:
+    """What stands at ``dst`` as a ``--workers`` launcher starts (`reshard.storage.atomic.identity`):
+    its worker 0 commits in another process, so after a Ctrl-C the launcher compares."""
+    from reshard.storage.atomic import identity
+
+    return identity(dst)
+
+
+def interruption(dst: Path, before: Optional[tuple[int, int]] = None) -> tuple[str, int]:
+    """The last line of a Ctrl-C during a command that writes ``dst`` through
+    `reshard.storage.atomic.atomic_directory` (convert, export, import), and its exit code.
+
+    Before the commit ``dst`` is unchanged: exit 130, saying when the same command resumes (a
+    temporary directory and its journal wait beside ``dst``). After it (the rename into place
+    happened, after the verification) the output is complete: exit 0, so a script does not take
+    a finished conversion for a failed one. ``before``: `watch_output` of a ``--workers`` launcher.
+    """
+    from reshard.storage.atomic import what_is_left
+
+    left = what_is_left(dst, before=before)
+    if left == "committed":
+        return f"interrupted after the commit: {dst} is complete", 0
+    line = f"interrupted: nothing committed; {dst} is unchanged"
+    if left == "resumable":
+        line += "; the same command run again resumes from the items already written (--restart starts over)"
+    return line, 130

@@ -14,10 +14,12 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from reshard.errors import BadInput
+from reshard.render.progress import waiting
 
 MARKER = ".reshard-demo.json"  # in --out: what the demo created there, so a rerun deletes that and nothing else
 
@@ -94,63 +96,79 @@ def _losses(log: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in (json.loads(x) for x in log.read_text().splitlines() if x.strip())}
 
 
-def run_demo(out: Path, *, steps: int = 6, say: Callable[[str], None] | None = None) -> int:
+def run_demo(out: Path, *, steps: int = 6, progress: Any = None) -> int:
     """The demo into ``out``, which must be new, empty or an earlier demo's (`claim_output`).
 
-    The transcript (each stage's heading and report) goes to stdout; ``say`` (the command
-    line's progress on a terminal, None when nobody watches) gets a line per training step."""
+    The transcript (each stage's heading and report) goes to stdout. ``progress`` (the command
+    line's, `reshard.render.progress.Progress`) shows on a terminal a line per training step
+    and, between lines, the seconds since the last one (`Progress.waiting`: starting 4 ranks
+    takes seconds before the first step), so a terminal never stays still for more than a
+    second or two; on a pipe it shows nothing."""
     out = Path(out)
     k = max(1, steps // 2)
     names = ["run4", "run4.jsonl", "run2.jsonl", f"step_{k}-dp2", "rehearsal"]
     claim_output(out, names)
+    shown = progress is not None and progress.enabled
     try:
-        return _run(out, steps, k, say)
+        return _run(out, steps, k, progress.say if shown else None, progress if shown else None)
     finally:  # what the demo wrote, file by file: a rerun deletes exactly that
         _write_marker(out, {"created": names, "files": _walk(out, names)})
 
 
-def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None) -> int:
+def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None, progress: Any) -> int:
+    """The six stages. Each stretch with nothing on stdout runs inside ``waiting(progress)``, and
+    none prints on stdout inside it (the waiting row is cleared first, at the block's end)."""
     def stage(msg: str) -> None:  # before the heavy imports below: the first stage shows at once
         typer.echo(f"\n=== {msg}")
 
     stage(f"[1/6] reference GPT on 4 CPU ranks (FSDP2 over gloo), {steps} steps, checkpoint at step {k}")
-    from reshard.engine.conversion import convert
-    from reshard.rehearsal.follow import follow_steps
-    from reshard.planning.describe import inspect_checkpoint
-    from reshard.model.plan import Options
-    from reshard.planning.plan import make_plan
-    from reshard.reference import TrainConfig, run_reference
-    from reshard.render.report import render_convert, render_inspect, render_plan
-    from reshard.render.verify import render_verify
-    from reshard.verification.checkpoints import verify_checkpoints
+    if say is not None:  # the imports below and the ranks' start take seconds before the first step line
+        say("  4 ranks   starting (torch, the process group, the model) …")
+    with waiting(progress):
+        from reshard.engine.conversion import convert
+        from reshard.rehearsal.follow import follow_steps
+        from reshard.planning.describe import inspect_checkpoint
+        from reshard.model.plan import Options
+        from reshard.planning.plan import make_plan
+        from reshard.reference import TrainConfig, run_reference
+        from reshard.render.report import render_convert, render_inspect, render_plan
+        from reshard.render.verify import render_verify
+        from reshard.verification.checkpoints import verify_checkpoints
 
     base = TrainConfig(dp=4, steps=steps, total_steps=steps, save_at=[k], micro_batch=2, grad_accum=2, dropout=0.0,
                        out=str(out / "run4"), log=str(out / "run4.jsonl"), experiment_id="demo")
-    with follow_steps(out / "run4.jsonl", "4 ranks", steps, say):
+    with waiting(progress), follow_steps(out / "run4.jsonl", "4 ranks", steps, say):
         ckpt = run_reference(base)[-1]
 
     stage(f"[2/6] reshard inspect {ckpt}")
-    typer.echo(render_inspect(inspect_checkpoint(ckpt).report))
+    with waiting(progress):
+        inspected = inspect_checkpoint(ckpt).report
+    typer.echo(render_inspect(inspected))
 
     stage("[3/6] reshard plan --to dp=2 (dry run)")
-    plan = make_plan(ckpt, Options(to="dp=2"))
+    with waiting(progress):
+        plan = make_plan(ckpt, Options(to="dp=2"))
     typer.echo(render_plan(plan.to_dict(tensors=False)))
     if not plan.feasible:
         return 1
 
     dst = out / f"step_{k}-dp2"
     stage(f"[4/6] reshard convert -> {dst}, then reshard verify")
-    report = convert(plan, ckpt, dst)
+    with waiting(progress):
+        report = convert(plan, ckpt, dst)
     typer.echo(render_convert(report))
-    v = verify_checkpoints(ckpt, dst, expected_rewrites={a.key: a.action for a in plan.keys
-                                                         if a.action in ("rewritten", "dropped", "added")})
+    with waiting(progress):
+        v = verify_checkpoints(ckpt, dst, expected_rewrites={a.key: a.action for a in plan.keys
+                                                             if a.action in ("rewritten", "dropped", "added")})
     typer.echo(render_verify(v))
 
     stage(f"[5/6] resume on 2 ranks with accumulation {plan.batch.after.grad_accum} to step {steps}")
     resumed = TrainConfig(dp=2, steps=steps, total_steps=steps, micro_batch=plan.batch.after.micro_batch,
                           grad_accum=plan.batch.after.grad_accum, dropout=0.0, resume=str(dst),
                           log=str(out / "run2.jsonl"), experiment_id="demo")
-    with follow_steps(out / "run2.jsonl", "2 ranks", steps, say):
+    if say is not None:
+        say("  2 ranks   starting …")
+    with waiting(progress), follow_steps(out / "run2.jsonl", "2 ranks", steps, say):
         run_reference(resumed)
     a, b = _losses(out / "run4.jsonl"), _losses(out / "run2.jsonl")
     typer.echo(f"\n{'step':>5} {'loss on 4 ranks':>16} {'loss on 2 ranks':>16} {'rel. diff':>10}")
@@ -165,7 +183,9 @@ def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None) -> in
     stage("[6/6] reshard rehearse --from dp=4 --to dp=2: baseline vs converted resume vs naive control")
     from reshard.rehearsal import rehearse, render_rehearsal
 
-    reh = rehearse(from_spec="dp=4", to_spec="dp=2", steps=12, switch_at=4, window=8, out=out / "rehearsal", say=say)
+    with waiting(progress):
+        reh = rehearse(from_spec="dp=4", to_spec="dp=2", steps=12, switch_at=4, window=8, out=out / "rehearsal",
+                       say=say)
     typer.echo(render_rehearsal(reh))
     typer.echo(f"figure: {out / 'rehearsal' / 'rehearsal.png'} (loss and grad norm of baseline, resumed run and "
                "control with the switch marked; the control's repeated samples)")

@@ -15,12 +15,14 @@ from reshard.model.inspection import Inspection
 from reshard.model.plan import Options
 from reshard.planning.describe import inspect_checkpoint
 from reshard.planning.options import from_origin, user_conventions
+from reshard.render.progress import waiting
 
 
 def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = None) -> Inspection:
     """The inspection of ``ckpt`` under the user's options (conventions, ties, ``--from``); its
     ``report`` is what `reshard.render.report.render_inspect` prints and its ``exit_code`` the command's."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(waiting(progress))  # the index, the object items: seconds with no bytes to count
         bar = None
         if deep and progress is not None:
             from reshard.storage.local_format import open_any  # whichever format inspect reads

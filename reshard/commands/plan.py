@@ -9,16 +9,20 @@ checks again before writing).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from reshard.model.plan import Options, Plan
 from reshard.planning.plan import make_plan
+from reshard.render.progress import waiting
 
 
 def plan(ckpt: Path, opts: Options, *, verbose: bool = False, json_out: bool = False, dst: Path | None = None,
-         tensors_out: Path | None = None) -> tuple[Plan, dict]:
+         tensors_out: Path | None = None, progress: Any = None) -> tuple[Plan, dict]:
     """The plan and what the command prints of it: every tensor when ``verbose``, under ``--json``
-    the full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`)."""
-    p = make_plan(ckpt, opts)
+    the full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`).
+    ``progress``: its waiting row ticks on a terminal while the plan is made."""
+    with waiting(progress):
+        p = make_plan(ckpt, opts)
     d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
     if tensors_out is not None:
         d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}

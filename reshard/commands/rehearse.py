@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.rehearsal import rehearse as run_rehearsal
+from reshard.render.progress import waiting
 
 
 def rehearse(*, from_spec: str, to: str, trainer: str | None, steps: int, switch_at: int, window: int,
@@ -24,8 +25,9 @@ def rehearse(*, from_spec: str, to: str, trainer: str | None, steps: int, switch
     rehearsal's progress lines go to it, else nowhere.
     """
     say = progress.say if progress is not None and progress.enabled else None
-    return run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
-                         window=window, micro_batch=micro_batch, grad_accum=grad_accum,
-                         source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, control=control,
-                         dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline, like=like, out=out,
-                         timeout=timeout, say=say)
+    with waiting(progress):  # between step lines (a run's start, the conversion), seconds on a terminal's waiting row
+        return run_rehearsal(from_spec=from_spec, to_spec=to, trainer=trainer, steps=steps, switch_at=switch_at,
+                             window=window, micro_batch=micro_batch, grad_accum=grad_accum,
+                             source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum,
+                             control=control, dataset_len=dataset_len, seed=seed, reuse_baseline=reuse_baseline,
+                             like=like, out=out, timeout=timeout, say=say)

@@ -44,7 +44,9 @@ Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
 * ``RESHARD_FAULT_COUNT=PATH``: append ``"N LABEL"`` per event (an uninterrupted run's
   last line is the total);
 * ``RESHARD_FAULT_KILL_AT=N``: SIGKILL the process right after event N;
-* ``RESHARD_FAULT_SLEEP_AT=N:SECONDS``: sleep right after event N (to hold the lock).
+* ``RESHARD_FAULT_SLEEP_AT=N:SECONDS``: sleep right after event N (to hold the lock); a label
+  instead of N (``rename:30``) names the first event so called (after ``rename`` the output is
+  committed: a Ctrl-C there must leave it complete, exit 0).
 
 ``tests/test_faults.py`` and ``scripts/soak_faults.py`` use them; they do nothing unset.
 """

@@ -329,6 +329,8 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
                             f"two probes ({r.describe()}; {w.describe()}); the copy only, an estimate")
     if progress is not None:
         progress.say(space_line(figures))
+        if hasattr(progress, "estimated"):  # the estimate printed before the work (convert: on stdout, even on a pipe)
+            progress.estimated(figures)
         # the copy's ETA from its first second; from the unrounded estimate, which a small copy on a
         # fast disk would round to 0.0 s (and so lose its ETA)
         if exact_seconds is not None and hasattr(progress, "expect"):

@@ -164,6 +164,11 @@ def kept(r: dict[str, Any], cls: Any, sdec: schedule_mod.ScheduleDecision | None
             "accumulation_phase": accumulation}
 
 
+# The start of the change a new world size always brings (numerics, not meaning): the verdict
+# tells it apart from changes that make a continuation "with changes".
+SUM_ORDER = "gradients are summed in another order"
+
+
 def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, Any]:
     warm: list[str] = []
     changes: list[str] = []
@@ -185,12 +190,12 @@ def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, An
     if rdec is not None and not rdec.streams_kept:
         changes.append("RNG: " + rdec.note)
     if not same_positions:
-        changes.append("collective reduction order differs on a new world size: losses match to rounding, not bitwise")
+        changes.append(f"{SUM_ORDER} over a different number of ranks: losses match to rounding, not bitwise")
     if reasons:
         kind = "infeasible"
     elif warm:
         kind = "warm_start"
-    elif any(not c.startswith(("collective", "accumulation", "micro-batch")) for c in changes):
+    elif any(not c.startswith((SUM_ORDER, "accumulation", "micro-batch")) for c in changes):
         kind = "continuation_with_changes"
     else:
         kind = "continuation"

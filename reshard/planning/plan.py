@@ -234,7 +234,7 @@ def _accumulation(r: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
     """The accumulation phase: only a checkpoint taken at an optimizer-step boundary can be resharded."""
     acc = r.get("accumulation") or {}
     acc_out = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
-               "ok": True, "note": "at an optimizer-step boundary" if acc else "unknown (no manifest): assumed at a step boundary"}
+               "ok": True, "note": "at an optimizer-step boundary" if acc else "unknown (no manifest): assumed to be at an optimizer-step boundary"}
     if acc and acc.get("micro_step"):
         acc_out["ok"] = False
         acc_out["note"] = (f"saved at micro-step {acc['micro_step']} of an accumulation: the gradients of the micro-steps "
@@ -355,7 +355,7 @@ def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec:
     sched_keys = {}
     for k, role in cls.roles.items():
         if role.role == "scheduler" and (k.endswith(".last_epoch") or k.endswith("._step_count")):
-            sched_keys[k] = ix.read_object(k)
+            sched_keys[k] = ix.read_plain(k)  # an int, or a one-element tensor: decoded without torch
     if not bdec.feasible:
         return None
     samples_seen = mdict.get("samples_seen")
@@ -390,7 +390,7 @@ def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topolo
     elif data_roles and cursor is None:
         cur = [x.key for x in data_roles if x.key.endswith(".cursor")]
         if cur:
-            cursor = int(ix.read_object(cur[0]))
+            cursor = int(ix.read_plain(cur[0]))
     prefix = per_rank_prefix(data_roles)
     return data_mod.decide(per_rank_data, shared_data, source_dp=source_topo.dp, target_dp=target.dp,
                            policy=options.data_policy, key_for_rank=lambda k: f"{prefix}{k}", cursor=cursor,

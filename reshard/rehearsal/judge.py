@@ -244,11 +244,11 @@ def _inexact_reasons(setup: Any, after: Recipe) -> list[str]:
         reasons.append(f"the data-parallel width changes {src.dp} -> {tgt.dp} and the recipe micro_batch x grad_accum "
                        f"{kw.micro_batch}x{kw.grad_accum} -> {after.micro_batch}x{after.grad_accum}: "
                        "each step's gradient is the same sum over the same samples, but fp32 addition is not "
-                       "associative and the sum is taken in another order (micro-batch sums, then a reduce-scatter "
-                       "over another number of ranks)")
+                       "associative and the sum is taken in another order (micro-batch sums, then a sum across "
+                       "another number of ranks)")
     if src.tp != tgt.tp:
         reasons.append(f"tensor parallelism changes {src.tp} -> {tgt.tp}: row-parallel matmuls add partial "
-                       "products across TP ranks with an all-reduce, so activations, gradients and the grad norm "
+                       "products across TP ranks, so activations, gradients and the grad norm "
                        "are accumulated in another order")
     if src.pp != tgt.pp:
         reasons.append(f"pipeline parallelism changes {src.pp} -> {tgt.pp}: the tied embedding's gradient is summed "

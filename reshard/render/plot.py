@@ -32,6 +32,15 @@ COLORS = {"baseline": OKABE_ITO["blue"], "before": OKABE_ITO["blue"],
           "control": OKABE_ITO["reddish_purple"], "trend": OKABE_ITO["grey"],
           "repeated": OKABE_ITO["vermillion"], "skipped": OKABE_ITO["sky_blue"],
           "switch": OKABE_ITO["black"]}
+# One line style per role, like one colour per role. The naive control is dash-dotted with
+# small filled squares and drawn above the other two: where it runs close to them (at the
+# switch) its squares still show inside the resumed run's hollow circles, which in turn sit
+# on the baseline's line (z-order: baseline < resumed < control).
+ROLE_STYLE: dict[str, dict[str, Any]] = {
+    "baseline": {"zorder": 2.0}, "before": {"zorder": 2.0},
+    "resumed": {"zorder": 2.3}, "after": {"zorder": 2.3},
+    "control": {"linestyle": "-.", "linewidth": 1.3, "marker": "s", "markersize": 2.6, "zorder": 2.6},
+}
 _CYCLE = [OKABE_ITO[n] for n in ("blue", "orange", "bluish_green", "reddish_purple", "sky_blue", "vermillion")]
 DPI = 100
 TITLE_PX, BARE_TOP_PX, CAPTION_LINE_PX = 26, 4, 13
@@ -86,16 +95,37 @@ def max_abs_diff(a: Series, b: Series) -> tuple[float, int] | None:
     return max(pairs) if pairs else None
 
 
-def overlap_note(a: Series, b: Series, quantity: str, *, frac: float = 0.01) -> str | None:
-    """A note when curve ``a`` lies on ``b`` (every shared point within ``frac`` of the y span of
-    both): on the figure one hides the other, so the reader is told, with the largest gap."""
+def max_rel_diff(a: Series, b: Series) -> tuple[float, int] | None:
+    """max |a - b| / |b| over the steps both curves have (finite values only; b = 0 with a != 0
+    counts as inf, as the rehearsal's judge counts it) and the step where it is; None when they
+    share no step."""
+    def rel(y: float, ref: float) -> float:
+        return 0.0 if y == ref else abs(y - ref) / abs(ref) if ref else math.inf
+
+    bx = {float(x): float(y) for x, y in zip(b.xs, b.ys) if math.isfinite(y)}
+    pairs = [(rel(float(y), bx[float(x)]), int(x)) for x, y in zip(a.xs, a.ys)
+             if float(x) in bx and math.isfinite(y)]
+    return max(pairs) if pairs else None
+
+
+def overlaps(a: Series, b: Series, *, frac: float = 0.01) -> bool:
+    """Whether curve ``a`` lies on ``b`` as drawn: they share a step and every shared point is
+    within ``frac`` of the y span of both, so on the figure one hides the other."""
     d = max_abs_diff(a, b)
     ys = [float(y) for y in list(a.ys) + list(b.ys) if math.isfinite(y)]
     if d is None or not ys:
-        return None
+        return False
     span = (max(ys) - min(ys)) or abs(ys[0]) or 1.0
-    if d[0] > frac * span:
+    return d[0] <= frac * span
+
+
+def overlap_note(a: Series, b: Series, quantity: str, *, frac: float = 0.01) -> str | None:
+    """A note when curve ``a`` lies on ``b`` (see ``overlaps``): the reader is told, with the
+    largest absolute gap. (The rehearsal figure words its own note in its verdict's metric.)"""
+    if not overlaps(a, b, frac=frac):
         return None
+    d = max_abs_diff(a, b)
+    assert d is not None  # overlaps() needs a shared step
     return f"{a.label} overlaps {b.label}: max |\u0394{quantity}| = {d[0]:.2e} (step {d[1]})"
 
 
@@ -149,6 +179,8 @@ def build_figure(panels: list[Panel], *, width: int = 900, height_per_panel: int
     for ax in axes[:-1]:
         ax.tick_params(labelbottom=True)  # every panel readable on its own
     fig.align_ylabels(list(axes))
+    for ax, panel in zip(axes, panels):
+        _place_annotations(fig, ax, panel)
     if rows:
         fig.text(8 / w_px, (bottom_px - 4) / h_px, "\n".join(rows), family="monospace", fontsize=8,
                  va="top", ha="left", linespacing=1.05)
@@ -166,11 +198,13 @@ def _draw_panel(ax, panel: Panel) -> None:
         c = color_of(s, i)
         if s.style == "points":
             ax.plot(xs, ys, linestyle="none", marker="o", markersize=3.5, color=c, label=s.label)
-        elif s.style == "line+points":
-            ax.plot(xs, ys, linestyle="--", linewidth=1.2, marker="o", markersize=3.5, markerfacecolor="none",
-                    color=c, label=s.label)
+            continue
+        if s.style == "line+points":
+            kw: dict[str, Any] = {"linestyle": "--", "linewidth": 1.2, "marker": "o", "markersize": 3.5,
+                                  "markerfacecolor": "none"}
         else:
-            ax.plot(xs, ys, linewidth=1.6, color=c, label=s.label, marker="." if len(xs) == 1 else None)
+            kw = {"linewidth": 1.6, "marker": "." if len(xs) == 1 else None}
+        ax.plot(xs, ys, color=c, label=s.label, **{**kw, **ROLE_STYLE.get(s.label, {})})
     for x, label in panel.vlines:
         ax.axvline(float(x), color=COLORS["switch"], linestyle=":", linewidth=1.2, label=label)
     if panel.y_range:
@@ -180,10 +214,78 @@ def _draw_panel(ax, panel: Panel) -> None:
     if panel.notes:
         ax.text(0.99, 0.96, "\n".join(panel.notes), transform=ax.transAxes, ha="right", va="top", fontsize=7.5,
                 bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#bbbbbb", "alpha": 0.9})
+
+
+def _box_of(text, renderer):
+    """The pixel extent a reader sees of ``text``: its drawn box (the white patch) when it has one."""
+    if hasattr(text, "update_positions"):  # an Annotation: its text's transform is set at draw time
+        text.update_positions(renderer)
+    patch = text.get_bbox_patch()
+    if patch is None:
+        return text.get_window_extent(renderer)
+    text.update_bbox_position_size(renderer)
+    return patch.get_window_extent(renderer)
+
+
+# Where an annotation's text may go, as the top-left corner of its box in axes fractions.
+ANNOTATION_SPOTS = [(0.03 + 0.0625 * i, 0.95 - 0.075 * j) for j in range(11) for i in range(11)]
+
+
+def _place_annotations(fig, ax, panel: Panel) -> None:
+    """Draw ``panel``'s annotations, each text where it covers no curve, marker, switch line or
+    note: a note laid over the curves would hide the very thing it points at. Of the spots in
+    ``ANNOTATION_SPOTS`` whose box stays inside the axes and off the note, the one covering the
+    fewest curve points wins, then the one whose arrow cuts the fewest, then the nearest (the
+    shortest arrow). Needs the axes' final limits, so ``build_figure`` calls it once every
+    panel is drawn."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not panel.annotations:
+        return
+    renderer = (fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)).get_renderer()
+    ax.get_xlim(), ax.get_ylim()  # autoscale now: the data transform below must map to the final limits
+    pts = []
+    for ln in ax.get_lines():  # every drawn curve, sampled densely along its segments, in pixels
+        xy = ln.get_transform().transform(np.asarray(ln.get_xydata(), dtype=float))
+        xy = xy[np.isfinite(xy).all(axis=1)]
+        if len(xy) == 1:
+            pts.append(xy)
+        for p0, p1 in zip(xy[:-1], xy[1:]):
+            pts.append(p0 + np.linspace(0.0, 1.0, 24)[:, None] * (p1 - p0))
+    curve = np.concatenate(pts) if pts else np.zeros((0, 2))
+    taken = [_box_of(t, renderer).padded(4) for t in ax.texts]  # the notes box
+    frame = ax.get_window_extent(renderer)
     for a in panel.annotations:
-        ax.annotate(a.text, xy=(a.x, a.y), xytext=(0.42, 0.42), textcoords="axes fraction", fontsize=7.5,
-                    color=a.color, ha="left", va="top", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85},
-                    arrowprops={"arrowstyle": "->", "color": a.color, "linewidth": 0.8})
+        ann = ax.annotate(a.text, xy=(a.x, a.y), xytext=(0.42, 0.42), textcoords="axes fraction", fontsize=7.5,
+                          color=a.color, ha="left", va="top", zorder=5,
+                          bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+                          arrowprops={"arrowstyle": "->", "color": a.color, "linewidth": 0.8, "shrinkB": 3})
+        target = ax.transData.transform((a.x, a.y))
+        best: tuple | None = None
+        for spot in ANNOTATION_SPOTS:
+            ann.xyann = spot
+            ext = _box_of(ann, renderer).padded(2)
+            inside = frame.x0 <= ext.x0 and ext.x1 <= frame.x1 and frame.y0 <= ext.y0 and ext.y1 <= frame.y1
+            covered = int(((curve[:, 0] >= ext.x0) & (curve[:, 0] <= ext.x1)
+                           & (curve[:, 1] >= ext.y0) & (curve[:, 1] <= ext.y1)).sum())
+            clash = any(ext.overlaps(t) for t in taken)
+            # the arrow, from the box's nearest corner to the point, should not cut through the
+            # curves either (the last 8 px are where it meets the curve it points at)
+            start = np.array([min(max(target[0], ext.x0), ext.x1), min(max(target[1], ext.y0), ext.y1)])
+            seg = target - start
+            length = float(np.hypot(*seg))
+            if length > 8 and len(curve):
+                t = np.clip(((curve - start) @ seg) / length**2, 0.0, 1.0 - 8 / length)
+                crossed = int((np.hypot(*(curve - (start + t[:, None] * seg)).T) < 2.0).sum())
+            else:
+                crossed = 0
+            key = (not inside, clash, covered, crossed, length)
+            if best is None or key < best[0]:
+                best = (key, spot, ext)
+        assert best is not None
+        ann.xyann = best[1]
+        taken.append(best[2])
 
 
 def save_figure(fig, path: str | Path) -> tuple[int, int]:
@@ -237,5 +339,6 @@ def read_png(path: str | Path):
         return np.asarray(im.convert("RGB")).copy()
 
 
-__all__ = ["Panel", "Series", "Annotation", "COLORS", "OKABE_ITO", "build_figure", "save_figure", "line_chart",
-           "describe", "overlap_note", "max_abs_diff", "read_png", "figure_size_px"]
+__all__ = ["Panel", "Series", "Annotation", "COLORS", "OKABE_ITO", "ROLE_STYLE", "build_figure", "save_figure",
+           "line_chart", "describe", "overlaps", "overlap_note", "max_abs_diff", "max_rel_diff", "read_png",
+           "figure_size_px"]

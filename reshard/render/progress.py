@@ -26,6 +26,18 @@ Three modes (``--progress``):
   second while a phase is open (so a stalled copy is visible as a stalled count);
 * ``none``: nothing (``--quiet``).
 
+Between the lines and the bars, work with no bytes to count (reading an index, planning,
+importing torch, starting training ranks) would leave a terminal still for seconds: a command
+wraps it in ``with progress.waiting():``, and while the block runs, whenever neither a line
+nor a bar has moved for `TICK` seconds, a row under the last line shows the seconds since that
+line (``  … 3 s``), redrawn in place every `TICK` and cleared before the next line, bar or the
+block's end (so the command's result on stdout never lands on it). Terminal only: a pipe, a
+file and ``--progress json`` see nothing more than before.
+
+``on_estimate``: where the preflight's size and time estimate goes the moment it is known
+(`estimated`), before the first byte is written: `reshard convert` prints it on stdout there,
+so a pipe reads the estimate before the result, not after it.
+
 This module imports nothing heavy, so the first line can be printed before torch is imported.
 """
 from __future__ import annotations
@@ -36,11 +48,12 @@ import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from reshard.units import human_bytes
 
-__all__ = ["MODES", "STAGES", "Phase", "Progress", "describe_bytes", "end_commit", "phase_of", "stage_of", "start_commit"]
+__all__ = ["MODES", "STAGES", "Phase", "Progress", "describe_bytes", "end_commit", "phase_of", "stage_of", "start_commit",
+           "waiting"]
 
 MODES = ("auto", "json", "none")
 # the stage of each phase name a command opens (`stage_of`: names starting "checking" verify)
@@ -122,8 +135,12 @@ class Progress:
     phases: list[Phase] = field(default_factory=list)  # every phase opened, in order (their byte counts)
     json: bool = False
     expected: dict[str, float] = field(default_factory=dict)  # stage -> bytes/s the preflight's probes predict
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    on_estimate: Callable[[dict[str, Any]], None] | None = None  # the preflight's figures, as soon as known (`estimated`)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _last: float = 0.0
+    _line_at: float = field(default_factory=time.monotonic)  # when the last line was said (the row counts from it)
+    _row: int = 0  # the width of the waiting row (`waiting`) drawn on the stream's last row, 0 when none is
+    _waits: int = 0  # `waiting` blocks open
 
     @classmethod
     def for_terminal(cls, *, quiet: bool = False, json_out: bool = False, stream: TextIO | None = None,
@@ -155,8 +172,63 @@ class Progress:
 
     def _write(self, line: str) -> None:
         with self._lock:
+            self._clear_row()
             self.stream.write(line + "\n")
             self.stream.flush()
+            self._line_at = self._last = time.monotonic()
+
+    def estimated(self, figures: dict[str, Any]) -> None:
+        """The preflight's size, free-space and time figures, known before the first byte: handed to
+        `on_estimate` (with the waiting row cleared, since it may print on the same terminal)."""
+        if self.on_estimate is not None:
+            with self._lock:
+                self._clear_row()
+                self.on_estimate(figures)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """While the block runs, a terminal is never still for much more than `TICK` seconds: when
+        no line or bar has moved for that long, a row shows the seconds since the last line,
+        redrawn every `TICK` (no bar is open then: a bar moves by itself). The row is cleared
+        when the block ends. Nothing at all unless bars are shown (a terminal, not --quiet)."""
+        if not (self.enabled and self.stream is not None):
+            yield
+            return
+        with self._lock:
+            self._waits += 1
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._wait_tick, args=(stop,), daemon=True, name="progress-waiting")
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            with self._lock:
+                self._waits -= 1
+                if not self._waits:
+                    with suppress(ValueError, OSError):
+                        self._clear_row()
+
+    def _wait_tick(self, stop: threading.Event) -> None:
+        while not stop.wait(TICK / 4):
+            with self._lock:
+                now = time.monotonic()
+                if now - self._last < TICK or any(p.bar is not None and p.ended is None for p in self.phases):
+                    continue
+                text = f"  … {int(now - self._line_at)} s"
+                with suppress(ValueError, OSError):  # a stream closed at exit: the daemon ticker just stops
+                    self.stream.write("\r" + text.ljust(self._row))
+                    self.stream.flush()
+                    self._row, self._last = max(self._row, len(text)), now
+
+    def _clear_row(self) -> None:
+        """Erase the waiting row, the cursor left at the start of the now empty row (spaces, not an
+        escape sequence: any terminal, and a log of the terminal reads as the terminal showed it)."""
+        if self._row:
+            self.stream.write("\r" + " " * self._row + "\r")
+            self.stream.flush()
+            self._row = 0
 
     def moved(self, ph: Phase, nbytes: int) -> None:
         """A phase's bytes moved: the bar follows; a JSON event at most every `TICK` seconds."""
@@ -186,6 +258,8 @@ class Progress:
         if self.enabled and self.stream is not None:
             from tqdm import tqdm
 
+            with self._lock:  # the bar takes the waiting row's place
+                self._clear_row()
             # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G);
             # smoothing 0: the rate and ETA from all the bytes since the phase began, as the json events
             ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
@@ -205,6 +279,7 @@ class Progress:
         if ph.bar is not None:
             with self._lock:
                 ph.bar.close()
+                self._line_at = self._last = ph.ended  # a waiting row counts from the bar's end
         elif self.json and self.stream is not None:
             self._emit(ph, "end")
 
@@ -251,6 +326,13 @@ def phase_of(progress: "Progress | None", name: str, total_bytes: int) -> Any:
     from contextlib import nullcontext
 
     return nullcontext(None) if progress is None else progress.phase(name, total_bytes)
+
+
+def waiting(progress: "Progress | None") -> Any:
+    """``progress.waiting()``, or a block doing nothing when there is no progress (a library caller)."""
+    from contextlib import nullcontext
+
+    return nullcontext() if progress is None else progress.waiting()
 
 
 def describe_bytes(nbytes: int, count: int, noun: str) -> str:

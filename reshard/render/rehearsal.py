@@ -17,10 +17,12 @@ def _f(x: Any, spec: str = ".2e") -> str:
 def rehearsal_panels(r: dict[str, Any]) -> tuple[list, str, list[str]]:
     """The rehearsal figure's panels, title and caption from the report: loss and grad norm
     (baseline, resumed, control) with the switch marked and a note when the resumed curve hides
-    under the baseline, and the control's cumulative repeated/skipped sample ids, annotated
-    where they explain the control's curve (a naive resume that re-reads samples it already
-    trained on can look better for the wrong reason)."""
-    from reshard.render.plot import Annotation, Panel, Series, overlap_note
+    under the baseline (in the title's metric: one metric per figure), and the control's
+    cumulative repeated/skipped sample ids, annotated where they explain the control's curve
+    (a naive resume that re-reads samples it already trained on can look better for the wrong
+    reason); the arrow points where the control is apart from the others, not into the knot
+    the three curves can make at the switch."""
+    from reshard.render.plot import Annotation, Panel, Series, max_rel_diff, overlaps
 
     s, k = r["series"], r["switch_at"]
     frm, to = r["from"], r["to"]
@@ -32,15 +34,21 @@ def rehearsal_panels(r: dict[str, Any]) -> tuple[list, str, list[str]]:
         series = [Series(label, d["xs"], d["ys"], style="line+points" if label == "resumed" else "line")
                   for label, d in s[name].items()]
         by = {x.label: x for x in series}
-        note = overlap_note(by["resumed"], by["baseline"], quantity) if {"resumed", "baseline"} <= set(by) else None
-        p = Panel(title, series, vlines=mark, y_label=y_label, notes=[note] if note else [])
+        notes = []
+        if {"resumed", "baseline"} <= set(by) and overlaps(by["resumed"], by["baseline"]):
+            # in the title's metric (the one the verdict compares with its tolerance), not an absolute gap
+            gap = _max_rel(r.get(name) or {}) or max_rel_diff(by["resumed"], by["baseline"])
+            if gap is not None:
+                notes.append(f"resumed overlaps baseline: {quantity} max rel diff {_f(gap[0])} (step {gap[1]})")
+        p = Panel(title, series, vlines=mark, y_label=y_label, notes=notes)
         ctl = by.get("control")
         if name == "loss" and ctl is not None and ctl.xs and (n_rep or n_skip):
-            at = _first_coverage_step(ctl_cov) or ctl.xs[0]
+            at = _where_apart(ctl, [by[n] for n in ("baseline", "resumed") if n in by],
+                              _first_coverage_step(ctl_cov) or ctl.xs[0])
             y = dict(zip(ctl.xs, ctl.ys)).get(float(at), ctl.ys[0])
             what = " and ".join(x for x in (f"repeats {n_rep} samples it already trained on" if n_rep else "",
                                             f"skips {n_skip} sample ids" if n_skip else "") if x)
-            p.annotations.append(Annotation(float(at), float(y), f"control (naive resume) {what}:\n"
+            p.annotations.append(Annotation(float(at), float(y), f"control (naive resume)\n{what}:\n"
                                             "its loss is not comparable to the baseline's"))
         return p
 
@@ -61,9 +69,81 @@ def rehearsal_panels(r: dict[str, Any]) -> tuple[list, str, list[str]]:
     tol, worst = r["tolerances"]["loss_rtol"], r["loss"]["max_rel"]
     title = (f"rehearsal {frm} \u2192 {to}: {verdict} (loss max rel diff {_f(worst)}, "
              f"tolerance {_f(tol)})")
-    tr = r["trainer"]
-    caption = [f"trainer: {tr['command']}", f"checkpoint (step {k}): {tr['checkpoint']}"]
+    caption = _caption(r)
     return panels, title, caption
+
+
+SEPARATE_FRAC = 0.08  # the control is "apart" where it is this fraction of the panel's y span off the others
+
+
+def _max_rel(section: dict[str, Any]) -> tuple[float, int] | None:
+    """(max_rel, worst_step) as the judge reported them (the title's figure), when it did."""
+    if section.get("max_rel") is None or section.get("worst_step") is None:
+        return None
+    return float(section["max_rel"]), int(section["worst_step"])
+
+
+def _where_apart(ctl: Any, others: list[Any], start: float) -> float:
+    """The step the control's annotation points at: the first from ``start`` on where the control
+    is visibly apart from every other curve (``SEPARATE_FRAC`` of the y span), else where it is
+    furthest from them. Right at the switch the three curves can sit on each other, and an
+    arrow into that knot shows nothing."""
+    ys = [float(y) for c in [ctl, *others] for y in c.ys if math.isfinite(y)]
+    span = (max(ys) - min(ys)) if ys else 0.0
+    rows = [dict(zip(map(float, c.xs), map(float, c.ys))) for c in others]
+    gaps = [(min((abs(float(y) - o[float(x)]) for o in rows if float(x) in o), default=math.inf), float(x))
+            for x, y in zip(ctl.xs, ctl.ys) if float(x) >= start and math.isfinite(y)]
+    if not gaps:
+        return start
+    apart = [x for g, x in gaps if g >= SEPARATE_FRAC * span]
+    return apart[0] if apart else max(gaps)[1]
+
+
+def _caption(r: dict[str, Any]) -> list[str]:
+    """The footer: the resumed run's command as it ran (placeholders filled; the interpreter by
+    its name and paths relative to the rehearsal's directory, named once), the checkpoint it
+    resumed, and what the title's metric is. The report's ``trainer.command`` is the template
+    with ``{placeholders}``, which is not a command anyone can run."""
+    import os
+    import shlex
+
+    tr, k = r["trainer"], r["switch_at"]
+    log = ((r.get("paths") or {}).get("logs") or {}).get("resumed")
+    out = os.path.dirname(log) if log else None
+    run = (tr.get("runs") or {}).get("resumed") or {}
+    label, command = "resumed run", run.get("command")
+    if not command and tr.get("baseline_command"):
+        label, command = "baseline run", tr["baseline_command"]
+    if not command:  # an old report without run records: the template is all there is, and it is named so
+        return [f"trainer command template: {tr['command']}", f"checkpoint (step {k}): {tr['checkpoint']}"]
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = []
+    if words:
+        i = next((j for j, w in enumerate(words) if "=" not in w.split("/", 1)[0]), 0)  # after VAR=value words
+        if "/" in words[i] and os.path.basename(words[i]).startswith("python"):
+            words[i] = os.path.basename(words[i])
+        if out:
+            words = [_relative(w, out) for w in words]
+        command = shlex.join(words)
+    ckpt = _relative(str(tr["checkpoint"]), out) if out else tr["checkpoint"]
+    conv = (r.get("paths") or {}).get("converted")
+    into = f", converted by reshard into {_relative(str(conv), out) if out else conv}" if conv else ""
+    where = f", in {out}" if out else ""
+    return [f"trainer: {command}", f"({label}{where}); checkpoint (step {k}): {ckpt}{into}",
+            "rel diff: |resumed - baseline| / |baseline| at a step; the verdict compares its maximum over "
+            "the window with the tolerance"]
+
+
+def _relative(word: str, out: str) -> str:
+    """``word`` with a leading ``out/`` (or ``--flag=out/``) dropped."""
+    pre, sep, path = word.rpartition("=") if word.startswith("-") and "=" in word else ("", "", word)
+    if path == out:
+        path = "."
+    elif path.startswith(out.rstrip("/") + "/"):
+        path = path[len(out.rstrip("/")) + 1:]
+    return pre + sep + path
 
 
 def _first_coverage_step(cov: dict[str, Any]) -> float | None:

@@ -38,7 +38,8 @@ def _said_by(profile: dict[str, Any] | None, trainer: dict[str, Any] | None) -> 
     return out
 
 
-def render_inspect(r: dict[str, Any]) -> str:
+def render_inspect(r: dict[str, Any], *, verbose: bool = False) -> str:
+    """``reshard inspect`` for a person; ``verbose`` adds how an inferred topology was read from the chunks."""
     out: list[str] = []
     verdict = "complete" if r["complete"] else "INCOMPLETE"
     if r["complete"] and not r["consistent"]:
@@ -53,8 +54,9 @@ def render_inspect(r: dict[str, Any]) -> str:
                + (f" (from {r['step_source']})" if r.get("step_source") else "")
                + f"   tokens seen: {r.get('tokens_seen') if r.get('tokens_seen') is not None else '-'}")
     out.append(f"topology    {_topo_line(r['topology'])}; {r['writer_ranks']} writer rank(s)")
-    for ev in r["topology"].get("evidence", []):
-        out.append(f"            - {ev}")
+    if verbose or r["topology"].get("ambiguous"):  # the chunk counts behind an inference: detail, unless it is in doubt
+        for ev in r["topology"].get("evidence", []):
+            out.append(f"            - {ev}")
     b = r.get("batch")
     if b:
         out.append(f"batch       micro-batch {b.get('micro_batch')} x accumulation {b.get('grad_accum')} x dp "
@@ -147,7 +149,14 @@ def _spec(t: dict[str, Any]) -> str:
     return ",".join(f"{d}={t[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp") if t.get(d, 1) != 1) or "dp=1"
 
 
+# A decision's policy name (the JSON's) where the text needs other words: "unknown" for a schedule
+# kept as saved would read as if its state were lost.
+_SCHEDULE_WORDS = {"unknown": "unchecked"}
+
+
 def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
+    """``reshard plan`` for a person: the verdict, what is carried or dropped and where bytes go;
+    ``verbose`` adds per-tensor placements, per-rank memory and how ``--data link`` would read."""
     out: list[str] = []
     s, t = p["source"], p["target"]
     out.append(f"source      {s['path']}")
@@ -169,7 +178,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"            choice: micro-batch {a['micro_batch']} x accumulation {a['grad_accum']} x dp {a['dp']} = {a['global_batch']}")
     if p["schedule"]:
         sc = p["schedule"]
-        out.append(f"schedule    {sc['policy']}: {sc['note']}")
+        out.append(f"schedule    {_SCHEDULE_WORDS.get(sc['policy'], sc['policy'])}: {sc['note']}")
         for k, v in sc["rewrites"].items():
             out.append(f"            {k}: {v['old']} -> {v['new']}")
     if p["data"]:
@@ -221,7 +230,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         kind += " of the " + " and ".join(f.replace("_", " ") for f in v["warm_start_of"]) + " only"
     out.append(f"verdict     {kind}")
     for facet, k in (v.get("kept") or {}).items():
-        out.append(f"  {facet.replace('_', ' '):<19}{k['status']:<10}{k['note']}")
+        out.append(f"  {facet.replace('_', ' '):<19}{_kept_status(facet, k['status'], acc):<10}{k['note']}")
     for r_ in p["reasons"]:
         out.append(f"  infeasible: {r_}")
     for w in v["warm_start_reasons"]:
@@ -233,7 +242,20 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     return "\n".join(out)
 
 
-def render_convert(r: dict[str, Any]) -> str:
+def _kept_status(facet: str, status: str, acc: dict[str, Any]) -> str:
+    """The verdict's status word for a facet. An accumulation phase no manifest records is not
+    "carried" (nothing said where it was): it is assumed to be at a step boundary."""
+    if facet == "accumulation_phase" and status == "carried" and acc.get("micro_step") is None:
+        return "assumed"
+    return status
+
+
+# How `--data link` shared a file, in words (the JSON keeps the method's name).
+_SHARED_BY = {"hardlink": "hard link", "reflink": "file clone (no bytes copied)"}
+
+
+def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
+    """``reshard convert``'s result for a person; ``verbose`` adds the full note on shared data files."""
     v = r["verification"]
     lines = [
         f"converted   {r['source']} -> {r['destination']}",
@@ -245,14 +267,30 @@ def render_convert(r: dict[str, Any]) -> str:
     ]
     d = r.get("data") or {}
     if d.get("mode") == "link":
-        lines.insert(4, f"shared      {human_bytes(d['shared_bytes'])} in {len(d['shared'])} source data files by {d['method']} "
+        methods = sorted({x["method"] for x in d["shared"]})
+        how = " and ".join(_SHARED_BY.get(m, m) for m in methods) or "-"
+        lines.insert(4, f"shared      {human_bytes(d['shared_bytes'])} in {len(d['shared'])} source data files by {how} "
                         f"({d['linked_tensors']} tensors, {d['linked_objects']} objects), {d['written_keys']} keys written new")
-        lines.insert(5, f"            {d['note']}")
+        lines.insert(5, f"            {d['note'] if verbose else _shared_warning(methods)}")
     return "\n".join(lines + sidecar_lines(r.get("sidecars") or [], verb="carried byte-identical"))
 
 
+def _shared_warning(methods: list[str]) -> str:
+    """What a person must do about files shared with the source, in one line."""
+    if "hardlink" in methods:
+        return ("the output uses the source's own data files: never modify the source in place "
+                "(deleting or renaming it is safe); --verbose says more")
+    return "the output's data files are clones of the source's (no bytes copied): changing one leaves the other as it is"
+
+
+# Above this, a linked output's load reads notably more than each rank keeps (whole saved pieces
+# are read): worth a line without --verbose.
+_READS_WORTH_SAYING = 1.1
+
+
 def data_link_lines(d: dict[str, Any] | None, *, verbose: bool = False) -> list[str]:
-    """The plan's `convert --data link` line: available (what each target rank would read) or why not."""
+    """The plan's `convert --data link` line: available (and, when notable or ``verbose``, what each
+    target rank's load would read) or why not."""
     if not d:
         return []
     if not d["available"]:
@@ -260,13 +298,18 @@ def data_link_lines(d: dict[str, Any] | None, *, verbose: bool = False) -> list[
         more = f" (+{len(d['reasons']) - 1} more)" if len(d["reasons"]) > 1 else ""
         return [f"data link   not available: {first}{more}"]
     rd = d.get("reads") or {}
-    out = [f"data link   available: {d['shared_files']} source files ({human_bytes(d['shared_bytes'])}) shared, "
-           f"{d['new_keys']} keys written new; {d['how']}"]
-    if rd:
-        amp = f", {rd['amplification']}x what the ranks keep" if rd.get("amplification") else ""
+    out = [f"data link   available: --data link would share {d['shared_files']} source files "
+           f"({human_bytes(d['shared_bytes'])}) and write {d['new_keys']} keys new; DST must be on the source's file system"]
+    if verbose:
+        out.append(f"            how: {d['how']}")
+    amp = rd.get("amplification") if rd else None
+    if rd and not verbose and amp and amp > _READS_WORTH_SAYING:
+        out.append(f"            loading it, a target rank reads at most {human_bytes(rd['max_bytes'])}, "
+                   f"{amp:.1f} times what it keeps (the source's pieces are read whole)")
+    if rd and verbose:
+        amp_text = f", {amp}x what the ranks keep" if amp else ""
         out.append(f"            each target rank's load reads at most {human_bytes(rd['max_bytes'])} from "
-                   f"{rd['max_files']} files (rank {rd['max_rank']}){amp}")
-        if verbose:
-            out += [f"            rank {x['rank']}: {x['items']} items from {x['files']} files, {human_bytes(x['bytes'])} "
-                    f"read, {human_bytes(x['keeps'])} kept" for x in rd["per_rank"]]
+                   f"{rd['max_files']} files (rank {rd['max_rank']}){amp_text}")
+        out += [f"            rank {x['rank']}: {x['items']} items from {x['files']} files, {human_bytes(x['bytes'])} "
+                f"read, {human_bytes(x['keeps'])} kept" for x in rd["per_rank"]]
     return out

@@ -451,8 +451,8 @@ def _numerics(source: Topology, target: Topology, by_key: dict[str, TensorGeomet
     """What changes numerically (not what breaks): partial-sum order, padding logits, micro-batch order."""
     numerics = []
     if source.tp != target.tp:
-        numerics.append(f"tensor parallel {source.tp} -> {target.tp}: matmul partial sums and all-reduce order change; "
-                        "outputs match to fp rounding, not bitwise")
+        numerics.append(f"tensor parallel {source.tp} -> {target.tp}: layer outputs are summed from the ranks' partial "
+                        "results in another order: outputs match to rounding, not bitwise")
         if any(t.transform and t.transform["kind"] == "repad" for t in by_key.values()):
             numerics.append("padded vocabulary rows change: the softmax sums over a different number of padding logits")
     if source.pp != target.pp:

@@ -37,7 +37,8 @@ def decide(*, batch_kept: bool | None, policy: str | None, step: int | None, sam
         if k.endswith("last_epoch"):
             pos = int(v)
     if batch_kept is None and policy is None:
-        return ScheduleDecision("unknown", pos, pos, note="batch recipe unknown: schedule position carried as is")
+        return ScheduleDecision("unknown", pos, pos, note="the source's batch recipe is not recorded, so the schedule "
+                                "position is kept as saved")
     if batch_kept:
         return ScheduleDecision("unchanged", pos, pos, note="global batch kept: the schedule position means the same")
     if policy is None:

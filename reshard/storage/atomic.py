@@ -33,6 +33,11 @@ lies beside it (`journal_dir`: ``.{dst.name}.reshard-tmp-<hex>.journal``), never
 output, and goes with it (deleted at the commit, or with a stale temporary directory). A
 resumable block interrupted by Ctrl-C (``KeyboardInterrupt``) keeps both for the next run.
 
+Interrupted (Ctrl-C) after the commit: the rename has happened, so ``dst`` is complete.
+`committed` says whether this process renamed an output into place at ``dst`` since
+`forget_commits` (the command line asks it to word its last line, `what_is_left`), so a
+finished output is never reported as a failed run.
+
 `fault_point` is a test hook (see `reshard.engine.conversion`): every write event of a conversion
 calls it, and the ``RESHARD_FAULT_*`` environment variables make the process SIGKILL or
 pause itself right after a chosen event.
@@ -57,7 +62,7 @@ from reshard.errors import BadInput
 from reshard.storage.replaceable import survey
 
 __all__ = ["atomic_directory", "check_destination", "output_path", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
-           "reclaimable_bytes", "stale_temporaries"]
+           "reclaimable_bytes", "stale_temporaries", "committed", "forget_commits", "identity", "what_is_left"]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
@@ -103,7 +108,7 @@ def fsync_tree(root: str | os.PathLike) -> None:
 
 FAULT_KILL_ENV = "RESHARD_FAULT_KILL_AT"    # N: SIGKILL this process right after write event N
 FAULT_RANK_ENV = "RESHARD_FAULT_RANK"        # R: only the worker with RANK=R counts events
-FAULT_SLEEP_ENV = "RESHARD_FAULT_SLEEP_AT"  # N:SECONDS: sleep that long right after write event N
+FAULT_SLEEP_ENV = "RESHARD_FAULT_SLEEP_AT"  # N:SECONDS or LABEL:SECONDS: sleep that long right after that write event
 FAULT_COUNT_ENV = "RESHARD_FAULT_COUNT"     # PATH: append "N LABEL" for every write event
 _fault_events = 0
 
@@ -114,7 +119,8 @@ def fault_point(label: str) -> int:
     A test hook with no effect unless one of the ``RESHARD_FAULT_*`` variables is set:
     ``RESHARD_FAULT_COUNT=PATH`` appends ``"N LABEL"`` per event (the last line gives the
     total of an uninterrupted run), ``RESHARD_FAULT_SLEEP_AT=N:SECONDS`` pauses after event
-    N, ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
+    N (or after the first event called LABEL, ``RESHARD_FAULT_SLEEP_AT=rename:30``: right after the
+    commit), ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
     kind runs: what is left on disk is what a power cut or the OOM killer leaves).
     ``RESHARD_FAULT_RANK=R`` limits all of this to the worker whose ``RANK`` is R (a
     distributed conversion; every other worker counts nothing).
@@ -133,7 +139,7 @@ def fault_point(label: str) -> int:
     pause = env.get(FAULT_SLEEP_ENV)
     if pause:
         at, _, secs = pause.partition(":")
-        if at.strip() == str(n):
+        if at.strip() in (str(n), label):
             time.sleep(float(secs or 1))
     kill = env.get(FAULT_KILL_ENV)
     if kill and kill.strip() == str(n):
@@ -402,6 +408,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
         chosen = reuse(stale_temporaries(parent, dst.name)) if reuse is not None else None
         _clean_stale(parent, dst.name, keep=chosen)
         tmp = chosen if chosen is not None else _make_tmp(parent, dst.name)
+        done = False
         try:
             yield tmp
             fsync_tree(tmp)
@@ -414,12 +421,15 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
             else:
                 # rename(2) replaces an empty directory atomically.
                 os.rename(tmp, dst)
+            done = True  # the new output stands at dst: from here on an interrupt leaves it complete
+            _COMMITTED.add(dst)
+            if state != "occupied":
                 fsync_dir(parent)
             shutil.rmtree(journal_dir(tmp), ignore_errors=True)
             fault_point("rename")
         except BaseException as exc:
             if reuse is not None and (isinstance(exc, KeyboardInterrupt) or (keep is not None and keep(exc))) \
-                    and os.path.isdir(tmp):
+                    and not done and os.path.isdir(tmp):
                 raise  # interrupted on purpose: the next run into dst resumes from what is there
             if os.path.lexists(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -427,6 +437,43 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
             raise
     finally:
         _release_lock(lock_fd, lock_path)
+
+
+_COMMITTED: set[Path] = set()  # outputs this process renamed into place since forget_commits()
+
+
+def committed(dst: str | os.PathLike) -> bool:
+    """Whether this process renamed a new output into place at ``dst`` (since `forget_commits`)."""
+    return Path(os.path.abspath(os.fspath(dst))) in _COMMITTED
+
+
+def forget_commits() -> None:
+    """Start a new command's record of commits (the command line runs many commands in one test process)."""
+    _COMMITTED.clear()
+
+
+def identity(path: str | os.PathLike) -> tuple[int, int]:
+    """(device, inode) of what stands at ``path`` (not followed), (0, 0) when nothing does. A commit
+    puts a new directory there (rename or exchange), so a changed identity is how a process that
+    did not commit itself (the `--workers` launcher) tells that its worker 0 did."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0, 0
+    return st.st_dev, st.st_ino
+
+
+def what_is_left(dst: str | os.PathLike, *, before: tuple[int, int] | None = None) -> str:
+    """What an interrupted run into ``dst`` left: ``"committed"`` (the new output is in place:
+    this process committed it, or ``before``, the `identity` of ``dst`` when the command began, is
+    given and differs from now), ``"resumable"`` (a temporary directory and its journal wait beside
+    ``dst`` for the next run, `journal_dir`) or ``"nothing"`` (``dst`` unchanged, nothing kept)."""
+    dst = Path(os.path.abspath(os.fspath(dst)))
+    if committed(dst) or (before is not None and identity(dst) != before):
+        return "committed"
+    if any(journal_dir(tmp).is_dir() for tmp in stale_temporaries(dst.parent, dst.name)):
+        return "resumable"
+    return "nothing"
 
 
 def output_path(dst: str | os.PathLike) -> Path:

@@ -105,6 +105,12 @@ class PlainTensor:
     def numel(self) -> int:
         return len(self.values)
 
+    def __int__(self) -> int:
+        return int(self.item())  # as int(tensor): one element only
+
+    def __float__(self) -> float:
+        return float(self.item())
+
     def item(self) -> Any:
         """The one element, as ``Tensor.item()`` gives it (ValueError unless there is exactly one)."""
         if len(self.values) != 1:

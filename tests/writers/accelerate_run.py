@@ -33,6 +33,7 @@ with the plugin they take; the bytes on disk are those functions' ``dist_cp.save
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,12 @@ def main() -> None:
         raise SystemExit(f"unknown mode {mode!r}")
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without the interpreter's teardown: a gloo thread left by accelerate can abort the
+    # process there ("terminate called without an active exception") after the work is done,
+    # as Lightning Fabric's did (tests/writers/lightning_run.py).
+    os._exit(0)
 
 
 if __name__ == "__main__":
