@@ -39,3 +39,21 @@ def test_every_command_and_option_the_readme_names_exists():
         assert p.returncode == 0, f"the README names 'reshard {cmd}', which is not a command: {p.stderr[-500:]}"
         missing = sorted(o for o in options if o not in p.stdout and o != "--help")
         assert not missing, f"the README gives 'reshard {cmd}' options its --help does not list: {missing}"
+
+
+def test_readme_setup_figures_are_the_measured_ones():
+    """Issue 35: the README's install and demo times are those `scripts/measure_setup.py` recorded
+    in docs/setup-times.json (to the half minute), for the README's own commands."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    record = json.loads((ROOT / "docs" / "setup-times.json").read_text())
+    seconds = {p["name"]: p["seconds"] for p in record["parts"] if p["exit_code"] == 0}
+    install = seconds["venv"] + seconds["install"]
+    said_install = float(re.search(r"about ([\d.]+) min to create the venv and install", readme).group(1))
+    said_demo = float(re.search(r"then about ([\d.]+) min for the demo", readme).group(1))
+    assert abs(said_install * 60 - install) <= 30, (said_install, install)
+    assert abs(said_demo * 60 - seconds["demo"]) <= 30, (said_demo, seconds["demo"])
+    commands = {p["name"]: p["command"] for p in record["parts"]}
+    first = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "reshard demo" in b)
+    assert commands["install"].split("pip install")[1].strip() in first  # the README's command was measured
