@@ -276,7 +276,10 @@ def test_workers_2_killed_worker_rerun_resumes_and_is_byte_identical(src, tmp_pa
     r = run(src, dst, "--workers", "2")
     assert r.returncode == 0, r.stderr
     dst.rename(reference)
-    r = run(src, dst, "--workers", "2", RESHARD_FAULT_RANK="1", RESHARD_FAULT_KILL_AT="30")
+    # worker 1 pauses after its first item, so that worker 0 (which checks the space first) has
+    # journaled items of its own when worker 1 is killed, however the two start under load
+    r = run(src, dst, "--workers", "2", RESHARD_FAULT_RANK="1", RESHARD_FAULT_KILL_AT="30",
+            RESHARD_FAULT_SLEEP_AT="1:5")
     assert r.returncode == 2 and "worker 1 of 2 was killed by SIGKILL" in r.stderr, r.stderr
     assert "resumes" in r.stderr
     assert not dst.exists()
