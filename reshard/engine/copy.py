@@ -27,7 +27,7 @@ from typing import Any
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
-from reshard.storage import archive, fastread
+from reshard.storage import archive
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp import check_loadable
@@ -194,9 +194,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             if a.action == "rewritten":
                 w.write_object(rank, key, plan.new_values[key], path=e.path or None)
             else:
-                raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
-                raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=str(ix.root / e.location.file))
-                fastread.check_item_crcs(raw, key=key, where=str(ix.root / e.location.file))  # CorruptItem, exit 2
+                raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)  # CorruptItem, exit 2
                 check_loadable(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
         if progress is not None:  # by bytes (`writing_bytes` is the total)

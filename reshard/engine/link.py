@@ -18,7 +18,6 @@ from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.units import now_text
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.integrity import record as integrity_record
-from reshard.storage import fastread
 from reshard.storage.dcp import check_loadable
 from reshard.storage import dcp as dcp_io
 from reshard.storage.atomic import atomic_directory, fault_point
@@ -130,9 +129,7 @@ def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, 
             w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
         else:  # checked as a copy checks it (CRC-32s of its zip, the safe loader), then shared as it is
             where = str(ix.root / e.location.file)
-            raw = dcp_io.read_item_bytes(ix.root, e.location, key=key)
-            raw = dcp_io.untransform(raw, e.location.transforms, key=key, where=where)
-            fastread.check_item_crcs(raw, key=key, where=where)
+            raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)
             check_loadable(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
             w.link_object(key, replace(e.location, file=names[e.location.file]), path=e.path or None)
         if progress is not None:  # by bytes (`writing_bytes` is the total)

@@ -500,16 +500,23 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
     return obj
 
 
-def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
-              tensor: bool = False) -> Any:
-    """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`torch_load_item`)."""
+def checked_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str, limit: int | None = None) -> bytes:
+    """One item's bytes as ``torch.load`` reads them: read from its byte range, its stream
+    transforms undone (bounded by ``limit``, `untransform`), every member checked against its
+    writer's CRC-32 (`CorruptItem`, exit 2). What every reader of an item starts from."""
     from reshard.storage.fastread import check_item_crcs
 
     where = str(ckpt / loc.file)
-    data = read_item_bytes(ckpt, loc, key=key)
-    data = untransform(data, loc.transforms, key=key, where=where, limit=limit)
-    check_item_crcs(data, key=key, where=where)  # every member against its writer's CRC-32 (CorruptItem, exit 2)
-    return torch_load_item(data, key=key, where=where, trust_pickle=trust_pickle, tensor=tensor)
+    data = untransform(read_item_bytes(ckpt, loc, key=key), loc.transforms, key=key, where=where, limit=limit)
+    check_item_crcs(data, key=key, where=where)
+    return data
+
+
+def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
+              tensor: bool = False) -> Any:
+    """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`torch_load_item`)."""
+    data = checked_item_bytes(ckpt, loc, key=key, limit=limit)
+    return torch_load_item(data, key=key, where=str(ckpt / loc.file), trust_pickle=trust_pickle, tensor=tensor)
 
 
 def check_loadable(data: bytes, *, key: str, where: str, trust_pickle: bool) -> None:

@@ -190,9 +190,7 @@ class CheckpointIndex(EntryQueries):
             loc, limit = e.location, None
         if loc is not None:
             where = str(self.root / loc.file)
-            data = dcp.untransform(dcp.read_item_bytes(self.root, loc, key=key), loc.transforms, key=key,
-                                   where=where, limit=limit)
-            check_item_crcs(data, key=key, where=where)  # against the writer's CRC-32s, as every read (CorruptItem)
+            data = dcp.checked_item_bytes(self.root, loc, key=key, limit=limit)
             try:
                 value = decode_item(data, key=key, where=where)
             except NotPlain:
@@ -211,10 +209,8 @@ class CheckpointIndex(EntryQueries):
         e = self.entry(key)
         if e.is_tensor or e.location is None:
             return None
-        loc, where = e.location, str(self.root / e.location.file)
-        data = dcp.untransform(dcp.read_item_bytes(self.root, loc, key=key), loc.transforms, key=key, where=where)
-        check_item_crcs(data, key=key, where=where)
-        dcp.check_loadable(data, key=key, where=where, trust_pickle=self.trust_pickle)
+        data = dcp.checked_item_bytes(self.root, e.location, key=key)
+        dcp.check_loadable(data, key=key, where=str(self.root / e.location.file), trust_pickle=self.trust_pickle)
         return data
 
     def same_object_bytes(self, other: Any, key: str) -> bool:
