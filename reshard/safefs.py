@@ -131,9 +131,7 @@ def read_bounded(path: str | os.PathLike, *, limit: int, root: str | os.PathLike
     fd = open_read(path, root=root)
     try:
         size = os.fstat(fd).st_size
-        if size > limit:
-            raise BadInput(f"the {what} is {size:,} bytes, more than the {limit:,} reshard reads for it",
-                           where=str(path), hint="Real ones are far smaller; this file is corrupt or forged.")
+        check_size(size, limit, path, what=what)
         chunks, got = [], 0
         while got <= size:
             b = os.pread(fd, min(size + 1 - got, 16 << 20), got)
@@ -147,6 +145,13 @@ def read_bounded(path: str | os.PathLike, *, limit: int, root: str | os.PathLike
         return data
     finally:
         os.close(fd)
+
+
+def check_size(size: int, limit: int, path: str | os.PathLike, *, what: str = "file") -> None:
+    """Refuse (not truncate) a file larger than ``limit`` bytes, naming it."""
+    if size > limit:
+        raise BadInput(f"the {what} is {size:,} bytes, more than the {limit:,} reshard reads for it",
+                       where=str(path), hint="Real ones are far smaller; this file is corrupt or forged.")
 
 
 def _depth_ok(obj: Any, limit: int) -> bool:

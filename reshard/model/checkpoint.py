@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence, overload
+
+import numpy as np
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import DType
 from reshard.model.geometry import Box
 
-__all__ = ["Chunk", "Entry", "EntryQueries", "Finding", "ItemLocation"]
+__all__ = ["Chunk", "ChunkTable", "Entry", "EntryQueries", "Finding", "ItemLocation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,74 @@ class Chunk:
     location: ItemLocation | None
 
 
+class ChunkTable(Sequence[Chunk]):
+    """One tensor's chunks held as arrays, each `Chunk` made only when it is asked for.
+
+    Why: a frontier checkpoint has tens of millions of chunks (405B x 16,384 ranks: 56 M), and a
+    `Chunk` with its `Box` and `ItemLocation` costs about a kilobyte as Python objects, 50-60 bytes
+    as columns. Code that walks chunks one by one sees a sequence of `Chunk` as before; code that
+    walks all of them (the index's checks, the topology's evidence) reads the arrays.
+
+    ``offsets`` and ``sizes`` are int64 ``(n, ndim)``; per chunk ``file`` (an index into
+    ``files``, -1 when the chunk has no storage location), ``start`` and ``length`` (its byte
+    range) and ``transform`` (an index into ``transforms``, -1 for none).
+    """
+
+    __slots__ = ("offsets", "sizes", "file", "start", "length", "transform", "files", "transforms")
+
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, file: np.ndarray, start: np.ndarray,
+                 length: np.ndarray, transform: np.ndarray, files: Sequence[str],
+                 transforms: Sequence[tuple[str, ...]]) -> None:
+        self.offsets, self.sizes = offsets, sizes
+        self.file, self.start, self.length, self.transform = file, start, length, transform
+        self.files, self.transforms = files, transforms
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _make(self, off: list[int], size: list[int], f: int, start: int, length: int, t: int) -> Chunk:
+        loc = None if f < 0 else ItemLocation(self.files[f], start, length, self.transforms[t] if t >= 0 else ())
+        return Chunk(Box(tuple(off), tuple(size)), loc)
+
+    @overload
+    def __getitem__(self, i: int) -> Chunk: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Chunk]: ...
+
+    def __getitem__(self, i: int | slice) -> Chunk | list[Chunk]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("chunk index out of range")
+        return self._make(self.offsets[i].tolist(), self.sizes[i].tolist(), int(self.file[i]), int(self.start[i]),
+                          int(self.length[i]), int(self.transform[i]))
+
+    def __iter__(self) -> Iterator[Chunk]:
+        step = 4096  # Python lists of a few thousand rows at a time: C speed, bounded memory
+        make = self._make
+        for lo in range(0, len(self), step):
+            hi = lo + step
+            yield from map(make, self.offsets[lo:hi].tolist(), self.sizes[lo:hi].tolist(), self.file[lo:hi].tolist(),
+                           self.start[lo:hi].tolist(), self.length[lo:hi].tolist(), self.transform[lo:hi].tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ChunkTable, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self)} chunks)"
+
+    def located_files(self) -> set[str]:
+        """The data files these chunks' bytes live in."""
+        return {self.files[f] for f in np.unique(self.file).tolist() if f >= 0}
+
+
 @dataclass
 class Entry:
     """One flat key of the checkpoint."""
@@ -44,7 +114,7 @@ class Entry:
     kind: str  # "tensor" | "object"
     shape: tuple[int, ...] | None = None
     dtype: DType | None = None
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: list[Chunk] | ChunkTable = field(default_factory=list)
     location: ItemLocation | None = None  # objects only
     path: tuple = ()
 
@@ -72,6 +142,8 @@ class Entry:
 
     def files(self) -> set[str]:
         if self.is_tensor:
+            if isinstance(self.chunks, ChunkTable):
+                return self.chunks.located_files()
             return {c.location.file for c in self.chunks if c.location}
         return {self.location.file} if self.location else set()
 

@@ -199,15 +199,31 @@ def tiles_exactly_fast(shape: tuple[int, ...], chunks: list[Box]) -> bool:
         sizes = np.array([c.sizes for c in chunks], dtype=np.int64)
     except (ValueError, OverflowError):  # ragged ranks, or values beyond int64
         return False
+    return tiles_exactly_arrays(shape, offs, sizes)
+
+
+def tiles_exactly_arrays(shape: tuple[int, ...], offs: np.ndarray, sizes: np.ndarray) -> bool:
+    """`tiles_exactly_fast` of chunks given as int64 ``(n, ndim)`` arrays of offsets and sizes
+    (`reshard.model.checkpoint.ChunkTable`): no `Box` is made."""
+    n, d = len(offs), len(shape)
+    if d == 0 or n == 0 or n * (1 << min(d, _MAX_CORNER_DIMS)) > 1 << 26:
+        return False
     if offs.shape != (n, d) or sizes.shape != (n, d):
         return False
-    dims = np.asarray(shape, dtype=np.int64)
+    try:
+        dims = np.asarray(shape, dtype=np.int64)
+    except OverflowError:
+        return False
     ends = offs + sizes
     if (offs < 0).any() or (sizes < 0).any() or (ends > dims).any():
         return False
     keep = (sizes > 0).all(axis=1)
     offs, ends, sizes = offs[keep], ends[keep], sizes[keep]
-    if sum(prod(r) for r in sizes.tolist()) != prod(shape):  # Python ints: no overflow
+    if np.prod(sizes.astype(np.float64), axis=1).sum() < 2.0 ** 52:  # every product and the sum exact in int64
+        volume = int(np.prod(sizes, axis=1).sum())
+    else:
+        volume = sum(prod(r) for r in sizes.tolist())  # Python ints: no overflow
+    if volume != prod(shape):
         return False
     vary = np.flatnonzero((offs != 0).any(axis=0) | (ends != dims).any(axis=0))
     if len(vary) > _MAX_CORNER_DIMS:

@@ -63,13 +63,26 @@ class RawMetadata:
 
 
 def read_raw_metadata(ckpt: Path) -> RawMetadata:
-    """Read and validate `.metadata`; raise Incomplete when the checkpoint was never committed.
+    """Read and validate `.metadata` with the safe unpickler; raise Incomplete when the
+    checkpoint was never committed.
 
     `.metadata` is opened through `reshard.safefs`: a symlink out of the checkpoint, a
     device or a FIFO is refused by name, and a file larger than `metadata_cap` is refused.
     """
-    path = ckpt / METADATA_FILE
+    path = committed_metadata(ckpt)
     where = str(path)
+    try:
+        data = safefs.read_bounded(path, limit=metadata_cap(ckpt), root=ckpt, what=".metadata")
+    except FileNotFoundError:  # a dangling symlink
+        raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
+    md = load_metadata_pickle(data, where)
+    return _decode(md, where)
+
+
+def committed_metadata(ckpt: Path) -> Path:
+    """The path of ``ckpt``'s `.metadata`, or why there is none: no such directory, not a
+    checkpoint (with the nearest one below as a hint), or a checkpoint never committed."""
+    path = ckpt / METADATA_FILE
     if not ckpt.exists():
         raise BadInput("no such checkpoint directory", where=str(ckpt))
     if not ckpt.is_dir():
@@ -88,12 +101,18 @@ def read_raw_metadata(ckpt: Path) -> RawMetadata:
             where=str(ckpt),
             hint="Resume from the previous checkpoint; this one cannot be trusted to be complete.",
         )
-    try:
-        data = safefs.read_bounded(path, limit=metadata_cap(ckpt), root=ckpt, what=".metadata")
-    except FileNotFoundError:  # a dangling symlink
-        raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
-    md = load_metadata_pickle(data, where)
-    return _decode(md, where)
+    if not os.path.exists(path):  # a dangling symlink
+        raise BadInput(".metadata is a symbolic link to a file that does not exist", where=str(path))
+    return path
+
+
+def check_relative_path(rel: str, *, where: str, key: str | None) -> None:
+    """A data file named by `.metadata` must be a plain name inside the checkpoint directory."""
+    safefs.check_name(rel, where=where)
+    if "/" in rel or "\\" in rel:
+        who = f"storage of '{key}'" if key is not None else "a storage entry"
+        raise safefs.UnsafeFile(f"{who} points outside the checkpoint ('{rel}')", where=where,
+                                hint="Refusing to read files outside the checkpoint directory.")
 
 
 def _looks_like_dcp(ckpt: Path) -> bool:
@@ -165,7 +184,7 @@ def metadata_cap(ckpt: Path) -> int:
     return max(MIN_METADATA_CAP, total)
 
 
-def _bad(where: str, what: str) -> BadInput:
+def bad_metadata(where: str, what: str) -> BadInput:
     return BadInput(
         f"malformed checkpoint metadata: {what}",
         where=where,
@@ -173,7 +192,7 @@ def _bad(where: str, what: str) -> BadInput:
     )
 
 
-def _unwritable(where: str, found: list[tuple[str, DType]]) -> BadInput:
+def unwritable_dtypes(where: str, found: list[tuple[str, DType]]) -> BadInput:
     """The refusal of a checkpoint holding tensors of a dtype reshard cannot write (`reshard.model.dtypes.unstorable_reason`:
     every dtype whose items are plain storage bytes is written, float8/float4/uint16-64/bits/complex included), every
     such key named with its dtype, before anything is planned."""
@@ -194,21 +213,21 @@ def _int_tuple(v: Any, where: str, what: str, key: str) -> tuple[int, ...]:
     if type(v) is tuple and {*map(type, v)} <= INT_ONLY:  # the common case, once per chunk: no copy, C speed
         return v
     if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise _bad(where, f"{what} of '{key}' is not a tuple of integers")
+        raise bad_metadata(where, f"{what} of '{key}' is not a tuple of integers")
     return tuple(int(x) for x in v)
 
 
 def _decode(md: Any, where: str) -> RawMetadata:
     if not isinstance(md, Record) or type(md).__name__ != "Metadata":
-        raise _bad(where, f"top-level object is {type(md).__name__}, not Metadata")
+        raise bad_metadata(where, f"top-level object is {type(md).__name__}, not Metadata")
     sdm = md.get("state_dict_metadata")
     if not isinstance(sdm, dict):
-        raise _bad(where, "state_dict_metadata is not a mapping")
+        raise bad_metadata(where, "state_dict_metadata is not a mapping")
     entries: dict[str, RawTensor | RawObject] = {}
     unwritable: list[tuple[str, DType]] = []
     for key, value in sdm.items():
         if not isinstance(key, str):
-            raise _bad(where, f"entry key {key!r} is not a string")
+            raise bad_metadata(where, f"entry key {key!r} is not a string")
         kind = type(value).__name__
         if kind == "BytesStorageMetadata":
             entries[key] = RawObject(key)
@@ -216,56 +235,53 @@ def _decode(md: Any, where: str) -> RawMetadata:
             props = value.get("properties")
             dtype = props.get("dtype") if isinstance(props, Record) else None
             if not isinstance(dtype, DType):
-                raise _bad(where, f"tensor '{key}' has no valid dtype")
+                raise bad_metadata(where, f"tensor '{key}' has no valid dtype")
             if unstorable_reason(dtype) is not None:
                 unwritable.append((key, dtype))
             shape = _int_tuple(value.get("size"), where, "global shape", key)
             chunks_in = value.get("chunks")
             if not isinstance(chunks_in, list):
-                raise _bad(where, f"chunks of '{key}' are not a list")
+                raise bad_metadata(where, f"chunks of '{key}' are not a list")
             chunks = []
             add = chunks.append
             for c in chunks_in:
                 if not isinstance(c, Record):
-                    raise _bad(where, f"a chunk of '{key}' is not a chunk record")
+                    raise bad_metadata(where, f"a chunk of '{key}' is not a chunk record")
                 d = c.__dict__
                 add((_int_tuple(d.get("offsets"), where, "chunk offsets", key),
                      _int_tuple(d.get("sizes"), where, "chunk sizes", key)))
             entries[key] = RawTensor(key, shape, dtype, chunks)
         else:
-            raise _bad(where, f"entry '{key}' has unknown storage type {kind}")
+            raise bad_metadata(where, f"entry '{key}' has unknown storage type {kind}")
     if unwritable:
-        raise _unwritable(where, unwritable)
+        raise unwritable_dtypes(where, unwritable)
     storage = md.get("storage_data")
     if not isinstance(storage, dict):
-        raise _bad(where, "storage_data is not a mapping (not written by the filesystem writer?)")
+        raise bad_metadata(where, "storage_data is not a mapping (not written by the filesystem writer?)")
     locations: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
     checked: set[str] = set()  # a few file names, each stored with thousands of items: checked once each
     for idx, info in storage.items():
         if not isinstance(idx, Record) or not isinstance(info, Record):
-            raise _bad(where, "storage_data holds unexpected objects")
+            raise bad_metadata(where, "storage_data holds unexpected objects")
         di, dd = idx.__dict__, info.__dict__
         fqn = di.get("fqn")
         if not isinstance(fqn, str):
-            raise _bad(where, "a storage index has no key name")
+            raise bad_metadata(where, "a storage index has no key name")
         off = di.get("offset")
         offsets = None if off is None else _int_tuple(off, where, "storage offset", fqn)
         rel = dd.get("relative_path")
         if type(rel) is not str:
-            raise _bad(where, f"storage of '{fqn}' has no file name")
+            raise bad_metadata(where, f"storage of '{fqn}' has no file name")
         if rel not in checked:
-            safefs.check_name(rel, where=where)
-            if "/" in rel or "\\" in rel:
-                raise safefs.UnsafeFile(f"storage of '{fqn}' points outside the checkpoint ('{rel}')", where=where,
-                                        hint="Refusing to read files outside the checkpoint directory.")
+            check_relative_path(rel, where=where, key=fqn)
             checked.add(rel)
         o, n = dd.get("offset"), dd.get("length")
         if not (isinstance(o, int) and isinstance(n, int)) or o < 0 or n < 0:
-            raise _bad(where, f"storage of '{fqn}' has an invalid byte range")
+            raise bad_metadata(where, f"storage of '{fqn}' has an invalid byte range")
         tds = dd.get("transform_descriptors") or ()
         if tds:
             if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
-                raise _bad(where, f"storage of '{fqn}' has invalid transforms")
+                raise bad_metadata(where, f"storage of '{fqn}' has invalid transforms")
             tds = tuple(tds)
         locations[(fqn, offsets)] = ItemLocation(rel, o, n, tds)
     # `all_local_plans` (Megatron-Core's torch_dist save stores every rank's SavePlan here) is

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import math
 import os
-from math import prod
 import re
+from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.model.geometry import Box, coverage_problems, whole
+from reshard.model.geometry import Box, coverage_problems, tiles_exactly_arrays, whole
 from reshard import safefs
 from reshard.gc_pause import paused_gc
-from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding
-from reshard.storage import dcp, save_plans
+from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation
+from reshard.storage import dcp
+from reshard.storage.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
 from reshard.storage.fastread import check_item_crcs
 from reshard.storage.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
 
@@ -32,65 +35,136 @@ RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 class CheckpointIndex(EntryQueries):
     """The global view of one DCP checkpoint directory (read-only)."""
 
-    def __init__(self, root: Path, raw: dcp.RawMetadata, *, trust_pickle: bool = False):
+    def __init__(self, root: Path, cols: MetadataColumns, *, trust_pickle: bool = False):
         self.root = root
-        self.version = raw.version
+        self.version = cols.version
         self.trust_pickle = trust_pickle
+        self.decoder = cols.decoder
         self.entries: dict[str, Entry] = {}
         self.findings: list[Finding] = []
-        self._build(raw)
+        self._build(cols)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "CheckpointIndex":
         root = Path(path)
-        with paused_gc():  # millions of small objects, no cycles: see reshard.gc_pause
-            raw = dcp.read_raw_metadata(root)
-            return cls(root, raw, trust_pickle=trust_pickle)
+        with paused_gc():  # many small objects, no cycles: see reshard.gc_pause
+            return cls(root, read_metadata_columns(root), trust_pickle=trust_pickle)
 
-    def _build(self, raw: dcp.RawMetadata) -> None:
-        """Entries from the decoded metadata, in one pass over the chunks that also collects what
-        the checks need (the end of each file's last byte range, tensor items too short for
-        their chunk): a 1,024-rank checkpoint has a million chunks, and each pass over them
-        costs a second."""
+    def _build(self, cols: MetadataColumns) -> None:
+        """Entries from the decoded columns, each tensor's chunks a `ChunkTable` over arrays.
+
+        Each storage row is paired with the chunk of its key at the same offsets (a key's rows
+        usually come in its chunks' order, which one array comparison confirms; otherwise they
+        are looked up by offsets, the last row of a pair winning as in a dict). What the checks
+        need (the end of each file's last byte range, tensor items too short for their chunk,
+        the tiling) is computed over the arrays: a 1,024-rank checkpoint has a million chunks,
+        and a pass over them as Python objects costs seconds."""
+        keys = cols.keys
+        key_ix = {k: i for i, k in enumerate(keys)}
+        rows_total = cols.storage_rows
+        fq2key = np.array([key_ix.get(f, -1) for f in cols.fqns], dtype=np.int64)
+        row_key = fq2key[cols.st_fqn] if rows_total else np.zeros(0, dtype=np.int64)
+        orphans = sorted({cols.fqns[i] for i in np.unique(cols.st_fqn[row_key < 0]).tolist()})
+        st_start = cols.storage_offset_starts()
+        order = np.argsort(row_key, kind="stable")
+        bounds = np.searchsorted(row_key[order], np.arange(len(keys) + 1), side="left")
+        ndims = np.array([len(s) if s is not None else 0 for s in cols.shapes], dtype=np.int64)
+        counts = cols.chunk_count
+        first_row = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(counts, out=first_row[1:])
+        flat = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(counts * ndims, out=flat[1:])
+        n_chunks = int(first_row[-1])
+        loc_file = np.full(n_chunks, -1, dtype=np.int32)
+        loc_start = np.zeros(n_chunks, dtype=np.int64)
+        loc_length = np.zeros(n_chunks, dtype=np.int64)
+        loc_tr = np.full(n_chunks, -1, dtype=np.int32)
         missing_loc: list[str] = []
-        need: dict[str, int] = {}
-        short: list[tuple[str, int, int, str]] = []  # (key, bytes needed, item length, file)
-        locations = raw.locations
-        for key, e in raw.entries.items():
-            path = raw.planner_paths.get(key, ())
-            is_object = isinstance(e, dcp.RawObject)
-            pieces = ((None, None),) if is_object else e.chunks  # an object is one item, stored under offsets None
-            itemsize = 1 if is_object or e.dtype is None else e.dtype.itemsize
-            chunks: list[Chunk] = []
-            add = chunks.append
-            loc = None
-            for offsets, sizes in pieces:
-                loc = locations.get((key, offsets))
-                if loc is None:
-                    missing_loc.append(key)
+        short: list[tuple[str, int, int, str]] = []  # (key, bytes needed, item length, file): the first per key
+        need = np.full(len(cols.files), -1, dtype=np.int64)
+        for k, key in enumerate(keys):
+            path = cols.planner_paths.get(key, ())
+            rows = order[bounds[k]:bounds[k + 1]]
+            if cols.kinds[k] == OBJECT:
+                mine = rows[cols.st_ndim[rows] < 0]
+                loc = None
+                if len(mine):
+                    i = int(mine[-1])
+                    t = int(cols.st_transforms[i])
+                    loc = ItemLocation(cols.files[cols.st_file[i]], int(cols.st_offset[i]), int(cols.st_length[i]),
+                                       cols.transforms[t] if t >= 0 else ())
+                    f = int(cols.st_file[i])
+                    need[f] = max(int(need[f]), loc.offset + loc.length)
                 else:
-                    end = loc.offset + loc.length
-                    if need.get(loc.file, -1) < end:
-                        need[loc.file] = end
-                    if sizes is not None and not loc.transforms and loc.length < prod(sizes) * itemsize:
-                        short.append((key, prod(sizes) * itemsize, loc.length, loc.file))
-                if sizes is not None:
-                    add(Chunk(Box(offsets, sizes), loc))
-            self.entries[key] = (Entry(key, "object", location=loc, path=path) if is_object else
-                                 Entry(key, "tensor", shape=e.shape, dtype=e.dtype, chunks=chunks, path=path))
+                    missing_loc.append(key)
+                self.entries[key] = Entry(key, "object", location=loc, path=path)
+                continue
+            d, n, r0, p = int(ndims[k]), int(counts[k]), int(first_row[k]), int(flat[k])
+            offs = cols.chunk_offsets[p:p + n * d].reshape(n, d)
+            sizes = cols.chunk_sizes[p:p + n * d].reshape(n, d)
+            idx = self._pair(cols, rows[cols.st_ndim[rows] == d], offs, st_start)
+            got = idx >= 0
+            if n and not got.all():
+                missing_loc.append(key)
+            sl = slice(r0, r0 + n)
+            found = idx[got]
+            loc_file[sl][got] = cols.st_file[found]
+            loc_start[sl][got] = cols.st_offset[found]
+            loc_length[sl][got] = cols.st_length[found]
+            loc_tr[sl][got] = cols.st_transforms[found]
+            if len(found):
+                np.maximum.at(need, cols.st_file[found], cols.st_offset[found] + cols.st_length[found])
+                self._first_short(key, cols.dtypes[k].itemsize, sizes[got], cols.st_length[found],
+                                  cols.st_transforms[found], cols.st_file[found], cols.files, short)
+            table = ChunkTable(offs, sizes, loc_file[sl], loc_start[sl], loc_length[sl], loc_tr[sl],
+                               cols.files, cols.transforms)
+            self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k], chunks=table, path=path)
         if missing_loc:
             self.findings.append(Finding("error", "no_storage", "metadata names chunks with no storage location",
                                          file=dcp.METADATA_FILE, keys=tuple(sorted(set(missing_loc)))))
-        orphans = sorted({k for (k, _) in locations if k not in raw.entries})
         if orphans:
             self.findings.append(Finding("warning", "orphan_storage", "storage locations for keys the metadata does not declare",
                                          file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
         # The ranks of the save as its plans record them (Megatron's torch_dist), checked against what was stored
-        self.save_plans = save_plans.check(raw.local_plans, locations, self.writer_of)
-        self._check_files(need)
+        self.save_plans = check_save_plans(cols, self.writer_of)
+        self._check_files({cols.files[f]: int(e) for f, e in enumerate(need.tolist()) if e >= 0})
         self._check_item_lengths(short)
         self._check_coverage()
+
+    @staticmethod
+    def _pair(cols: MetadataColumns, rows: np.ndarray, offs: np.ndarray, st_start: np.ndarray) -> np.ndarray:
+        """For each chunk (its offsets a row of ``offs``), the storage row of its key stored under the
+        same offsets (-1: none). ``rows`` are the key's storage rows of the same rank, in file order."""
+        n, d = offs.shape
+        if not len(rows):
+            return np.full(n, -1, dtype=np.int64)
+        if d == 0:  # a scalar's chunks are all stored under the empty offsets: the last row wins
+            return np.full(n, int(rows[-1]), dtype=np.int64)
+        st = cols.st_offsets[st_start[rows][:, None] + np.arange(d)]
+        if len(rows) == n and np.array_equal(st, offs):  # the common case: the chunks' own order
+            return rows.astype(np.int64, copy=False)
+        by_offsets = dict(zip(map(tuple, st.tolist()), rows.tolist()))
+        return np.array([by_offsets.get(o, -1) for o in map(tuple, offs.tolist())], dtype=np.int64)
+
+    @staticmethod
+    def _first_short(key: str, itemsize: int, sizes: np.ndarray, lengths: np.ndarray, transforms: np.ndarray,
+                     files: np.ndarray, names: list[str], short: list[tuple[str, int, int, str]]) -> None:
+        """Append the first plain (untransformed) item of ``key`` shorter than its chunk's elements."""
+        if not len(sizes):
+            return
+        if np.prod(sizes.astype(np.float64), axis=1).max(initial=0.0) * itemsize < 2.0 ** 62:
+            need = np.prod(sizes, axis=1) * itemsize
+            bad = np.flatnonzero((need > lengths) & (transforms < 0))
+            if len(bad):
+                i = int(bad[0])
+                short.append((key, int(need[i]), int(lengths[i]), names[int(files[i])]))
+            return
+        for row, n, t, f in zip(sizes.tolist(), lengths.tolist(), transforms.tolist(), files.tolist()):
+            need_i = prod(row) * itemsize  # Python ints: a forged size beyond int64 is still compared exactly
+            if t < 0 and n < need_i:
+                short.append((key, need_i, n, names[f]))
+                return
 
     def _keys_past(self, name: str, size: int | None) -> list[str]:
         """Keys with a byte range in file ``name`` ending past ``size`` (None: any range in it); only asked on a problem."""
@@ -141,6 +215,9 @@ class CheckpointIndex(EntryQueries):
     def _check_coverage(self) -> None:
         for e in self.entries.values():
             if not e.is_tensor:
+                continue
+            t = e.chunks
+            if isinstance(t, ChunkTable) and tiles_exactly_arrays(tuple(e.shape), t.offsets, t.sizes):
                 continue
             probs = coverage_problems(e.shape, (c.box for c in e.chunks))
             for p in probs:
