@@ -60,6 +60,25 @@ class ChunkTable(Sequence[Chunk]):
         self.file, self.start, self.length, self.transform = file, start, length, transform
         self.files, self.transforms = files, transforms
 
+    @classmethod
+    def of(cls, chunks: "Sequence[Chunk] | ChunkTable", ndim: int) -> "ChunkTable":
+        """``chunks`` as a table: itself when it is one, else the arrays of a list of `Chunk`
+        (the readers of small formats build lists), so array code has one input."""
+        if isinstance(chunks, ChunkTable):
+            return chunks
+        n = len(chunks)
+        files: dict[str, int] = {}
+        transforms: dict[tuple[str, ...], int] = {}
+        locs = [c.location for c in chunks]
+        return cls(np.array([c.box.offsets for c in chunks], dtype=np.int64).reshape(n, ndim),
+                   np.array([c.box.sizes for c in chunks], dtype=np.int64).reshape(n, ndim),
+                   np.array([-1 if x is None else files.setdefault(x.file, len(files)) for x in locs], dtype=np.int32),
+                   np.array([0 if x is None else x.offset for x in locs], dtype=np.int64),
+                   np.array([0 if x is None else x.length for x in locs], dtype=np.int64),
+                   np.array([-1 if x is None or not x.transforms else transforms.setdefault(x.transforms, len(transforms))
+                             for x in locs], dtype=np.int32),
+                   list(files), list(transforms))
+
     def __len__(self) -> int:
         return len(self.offsets)
 

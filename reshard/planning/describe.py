@@ -12,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from reshard.gc_pause import paused_gc
 from reshard.render.report import moment_sets_text
 from reshard.model import topology as topo_mod
@@ -19,7 +21,7 @@ from reshard.semantics import megatron
 from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs, reshard_key
 from reshard.semantics.trainer_config import step_from_folder
 from reshard.errors import BadInput, ReshardError
-from reshard.model.checkpoint import Finding
+from reshard.model.checkpoint import ChunkTable, Finding
 from reshard.model.dtypes import is_torch_tensor
 from reshard.model.inspection import JSON_VERSION, Inspection
 from reshard.storage.index import CheckpointIndex, bitwise_equal
@@ -260,10 +262,13 @@ def _chunk_evidence(ix: Any, keys: list[str]) -> topo_mod.ChunkEvidence:
             w = writers_by_file[name] = writer_of_file(name)
         return w
 
-    return topo_mod.collect(
-        ((k, ix.entries[k].shape, [(c.box.offsets, c.box.sizes, writer_of(c.location.file) if c.location else None)
-                                   for c in ix.entries[k].chunks]) for k in keys),
-        ix.writer_ranks())
+    def arrays(key: str) -> tuple:
+        e = ix.entries[key]
+        t = ChunkTable.of(e.chunks, len(e.shape))
+        by_file = np.array([w if (w := writer_of(f)) is not None else -1 for f in t.files] + [-1], dtype=np.int64)
+        return key, e.shape, t.offsets, t.sizes, by_file[t.file]  # file -1 (no location): the last, unknown
+
+    return topo_mod.collect((arrays(k) for k in keys), ix.writer_ranks())
 
 
 # ---------------------------------------------------------------------------- contents

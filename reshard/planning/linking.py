@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
 from reshard.storage.index import RANK_FILE
 
@@ -124,7 +125,7 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
             refused_keys.append(f"'{a.key}' {why}")
             continue
         out.linked_tensors.append(a.key)
-        files.update(c.location.file for c in e.chunks if c.location is not None)
+        files.update(e.files())
     if refused_keys:
         more = len(refused_keys) - _MAX_REASONS
         out.reasons.extend(refused_keys[:_MAX_REASONS])
@@ -193,20 +194,19 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
     for key, times in groups.values():
         e, t = ix.entries[key], planned[key]
         tr, t_off, t_size = _target_boxes(t, plan.target)
-        src = [c for c in e.chunks if c.location is not None]
-        if not src or not len(tr):
+        tab = ChunkTable.of(e.chunks, len(e.shape))
+        located = tab.file >= 0
+        if not located.any() or not len(tr):
             continue
-        d = len(e.shape)
-        s_off = np.array([c.box.offsets for c in src], dtype=np.int64).reshape(len(src), d)
-        s_size = np.array([c.box.sizes for c in src], dtype=np.int64).reshape(len(src), d)
+        s_off, s_size = tab.offsets[located], tab.sizes[located]
         ti, sj, ov = overlaps(t_off, t_size, s_off, s_size)
         if not len(ti):
             continue
         itemsize = int(e.dtype.itemsize)
         ranks = tr[ti]
-        lengths = np.fromiter((c.location.length for c in src), dtype=np.int64, count=len(src))
-        fids = np.fromiter((file_ids.setdefault(c.location.file, len(file_ids)) for c in src), dtype=np.int64,
-                           count=len(src))
+        lengths = tab.length[located]
+        ids = np.array([file_ids.setdefault(f, len(file_ids)) for f in tab.files], dtype=np.int64)
+        fids = ids[tab.file[located]]
         numels = s_size.prod(axis=1)
         items += times * np.bincount(ranks, minlength=world)
         read += times * np.bincount(ranks, weights=lengths[sj].astype(np.float64), minlength=world)
