@@ -34,6 +34,7 @@ from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DTYPES, DType, dtype_named, unstorable_reason
 from reshard.paths import formats_root
 from reshard.storage import dcp, save_plans
+from reshard.storage.safe_pickle import pickle_budget
 
 try:  # built by setup.py where a C compiler exists; the safe unpickler reads every file without it
     from reshard.storage import metadecode as native
@@ -116,7 +117,7 @@ def read_metadata_columns(ckpt: Path) -> MetadataColumns:
         try:
             size = os.fstat(fd).st_size
             safefs.check_size(size, dcp.metadata_cap(ckpt), path, what=".metadata")
-            out = native.decode(fd, size, _native_roles(), frozenset(DTYPES))
+            out = native.decode(fd, size, _native_roles(), frozenset(DTYPES), pickle_budget(size))
         finally:
             os.close(fd)
         if out is not None:
