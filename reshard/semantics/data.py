@@ -452,6 +452,9 @@ def stream_position(form: dict[str, Any], state: dict[str, Any], where: str) -> 
                            "shards): which examples those are depends on the shards' lengths, which the checkpoint does not record",
                            where=where, hint="Use --data-policy drop.")
     inner = outer.get("examples_iterable")
+    if isinstance(inner, dict) and inner.get("type") == form["stream_wrapper"] and form.get("nested_wrapper"):
+        raise BadInput(f"--data-policy translate cannot carry this dataset position: {form['nested_wrapper']}", where=where,
+                       hint="Use --data-policy drop (no data position: a warm start for data).")
     if not isinstance(inner, dict) or inner.get("type") not in form["stream_types"]:
         raise BadInput(f"the dataset stream is read through {inner.get('type') if isinstance(inner, dict) else inner!r}, "
                        "whose state is not a known stream position", where=where, hint="Use --data-policy drop.")
@@ -495,17 +498,25 @@ def translate_stream(idx: list[int], new_world: int) -> list[int]:
                 raise NotExact(
                     f"the old ranks read different numbers of examples (positions {idx[:8]}{' ...' if world > 8 else ''}): "
                     f"example {x} was read but example {first[c]}, before it in the same class modulo {new_world}, was not, "
-                    f"so no new rank reading every {new_world}-th example can take up exactly the unread ones")
+                    f"so no set of {new_world} ranks each reading one example in {new_world} can take up exactly the unread ones")
         elif first[c] is None:
             first[c] = x
-    pos = []
-    for k in range(new_world):
-        a = first[(m + k) % new_world]
-        assert a is not None  # every x from `top` on is unread and the sweep passes W' of them
-        if a - k > max(idx):
-            raise NotExact(f"new rank {k} would resume at stream position {a - k}, past every position recorded "
-                           f"(the furthest is {max(idx)}), where the shard may already have ended")
-        pos.append(a - k)
+    # Rank k may serve class c when its position a_c - k is one the shard is known to have (0 .. max idx):
+    # an interval of ranks per class; the classes taken by the earliest end of their interval, each given the
+    # lowest free rank in it, find an assignment whenever one exists (intervals on a line). With every rank at
+    # one position P this gives rank k the class of P + k: every new rank resumes at P.
+    top_idx = max(idx)
+    spans = sorted((min(new_world - 1, a), max(0, a - top_idx), a) for a in first if a is not None)
+    free = list(range(new_world))
+    pos = [0] * new_world
+    for end, start, a in spans:
+        k = next((k for k in free if start <= k <= end), None)
+        if k is None:
+            raise NotExact(f"the unread examples of some class modulo {new_world} start past every position recorded "
+                           f"(the furthest is {top_idx}), where the shard may already have ended: no new rank can be "
+                           "sent there with a position the shard is known to have")
+        free.remove(k)
+        pos[k] = a - k
     return pos
 
 
@@ -574,7 +585,8 @@ def _decide_split(form: dict[str, Any], states: dict[int, Any], per_rank: dict[i
                        hint="Use --data-policy drop (no data position: a warm start for data).")
     if policy != "translate":
         raise BadInput(f"--data-policy {policy} is not offered for {what} (form '{form['name']}')", where=where,
-                       hint="Use --data-policy translate (every example not yet read, read once on the new ranks) or drop.")
+                       hint="Use --data-policy translate (every example not yet read, read once on the new ranks), or "
+                       "--data-policy drop (no data position: a warm start for data).")
     ranks = sorted(states)
     found = {r: stream_position(form, states[r], per_rank[r][0]) for r in ranks}
     shards = sorted({f[0] for f in found.values()})
@@ -638,8 +650,10 @@ def _decide_split(form: dict[str, Any], states: dict[int, Any], per_rank: dict[i
         else:
             raise BadInput(f"shared data key holds {type(v).__name__}, expected a world size", where=k, hint="Use --data-policy drop.")
     at = f"shard {shard}, " if shard else ""
-    d.note = (f"per-rank dataset positions translated through form '{form['name']}': {proof['consumed_before']} stream examples "
-              f"read on {source_dp} ranks ({at}positions {sorted(set(idx))}); the {target_dp} new ranks resume at "
-              f"{sorted(set(new_pos))} and read every other example once (proof: consumed before = consumed after, none read "
-              f"twice); {d.proof['buffered_tokens_before']} buffered tokens carried; requires: {requires}")
+    at = f" of shard {shard}" if shard else ""
+    d.note = (f"per-rank dataset positions translated through form '{form['name']}': {proof['consumed_before']} stream examples{at} "
+              f"read on {source_dp} ranks; the {target_dp} new ranks resume at stream position{'s' if len(set(new_pos)) > 1 else ''} "
+              f"{', '.join(map(str, sorted(set(new_pos))))} and read every example not yet read, once (proof: the examples "
+              f"read before are exactly those no new rank reads, none twice); {d.proof['buffered_tokens_before']} buffered tokens carried"
+              + ("" if proven else f"; requires: {requires}"))
     return d
