@@ -326,7 +326,8 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
                              policy=policy, key_for_rank=key_for_rank, pickled=pickled, what=what)
     matched = _match_form(states)
     if matched is None and setting is not None and not setting.elastic:
-        raise BadInput(f"--data-policy {policy} is not available for {what}: {setting.why}", where=keys[0],
+        raise BadInput(f"--data-policy {policy} is not available for {what}: {setting.why}"
+                       + _split_forms_named(setting.trainer), where=keys[0],
                        hint=f"Use --data-policy drop, then {setting.instruction()}.")
     if matched is None:
         raise BadInput("per-rank data states match no known elastic form (formats/data_states.toml)", where=keys[0],
@@ -400,9 +401,10 @@ def split_forms() -> tuple[dict[str, Any], ...]:
 
 
 def _split_forms_named(trainer: str) -> str:
-    names = [f"'{f['name']}'" for f in split_forms() if f.get("trainer") == trainer and "refused" not in f]
-    return (f" (except translate for a dataset position of form {', '.join(names)}, formats/data_states.toml)"
-            if names else "")
+    known = [f"{f.get('short', f['name'])} (form '{f['name']}')" for f in split_forms()
+             if f.get("trainer") == trainer and "refused" not in f]
+    return (f"; translate is offered only for {'; '.join(known)} in formats/data_states.toml"
+            if known else "")
 
 
 def _match_split_form(states: dict[int, Any]) -> dict[str, Any] | None:
