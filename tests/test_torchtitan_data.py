@@ -177,13 +177,17 @@ def loaders(tmp_path_factory):
                                                        seq_len=4, local_batch_size=1)
 
     expected = collections.Counter(t for i in range(VAR_EXAMPLES) for t in [0] + [2 + 4 * i + j for j in range(lengths[i])])
-    yield {"make": make, "expected": expected}
+    yield {"make": make, "expected": expected, "trained": {}}
     for name in registered:
         text_datasets.DATASETS.pop(name, None)
 
 
 def _train(loaders, name: str, world: int, steps: int) -> tuple[dict[int, tuple[str, bytes]], list[int]]:
-    """``steps`` batches on every rank of ``world``: (each rank's saved state, the tokens emitted)."""
+    """``steps`` batches on every rank of ``world``: (each rank's saved state, the tokens emitted); once per module."""
+    memo = loaders["trained"]
+    if (name, world, steps) in memo:
+        per_rank, emitted = memo[name, world, steps]
+        return dict(per_rank), list(emitted)
     emitted, per_rank = [], {}
     for r in range(world):
         dl = loaders["make"](name, world, r)
@@ -192,6 +196,7 @@ def _train(loaders, name: str, world: int, steps: int) -> tuple[dict[int, tuple[
             x, _ = next(it)
             emitted += x["input"].flatten().tolist()
         per_rank[r] = (KEY(r), dl.state_dict()[f"dp_rank_{r}"])
+    memo[name, world, steps] = (dict(per_rank), list(emitted))
     return per_rank, emitted
 
 
@@ -279,10 +284,9 @@ def _reads(dump: Path, tag: str, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def titan_data(tmp_path_factory) -> dict[str, Any]:
-    """dp=4: 2 steps of torchtitan's job, saved (one 4-rank launch, once per run); then, per target dp in (2, 3):
-    plan and convert with --data-policy translate, and one launch that loads it with the dataloader and trains
-    to the end of the epoch."""
+def titan_source(tmp_path_factory) -> dict[str, Any]:
+    """dp=4: 2 steps of torchtitan's job over EXAMPLES examples, saved by CheckpointManager (one 4-rank launch,
+    once per run), and the ids, tokens and buffers each rank read."""
     sys.path.insert(0, str(WRITERS))
     import torchtitan_data_run as run
 
@@ -292,30 +296,39 @@ def titan_data(tmp_path_factory) -> dict[str, Any]:
         return str(work)
 
     src = Path(once_per_run(tmp_path_factory, writer_key(WRITER, "torchtitan", "datasets") + "-dp4", make))
+    return {"dir": src, "ckpt": src / "dp4" / "checkpoint" / "step-2", "before": _reads(src / "dp4", "write", 4)}
+
+
+@pytest.fixture(scope="module")
+def resumed(titan_source, tmp_path_factory):
+    """``resumed(world)``: plan and convert the dp=4 checkpoint to dp=world with --data-policy translate, then one
+    launch at world ranks that loads it with the dataloader and trains to the end of the epoch (each world once)."""
     work = tmp_path_factory.mktemp("titan_data_resume")
-    out: dict[str, Any] = {"source": src, "before": _reads(src / "dp4", "write", 4), "after": {}, "plan": {}, "convert": {}}
-    for world in (2, 3):
-        code, text, err = cli(["plan", src / "dp4" / "checkpoint" / "step-2", "--to", f"dp={world}",
-                               "--data-policy", "translate", "--json"])
-        assert code == 0, text + err
-        out["plan"][world] = json.loads(text)
-        dst = work / f"dp{world}" / "checkpoint" / "step-2"
-        code, text, err = cli(["convert", src / "dp4" / "checkpoint" / "step-2", dst, "--to", f"dp={world}",
-                               "--data-policy", "translate"])
-        assert code == 0, text + err
-        out["convert"][world] = json.loads((dst / "reshard-report.json").read_text())
-        _torchrun(world, "resume", {"dump": str(work / f"dp{world}"), "data": str(src / "ids.jsonl"), "step": 2,
-                                    "tag": "resume"}, work)
-        out["after"][world] = _reads(work / f"dp{world}", "resume", world)
-    return out
+    done: dict[int, dict[str, Any]] = {}
+
+    def get(world: int) -> dict[str, Any]:
+        if world not in done:
+            code, text, err = cli(["plan", titan_source["ckpt"], "--to", f"dp={world}", "--data-policy", "translate", "--json"])
+            assert code == 0, text + err
+            plan = json.loads(text)
+            dst = work / f"dp{world}" / "checkpoint" / "step-2"
+            code, text, err = cli(["convert", titan_source["ckpt"], dst, "--to", f"dp={world}", "--data-policy", "translate"])
+            assert code == 0, text + err
+            report = json.loads((dst / "reshard-report.json").read_text())
+            _torchrun(world, "resume", {"dump": str(work / f"dp{world}"), "data": str(titan_source["dir"] / "ids.jsonl"),
+                                        "step": 2, "tag": "resume"}, work)
+            done[world] = {"plan": plan, "report": report, "after": _reads(work / f"dp{world}", "resume", world)}
+        return done[world]
+
+    return get
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_example_read_exactly_once_across_the_dp_change(titan_data, world):
+def test_every_example_read_exactly_once_across_the_dp_change(titan_source, resumed, world):
     """dp=4 for 2 steps, then dp=2 (dp=3) from the converted checkpoint to the end of the epoch: the ids every rank
     read, before and after, are each of the examples exactly once; so are the tokens (emitted, plus what the
     buffers hold when the epoch ends, which torchtitan leaves unemitted)."""
-    before, after = titan_data["before"], titan_data["after"][world]
+    before, after = titan_source["before"], resumed(world)["after"]
     assert all(r["loaded"] and r["step_loaded"] == 2 for r in after), [(r["loaded"], r["step_loaded"]) for r in after]
     assert all(r["trained"] > 0 for r in after)
     assert all(r["buffer"] for r in before), "the dp=4 buffers were empty at the save: the buffer carry is untested"
@@ -327,21 +340,22 @@ def test_every_example_read_exactly_once_across_the_dp_change(titan_data, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_plan_names_where_each_new_rank_resumes_and_the_proof(titan_data, world):
+def test_plan_names_where_each_new_rank_resumes_and_the_proof(titan_source, resumed, world):
     """plan --json: per new rank its stream position and first examples, which are the examples torchtitan's loader
     then read first; the proof (read before = read by no new rank, none twice); the convert report records the same."""
-    data = titan_data["plan"][world]["data"]
+    run = resumed(world)
+    data = run["plan"]["data"]
     assert data["policy"] == "translate" and data["form"] == "datasets-stream-modulo" and data["continuity"] is True
-    consumed = sum(len(r["read"]) for r in titan_data["before"])
+    consumed = sum(len(r["read"]) for r in titan_source["before"])
     assert [r["position"] for r in data["resume"]] == [consumed] * world
-    for r, got in zip(data["resume"], titan_data["after"][world]):
+    for r, got in zip(data["resume"], run["after"]):
         assert got["read"][:4] == r["first_examples"], (r, got["read"][:4])
     proof = data["proof"]
     assert proof["exact"] and proof["consumed_before"] == proof["consumed_after"] == consumed and proof["read_twice"] == 0
-    assert proof["buffered_tokens_before"] == proof["buffered_tokens_after"] == sum(len(r["buffer"]) for r in titan_data["before"])
-    assert titan_data["convert"][world]["plan"]["data"]["proof"] == proof
+    assert proof["buffered_tokens_before"] == proof["buffered_tokens_after"] == sum(len(r["buffer"]) for r in titan_source["before"])
+    assert run["report"]["plan"]["data"]["proof"] == proof
     assert "one file" in data["requires"]
-    code, text, err = cli(["plan", titan_data["source"] / "dp4" / "checkpoint" / "step-2", "--to", f"dp={world}",
+    code, text, err = cli(["plan", titan_source["ckpt"], "--to", f"dp={world}",
                            "--data-policy", "translate"])
     assert code == 0, text + err
     assert f"new rank {world - 1}: resumes at stream position {consumed}, reads examples " \

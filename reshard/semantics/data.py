@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 import pickle
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -222,8 +221,9 @@ def _set(obj: Any, path: tuple, value: Any) -> None:
 # IterableDataset keeps it in `dataset_state`, or `fetcher_state.dataset_iter_state`). The
 # sampler counters beside them are then not the position: torchtitan's per-rank dataset
 # (split by node) resumes from `dataset_state.sample_idx` whatever the counters say, so a
-# form matched on the counters would claim continuity and repeat samples. No form describes
-# such a state.
+# form matched on the counters would claim continuity and repeat samples. No counter form
+# describes such a state; the dataset forms (`split` in data_states.toml, `_match_split_form`)
+# read the dataset's own position and are tried first.
 DATASET_POSITION_FIELDS = ("dataset_state", "dataset_iter_state")
 
 
