@@ -261,6 +261,34 @@ def test_refusals_say_why_and_what_remains(loaders, name, world, new_world, poli
     assert reason in text and "--data-policy drop" in text and info.value.exit_code == 2, text
 
 
+def test_a_shard_split_on_the_new_degree_fails_loudly_not_silently(loaders):
+    """Two data files: dp=4 splits by example (2 is not a multiple of 4), and so does dp=3, exactly; but dp=2 gives
+    each rank a whole file, which the checkpoint cannot show. The translation says what it assumes, and torchtitan's
+    loader at dp=2 stops at its first batch with the guard's text instead of reading its file from the start."""
+    per_rank, emitted = _train(loaders, "reshard_two", 4, 6)  # 6 steps: positions from which dp=3 and dp=2 are exact
+    exact = _translate(per_rank, 4, 3)
+    left = []
+    for k in range(3):
+        dl = loaders["make"]("reshard_two", 3, k)
+        dl.load_state_dict({f"dp_rank_{k}": exact.writes[KEY(k)], "world_size": 3})
+        emitted += [t for x, _ in dl for t in x["input"].flatten().tolist()]
+        left += pickle.loads(dl.state_dict()[f"dp_rank_{k}"])["dataset_state"]["inputs_buffer"]
+    assert collections.Counter(emitted + left) == loaders["expected"]
+    again = loaders["make"]("reshard_two", 3, 0)  # a translated run, saved again, is again of the form
+    again.load_state_dict({"dp_rank_0": exact.writes[KEY(0)], "world_size": 3})
+    it = iter(again)
+    next(it), next(it)
+    form = data_mod.split_forms()[0]
+    assert data_mod.stream_position(form, pickle.loads(again.state_dict()["dp_rank_0"]), "again")[1] > 0
+    shards = _translate(per_rank, 4, 2)
+    assert "must not be a multiple of the new dp degree" in shards.requires and shards.requires in shards.note
+    dl = loaders["make"]("reshard_two", 2, 0)
+    dl.load_state_dict({"dp_rank_0": shards.writes[KEY(0)], "world_size": 2})
+    with pytest.raises(KeyError, match="reads whole shards"):
+        next(iter(dl))
+    assert "met:" in _translate(per_rank, 4, 8).requires  # 8 is a multiple of 4: the split by example is proven
+
+
 # ---------------------------------------------------------------------------- acceptance: torchtitan's own job
 
 EXAMPLES = 240

@@ -67,6 +67,16 @@ independently (`stream_proof`): on a window from the lowest start to past the la
 position, the examples left unread by the new reads equal C, and no example is read twice;
 beyond the window both sides are periodic and (1) covers it.
 
+Which split the new world gets depends on the dataset's shard count, which no checkpoint
+records: the modulo mode needs n not a multiple of W'. It is proven when W' is a multiple of W
+(the source's modulo mode says n is not a multiple of W, so not of W'); otherwise it is the
+form's `requires`, said in the plan. Where it fails, the new ranks read whole shards in Arrow
+batches, starting from the wrapper's ``previous_state``; the state written puts the position
+there under one more key (`guard_key`), which the modulo mode never reads and on which
+datasets' load fails in the shard mode, so the run stops at its first batch with that key's
+text instead of reading its shards again. One new rank (W' = 1) is always the shard mode:
+refused.
+
 The token buffers are part of the position: they are the tails of examples already counted
 as read. Old rank r's buffers go, in rank order, to new rank r mod W' (concatenated), each
 part's leading positions renumbered from 0 as torchtitan's ``_normalize_positions`` does for
@@ -448,7 +458,10 @@ def stream_position(form: dict[str, Any], state: dict[str, Any], where: str) -> 
                        f"(outer examples iterable {outer.get('type') if isinstance(outer, dict) else outer!r})",
                        where=where, hint="Use --data-policy drop.")
     for name, want in form["wrapper_idle"].items():
-        if outer.get(name) != (None if want == "none" else want):
+        got = outer.get(name)
+        if want == "none" and isinstance(got, dict) and form.get("guard_key") in got:
+            continue  # written by an earlier translation (`guard_key`), never read in the split by example
+        if got != (None if want == "none" else want):
             raise BadInput("the dataset was split into whole shards per rank (datasets' split_dataset_by_node when the shard "
                            "count is a multiple of the dp degree; its position is an Arrow-batched one within the rank's own "
                            "shards): which examples those are depends on the shards' lengths, which the checkpoint does not record",
@@ -631,8 +644,11 @@ def _decide_split(form: dict[str, Any], states: dict[int, Any], per_rank: dict[i
     for k in range(target_dp):
         st = copy.deepcopy(template)
         ds = st[form["state_field"]]
-        inner = ds[form["position_field"]]["examples_iterable"]["examples_iterable"]
+        outer = ds[form["position_field"]]["examples_iterable"]
+        inner = outer["examples_iterable"]
         inner["shard_idx"], inner["shard_example_idx"] = shard, new_pos[k]
+        if form.get("guard_key"):  # read in Arrow batches (whole shards per rank), datasets fails on this key
+            outer["previous_state"] = {form["guard_key"]: True, **inner}
         for f in fields:
             ds[f] = buffers[k][f]
         d.writes[key_for_rank(k)] = encode_state(st, pickled)
