@@ -542,7 +542,8 @@ def stream_proof(idx: list[int], new_pos: list[int]) -> dict[str, Any]:
     unread example (every example below it read before, and no new rank starts below it) to
     W' past the largest first read (beyond it both sides are periodic: nothing read before,
     and, the starts being distinct modulo W', every example read once), count the examples
-    read before, those no new rank reads, and those read twice.
+    read before, those no new rank reads, and those read twice. Counts are of the positions'
+    shard from its start (with shard 0, of the whole stream: the example ids of an unshuffled one).
     """
     world, new_world = len(idx), len(new_pos)
     starts = [p + k for k, p in enumerate(new_pos)]
