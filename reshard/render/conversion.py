@@ -57,6 +57,15 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         lines.append(f"- LR schedule: {p['schedule']['policy']}: {p['schedule']['note']}")
     if p["data"]:
         lines.append(f"- data position: {p['data']['policy']}: {p['data']['note']}")
+        for r in p["data"].get("resume") or []:  # a dataset position translated: where each new rank resumes
+            lines.append(f"  - new rank {r['rank']}: stream position {r['position']}"
+                         + (f" of shard {r['shard']}" if r["shard"] else "")
+                         + f", reads examples {', '.join(map(str, r['first_examples']))}, ...; "
+                         f"{r['buffered_tokens']} buffered tokens")
+        if p["data"].get("proof"):
+            pr = p["data"]["proof"]
+            lines.append(f"  - proof: {pr['consumed_before']} examples read before, {pr['consumed_after']} read by no new rank, "
+                         f"{pr['read_twice']} read twice; requires: {p['data']['requires']}")
     if p["rng"]:
         lines.append(f"- RNG: {p['rng']['policy']}: {p['rng']['note']}")
     lines += ["", "## Every source key", "", "| key | role | action | why |", "|---|---|---|---|"]

@@ -187,6 +187,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         if d["repeated"] is not None:
             extra = f" (repeated: {d['repeated']}, skipped: {d['skipped']})"
         out.append(f"data        {d['policy']}: {d['note']}{extra}")
+        out += _resume_lines(d)
     if p["rng"]:
         r = p["rng"]
         out.append(f"rng         {r['policy']}: {r['note']}")
@@ -248,6 +249,26 @@ def _kept_status(facet: str, status: str, acc: dict[str, Any]) -> str:
     if facet == "accumulation_phase" and status == "carried" and acc.get("micro_step") is None:
         return "assumed"
     return status
+
+
+def _resume_lines(d: dict[str, Any]) -> list[str]:
+    """A dataset position translated to new ranks: where each resumes, what it reads first, and the proof."""
+    if not d.get("resume"):
+        return []
+    out = []
+    for r in d["resume"]:
+        shard = f" of shard {r['shard']}" if r["shard"] else ""
+        n = r["buffered_tokens"]
+        buffered = f"; first the {n} buffered token{'s' if n > 1 else ''} it takes over" if n else ""
+        out.append(f"            new rank {r['rank']}: resumes at stream position {r['position']}{shard}, reads examples "
+                   f"{', '.join(map(str, r['first_examples']))}, ...{buffered}")
+    pr = d["proof"]
+    out.append(f"            proof: {pr['consumed_before']} examples read before, {pr['consumed_after']} read by no new rank, "
+               f"{pr['read_twice']} read twice (counted on examples {pr['window'][0]}-{pr['window'][1] - 1}; periodic beyond); "
+               f"buffered tokens {pr['buffered_tokens_before']} -> {pr['buffered_tokens_after']}")
+    if d["requires"] not in d["note"]:
+        out.append(f"            requires: {d['requires']}")
+    return out
 
 
 # How `--data link` shared a file, in words (the JSON keeps the method's name).
