@@ -167,8 +167,8 @@ def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], np.ndarray, np.nd
             ev.dim0[pieces[0]] += 1
             position = np.searchsorted(starts[0], offs[:, 0])
             known = writers >= 0
-            ev.piece_writers.append(np.unique(np.stack([position[known], writers[known]], axis=1), axis=0)
-                                    if known.any() else np.zeros((0, 2), dtype=np.int64))
+            codes = np.unique(position[known].astype(np.int64) << 32 | writers[known])  # (piece, writer), once each
+            ev.piece_writers.append(np.stack([codes >> 32, codes & 0xFFFFFFFF], axis=1))
             if pieces[0] == 1:
                 ev.whole_rows = max(ev.whole_rows, shape[0])
             if pieces[0] > 1 and known.all() and len(np.unique(writers)) == len(writers) == pieces[0]:

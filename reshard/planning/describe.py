@@ -262,11 +262,16 @@ def _chunk_evidence(ix: Any, keys: list[str]) -> topo_mod.ChunkEvidence:
             w = writers_by_file[name] = writer_of_file(name)
         return w
 
+    by_files: dict[int, tuple[Any, np.ndarray]] = {}  # id of a file-name list -> (the list, its writers)
+
     def arrays(key: str) -> tuple:
         e = ix.entries[key]
         t = ChunkTable.of(e.chunks, len(e.shape))
-        by_file = np.array([w if (w := writer_of(f)) is not None else -1 for f in t.files] + [-1], dtype=np.int64)
-        return key, e.shape, t.offsets, t.sizes, by_file[t.file]  # file -1 (no location): the last, unknown
+        known = by_files.get(id(t.files))
+        if known is None:  # the index's tables share one list of file names: look its writers up once
+            known = by_files[id(t.files)] = (t.files, np.array(
+                [w if (w := writer_of(f)) is not None and w < 1 << 31 else -1 for f in t.files] + [-1], dtype=np.int64))
+        return key, e.shape, t.offsets, t.sizes, known[1][t.file]  # file -1 (no location): the last, unknown
 
     return topo_mod.collect((arrays(k) for k in keys), ix.writer_ranks())
 

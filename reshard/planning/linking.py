@@ -185,6 +185,9 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
     kept = np.zeros(world, dtype=np.float64)
     data = np.zeros(world, dtype=np.float64)
     file_ids: dict[str, int] = {}
+    file_tables: dict[int, np.ndarray] = {}  # id of a ChunkTable's file-name list -> those names' ids
+    kept_alive: list = []  # the lists whose ids key file_tables
+    targets: dict[tuple, tuple] = {}  # (ids of a plan's first and last chunk tuple, ...) -> its target boxes
     pairs: list[np.ndarray] = []
     planned = {t.key: t for t in plan.tensors}
     groups: dict[tuple, list] = {}
@@ -193,7 +196,13 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
         groups.setdefault(_signature(e, t), [key, 0])[1] += 1
     for key, times in groups.values():
         e, t = ix.entries[key], planned[key]
-        tr, t_off, t_size = _target_boxes(t, plan.target)
+        same = (id(t.chunks[0]), id(t.chunks[-1]), len(t.chunks), tuple(t.shape), t.placement) if t.chunks else None
+        boxes = targets.get(same) if same is not None else None
+        if boxes is None:  # tensors placed alike share the layout's cached chunk tuples: their boxes once
+            boxes = _target_boxes(t, plan.target)
+            if same is not None:
+                targets[same] = boxes
+        tr, t_off, t_size = boxes
         tab = ChunkTable.of(e.chunks, len(e.shape))
         located = tab.file >= 0
         if not located.any() or not len(tr):
@@ -205,7 +214,11 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
         itemsize = int(e.dtype.itemsize)
         ranks = tr[ti]
         lengths = tab.length[located]
-        ids = np.array([file_ids.setdefault(f, len(file_ids)) for f in tab.files], dtype=np.int64)
+        ids = file_tables.get(id(tab.files))
+        if ids is None:  # the index's tables share one list of file names: number it once
+            ids = file_tables[id(tab.files)] = np.array([file_ids.setdefault(f, len(file_ids)) for f in tab.files],
+                                                         dtype=np.int64)
+            kept_alive.append(tab.files)
         fids = ids[tab.file[located]]
         numels = s_size.prod(axis=1)
         items += times * np.bincount(ranks, minlength=world)

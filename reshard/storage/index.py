@@ -114,7 +114,6 @@ class CheckpointIndex(EntryQueries):
             loc_length[sl][got] = cols.st_length[found]
             loc_tr[sl][got] = cols.st_transforms[found]
             if len(found):
-                np.maximum.at(need, cols.st_file[found], cols.st_offset[found] + cols.st_length[found])
                 self._first_short(key, cols.dtypes[k].itemsize, sizes[got], cols.st_length[found],
                                   cols.st_transforms[found], cols.st_file[found], cols.files, short)
             table = ChunkTable(offs, sizes, loc_file[sl], loc_start[sl], loc_length[sl], loc_tr[sl],
@@ -128,6 +127,14 @@ class CheckpointIndex(EntryQueries):
                                          file=dcp.METADATA_FILE, keys=tuple(orphans[:50])))
         # The ranks of the save as its plans record them (Megatron's torch_dist), checked against what was stored
         self.save_plans = check_save_plans(cols, self.writer_of)
+        located = loc_file >= 0  # the end of each file's last byte range, over every chunk at once
+        if located.any():
+            f = loc_file[located]
+            ends = loc_start[located] + loc_length[located]
+            order = np.argsort(f, kind="stable")
+            f, ends = f[order], ends[order]
+            first = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
+            np.maximum.at(need, f[first], np.maximum.reduceat(ends, first))
         self._check_files({cols.files[f]: int(e) for f, e in enumerate(need.tolist()) if e >= 0})
         self._check_item_lengths(short)
         self._check_coverage()
