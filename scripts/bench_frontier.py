@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["skipped"] = "total time budget used"
                 continue
             ckpt = work / f"{model}-{ranks}"
-            built = ckpt / "bench-build.json"
+            built = work / f"{model}-{ranks}.build.json"  # beside the checkpoint, not in it
             if args.reuse and built.is_file():  # a 9 GB `.metadata` takes minutes to write: build it once
                 row.update(json.loads(built.read_text()), reused=True)
                 print(f"{model}@{ranks}: reusing {ckpt}", flush=True)
