@@ -1,0 +1,326 @@
+"""The native `.metadata` decoder (reshard/storage/metadecode.c) reads what the safe path reads, or declines.
+
+`metadecode.decode` streams a DCP `.metadata` into columns without building a Python object per
+chunk; the safe path (`reshard.storage.dcp.read_raw_metadata`: the allow-listing unpickler, then
+`_decode`) stays the reference. The decoder is a fast path, never a judge, so every check here is
+one of two outcomes:
+
+- on real files (``dcp.save`` in this process with bytes items, 0-d tensors, several dtypes, a
+  pathlib checkpoint id and zstd transforms; a 4-rank FSDP2 save; the synthetic frontier writer
+  with FSDP2 x TP) its columns, turned into the reference's records here, equal the reference's
+  field by field, read in blocks small enough that every opcode crosses a block boundary;
+- on hostile and damaged files (truncations, bit flips, a memo fetch of a list, an unknown global,
+  a huge declared length, Megatron's `all_local_plans`, an amplifying pickle) it answers None or
+  exactly the reference's result, and never crashes.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import struct
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from reshard.errors import BadInput, ReshardError
+from reshard.model.checkpoint import ItemLocation
+from reshard.model.dtypes import DTYPES
+from reshard.paths import formats_root
+from reshard.storage.dcp import RawObject, RawTensor, read_raw_metadata
+from reshard.storage.safe_pickle import pickle_budget
+
+metadecode = pytest.importorskip(
+    "reshard.storage.metadecode",
+    reason="the native decoder is not built (no C compiler at install time: setup.py builds it optionally)")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def allow_roles() -> dict[tuple[str, str], str]:
+    """The toml's allow list as decode() takes it: a record's role is its class name, else its kind."""
+    with open(formats_root() / "dcp_metadata.toml", "rb") as f:
+        spec = tomllib.load(f)
+    return {(e["module"], e["name"]): (e["name"] if e["kind"] == "record" else e["kind"]) for e in spec["allow"]}
+
+
+ALLOW = allow_roles()
+DTYPE_NAMES = frozenset(DTYPES)
+
+
+def decode_file(path: Path, *, block: int = 1 << 24, size: int | None = None) -> dict | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.fstat(fd).st_size if size is None else size
+        return metadecode.decode(fd, n, ALLOW, DTYPE_NAMES, pickle_budget(n), block=block)
+    finally:
+        os.close(fd)
+
+
+def decode_bytes(data: bytes, tmp: Path, *, block: int = 1 << 24) -> dict | None:
+    p = tmp / "m.pkl"
+    p.write_bytes(data)
+    return decode_file(p, block=block)
+
+
+def i64(b: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(b) // 8}q", b))
+
+
+def as_records(c: dict) -> tuple[dict, dict, dict, str | None]:
+    """The columns as the reference's (entries, locations, planner paths, version)."""
+    entries: dict = {}
+    counts, offs, sizes = i64(c["chunk_count"]), i64(c["chunk_offsets"]), i64(c["chunk_sizes"])
+    assert len(c["keys"]) == len(c["kinds"]) == len(c["dtypes"]) == len(c["shapes"]) == len(counts)
+    at = 0
+    for key, kind, dt, shape, n in zip(c["keys"], c["kinds"], c["dtypes"], c["shapes"], counts):
+        if kind == 1:
+            assert (dt, shape, n) == (None, None, 0)
+            entries[key] = RawObject(key)
+            continue
+        nd = len(shape)
+        chunks = [(tuple(offs[at + i * nd: at + (i + 1) * nd]), tuple(sizes[at + i * nd: at + (i + 1) * nd]))
+                  for i in range(n)]
+        at += n * nd
+        entries[key] = RawTensor(key, shape, DTYPES[dt], chunks)
+    assert at == len(offs) == len(sizes)
+    n_rows = len(c["st_fqn"]) // 4
+    fq = struct.unpack(f"<{n_rows}i", c["st_fqn"])
+    nd = struct.unpack(f"<{n_rows}b", c["st_ndim"])
+    so = i64(c["st_offsets"])
+    fi = struct.unpack(f"<{n_rows}i", c["st_file"])
+    tr = struct.unpack(f"<{n_rows}i", c["st_transforms"])
+    o, ln, ix = i64(c["st_offset"]), i64(c["st_length"]), i64(c["st_index"])
+    assert len(o) == len(ln) == len(ix) == n_rows
+    locations: dict = {}
+    at = 0
+    for r in range(n_rows):
+        offsets = None
+        if nd[r] >= 0:
+            offsets = tuple(so[at: at + nd[r]])
+            at += nd[r]
+        locations[(c["fqns"][fq[r]], offsets)] = ItemLocation(c["files"][fi[r]], o[r], ln[r],
+                                                              c["transforms"][tr[r]] if tr[r] >= 0 else ())
+    assert at == len(so)
+    pd = c["planner_data"]
+    paths = {k: tuple(v) for k, v in pd.items() if isinstance(k, str) and isinstance(v, (tuple, list))} \
+        if isinstance(pd, dict) else {}
+    return entries, locations, paths, c["version"]
+
+
+def reference(ckpt: Path):
+    """read_raw_metadata's records, or the class of its refusal."""
+    try:
+        return read_raw_metadata(ckpt)
+    except ReshardError as exc:
+        return type(exc)
+
+
+def assert_same(ckpt: Path, cols: dict) -> None:
+    ref = read_raw_metadata(ckpt)
+    entries, locations, paths, version = as_records(cols)
+    assert list(entries) == list(ref.entries)
+    for k, e in ref.entries.items():
+        assert entries[k] == e, k
+    assert list(locations.items()) == list(ref.locations.items())
+    assert paths == ref.planner_paths
+    assert version == ref.version
+    assert ref.local_plans is None
+
+
+def same_or_none(ckpt: Path, *, block: int = 1 << 24) -> str:
+    """decode() on ckpt/.metadata: None, or exactly the reference's records. Which, as a word."""
+    cols = decode_file(ckpt / ".metadata", block=block)
+    if cols is None:
+        return "none"
+    ref = reference(ckpt)
+    assert not isinstance(ref, type), f"decoded what the reference refuses ({ref.__name__})"
+    assert_same(ckpt, cols)
+    return "same"
+
+
+# ------------------------------------------------------------------------------------------ real files
+
+def _save(path: Path, sd: dict, **writer) -> Path:
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, **writer), checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(6, 4, generator=g), "b": torch.zeros(4, dtype=torch.bfloat16),
+                  "emb": torch.arange(12, dtype=torch.int64).reshape(3, 2, 2), "flag": torch.ones(2, dtype=torch.bool),
+                  "f8": torch.zeros(3, dtype=torch.float8_e4m3fn), "big": torch.zeros(300, 2)},
+        "step": torch.tensor(7),
+        "extra": {"lr": 0.1, "names": ["a", "b"], "nested": {"x": (1, 2)}},
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """In-process dcp.save checkpoints: plain (checkpoint_id a pathlib Path: StorageMeta), zstd-compressed."""
+    import warnings
+
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    root = tmp_path_factory.mktemp("metadecode")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {"plain": _save(root / "plain", _state()),
+                "zstd": _save(root / "zstd", _state(), _extensions=[ZStandard()])}
+
+
+@pytest.fixture(scope="module")
+def frontier(tmp_path_factory) -> Path:
+    """The synthetic frontier writer's `.metadata` (torch's own pickle, streamed): a small Llama, FSDP2 x TP, 8 ranks."""
+    from reshard.testing.synthetic_metadata import LlamaConfig, make_llama_metadata_checkpoint
+
+    cfg = LlamaConfig("tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    out = tmp_path_factory.mktemp("frontier") / "ckpt"
+    return make_llama_metadata_checkpoint(out, cfg, ranks=8, tp=2).path
+
+
+@pytest.mark.parametrize("which", ["plain", "zstd"])
+def test_in_process_saves_decode_to_the_reference(saved, which):
+    """Tensors of five dtypes (a 0-d one), bytes items, StorageMeta, and zstd transforms: the same records."""
+    cols = decode_file(saved[which] / ".metadata")
+    assert cols is not None
+    assert_same(saved[which], cols)
+    assert cols["version"] == "1.0.0"
+    assert set(cols["dtypes"]) >= {"float32", "bfloat16", "int64", "bool", "float8_e4m3fn", None}
+    assert cols["storage_meta"]["checkpoint_id"] == "/".join(saved[which].parts)  # a PosixPath, joined as _path does
+    assert cols["storage_meta"]["load_id"] is None and cols["storage_meta"]["modules"] == []
+    assert (cols["transforms"] != []) == (which == "zstd")
+    if which == "zstd":
+        assert all("zstd" in t for ts in cols["transforms"] for t in ts)
+
+
+def test_every_block_boundary(saved):
+    """Read 1, 2, 3, 7 and 64 bytes at a time: every opcode and payload is cut by a block somewhere."""
+    ref = decode_file(saved["zstd"] / ".metadata")
+    for block in (1, 2, 3, 7, 64):
+        assert decode_file(saved["zstd"] / ".metadata", block=block) == ref, block
+
+
+def test_fsdp2_checkpoint_decodes_to_the_reference(plain_fsdp2_ckpt):
+    """A 4-rank FSDP2 save from real processes: DTensor chunks, load-balanced dedup, optimizer state."""
+    cols = decode_file(plain_fsdp2_ckpt / ".metadata")
+    assert cols is not None
+    assert_same(plain_fsdp2_ckpt, cols)
+    assert max(i64(cols["chunk_count"])) == 4
+
+
+def test_frontier_writer_decodes_to_the_reference(frontier):
+    """The synthetic frontier `.metadata` (FSDP2 x TP on 8 ranks) decodes to the reference's records."""
+    cols = decode_file(frontier / ".metadata", block=4096)
+    assert cols is not None
+    assert_same(frontier, cols)
+    assert len(cols["files"]) == 8 and len(cols["st_fqn"]) // 4 > len(cols["keys"])
+
+
+# ------------------------------------------------------------------------------------------ hostile files
+
+def _metadata_object(ckpt: Path):
+    """The checkpoint's Metadata as torch's own objects (our own file: trusted)."""
+    with open(ckpt / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def test_declines_what_is_outside_the_subset(saved, tmp_path):
+    """Each forgery: None (the safe path then refuses or reads it)."""
+    good = (saved["plain"] / ".metadata").read_bytes()
+    md = _metadata_object(saved["plain"])
+    control = _beside(saved["plain"], tmp_path / "control", pickle.dumps(md, protocol=4))
+    assert same_or_none(control) == "same"  # torch's objects pickled here decode: each case below is one change
+    cases: dict[str, bytes] = {}
+    # Megatron's all_local_plans: a Metadata field the decoder does not read
+    md.all_local_plans = [1]
+    cases["all_local_plans"] = pickle.dumps(md, protocol=4)
+    del md.all_local_plans
+    # a global outside the allow list, and one listed but outside the subset
+    cases["unknown global"] = good.replace(b"\x8c\x08Metadata", b"\x8c\x08Metadatb")
+    # a memo fetch of a list: the planner data value referred to twice
+    md.planner_data = {"a": shared, "b": shared} if (shared := ["x"]) else None
+    cases["get of a list"] = pickle.dumps(md, protocol=4)
+    md = _metadata_object(saved["plain"])
+    # an int outside int64
+    key = next(iter(md.storage_data))
+    md.storage_data[key].offset = 1 << 70
+    cases["int past int64"] = pickle.dumps(md, protocol=4)
+    md = _metadata_object(saved["plain"])
+    # a chunk whose rank differs from its tensor's
+    tsm = md.state_dict_metadata["model.w"]
+    tsm.chunks[0].offsets = torch.Size([0, 0, 0])
+    tsm.chunks[0].sizes = torch.Size([6, 4, 1])
+    cases["chunk rank"] = pickle.dumps(md, protocol=4)
+    # protocol 2 (GLOBAL text opcodes), a huge declared length, nesting too deep
+    cases["protocol 2"] = pickle.dumps(_metadata_object(saved["plain"]), protocol=2)
+    at = good.index(b"\x8c\x13state_dict_metadata")
+    cases["huge length"] = good[:at] + b"\x8d" + struct.pack("<Q", 1 << 62) + good[at + 2:]
+    md = _metadata_object(saved["plain"])
+    deep: object = ("leaf",)
+    for _ in range(100):
+        deep = (deep,)
+    md.planner_data = {"deep": deep}
+    cases["deep"] = pickle.dumps(md, protocol=4)
+    for name, data in cases.items():
+        ck = _beside(saved["plain"], tmp_path / name.replace(" ", "_"), data)
+        assert decode_file(ck / ".metadata") is None, name
+
+
+def _beside(src: Path, dst: Path, metadata: bytes) -> Path:
+    """A checkpoint directory whose data files are src's (hard links) and whose `.metadata` is given."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != ".metadata":
+            os.link(f, dst / f.name)
+    (dst / ".metadata").write_bytes(metadata)
+    return dst
+
+
+@pytest.mark.parametrize("refs", [10, 3000])
+def test_memo_fetches_are_costed_like_the_cost_scan(saved, tmp_path, refs):
+    """planner_data holding one 20 KB string ``refs`` times (a memo fetch each): within the budget at 10
+    (decoded, the same records), past it at 3,000, where the reference refuses and decode declines."""
+    md = _metadata_object(saved["plain"])
+    s = "k" * 20000
+    md.planner_data = {f"k{i}": (s,) for i in range(refs)}
+    ck = _beside(saved["plain"], tmp_path / "ck", pickle.dumps(md, protocol=4))
+    ref = reference(ck)
+    cols = decode_file(ck / ".metadata")
+    if refs == 10:
+        assert cols is not None and cols["planner_data"] == md.planner_data
+        assert_same(ck, cols)
+    else:
+        assert ref is BadInput and cols is None
+
+
+def test_truncations_and_bit_flips_are_none_or_the_reference(saved, tmp_path):
+    """A few hundred damaged copies of a real `.metadata` (cut at every 13th byte, single bits and bytes
+    flipped): decode answers None or exactly what the reference reads, and never crashes."""
+    good = (saved["zstd"] / ".metadata").read_bytes()
+    ck = _beside(saved["zstd"], tmp_path / "ck", good)
+    rng = random.Random(1)
+    variants = [good[:n] for n in range(0, len(good), 13)]
+    for _ in range(300):
+        b = bytearray(good)
+        i = rng.randrange(len(b))
+        b[i] = b[i] ^ (1 << rng.randrange(8)) if rng.random() < 0.5 else rng.randrange(256)
+        variants.append(bytes(b))
+    outcomes = {"none": 0, "same": 0}
+    for v in variants:
+        (ck / ".metadata").write_bytes(v)
+        outcomes[same_or_none(ck, block=rng.choice((5, 64, 1 << 20)))] += 1
+    assert outcomes["none"] > len(variants) // 4 and outcomes["same"] > 0, outcomes
+
+
+def test_size_bounds_the_read(saved, tmp_path):
+    """decode reads `size` bytes and no more: a size short of the file is a truncated pickle (None)."""
+    p = saved["plain"] / ".metadata"
+    assert decode_file(p, size=p.stat().st_size - 1) is None
+    assert decode_file(p, size=p.stat().st_size) is not None
