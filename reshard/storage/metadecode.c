@@ -152,18 +152,57 @@ typedef struct {
 
 static const Val NONE_V = {NULL, 0, 1, K_NONE};
 
+/* Small blocks (nodes, short strings, small item arrays) are recycled through free lists by size
+ * class: a `.metadata` makes and drops a few of them per chunk, and malloc was a fifth of the time.
+ * The lists hold at most what was live at once; decode() empties them before it returns (it holds
+ * the GIL throughout, so one set of lists serves every call). */
+#define NCLASS 16
+static void *pool[NCLASS];
+
+static void *palloc(size_t n) {
+    size_t c = (n + 15) / 16;
+    if (c == 0) c = 1;
+    if (c <= NCLASS && pool[c - 1]) {
+        void *p = pool[c - 1];
+        pool[c - 1] = *(void **)p;
+        return p;
+    }
+    return malloc(c <= NCLASS ? c * 16 : n);
+}
+static void pfree(void *p, size_t n) {
+    size_t c = (n + 15) / 16;
+    if (c == 0) c = 1;
+    if (c <= NCLASS) { *(void **)p = pool[c - 1]; pool[c - 1] = p; }
+    else free(p);
+}
+static void pool_drain(void) {
+    for (int c = 0; c < NCLASS; c++)
+        while (pool[c]) { void *p = pool[c]; pool[c] = *(void **)p; free(p); }
+}
+
 static void node_free(Node *n);
 static inline void vdec(Val v) { if (v.p && --v.p->rc == 0) node_free(v.p); }
 static inline Val vinc(Val v) { if (v.p) v.p->rc++; return v; }
 
 static void node_free(Node *n) {
     switch (n->t) {
-    case K_TUPLE: { Tup *t = (Tup *)n; for (size_t i = 0; i < t->n; i++) vdec(t->v[i]); break; }
-    case K_LIST: case K_DICT: { Cont *c = (Cont *)n; for (size_t i = 0; i < c->n; i++) vdec(c->v[i]); free(c->v); break; }
-    case K_REC: vdec(((Rec *)n)->state); break;
-    default: break;
+    case K_STR: pfree(n, sizeof(Str) + ((Str *)n)->len + 1); return;
+    case K_TUPLE: {
+        Tup *t = (Tup *)n;
+        for (size_t i = 0; i < t->n; i++) vdec(t->v[i]);
+        pfree(n, sizeof(Tup) + t->n * sizeof(Val));
+        return;
     }
-    free(n);
+    case K_LIST: case K_DICT: {
+        Cont *c = (Cont *)n;
+        for (size_t i = 0; i < c->n; i++) vdec(c->v[i]);
+        if (c->v) pfree(c->v, c->cap * sizeof(Val));
+        pfree(n, sizeof(Cont));
+        return;
+    }
+    case K_REC: vdec(((Rec *)n)->state); pfree(n, sizeof(Rec)); return;
+    default: free(n);
+    }
 }
 
 static inline int64_t sat(int64_t a, int64_t b) { return (a >= CAP - b) ? CAP : a + b; }
@@ -387,7 +426,7 @@ static int pass1(D *d) {
 
 #define FAIL() do { return -1; } while (0)
 
-static int push(D *d, Val v) {
+static inline int push(D *d, Val v) {
     if (d->sn == d->scap) {
         size_t nc = d->scap ? d->scap * 2 : 256;
         Val *p = (Val *)realloc(d->st, nc * sizeof(Val));
@@ -411,7 +450,7 @@ static int to_mark(D *d, size_t *start) {
 }
 
 static Str *str_new(const char *s, size_t n) {
-    Str *x = (Str *)malloc(sizeof(Str) + n + 1);
+    Str *x = (Str *)palloc(sizeof(Str) + n + 1);
     if (!x) return NULL;
     x->h.rc = 1; x->h.t = K_STR; x->h.depth = 0; x->h.holds_mutable = 0;
     x->len = n;
@@ -420,24 +459,26 @@ static Str *str_new(const char *s, size_t n) {
     return x;
 }
 static Tup *tup_new(size_t n) {
-    Tup *t = (Tup *)malloc(sizeof(Tup) + n * sizeof(Val));
+    Tup *t = (Tup *)palloc(sizeof(Tup) + n * sizeof(Val));
     if (!t) return NULL;
     t->h.rc = 1; t->h.t = K_TUPLE; t->h.depth = 1; t->h.holds_mutable = 0;
     t->n = n;
     return t;
 }
 static Cont *cont_new(int t) {
-    Cont *c = (Cont *)calloc(1, sizeof(Cont));
+    Cont *c = (Cont *)palloc(sizeof(Cont));
     if (!c) return NULL;
+    memset(c, 0, sizeof(Cont));
     c->h.rc = 1; c->h.t = (uint8_t)t; c->h.depth = 1;
     c->w = 1;
     return c;
 }
 static int cont_add(Cont *c, Val v) {
     if (c->n == c->cap) {
-        size_t nc = c->cap ? c->cap * 2 : 8;
-        Val *p = (Val *)realloc(c->v, nc * sizeof(Val));
+        size_t nc = c->cap ? c->cap * 2 : 4;
+        Val *p = (Val *)palloc(nc * sizeof(Val));
         if (!p) return -1;
+        if (c->v) { memcpy(p, c->v, c->n * sizeof(Val)); pfree(c->v, c->cap * sizeof(Val)); }
         c->v = p;
         c->cap = nc;
     }
@@ -789,7 +830,7 @@ static int reduce(D *d, Val fn, Val args, int64_t add, Val *out) {
             if (a->v[i].k != K_STR) return -1;
             total += ((Str *)a->v[i].p)->len + 1;
         }
-        Str *s = (Str *)malloc(sizeof(Str) + total + 1);
+        Str *s = (Str *)palloc(sizeof(Str) + (total ? total - 1 : 0) + 1); /* the parts, a '/' between each two */
         if (!s) return -1;
         s->h.rc = 1; s->h.t = K_STR; s->h.depth = 0; s->h.holds_mutable = 0;
         size_t p = 0;
@@ -964,8 +1005,9 @@ static int pass2(D *d, Val *result) {
             if (op == 0x81) {
                 if (cls.k != K_GLOBAL || role < R_METADATA || role > R_SINFO) FAIL();
                 if (args.k != K_TUPLE || ((Tup *)args.p)->n) FAIL();
-                Rec *rc = (Rec *)calloc(1, sizeof(Rec));
+                Rec *rc = (Rec *)palloc(sizeof(Rec));
                 if (!rc) FAIL();
+                memset(rc, 0, sizeof(Rec));
                 rc->h.rc = 1; rc->h.t = K_REC; rc->h.depth = 1;
                 rc->w = sat(1, add);
                 rc->role = role;
@@ -1212,6 +1254,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kw) {
 done:
     if (got) vdec(result);
     d_free(&d);
+    pool_drain();
     if (!out) {  /* whatever went wrong, out of memory included: the safe path decides */
         PyErr_Clear();
         Py_RETURN_NONE;
