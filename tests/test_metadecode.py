@@ -196,6 +196,11 @@ def test_in_process_saves_decode_to_the_reference(saved, which):
     assert cols["storage_meta"]["checkpoint_id"] == "/".join(saved[which].parts)  # a PosixPath, joined as _path does
     assert cols["storage_meta"]["load_id"] is None and cols["storage_meta"]["modules"] == []
     assert (cols["transforms"] != []) == (which == "zstd")
+    # what the reference does not keep, against torch's own objects (our own file: unpickled as it is)
+    md = _metadata_object(saved[which])
+    assert i64(cols["st_index"]) == [-1 if k.index is None else k.index for k in md.storage_data]
+    assert cols["storage_meta"]["save_id"] == md.storage_meta.save_id
+    assert cols["planner_data"] == md.planner_data
     if which == "zstd":
         assert all("zstd" in t for ts in cols["transforms"] for t in ts)
 
@@ -298,6 +303,61 @@ def test_memo_fetches_are_costed_like_the_cost_scan(saved, tmp_path, refs):
         assert_same(ck, cols)
     else:
         assert ref is BadInput and cols is None
+
+
+def _bodies_of(test) -> list[bytes]:
+    """The ``body`` parameters of a parametrized test in another module: its corpus, reused as it is."""
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize" and mark.args[0] == "body":
+            return list(mark.args[1])
+    raise AssertionError(f"{test.__name__} has no body parameters")
+
+
+def test_cost_scan_corpus_is_declined(tmp_path):
+    """tests/test_costscan.py's hostile bodies (memo indices past the pickle, lengths claiming a terabyte, a
+    FRAME past the end, self-reference, DUP, EXT1, unknown opcodes, stack underflows, protocol 0, empty):
+    none is DCP metadata, so every one is None, read whole and one byte at a time."""
+    import test_costscan
+
+    bodies = _bodies_of(test_costscan.test_hostile_bodies_are_judged_the_same)
+    assert len(bodies) >= 30
+    for body in bodies:
+        for block in ((1, 1 << 20) if len(body) < 4096 else (1 << 20,)):
+            assert decode_bytes(body, tmp_path, block=block) is None, body[:40]
+
+
+def test_hostile_pickle_corpus_is_declined(tmp_path):
+    """tests/test_hostile_pickle.py's amplifiers (one chunk record listed 20,000 times by memo reference; one
+    state dict applied to 2,000 records) and synthetic.write_malicious_metadata (a payload that runs code
+    when unpickled, hidden in planner_data or as the whole pickle): None, and nothing is executed."""
+    import test_hostile_pickle as hp
+    from reshard.testing.synthetic import write_malicious_metadata
+
+    ck = hp._tiny_ckpt(tmp_path / "tiny")
+    assert same_or_none(ck) == "same"  # the honest checkpoint these start from decodes
+    hp._amplifying_metadata(ck, refs=20_000, dims=40)
+    assert decode_file(ck / ".metadata") is None
+    assert decode_bytes(hp._records_sharing_one_state(2_000, 50), tmp_path) is None
+    marker = tmp_path / "executed"
+    for embed in (True, False):
+        p = write_malicious_metadata(tmp_path / f"evil{embed}", marker, embed=embed)
+        assert decode_file(p) is None
+    assert not marker.exists()
+
+
+def test_random_pickles_are_declined(tmp_path):
+    """Pickles of random shared structures (test_costscan's strategy) at protocols 2-5: never Metadata, so None."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import test_costscan
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(test_costscan._structures(), st.integers(2, 5), st.sampled_from([1, 3, 1 << 20]))
+    def check(obj, protocol, block):
+        assert decode_bytes(pickle.dumps(obj, protocol=protocol), tmp_path, block=block) is None
+
+    check()
 
 
 def test_truncations_and_bit_flips_are_none_or_the_reference(saved, tmp_path):
