@@ -29,6 +29,8 @@
  *           as too costly is refused here too (None), with the same weights as costscan.c.
  *   block   read-block size in bytes (tests make it tiny to cross every block boundary); one opcode
  *           whose payload is longer grows the buffer to that payload, which is inside the file.
+ * It holds the GIL throughout and checks for signals every 8 MiB read: an exception a signal handler
+ * raises (KeyboardInterrupt) comes out of decode() as it is; nothing else raises.
  *
  * The result (all "bytes" are little-endian packed arrays for numpy.frombuffer):
  *   version        str | None
@@ -74,12 +76,18 @@ typedef struct {
     uint64_t base;     /* file offset of buf[0] */
     unsigned char *buf;
     size_t cap, len, pos, block;
+    uint64_t checked;  /* where signals were last checked */
+    int interrupted;   /* a signal handler raised (Ctrl-C): decode() lets its exception through */
 } Rd;
 
 /* Make buf[pos, pos + k) valid; -1 when the pickle (or the file) ends first or a read fails. */
 static int rd_fill(Rd *r, size_t k) {
     uint64_t at = r->base + r->pos;
     if ((uint64_t)k > r->size - at) return -1;
+    if (at - r->checked >= ((uint64_t)8 << 20)) { /* a 9 GB file takes a minute: stay interruptible */
+        r->checked = at;
+        if (PyErr_CheckSignals() < 0) { r->interrupted = 1; return -1; }
+    }
     if (r->pos) { /* keep the unread tail at the front */
         memmove(r->buf, r->buf + r->pos, r->len - r->pos);
         r->len -= r->pos;
@@ -1243,7 +1251,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kw) {
     d.slots = (Val *)malloc((d.nslots ? d.nslots : 1) * sizeof(Val));
     if (!d.slots) { d.nslots = 0; goto done; }
     for (size_t i = 0; i < d.nslots; i++) d.slots[i] = (Val){NULL, -1, 0, K_NONE}; /* i = -1: never set */
-    d.rd.base = 0;
+    d.rd.base = d.rd.checked = 0;
     d.rd.pos = d.rd.len = 0;
     if (!(d.dtype_names = PyList_New(0)) || !(d.keys = PyList_New(0)) || !(d.key_dtypes = PyList_New(0)) ||
         !(d.shapes = PyList_New(0)) || !(d.seen_keys = PyDict_New()) || !(d.transform_tuples = PyList_New(0)))
@@ -1253,8 +1261,10 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kw) {
     out = finish(&d, result);
 done:
     if (got) vdec(result);
+    int interrupted = d.rd.interrupted;
     d_free(&d);
     pool_drain();
+    if (interrupted) { Py_XDECREF(out); return NULL; }  /* KeyboardInterrupt and the like: not a verdict on the file */
     if (!out) {  /* whatever went wrong, out of memory included: the safe path decides */
         PyErr_Clear();
         Py_RETURN_NONE;
