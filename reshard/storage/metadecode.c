@@ -49,6 +49,8 @@
  *   planner_data   the planner_data value as plain Python (dicts, lists, tuples, str, int, None)
  *   storage_meta   None or {"checkpoint_id", "save_id", "load_id", "modules"} (a pathlib path is
  *                  its parts joined with "/", as safe_pickle._path does)
+ *   memo_kept      how many memo entries the pickle fetches (each kept until the end): a few
+ *                  hundred for torch's files whatever their size; the one cost not in the columns
  * Validation of values (non-negative byte ranges, file names, dtypes reshard can store) stays in
  * Python, on the columns.
  *
@@ -1195,6 +1197,9 @@ static PyObject *finish(D *d, Val md) {
         if (!b2 || PyDict_SetItemString(out, cols[i].name, b2) < 0) { Py_XDECREF(b2); goto bad; }
         Py_DECREF(b2);
     }
+    PyObject *kept = PyLong_FromSize_t(d->nslots);
+    if (!kept || PyDict_SetItemString(out, "memo_kept", kept) < 0) { Py_XDECREF(kept); goto bad; }
+    Py_DECREF(kept);
     Py_DECREF(pd); Py_DECREF(sm); Py_DECREF(ver);
     return out;
 bad:
