@@ -307,6 +307,23 @@ def test_memo_fetches_are_costed_like_the_cost_scan(saved, tmp_path, refs):
         assert ref is BadInput and cols is None
 
 
+def test_an_opcode_across_a_frame_end_is_declined(saved, tmp_path):
+    """A FRAME made to end inside the version string's bytes. The reference reads `.metadata` through a file
+    object, and CPython's unpickler then drops the part of an opcode its frame buffer holds and reads on
+    after the frame: other bytes than the stream's (found by fuzzing: decode answered where the reference
+    refused). decode declines any opcode across a frame's end."""
+    import pickletools
+
+    good = (saved["plain"] / ".metadata").read_bytes()
+    at = good.rindex(b"\x8c\x051.0.0")
+    frame = max(pos for op, _, pos in pickletools.genops(good) if op.name == "FRAME" and pos < at)
+    cut = good[:frame + 1] + struct.pack("<Q", at + 4 - (frame + 9)) + good[frame + 9:]
+    assert pickle.loads(cut).version == "1.0.0"  # read from memory, the frame's length does not matter
+    ck = _beside(saved["plain"], tmp_path / "ck", cut)
+    assert reference(ck) is BadInput  # read as a file: 'utf-8' codec can't decode byte 0x94
+    assert decode_file(ck / ".metadata") is None
+
+
 def _bodies_of(test) -> list[bytes]:
     """The ``body`` parameters of a parametrized test in another module: its corpus, reused as it is."""
     for mark in getattr(test, "pytestmark", []):

@@ -882,12 +882,19 @@ static int store_memo(D *d, uint64_t idx) {
     return 0;
 }
 
+/* Frames. The reference unpickles from a file object (io.BytesIO), and CPython's C unpickler then
+ * reads a FRAME's bytes into its buffer at once; a later read that the buffer holds only part of
+ * drops that part and reads afresh after the buffer's end (_Unpickler_ReadImpl). pickle never cuts
+ * an opcode at a frame's end, but a damaged file can, and the reference then reads other bytes than
+ * these. So `fend` follows the unpickler's buffer end, and an opcode running across it is refused. */
 static int pass2(D *d, Val *result) {
     Rd *r = &d->rd;
     Val x, y;
     size_t start;
+    uint64_t fend = 0, at;
     for (;;) {
         if (NEED(r, 1) < 0) FAIL();
+        at = r->base + r->pos;
         unsigned char op = r->buf[r->pos++];
         switch (op) {
         case 0x94: /* MEMOIZE */
@@ -1108,7 +1115,11 @@ static int pass2(D *d, Val *result) {
             if (NEED(r, 8) < 0) FAIL();
             uint64_t n = u8(r->buf + r->pos);
             r->pos += 8;
-            if (n > r->size - (r->base + r->pos)) FAIL();
+            uint64_t q = r->base + r->pos;
+            if (n > r->size - q) FAIL();
+            if (at < fend && q > fend) FAIL();  /* the FRAME opcode itself runs across the buffer's end */
+            if (q >= fend) fend = q + n;        /* the buffer is used up: the frame is read whole */
+            else if (q + n > fend) FAIL();      /* a frame inside the buffer running past its end */
             break;
         }
         case 0x2E: /* STOP */
@@ -1118,6 +1129,7 @@ static int pass2(D *d, Val *result) {
         default:
             FAIL();
         }
+        if (at < fend && r->base + r->pos > fend) FAIL();
     }
 }
 
