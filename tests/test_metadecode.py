@@ -250,6 +250,33 @@ def test_frontier_writer_decodes_to_the_reference(frontier):
     assert cols["memo_kept"] < 100
 
 
+def test_reshards_own_writer_decodes_to_the_reference(tmp_path):
+    """`.metadata` as reshard's convert writes it (reshard.storage.metadata_pickle: a vocabulary memoized
+    and POPped up front, shared TensorProperties states, 64 KiB frames): 400 tensors of 4 chunks each,
+    zstd transforms on half, and bytes items, decoded to the reference's records."""
+    from reshard.storage.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
+
+    items: list = []
+    at = 0
+    for t in range(400):
+        chunks = []
+        for c in range(4):
+            tds = ("stream.zstd/1",) if t % 2 else ()
+            chunks.append(((c * 8, 0), (8, 16), ItemLocation(f"__{c}_0.distcp", at, 1000 + t, tds)))
+            at += 1000 + t
+        items.append(TensorMeta(f"layers.{t}.w", ("float32", "bfloat16")[t % 2], (32, 16), chunks, ("layers", str(t), "w")))
+    items += [ObjectMeta(f"extra.{i}", ItemLocation("__0_0.distcp", at + i, 1), ("extra", str(i))) for i in range(5)]
+    data = metadata_bytes(items, version="1.0.0")
+    assert len(data) > 2 * 65536 and b"\x940" in data  # several frames; MEMOIZE then POP
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(data)
+    cols = decode_file(ck / ".metadata", block=4093)
+    assert cols is not None
+    assert_same(ck, cols)
+    assert len(cols["st_fqn"]) // 4 == 1605 and len(cols["transforms"]) == 1
+
+
 # ------------------------------------------------------------------------------------------ hostile files
 
 def _metadata_object(ckpt: Path):

@@ -378,7 +378,7 @@ static int64_t arg_len(Rd *r, unsigned char op) {
     switch (op) {
     case 0x94: case 0x85: case 0x28: case 0x29: case 0x81: case 0x52: case 0x62: case 0x75: case 0x73:
     case 0x7D: case 0x5D: case 0x4E: case 0x88: case 0x89: case 0x61: case 0x65: case 0x86: case 0x87:
-    case 0x74: case 0x93: case 0x2E:
+    case 0x74: case 0x93: case 0x2E: case 0x30:
         return 0;
     case 0x4B: case 0x68: case 0x71: case 0x80: return 1;   /* BININT1, BINGET, BINPUT, PROTO */
     case 0x4D: return 2;                                     /* BININT2 */
@@ -1106,6 +1106,13 @@ static int pass2(D *d, Val *result) {
             OVER(c->w);
             break;
         }
+        case 0x30: /* POP (reshard's own writer memoizes its vocabulary, then pops it); a MARK on top is popped instead */
+            if (d->mn && d->marks[d->mn - 1] == d->sn) d->mn--;
+            else {
+                if (pop(d, &x) < 0) FAIL();
+                vdec(x);
+            }
+            break;
         case 0x80: /* PROTO */
             if (NEED(r, 1) < 0) FAIL();
             if (r->buf[r->pos] < 2 || r->buf[r->pos] > 5) FAIL();
