@@ -9,12 +9,14 @@
  * packed int64 columns the moment its record is complete. Memory is the columns plus bounded
  * buffers; nothing is allocated per chunk that outlives the chunk.
  *
- * It is a fast path, never a judge: anything outside the subset DCP writes (an unknown global, an
- * opcode DCP does not use, a memo fetch of a container or record, a truncated or malformed stream,
- * a chunk whose rank differs from its tensor's, an int outside int64, a Metadata field it does not
- * know, nesting deeper than MAXDEPTH, the cost budget of safe_pickle.pickle_cost exceeded) makes
- * decode() return None, and the caller takes the safe Python path, which stays the reference and
- * words the refusal. Where decode() answers, its columns equal what the Python path reads.
+ * It is a fast path, never a judge: anything outside the subset that torch's pickler and reshard's
+ * own writer (reshard.storage.metadata_pickle) produce (an unknown global, an opcode neither uses,
+ * a memo fetch of a container or record, a truncated or malformed stream, an opcode across a
+ * frame's end, a chunk whose rank differs from its tensor's, an int outside int64, a Metadata field
+ * it does not know such as Megatron's all_local_plans, nesting deeper than MAXDEPTH, the cost budget
+ * of safe_pickle.pickle_cost exceeded) makes decode() return None, and the caller takes the safe
+ * Python path, which stays the reference and words the refusal. Where decode() answers, its columns
+ * equal what the Python path reads (tests/test_metadecode.py).
  *
  * decode(fd, size, allow, dtypes, limit, block=16 MiB) -> dict | None
  *   fd      an open file, read with pread from offset 0 to `size` (never past it);
