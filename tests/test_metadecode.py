@@ -7,11 +7,17 @@ one of two outcomes:
 
 - on real files (``dcp.save`` in this process with bytes items, 0-d tensors, several dtypes, a
   pathlib checkpoint id and zstd transforms; a 4-rank FSDP2 save; the synthetic frontier writer
-  with FSDP2 x TP) its columns, turned into the reference's records here, equal the reference's
-  field by field, read in blocks small enough that every opcode crosses a block boundary;
+  with FSDP2 x TP; reshard's own writer, `metadata_pickle`) its columns, turned into the
+  reference's records here, equal the reference's field by field, also read in blocks small
+  enough that every opcode crosses a block boundary;
 - on hostile and damaged files (truncations, bit flips, a memo fetch of a list, an unknown global,
-  a huge declared length, Megatron's `all_local_plans`, an amplifying pickle) it answers None or
-  exactly the reference's result, and never crashes.
+  a huge declared length, Megatron's `all_local_plans`, amplifying pickles, an opcode across a
+  frame's end, the corpora of test_costscan and test_hostile_pickle, random pickles) it answers
+  None or exactly the reference's result, and never crashes.
+
+Cost, one process on the shared 2-core machine: about 10 s for the module (torch and hypothesis
+imports, the in-process saves, the frontier file), plus the session's `plain_fsdp2_ckpt` (about
+10-15 s when this module is the first to ask for it; shared with the rest of the suite).
 """
 from __future__ import annotations
 
