@@ -620,6 +620,7 @@ def _coerce_cheaply(param) -> None:
 
 _DIGITS = re.compile(r"[0-9]{1,15}")
 _DECIMAL = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?")
+_TYPER_DECIDES = object()  # a value `_coercion` leaves to typer's own coercion
 
 
 def _coercion(param):
@@ -648,12 +649,12 @@ def _coercion(param):
         item_type = getattr(annotation, "__args__", (None,))[0] if getattr(annotation, "__origin__", None) is list else None
 
     def item(value):
-        """The coerced value, or ``param`` itself when it is not plain (typer decides)."""
+        """The coerced value, or `_TYPER_DECIDES` when it is not plain."""
         if info.parser is not None:
             try:
                 return info.parser(value)
             except Exception:  # noqa: BLE001 - typer's coercion raises it as typer does
-                return param
+                return _TYPER_DECIDES
         if type(value) is str and item_type is str:
             return value
         if item_type in (int, float) and info.max is None and not info.clamp:
@@ -661,7 +662,7 @@ def _coercion(param):
                 value = item_type(value)
             if type(value) is item_type and (info.min is None or value >= info.min):
                 return value
-            return param
+            return _TYPER_DECIDES
         if item_type is Path and info.path_type is None and not (info.exists or info.resolve_path or info.writable
                                                                  or info.allow_dash or not info.file_okay
                                                                  or not info.dir_okay):
@@ -673,20 +674,20 @@ def _coercion(param):
                 except OSError:
                     return value
                 except Exception:  # noqa: BLE001 - e.g. a NUL byte: typer decides
-                    return param
+                    return _TYPER_DECIDES
                 if not info.readable or os.access(value, os.R_OK):
                     return value
-        return param
+        return _TYPER_DECIDES
 
-    def coerce(value, param, ctx):
+    def coerce(value, param, ctx):  # typer's RuntimeParam.coerce, keywords and all
         if value is None:
             return () if multi else None
         if not multi:
             out = item(value)
-            return out if out is not param else typer_coercion().coerce(value, param=param, ctx=ctx)
+            return out if out is not _TYPER_DECIDES else typer_coercion().coerce(value, param=param, ctx=ctx)
         if isinstance(value, (list, tuple)) and item_type is not None:
             out = [item(v) for v in value]
-            if not any(v is param for v in out):
+            if not any(v is _TYPER_DECIDES for v in out):
                 return out
         return typer_coercion().coerce(value, param=param, ctx=ctx)
 
