@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -174,9 +175,11 @@ def test_a_missing_path_is_refused_without_pydantic_or_torch(tmp_path):
     lines = [["inspect", "/no/such"], ["plan", "/no/such", "--to", "dp=2"],
              ["convert", "/no/such", str(tmp_path / "o"), "--to", "dp=2"], ["verify", "/no/such", "/no/such-b"],
              ["export", "/no/such", str(tmp_path / "e")], ["--json", "inspect", "/no/such"]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RESHARD_DEBUG", None)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", NO_PYDANTIC, json.dumps(lines)], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                       timeout=120, cwd=tmp_path, env=env)
     print(f"{len(lines)} missing paths refused in one process in {time.perf_counter() - t0:.2f} s")
     assert "imported while refusing" not in p.stderr, p.stderr[-3000:]
     assert json.loads(p.stdout.splitlines()[-1]) == [2] * len(lines), p.stderr
@@ -184,3 +187,11 @@ def test_a_missing_path_is_refused_without_pydantic_or_torch(tmp_path):
     assert said == ["error: /no/such: no such checkpoint directory. Check the path (a checkpoint is the directory "
                     "that holds `.metadata`)."] * len(lines), said
     assert json.loads(p.stdout.splitlines()[0])["code"] == "bad_input"
+
+
+def test_data_choices_agree_with_the_data_policies():
+    """`arguments` states --data-policy's choices so that no command's start imports `semantics.data`."""
+    from reshard.arguments import DATA_POLICIES
+    from reshard.semantics.data import POLICIES
+
+    assert tuple(DATA_POLICIES) == tuple(POLICIES)
