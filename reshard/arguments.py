@@ -15,12 +15,13 @@ from pathlib import Path
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.model.topology import parse_spec
-from reshard.semantics.data import POLICIES as DATA_POLICIES
 from reshard.semantics.schedule import POLICIES as SCHEDULES
 
 # reshard.semantics.rng.POLICIES, which imports torch: tests/test_cli_validation.py checks they agree
 RNG_POLICIES = ("carry", "reseed", "drop")
+# reshard.semantics.data.POLICIES, whose module brings pickle, RE2 and safefs (~20 ms of every command's
+# start, a missing path's included: issue 33): tests/test_cli_fast_parse.py checks they agree
+DATA_POLICIES = ("translate", "restart-epoch", "drop")
 DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 ONLY = ("model", "model+optim")
 OUTPUT_FORMATS = ("dcp", "local")
@@ -52,6 +53,8 @@ def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq
     The target spec is parsed here too, so ``--to dp=0`` fails before any import. Returns
     warnings (one sentence each) for flags that have no effect as given.
     """
+    from reshard.model.topology import parse_spec  # here: inspect, verify and export never parse a spec
+
     warnings: list[str] = []
     target = parse_spec(to) if to is not None else None
     if pp_stages is not None:
@@ -134,11 +137,15 @@ def check_import(*, fmt: str) -> None:
 
 
 def check_slice(*, layers: str | None, experts: str | None) -> None:
-    """``--layers`` / ``--experts``: how they are written (which indices exist is known only from the source)."""
-    from reshard.semantics.slicing import parse_indices
+    """``--layers`` / ``--experts``: how they are written (which indices exist is known only from the source).
 
+    The parser is imported only when one is given: it brings the partition rules (~15 ms), which a
+    plan without a slice never reads.
+    """
     for flag, what, spec in (("--layers", "layer", layers), ("--experts", "expert", experts)):
         if spec is not None:
+            from reshard.semantics.slicing import parse_indices
+
             parse_indices(spec, None, flag=flag, what=what)
 
 
