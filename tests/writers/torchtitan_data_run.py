@@ -88,66 +88,23 @@ def tokenizer():
 
 
 def build(dump: Path, data: Path):
-    """torchtitan_run's job with torchtitan's HuggingFaceTextDataLoader over DATA, the dataloader loaded too."""
+    """torchtitan_run's job (`torchtitan_run.build`) with torchtitan's HuggingFaceTextDataLoader over
+    DATA, the dataloader loaded too."""
     from datasets import load_dataset
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets import text_datasets
-    from torchtitan.models.llama3.parallelize import parallelize_llama
-    from torch.distributed.fsdp import FSDPModule
 
     text_datasets.DATASETS[DATASET] = DatasetConfig(
         path=str(data), loader=lambda p: load_dataset("json", data_files=p, split="train", streaming=True),
         sample_processor=_record)
     titan.VOCAB = 2 + 2 * EXAMPLES  # the model's vocabulary is the tokenizer's
-    world = dist.get_world_size()
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend=titan.SPMD_BACKEND)
-    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=100, mixed_precision_param="float32")
 
-    class _JobConfig:
-        def __init__(self, p): self.parallelism = p
+    def loader(dp_rank: int, dp_world: int):
+        cfg = text_datasets.HuggingFaceTextDataLoader.Config(dataset=DATASET, dataset_path=str(data), infinite=False)
+        return text_datasets.HuggingFaceTextDataLoader(cfg, dp_world_size=dp_world, dp_rank=dp_rank,
+                                                       tokenizer=tokenizer(), seq_len=SEQ, local_batch_size=BATCH)
 
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    parallel_dims = ParallelDims.from_config(parallelism, world)
-    parallel_dims.build_mesh()
-    cfg = titan.model_config(fuse_qkv=True)
-    cfg.update_from_config(config=_JobConfig(parallelism))
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cfg.build()
-    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder=str(dump))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    opt_cfg = default_adamw(lr=8e-4)
-    opt_cfg.implementation = "for-loop"
-    optimizers = opt_cfg.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                                 min_lr_factor=0.0).build(optimizers=optimizers, training_steps=100)
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
-    loader_cfg = text_datasets.HuggingFaceTextDataLoader.Config(dataset=DATASET, dataset_path=str(data), infinite=False)
-    dataloader = text_datasets.HuggingFaceTextDataLoader(loader_cfg, dp_world_size=dp_world, dp_rank=dp_rank,
-                                                         tokenizer=tokenizer(), seq_len=SEQ, local_batch_size=BATCH)
-    train_state = titan.TrainState()
-    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False,
-                                      keep_latest_k=0, exclude_from_loading=[])
-    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                sd_adapter=None, base_folder=str(dump))
-    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
-    return titan.Job(model, optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
-                     parallel_dims, context)
+    return titan.build(dump, True, [], loader=loader, seq=SEQ, batch=BATCH, steps=100)
 
 
 def train(job, steps: int | None) -> tuple[int, list[int]]:

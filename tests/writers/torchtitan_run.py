@@ -192,7 +192,12 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
-def build(dump: Path, fuse_qkv: bool, exclude: list[str]) -> Job:
+def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None, seq: int = SEQ, batch: int = BATCH,
+          steps: int = TOTAL_STEPS) -> Job:
+    """The job on this process's ranks: torchtitan's llama3 model, ``parallelize_llama`` (FSDP2 at
+    dp_shard = world), AdamW, the LR schedule and ``CheckpointManager``. ``loader(dp_rank, dp_world)``
+    makes the dataloader (default: `TinyTokens` through ``ParallelAwareDataloader``);
+    tests/writers/torchtitan_data_run.py gives torchtitan's HuggingFaceTextDataLoader."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -202,8 +207,7 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str]) -> Job:
 
     world = dist.get_world_size()
     parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend=SPMD_BACKEND)
-    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=TOTAL_STEPS,
-                              mixed_precision_param="float32")
+    training = TrainingConfig(local_batch_size=batch, seq_len=seq, steps=steps, mixed_precision_param="float32")
 
     @dataclass
     class _JobConfig:  # update_from_config reads only `.parallelism` from a non-Trainer config
@@ -237,11 +241,12 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str]) -> Job:
     optimizers = opt_cfg.build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                  min_lr_factor=0.0).build(optimizers=optimizers,
-                                                                          training_steps=TOTAL_STEPS)
+                                                                          training_steps=steps)
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
     dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
-    dataloader = ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
-                                         batch_size=BATCH)
+    dataloader = (loader(dp_rank, dp_world) if loader is not None else
+                  ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
+                                          batch_size=batch))
     train_state = TrainState()
     ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False,
                                       keep_latest_k=0, exclude_from_loading=list(exclude))
