@@ -33,13 +33,26 @@ __all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTP
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.")  # the same test as reshard.storage.remote.URL
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
-def check_source(*paths: Path) -> None:
+def is_url(text: object) -> bool:
+    """A source given as ``scheme://...`` (s3://bucket/prefix), read through fsspec, not a local path."""
+    return isinstance(text, str) and _URL.match(text) is not None
+
+
+def check_source(*paths: Path | str) -> None:
     """A checkpoint path that does not exist, said before any heavy import (torch takes seconds to
     import, and a typo deserves an answer at once), in the words the checkpoint reader uses."""
     for path in paths:
+        if is_url(path):  # an object-store URL: its listing says whether it exists (reshard.storage.remote)
+            scheme, rest = str(path).split("://", 1)
+            if "@" in rest.split("/", 1)[0]:  # refused before anything (a progress line) could echo it
+                raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
+                               where=f"{scheme}://…", hint="Give them through the standard chain: environment "
+                               "variables, config files or an instance role.")
+            continue
         if not os.path.exists(path):
             raise BadInput("no such checkpoint directory", where=str(path),
                            hint="Check the path (a checkpoint is the directory that holds `.metadata`).")

@@ -81,7 +81,7 @@ _CONV = typer.Option(None, "--convention", help="A key convention TOML of your o
 
 @app.command()
 def inspect(
-    ckpt: Path = typer.Argument(..., help="DCP checkpoint directory."),
+    ckpt: str = typer.Argument(..., help="DCP checkpoint directory, or its URL (s3://bucket/prefix: the s3 extra)."),
     json_out: bool = typer.Option(False, "--json", help="Print the stable JSON shape (see README)."),
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
@@ -100,9 +100,12 @@ def inspect(
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect, to_json
 
-    opts = _options(ckpt, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
-                    profile=profile, no_profile=no_profile)
-    result = run_inspect(ckpt, opts, deep=deep, progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(ckpt) as root:
+        opts = _options(root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
+                        profile=profile, no_profile=no_profile)
+        result = run_inspect(root, opts, deep=deep, progress=progress)
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
@@ -150,7 +153,7 @@ def _sliced(opts, layers: Optional[str], experts: Optional[str]):
 
 @app.command()
 def plan(
-    ckpt: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    ckpt: str = typer.Argument(..., help="Source DCP checkpoint, or its URL (s3://bucket/prefix: the s3 extra)."),
     to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
@@ -179,14 +182,17 @@ def plan(
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
 
-    p, d = run_plan(ckpt, _sliced(_options(
-        ckpt, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-        data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-        model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
-        source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
-        conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
-        trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
-        tensors_out=tensors_out, progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(ckpt) as root:
+        p, d = run_plan(root, _sliced(_options(
+            root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+            model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
+            source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
+            conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
+            trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
+            tensors_out=tensors_out, progress=progress)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         typer.echo(f"warning: {d['space']['warning']}", err=True)

@@ -1,0 +1,134 @@
+"""Checkpoints read from S3-compatible object storage (issue 34, first part), against a real S3 server.
+
+The server is moto's, speaking the S3 protocol on localhost (`tests/s3_server.py`: one per
+session, credentials and endpoint in the environment, the bucket made with the server's own
+API); reshard reaches it through fsspec and s3fs, no client mocked. The checkpoint is the
+session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
+
+- `test_inspect_and_plan_match_a_local_copy`: `inspect` and `plan --to dp=2`, text and
+  `--json`, print what they print for the local copy, but for the path (the URL) and the
+  plan's fingerprint (which records the path); exit codes equal.
+- `test_only_metadata_sidecars_and_small_items_are_requested`: one listing, `.metadata` and
+  the sidecars fetched, and of the data objects only the byte ranges of the small items
+  inspect reads (step counters), a small fraction of the data.
+- `test_credentials_are_never_printed_or_recorded`: neither key appears in any output; a
+  URL carrying ``user:secret@`` is refused (exit 2) without echoing the secret.
+- `test_hostile_keys_and_names_are_refused`: a data-file name with ``/`` or ``..`` requests
+  nothing; a listed key with a ``..`` part is refused (exit 2), as a symlink out is on disk.
+- `test_missing_uncommitted_and_truncated_say_what_local_says`: an empty prefix, a prefix
+  without `.metadata` (a writer died before its commit) and a truncated data object are
+  refused or reported as on disk, naming the URL.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
+
+
+@pytest.fixture(scope="session")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_url(s3, plain_fsdp2_ckpt) -> str:
+    """`plain_fsdp2_ckpt` uploaded once: its URL on the server."""
+    return s3.upload(plain_fsdp2_ckpt, "plain")
+
+
+def _same_but_path(local: str, remote: str, ckpt: Path, url: str) -> None:
+    assert remote == local.replace(str(ckpt.resolve()), url).replace(str(ckpt), url)
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--json"], ["inspect"], ["plan", "--to", "dp=2", "--json"],
+                                  ["plan", "--to", "dp=2"]], ids=["inspect-json", "inspect", "plan-json", "plan"])
+def test_inspect_and_plan_match_a_local_copy(argv, plain_fsdp2_ckpt, plain_url):
+    code_l, out_l, _ = cli([argv[0], plain_fsdp2_ckpt, *argv[1:]])
+    code_r, out_r, err_r = cli([argv[0], plain_url, *argv[1:]])
+    assert code_r == code_l == 0, err_r
+    if argv[0] == "plan":  # the fingerprint covers the source path, so it differs with it and only with it
+        fp_l = (json.loads(out_l) if "--json" in argv else {"fingerprint": out_l.split("fingerprint ")[1].split()[0]})["fingerprint"]
+        fp_r = (json.loads(out_r) if "--json" in argv else {"fingerprint": out_r.split("fingerprint ")[1].split()[0]})["fingerprint"]
+        assert fp_l != fp_r
+        out_r = out_r.replace(fp_r, fp_l)
+    _same_but_path(out_l, out_r, plain_fsdp2_ckpt, plain_url)
+    if "--json" in argv:
+        d = json.loads(out_r)
+        assert (d["path"] if argv[0] == "inspect" else d["source"]["path"]) == plain_url
+
+
+def test_only_metadata_sidecars_and_small_items_are_requested(s3, plain_fsdp2_ckpt, plain_url):
+    from reshard.planning.describe import inspect_checkpoint
+    from reshard.storage.remote import remote_of, staged
+
+    with staged(plain_url) as root:
+        rc = remote_of(root)
+        staged_names = sorted(p.name for p in root.iterdir())
+        ins = inspect_checkpoint(root)
+        counters = rc.counters.to_dict()
+    assert ins.report["complete"] and ins.report["path"] == plain_url
+    assert remote_of(root) is None and not root.exists()  # the private directory is gone with the block
+    assert counters["listings"] == 1
+    assert ".metadata" in staged_names and not any(n.endswith(".distcp") for n in staged_names)
+    sizes = s3.keys("plain")
+    data = {k: n for k, n in sizes.items() if k.endswith(".distcp")}
+    assert counters["by_file"][".metadata"] == sizes[".metadata"]
+    asked = sum(n for k, n in counters["by_file"].items() if k in data)
+    small = sum(e.location.length if not e.is_tensor else e.chunks[0].location.length
+                for e in ins.index.entries.values() if not e.is_tensor or e.numel == 1)
+    assert 0 < asked <= small < sum(data.values()) // 4, counters  # step counters, objects: no tensor's bytes
+
+
+def test_credentials_are_never_printed_or_recorded(plain_url):
+    outs = [cli(["inspect", plain_url, "--json"]), cli(["plan", plain_url, "--to", "dp=2", "--json"]),
+            cli(["inspect", plain_url])]
+    for code, out, err in outs:
+        assert code == 0
+        assert ACCESS_KEY not in out + err and SECRET_KEY not in out + err
+    code, out, err = cli(["inspect", plain_url.replace("s3://", f"s3://{ACCESS_KEY}:{SECRET_KEY}@")])
+    assert code == 2 and "credentials in the URL are refused" in err
+    assert SECRET_KEY not in out + err and ACCESS_KEY not in out + err
+
+
+def test_hostile_keys_and_names_are_refused(s3, plain_fsdp2_ckpt, plain_url):
+    from reshard.errors import BadInput
+    from reshard.storage.remote import open_remote
+
+    rc = open_remote(plain_url)
+    for name in ("../evil/__0_0.distcp", "sub/__0_0.distcp", "/__0_0.distcp", ".."):
+        with pytest.raises(BadInput, match="outside the checkpoint|not a plain name inside"):
+            rc.read_range(name, 0, 1)
+    assert rc.counters.requests == 0  # refused before any request
+    url = s3.upload(plain_fsdp2_ckpt, "dotdot")
+    s3.client().put_object(Bucket=s3.bucket, Key="dotdot/sub/../x", Body=b"x")
+    code, _out, err = cli(["inspect", url])
+    assert code == 2 and "'sub/../x' points outside the checkpoint" in err and url in err
+
+
+def test_missing_uncommitted_and_truncated_say_what_local_says(s3, plain_fsdp2_ckpt, tmp_path):
+    code, _o, err = cli(["inspect", s3.url("nothing-here")])
+    assert code == 2 and "nothing is stored under this prefix" in err and s3.url("nothing-here") in err
+
+    url = s3.upload(plain_fsdp2_ckpt, "uncommitted")
+    s3.client().delete_object(Bucket=s3.bucket, Key="uncommitted/.metadata")
+    code, _o, err = cli(["inspect", url])
+    assert code == 2 and "not committed" in err and url in err and "reshard-remote-" not in err
+
+    local = tmp_path / "trunc"
+    shutil.copytree(plain_fsdp2_ckpt, local)
+    victim = sorted(local.glob("*.distcp"))[-1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    url = s3.upload(local, "trunc")
+    code_l, out_l, _ = cli(["inspect", local, "--json"])
+    code_r, out_r, _ = cli(["inspect", url, "--json"])
+    assert code_r == code_l == 2
+    assert any(f["code"] == "truncated_file" for f in json.loads(out_r)["problems"])
+    _same_but_path(out_l, out_r, local, url)
