@@ -29,7 +29,7 @@ DATA_MODES = ("copy", "link")
 EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
-__all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+__all__ = ["is_url", "check_remote_source", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
@@ -56,6 +56,21 @@ def check_source(*paths: Path | str) -> None:
         if not os.path.exists(path):
             raise BadInput("no such checkpoint directory", where=str(path),
                            hint="Check the path (a checkpoint is the directory that holds `.metadata`).")
+
+
+def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
+    """What a conversion from an object-store URL cannot do yet: share the source's files
+    (``--data link`` needs them on the destination's file system) or divide the work among
+    ``--workers`` processes (each would stage the source again; issue 34's next part)."""
+    if not is_url(src):
+        return
+    if data == "link":
+        raise BadInput("--data link shares the source's data files, and a source in object storage has none on this "
+                       "file system", where=src, hint="Drop --data link (the default, --data copy, fetches each item's "
+                       "byte range), or download the checkpoint first.")
+    if workers not in (None, 1):
+        raise BadInput("--workers with a source in object storage is not supported yet", where=src,
+                       hint="Run the conversion as one process (without --workers).")
 
 
 def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,

@@ -201,7 +201,7 @@ def plan(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Source DCP checkpoint (never modified)."),
+    src: str = typer.Argument(..., help="Source DCP checkpoint (never modified): a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: Path = typer.Argument(..., help="Destination directory (appears atomically)."),
     to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
@@ -261,6 +261,7 @@ def convert(
     window_bytes = _size(window, "--buffer-memory")
     args.check_slice(layers=layers, experts=experts)
     args.check_restart(restart=restart, output_format=output_format, data=data)
+    args.check_remote_source(src, data=data, workers=workers)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay
@@ -279,19 +280,22 @@ def convert(
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: typer.echo(_estimate_text(figures).lstrip("\n"))
-    opts = None
-    if plan_file is None and to is not None:
-        opts = _sliced(_options(
-            src, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-            model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
-            source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
-            source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
-            profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
-    done = run_convert(src, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
-                       workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
-                       restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
-                       debug=_state["debug"])
+    from reshard.planning.options import source_dir
+
+    with source_dir(src) as root:
+        opts = None
+        if plan_file is None and to is not None:
+            opts = _sliced(_options(
+                root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+                data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+                model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
+                source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
+                source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
+                profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
+        done = run_convert(root, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+                           workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
+                           restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
+                           debug=_state["debug"])
     report = done.report
     if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
         raise typer.Exit(done.exit_code)
@@ -334,8 +338,8 @@ def _size(text: Optional[str], flag: str) -> Optional[int]:
 
 @app.command()
 def verify(
-    a: Path = typer.Argument(..., help="First checkpoint."),
-    b: Path = typer.Argument(..., help="Second checkpoint."),
+    a: str = typer.Argument(..., help="First checkpoint (a directory, or s3://bucket/prefix: the s3 extra)."),
+    b: str = typer.Argument(..., help="Second checkpoint (likewise)."),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="Relative tolerance (default: bitwise)."),
     atol: float = typer.Option(0.0, "--atol", min=0.0, help="Absolute tolerance (default: bitwise)."),
     trust_pickle: bool = _TRUST,
@@ -352,8 +356,11 @@ def verify(
     from reshard.render.report import to_json
     from reshard.render.verify import render_verify
 
-    r, code = run_verify(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict, buffered=buffered,
-                         progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(a) as root_a, source_dir(b) as root_b:
+        r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
+                             buffered=buffered, progress=progress)
     typer.echo(to_json(r) if json_out else render_verify(r))
     raise typer.Exit(code)
 

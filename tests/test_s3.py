@@ -18,6 +18,10 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
 - `test_missing_uncommitted_and_truncated_say_what_local_says`: an empty prefix, a prefix
   without `.metadata` (a writer died before its commit) and a truncated data object are
   refused or reported as on disk, naming the URL.
+- `test_convert_from_the_store_is_byte_identical_and_verifies`: `convert s3://... DST` writes
+  `.metadata` and data files byte-identical to converting the local copy, verified against the
+  store's items, its report and manifest naming the URL and no credential; `verify` takes a URL
+  on either side; `--data link` and `--workers` from a store are refused (exit 2), nothing written.
 """
 from __future__ import annotations
 
@@ -132,3 +136,33 @@ def test_missing_uncommitted_and_truncated_say_what_local_says(s3, plain_fsdp2_c
     assert code_r == code_l == 2
     assert any(f["code"] == "truncated_file" for f in json.loads(out_r)["problems"])
     _same_but_path(out_l, out_r, local, url)
+
+
+def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_ckpt, plain_url, tmp_path):
+    """`convert s3://... DST` writes the same `.metadata` and data files as converting the local
+    copy; its report and manifest name the URL (never the private staged directory); `verify`
+    takes a URL on either side; what cannot work from a store yet is refused with the way out."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert cli(["convert", plain_fsdp2_ckpt, local, "--to", "dp=2", "--quiet"])[0] == 0
+    code, out, err = cli(["convert", plain_url, remote, "--to", "dp=2", "--quiet", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["source"] == report["verification"]["a"] == plain_url and report["verification"]["equal"]
+    assert report["verification"]["compared"]["tensors"] > 0  # compared with the store's items value by value
+    data = sorted(p.name for p in local.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
+    assert data == sorted(p.name for p in remote.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
+    for name in data:
+        assert (local / name).read_bytes() == (remote / name).read_bytes(), name
+    manifest = json.loads((remote / "manifest.json").read_text())
+    assert manifest["lineage"][-1]["policies"]["source_path"] == plain_url
+    for p in remote.iterdir():
+        text = p.read_bytes()
+        assert b"reshard-remote-" not in text and ACCESS_KEY.encode() not in text and SECRET_KEY.encode() not in text
+    for a, b in ((plain_url, remote), (remote, plain_url), (plain_url, plain_fsdp2_ckpt)):
+        code, out, err = cli(["verify", a, b, "--json"])
+        assert code == 0 and json.loads(out)["equal"], err
+
+    code, _o, err = cli(["convert", plain_url, tmp_path / "x", "--to", "dp=2", "--data", "link"])
+    assert code == 2 and "--data link" in err and not (tmp_path / "x").exists()
+    code, _o, err = cli(["convert", plain_url, tmp_path / "x", "--to", "dp=2", "--workers", "2"])
+    assert code == 2 and "--workers" in err and not (tmp_path / "x").exists()

@@ -27,7 +27,7 @@ from typing import Any
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
-from reshard.storage import archive
+from reshard.storage import archive, remote
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp import check_loadable
@@ -163,7 +163,9 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
-    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice and isinstance(ix, CheckpointIndex) else None
+    # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.remote`)
+    locator = splice.Locator(ix.root, ix.entries.values()) \
+        if io.splice and isinstance(ix, CheckpointIndex) and remote.remote_of(ix.root) is None else None
     try:
         yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
     finally:
