@@ -367,7 +367,7 @@ def verify(
 
 @app.command()
 def export(
-    src: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    src: str = typer.Argument(..., help="Source DCP checkpoint: a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
     fmt: str = typer.Option("safetensors", "--format", **_choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Cast floating tensors."),
@@ -394,9 +394,12 @@ def export(
     from reshard.commands.export import export as run_export
     from reshard.render.report import to_json
 
-    r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
-                   model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite, force=force,
-                   progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(src) as root:
+        r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+                       model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
+                       force=force, progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 

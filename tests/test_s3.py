@@ -22,6 +22,9 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   `.metadata` and data files byte-identical to converting the local copy, verified against the
   store's items, its report and manifest naming the URL and no credential; `verify` takes a URL
   on either side; `--data link` and `--workers` from a store are refused (exit 2), nothing written.
+- `test_export_from_the_store_matches_the_local_export`: `export s3://... DST` writes the
+  safetensors files of the local copy's export: the same tensor bytes and header, but for the
+  source it names (the URL).
 """
 from __future__ import annotations
 
@@ -166,3 +169,29 @@ def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_c
     assert code == 2 and "--data link" in err and not (tmp_path / "x").exists()
     code, _o, err = cli(["convert", plain_url, tmp_path / "x", "--to", "dp=2", "--workers", "2"])
     assert code == 2 and "--workers" in err and not (tmp_path / "x").exists()
+
+
+def test_export_from_the_store_matches_the_local_export(plain_fsdp2_ckpt, plain_url, tmp_path):
+    """`export s3://... DST` writes the safetensors files exporting the local copy writes (the same tensor bytes
+    and header), but for the source they and the report name: the URL."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert cli(["export", plain_fsdp2_ckpt, local, "--quiet"])[0] == 0
+    code, out, err = cli(["export", plain_url, remote, "--quiet", "--json"])
+    assert code == 0, err
+    assert json.loads(out)["source"] == plain_url
+    shards = sorted(p.name for p in local.iterdir() if p.suffix == ".safetensors")
+    assert shards and shards == sorted(p.name for p in remote.iterdir() if p.suffix == ".safetensors")
+    for name in shards:  # the same header but for the source it names, and the same tensor bytes
+        (hl, dl), (hr, dr) = _safetensors(local / name), _safetensors(remote / name)
+        assert hl["__metadata__"].pop("source") == str(plain_fsdp2_ckpt.resolve())
+        assert hr["__metadata__"].pop("source") == plain_url
+        assert hl == hr and dl == dr, name
+
+
+def _safetensors(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header (JSON) and its data bytes."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]

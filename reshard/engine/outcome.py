@@ -109,7 +109,7 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
     return {
         "report_version": 1,
-        "source": remote.display_path(src) if remote.remote_of(src) else str(src.resolve()),  # a URL as given
+        "source": remote.source_name(src),  # a remote source by its URL
         "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,

@@ -414,8 +414,7 @@ def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topolo
 
 def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
     """What the plan read from its source; part of the fingerprint, so its content must not drift."""
-    rc = remote.remote_of(src)  # a remote source is named by its URL, not by the directory standing for it
-    return {"path": rc.url if rc is not None else str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
+    return {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": r.get("step"),
             "tokens_seen": r.get("tokens_seen"),
             "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
             "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"],

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 
-__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "open_remote"]
+__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -251,6 +251,12 @@ def display_path(root: str | os.PathLike) -> str:
     """What a report names as the checkpoint: the URL of a staged directory, else the path."""
     rc = remote_of(root)
     return rc.url if rc is not None else str(root)
+
+
+def source_name(root: str | os.PathLike) -> str:
+    """What an output records as its source: the URL of a staged directory, else the resolved path."""
+    rc = remote_of(root)
+    return rc.url if rc is not None else str(Path(root).resolve())
 
 
 @contextmanager
