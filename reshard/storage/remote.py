@@ -177,10 +177,8 @@ class RemoteCheckpoint:
                              f"but the object ends at {size}", where=self.where(name),
                              hint="The data object is truncated; the checkpoint is incomplete.")
         parts, done = [], 0
-        while done < length or (length == 0 and not parts):
+        while done < length:
             n = min(PIECE, length - done)
-            if n == 0:
-                break
             try:
                 b = self.fs.cat_file(f"{self.base}/{name}", start=offset + done, end=offset + done + n)
             except FileNotFoundError:
