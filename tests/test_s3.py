@@ -22,6 +22,9 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   `.metadata` and data files byte-identical to converting the local copy, verified against the
   store's items, its report and manifest naming the URL and no credential; `verify` takes a URL
   on either side; `--data link` and `--workers` from a store are refused (exit 2), nothing written.
+- `test_items_are_fetched_ahead_within_the_bounds`: the conversion's reads are prefetched by
+  at most ``--threads`` requests at once (and more than one), with at most ``--buffer-memory``
+  bytes fetched and not yet used, the output unchanged.
 - `test_export_from_the_store_matches_the_local_export`: `export s3://... DST` writes the
   safetensors files of the local copy's export: the same tensor bytes and header, but for the
   source it names (the URL).
@@ -48,6 +51,19 @@ def s3():
 def plain_url(s3, plain_fsdp2_ckpt) -> str:
     """`plain_fsdp2_ckpt` uploaded once: its URL on the server."""
     return s3.upload(plain_fsdp2_ckpt, "plain")
+
+
+@pytest.fixture(scope="module")
+def local_dp2(plain_fsdp2_ckpt, tmp_path_factory) -> Path:
+    """`plain_fsdp2_ckpt` converted to dp=2 from the local copy: what every conversion from the store must equal."""
+    out = tmp_path_factory.mktemp("s3") / "local_dp2"
+    code, _out, err = cli(["convert", plain_fsdp2_ckpt, out, "--to", "dp=2", "--quiet"])
+    assert code == 0, err
+    return out
+
+
+def _data_files(ckpt: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in ckpt.iterdir() if p.suffix == ".distcp" or p.name == ".metadata"}
 
 
 def _same_but_path(local: str, remote: str, ckpt: Path, url: str) -> None:
@@ -141,21 +157,17 @@ def test_missing_uncommitted_and_truncated_say_what_local_says(s3, plain_fsdp2_c
     _same_but_path(out_l, out_r, local, url)
 
 
-def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_ckpt, plain_url, tmp_path):
+def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_ckpt, plain_url, local_dp2, tmp_path):
     """`convert s3://... DST` writes the same `.metadata` and data files as converting the local
     copy; its report and manifest name the URL (never the private staged directory); `verify`
     takes a URL on either side; what cannot work from a store yet is refused with the way out."""
-    local, remote = tmp_path / "local", tmp_path / "remote"
-    assert cli(["convert", plain_fsdp2_ckpt, local, "--to", "dp=2", "--quiet"])[0] == 0
+    remote = tmp_path / "remote"
     code, out, err = cli(["convert", plain_url, remote, "--to", "dp=2", "--quiet", "--json"])
     assert code == 0, err
     report = json.loads(out)
     assert report["source"] == report["verification"]["a"] == plain_url and report["verification"]["equal"]
     assert report["verification"]["compared"]["tensors"] > 0  # compared with the store's items value by value
-    data = sorted(p.name for p in local.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
-    assert data == sorted(p.name for p in remote.iterdir() if p.suffix == ".distcp" or p.name == ".metadata")
-    for name in data:
-        assert (local / name).read_bytes() == (remote / name).read_bytes(), name
+    assert _data_files(remote) == _data_files(local_dp2)
     manifest = json.loads((remote / "manifest.json").read_text())
     assert manifest["lineage"][-1]["policies"]["source_path"] == plain_url
     for p in remote.iterdir():
@@ -195,3 +207,20 @@ def _safetensors(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_path):
+    """The conversion's reads of a remote source go through a prefetch: several ranged requests at
+    once but never more than ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead
+    and not yet used, and the output the same bytes as with no prefetch at all."""
+    from reshard.storage.remote import remote_of, staged
+
+    with staged(plain_url) as root:
+        code, _out, err = cli(["convert", root, tmp_path / "out", "--to", "dp=2", "--quiet", "--threads", "3",
+                               "--buffer-memory", "16KiB"])
+        counters = remote_of(root).counters.to_dict()
+    assert code == 0, err
+    assert 2 <= counters["peak_in_flight"] <= 3, counters
+    assert 0 < counters["peak_buffered"] <= 16 << 10, counters
+    assert counters["prefetched"] > 0
+    assert _data_files(tmp_path / "out") == _data_files(local_dp2)

@@ -36,7 +36,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
@@ -72,6 +72,10 @@ class Counters:
     bytes: int = 0
     listings: int = 0
     by_file: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0          # requests under way now
+    peak_in_flight: int = 0     # the most at once (a prefetch's parallelism, bounded by its ``in_flight``)
+    peak_buffered: int = 0      # the most bytes fetched ahead and not yet taken (bounded by its ``memory``)
+    prefetched: int = 0         # reads answered by the prefetch
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, nbytes: int) -> None:
@@ -80,9 +84,19 @@ class Counters:
             self.bytes += nbytes
             self.by_file[name] = self.by_file.get(name, 0) + nbytes
 
+    def started(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def ended(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "bytes": self.bytes, "listings": self.listings,
-                "by_file": dict(sorted(self.by_file.items()))}
+                "peak_in_flight": self.peak_in_flight, "peak_buffered": self.peak_buffered,
+                "prefetched": self.prefetched, "by_file": dict(sorted(self.by_file.items()))}
 
 
 def _no_fsspec(url: str, exc: Exception) -> BadInput:
@@ -120,6 +134,7 @@ class RemoteCheckpoint:
         self.fs = fs
         self.base = base.rstrip("/")
         self.counters = Counters()
+        self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
         self.sizes: dict[str, int] = self._list()
 
     def where(self, name: str = "") -> str:
@@ -164,7 +179,28 @@ class RemoteCheckpoint:
         of `PIECE` for a larger range), checked for length. A missing file or a short object is
         `Incomplete` (exit 2), worded as on disk."""
         _check_data_name(name, where=self.url)
+        ahead = self.ahead
+        if ahead is not None:
+            data = ahead.take(name, offset, length)
+            if data is not None:
+                return data
         return self._read(name, offset, length, key=key)
+
+    @contextmanager
+    def prefetching(self, ranges: Iterable[tuple[str, int, int]], *, in_flight: int = 8,
+                    memory: int = 256 << 20) -> Iterator["Prefetch"]:
+        """While the block runs, the byte ranges ``(file, offset, length)`` are fetched ahead of
+        their reader, in the order given, by at most ``in_flight`` requests at once and with at
+        most ``memory`` bytes fetched and not yet read (a larger range alone); `read_range` takes
+        them from there. A range read in another order, or not foreseen, is fetched as it is read:
+        the order costs time, never correctness. Errors surface where the range is read."""
+        ahead = Prefetch(self, ranges, in_flight=in_flight, memory=memory)
+        self.ahead = ahead
+        try:
+            yield ahead
+        finally:
+            self.ahead = None
+            ahead.close()
 
     def _read(self, name: str, offset: int, length: int, *, key: str | None) -> bytes:
         size = self.sizes.get(name)
@@ -179,6 +215,7 @@ class RemoteCheckpoint:
         parts, done = [], 0
         while done < length:
             n = min(PIECE, length - done)
+            self.counters.started()
             try:
                 b = self.fs.cat_file(f"{self.base}/{name}", start=offset + done, end=offset + done + n)
             except FileNotFoundError:
@@ -187,6 +224,8 @@ class RemoteCheckpoint:
             except Exception as exc:  # noqa: BLE001 - a store's errors, in one paragraph
                 raise BadInput(f"cannot read bytes of '{name}'{who}: {type(exc).__name__}: {exc}",
                                where=self.where(name), hint="Check the endpoint and the credentials' read rights.") from None
+            finally:
+                self.counters.ended()
             self.counters.add(name, n)
             if len(b) != n:
                 raise Incomplete(f"the store returned {len(b)} of {n} bytes of '{name}' at {offset + done}",
@@ -208,6 +247,74 @@ class RemoteCheckpoint:
                 f.write(self._read(tail, done, n, key=None))
                 done += n
         return size
+
+
+class Prefetch:
+    """Ranges of one remote checkpoint fetched ahead on a bounded pool (`RemoteCheckpoint.prefetching`).
+
+    A feeder thread walks the ranges in order and submits each once the bytes fetched and not
+    yet taken leave room for it (``memory``); the pool has ``in_flight`` threads, so no more
+    requests run at once. `take` hands a range's bytes to its reader and frees its room.
+    """
+
+    def __init__(self, rc: RemoteCheckpoint, ranges: Iterable[tuple[str, int, int]], *, in_flight: int, memory: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.rc = rc
+        self.memory = max(1, memory)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, in_flight), thread_name_prefix="reshard-fetch")
+        self.cond = threading.Condition()
+        self.pending: dict[tuple[str, int, int], list[Any]] = {}
+        self.buffered = 0
+        self.skip: dict[tuple[str, int, int], int] = {}
+        self.closed = False
+        self.feeder = threading.Thread(target=self._feed, args=(iter(ranges),), name="reshard-prefetch", daemon=True)
+        self.feeder.start()
+
+    def _feed(self, ranges: Iterator[tuple[str, int, int]]) -> None:
+        for name, offset, length in ranges:
+            with self.cond:
+                while not self.closed and self.buffered and self.buffered + length > self.memory:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                key = (name, offset, length)
+                if self.skip.get(key):  # its reader came first and fetched it itself
+                    self.skip[key] -= 1
+                    continue
+                self.buffered += length
+                self.rc.counters.peak_buffered = max(self.rc.counters.peak_buffered, self.buffered)
+                fut = self.pool.submit(self.rc._read, name, offset, length, key=None)
+                self.pending.setdefault(key, []).append(fut)
+                self.cond.notify_all()
+
+    def take(self, name: str, offset: int, length: int) -> bytes | None:
+        """The range's bytes if it was foreseen (waiting for its request), else None."""
+        key = (name, offset, length)
+        with self.cond:
+            futs = self.pending.get(key)
+            if not futs:  # not foreseen, or the feeder has not reached it: the reader fetches it, the feeder skips it
+                self.skip[key] = self.skip.get(key, 0) + 1
+                return None
+            fut = futs.pop(0)
+            if not futs:
+                del self.pending[key]
+        try:
+            data = fut.result()
+        finally:
+            with self.cond:
+                self.buffered -= length
+                self.cond.notify_all()
+        with self.rc.counters.lock:
+            self.rc.counters.prefetched += 1
+        return data
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.feeder.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def open_remote(url: str) -> RemoteCheckpoint:
