@@ -29,7 +29,7 @@ DATA_MODES = ("copy", "link")
 EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
-__all__ = ["is_url", "check_remote_source", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+__all__ = ["is_url", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
@@ -71,6 +71,23 @@ def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
     if workers not in (None, 1):
         raise BadInput("--workers with a source in object storage is not supported yet", where=src,
                        hint="Run the conversion as one process (without --workers).")
+
+
+def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str, overwrite: bool) -> None:
+    """What a conversion into object storage does not do yet, refused before any work: linked
+    data, per-rank safetensors, several workers, or replacing what the prefix holds."""
+    if not is_url(dst):
+        return
+    scheme, rest = dst.split("://", 1)
+    if "@" in rest.split("/", 1)[0]:
+        raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
+                       where=f"{scheme}://…", hint="Give them through the standard chain: environment variables, "
+                       "config files or an instance role.")
+    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
+                       (workers not in (None, 1), "--workers"), (overwrite, "--overwrite")):
+        if given:
+            raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
+                           hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")
 
 
 def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,

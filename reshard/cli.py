@@ -202,7 +202,7 @@ def plan(
 @app.command()
 def convert(
     src: str = typer.Argument(..., help="Source DCP checkpoint (never modified): a directory, or s3://bucket/prefix (the s3 extra)."),
-    dst: Path = typer.Argument(..., help="Destination directory (appears atomically)."),
+    dst: str = typer.Argument(..., help="Destination directory (appears atomically), or s3://bucket/prefix (published with .metadata last)."),
     to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
@@ -239,7 +239,7 @@ def convert(
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode,
                          buffered=buffered, data=data)
-    _state["output"] = dst  # what the last line of a Ctrl-C speaks of (_interrupted)
+    _state["output"] = dst if args.is_url(dst) else Path(dst)  # what the last line of a Ctrl-C speaks of (_interrupted)
     if plan_file is not None:
         args.check_beside_plan(str(plan_file), {
             "--from": from_spec, "--micro-batch": micro_batch, "--grad-accum": grad_accum,
@@ -262,6 +262,9 @@ def convert(
     args.check_slice(layers=layers, experts=experts)
     args.check_restart(restart=restart, output_format=output_format, data=data)
     args.check_remote_source(src, data=data, workers=workers)
+    args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format, overwrite=overwrite)
+    if not args.is_url(dst):
+        dst = Path(dst)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay

@@ -28,6 +28,14 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
 - `test_export_from_the_store_matches_the_local_export`: `export s3://... DST` writes the
   safetensors files of the local copy's export: the same tensor bytes and header, but for the
   source it names (the URL).
+- `test_convert_to_the_store_commits_metadata_last_and_torch_loads_it`: `convert s3://src
+  s3://dst` uploads the local conversion's objects byte for byte, leaves no upload marker,
+  torch's own `FsspecReader` loads every tensor strictly and bitwise equal to the local output,
+  `verify` agrees, and a second run into the committed prefix is refused.
+- `test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits`: SIGKILLed after its
+  last data object (a forked process), the upload leaves no `.metadata`: stock `dcp.load`
+  through `FsspecReader` refuses it, `inspect` says not committed, and the same command again
+  replaces the leftovers and commits the same objects.
 """
 from __future__ import annotations
 
@@ -224,3 +232,84 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
     assert 0 < counters["peak_buffered"] <= 16 << 10, counters
     assert counters["prefetched"] > 0
     assert _data_files(tmp_path / "out") == _data_files(local_dp2)
+
+
+def _load_with_fsspec_reader(url: str, like: Path) -> dict:
+    """Every tensor of the checkpoint at ``url`` loaded by torch's own `FsspecReader` into tensors
+    shaped as the local checkpoint ``like`` declares them (strict: every key must be there)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(like)).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=FsspecReader(url), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
+    return sd
+
+
+def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain_url, local_dp2):
+    """`convert s3://src s3://dst`: the objects are the local conversion's files (data and
+    `.metadata` byte for byte), no upload marker is left, torch's `FsspecReader` loads every
+    tensor strictly and bitwise equal to the local output, and a second run into the same
+    prefix is refused (a committed checkpoint is never replaced)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dst = s3.url("out/dp2")
+    code, out, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["destination"] == report["verification"]["b"] == dst
+    keys = s3.keys("out/dp2")
+    assert ".reshard-uploading" not in keys
+    c = s3.client()
+    for name, data in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/dp2/{name}")["Body"].read() == data, name
+    got = _load_with_fsspec_reader(dst, local_dp2)
+    md = dcp.FileSystemReader(str(local_dp2)).read_metadata()
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+    dcp.load(want, storage_reader=dcp.FileSystemReader(str(local_dp2)))
+    assert got.keys() == want.keys() and got
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    code, _o, err = cli(["verify", local_dp2, dst])
+    assert code == 0, err
+    code, _o, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet"])
+    assert code == 2 and "a committed checkpoint" in err
+
+
+def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, plain_url, local_dp2):
+    """A conversion into the store SIGKILLed right after its last data object (a real process,
+    `tests/forked.py`) leaves data objects and no `.metadata`: stock `dcp.load` through
+    `FsspecReader` refuses the prefix, `inspect` calls it not committed, and the same command
+    run again replaces the leftovers and commits what a clean run commits."""
+    import os
+
+    import forked
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dst = s3.url("out/killed")
+    last = max(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {last}"})
+    assert r.returncode == -9, r.stderr
+    keys = s3.keys("out/killed")
+    assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
+    with pytest.raises(CheckpointException, match="global metadata read failed: .*killed/.metadata"):
+        dcp.load({"x": torch.empty(1)}, storage_reader=FsspecReader(dst))
+    code, _o, err = cli(["inspect", dst])
+    assert code == 2 and "not committed" in err
+
+    code, _o, err = cli(argv)
+    assert code == 0, err
+    c = s3.client()
+    assert ".reshard-uploading" not in s3.keys("out/killed")
+    for name, data in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == data, name

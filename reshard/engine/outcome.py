@@ -110,7 +110,7 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
     return {
         "report_version": 1,
         "source": remote.source_name(src),  # a remote source by its URL
-        "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
+        "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,
         "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],

@@ -36,12 +36,13 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 
-__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote"]
+__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
+           "output_name", "staged_output", "publish", "UPLOAD_MARKER"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -355,7 +356,9 @@ def remote_of(root: str | os.PathLike) -> RemoteCheckpoint | None:
 def display_path(root: str | os.PathLike) -> str:
     """What a report names as the checkpoint: the URL of a staged directory, else the path."""
     rc = remote_of(root)
-    return rc.url if rc is not None else str(root)
+    if rc is not None:
+        return rc.url
+    return output_name(root) or str(root)
 
 
 def source_name(root: str | os.PathLike) -> str:
@@ -396,3 +399,111 @@ def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
         for k in [k for k, v in _STAGED.items() if v is rc]:
             del _STAGED[k]
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- outputs in object storage
+
+#: Written first under a destination prefix and removed after `.metadata`: the prefix holds an
+#: upload by reshard that may be unfinished, which a rerun may replace (nothing else it may).
+UPLOAD_MARKER = ".reshard-uploading"
+
+#: local directory an output is written into (its real path) -> the URL it is published to
+_OUTPUTS: dict[str, str] = {}
+
+
+def output_name(path: str | os.PathLike) -> str | None:
+    """The URL an output written at ``path`` (or inside it) is published to; None for a local output."""
+    if not _OUTPUTS:
+        return None
+    real = os.path.realpath(os.fspath(path))
+    for local, url in _OUTPUTS.items():
+        if real == local or real.startswith(local + os.sep):
+            return url + real[len(local):].replace(os.sep, "/")
+    return None
+
+
+def _open_destination(url: str) -> tuple[Any, str]:
+    m = URL.match(url)
+    if m is None or "@" in m.group(2).split("/", 1)[0]:
+        raise BadInput("a destination URL is s3://bucket/prefix, with no credentials in it", where=url.split("://")[0] + "://…")
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, base = url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise _no_fsspec(url, exc) from None
+    if "/" not in base.strip("/"):
+        raise BadInput("an output is a prefix inside a bucket, not a whole bucket", where=url,
+                       hint="Give s3://bucket/prefix.")
+    return fs, base.rstrip("/")
+
+
+def _listing(fs: Any, base: str, url: str) -> list[str]:
+    try:
+        found = fs.find(base)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"cannot list the destination: {type(exc).__name__}: {exc}", where=url,
+                       hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
+    return sorted(p[len(base) + 1:] for p in found if p.startswith(base + "/"))
+
+
+@contextmanager
+def staged_output(url: str) -> Iterator[Path]:
+    """A local directory (not yet existing) for an output that `publish` then uploads to ``url``,
+    after checking that the destination takes it: an empty prefix, or the leftovers of an upload
+    by reshard that never committed (`UPLOAD_MARKER` and no `.metadata`). While the block runs,
+    reports name the URL (`output_name`); the directory is removed afterwards."""
+    fs, base = _open_destination(url)
+    there = _listing(fs, base, url)
+    if there and (METADATA_FILE in there or UPLOAD_MARKER not in there):
+        raise BadInput(f"the destination prefix already holds {len(there)} objects"
+                       + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
+                       hint="Choose an empty prefix (replacing objects in a store is not supported yet).")
+    tmp = Path(tempfile.mkdtemp(prefix="reshard-upload-"))
+    local = tmp / "out"
+    _OUTPUTS[os.path.realpath(local)] = url.rstrip("/")
+    try:
+        yield local
+    finally:
+        _OUTPUTS.pop(os.path.realpath(local), None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(local: Path, url: str, *, on_event: Callable[[str], Any] | None = None) -> Counters:
+    """Upload a committed local output to ``url`` in DCP's commit order, on a store with no rename:
+    `UPLOAD_MARKER` first, then the data objects at their final names, then every other file,
+    `.metadata` last (the commit marker: a loader takes the output only once it is there), then
+    the marker removed. Leftovers of an interrupted upload under the prefix (`staged_output`
+    admits only those) are deleted first, `.metadata`-less as they are. ``on_event(label)`` after
+    each object (the fault-injection hook of the tests)."""
+    fs, base = _open_destination(url)
+    counters = Counters()
+    stale = _listing(fs, base, url)
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    if METADATA_FILE not in names:
+        raise Incomplete("the output has no .metadata: nothing committed to publish", where=str(local))
+    for tail in names:
+        _check_key_tail(tail, where=url)
+    order = ([n for n in names if n.endswith(DATA_SUFFIX)]
+             + [n for n in names if not n.endswith(DATA_SUFFIX) and n != METADATA_FILE] + [METADATA_FILE])
+    try:
+        fs.pipe_file(f"{base}/{UPLOAD_MARKER}", b"reshard: an upload in progress; no .metadata means not committed\n")
+        for tail in stale:
+            if tail != UPLOAD_MARKER:
+                fs.rm_file(f"{base}/{tail}")
+        if on_event is not None:
+            on_event(f"upload {UPLOAD_MARKER}")
+        for tail in order:
+            fs.put_file(str(local / tail), f"{base}/{tail}")
+            counters.add(tail, (local / tail).stat().st_size)
+            if on_event is not None:
+                on_event(f"upload {tail}")
+        fs.rm_file(f"{base}/{UPLOAD_MARKER}")
+    except ReshardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                       hint="Nothing is committed there (no .metadata); run the same command again.") from None
+    return counters
