@@ -35,12 +35,14 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
 - `test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits`: SIGKILLed after its
   last data object (a forked process), the upload leaves no `.metadata`: stock `dcp.load`
   through `FsspecReader` refuses it, `inspect` says not committed, and the same command again
-  replaces the leftovers and commits the same objects.
+  replaces the leftovers and commits the same objects (the killed process's two private local
+  directories, which no cleanup removes on SIGKILL, are removed by the test).
 """
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -298,8 +300,14 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, pla
     dst = s3.url("out/killed")
     last = max(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
     argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
+    mine = ("reshard-remote-", "reshard-upload-")
+    before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)}
     r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {last}"})
     assert r.returncode == -9, r.stderr
+    left = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)} - before
+    assert sorted(p.name[:15] for p in left) == list(mine)  # no cleanup runs on SIGKILL: the two private directories
+    for p in left:
+        shutil.rmtree(p)
     keys = s3.keys("out/killed")
     assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
     with pytest.raises(CheckpointException, match="global metadata read failed: .*killed/.metadata"):
