@@ -22,6 +22,8 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   `.metadata` and data files byte-identical to converting the local copy, verified against the
   store's items, its report and manifest naming the URL and no credential; `verify` takes a URL
   on either side; `--data link` and `--workers` from a store are refused (exit 2), nothing written.
+- `test_inspect_and_plan_of_a_store_import_no_torch`: both commands on a URL, in a fresh
+  interpreter, exit 0 without importing torch.
 - `test_items_are_fetched_ahead_within_the_bounds`: the conversion's reads are prefetched by
   at most ``--threads`` requests at once (and more than one), with at most ``--buffer-memory``
   bytes fetched and not yet used, the output unchanged.
@@ -321,3 +323,30 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, pla
     assert ".reshard-uploading" not in s3.keys("out/killed")
     for name, data in _data_files(local_dp2).items():
         assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == data, name
+
+
+NO_TORCH_RUN = """
+import sys
+from reshard.cli import main
+
+for argv in (["inspect", sys.argv[1], "--json"], ["plan", sys.argv[1], "--to", "dp=2", "--json"]):
+    try:
+        main(argv)
+    except SystemExit as exc:
+        print("exit", argv[0], exc.code, file=sys.stderr)
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_inspect_and_plan_of_a_store_import_no_torch(plain_url):
+    """`inspect` and `plan` of a remote checkpoint stay off torch, as on disk (docs/architecture.md,
+    "Where torch is imported"): fsspec, s3fs and the staged directory bring none of it. A fresh
+    interpreter is the point (this one has torch), so it is a subprocess, one for both commands."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", NO_TORCH_RUN, plain_url], capture_output=True, text=True,
+                       env=os.environ, timeout=300)
+    assert "exit inspect 0" in r.stderr and "exit plan 0" in r.stderr, r.stderr
+    assert "torch imported: False" in r.stderr, r.stderr
