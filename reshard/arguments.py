@@ -29,20 +29,65 @@ DATA_MODES = ("copy", "link")
 EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
-__all__ = ["DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+__all__ = ["is_url", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.")  # the same test as reshard.storage.remote.URL
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
-def check_source(*paths: Path) -> None:
+def is_url(text: object) -> bool:
+    """A source given as ``scheme://...`` (s3://bucket/prefix), read through fsspec, not a local path."""
+    return isinstance(text, str) and _URL.match(text) is not None
+
+
+def check_source(*paths: Path | str) -> None:
     """A checkpoint path that does not exist, said before any heavy import (torch takes seconds to
     import, and a typo deserves an answer at once), in the words the checkpoint reader uses."""
     for path in paths:
+        if is_url(path):  # an object-store URL: its listing says whether it exists (reshard.storage.remote)
+            scheme, rest = str(path).split("://", 1)
+            if "@" in rest.split("/", 1)[0]:  # refused before anything (a progress line) could echo it
+                raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
+                               where=f"{scheme}://…", hint="Give them through the standard chain: environment "
+                               "variables, config files or an instance role.")
+            continue
         if not os.path.exists(path):
             raise BadInput("no such checkpoint directory", where=str(path),
                            hint="Check the path (a checkpoint is the directory that holds `.metadata`).")
+
+
+def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
+    """What a conversion from an object-store URL cannot do yet: share the source's files
+    (``--data link`` needs them on the destination's file system) or divide the work among
+    ``--workers`` processes (each would stage the source again; issue 34's next part)."""
+    if not is_url(src):
+        return
+    if data == "link":
+        raise BadInput("--data link shares the source's data files, and a source in object storage has none on this "
+                       "file system", where=src, hint="Drop --data link (the default, --data copy, fetches each item's "
+                       "byte range), or download the checkpoint first.")
+    if workers not in (None, 1):
+        raise BadInput("--workers with a source in object storage is not supported yet", where=src,
+                       hint="Run the conversion as one process (without --workers).")
+
+
+def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str, overwrite: bool) -> None:
+    """What a conversion into object storage does not do yet, refused before any work: linked
+    data, per-rank safetensors, several workers, or replacing what the prefix holds."""
+    if not is_url(dst):
+        return
+    scheme, rest = dst.split("://", 1)
+    if "@" in rest.split("/", 1)[0]:
+        raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
+                       where=f"{scheme}://…", hint="Give them through the standard chain: environment variables, "
+                       "config files or an instance role.")
+    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
+                       (workers not in (None, 1), "--workers"), (overwrite, "--overwrite")):
+        if given:
+            raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
+                           hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")
 
 
 def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,

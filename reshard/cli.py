@@ -81,7 +81,7 @@ _CONV = typer.Option(None, "--convention", help="A key convention TOML of your o
 
 @app.command()
 def inspect(
-    ckpt: Path = typer.Argument(..., help="DCP checkpoint directory."),
+    ckpt: str = typer.Argument(..., help="DCP checkpoint directory, or its URL (s3://bucket/prefix: the s3 extra)."),
     json_out: bool = typer.Option(False, "--json", help="Print the stable JSON shape (see README)."),
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
     from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
@@ -100,9 +100,12 @@ def inspect(
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect, to_json
 
-    opts = _options(ckpt, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
-                    profile=profile, no_profile=no_profile)
-    result = run_inspect(ckpt, opts, deep=deep, progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(ckpt) as root:
+        opts = _options(root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
+                        profile=profile, no_profile=no_profile)
+        result = run_inspect(root, opts, deep=deep, progress=progress)
     typer.echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
@@ -150,7 +153,7 @@ def _sliced(opts, layers: Optional[str], experts: Optional[str]):
 
 @app.command()
 def plan(
-    ckpt: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    ckpt: str = typer.Argument(..., help="Source DCP checkpoint, or its URL (s3://bucket/prefix: the s3 extra)."),
     to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
     schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
@@ -179,14 +182,17 @@ def plan(
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
 
-    p, d = run_plan(ckpt, _sliced(_options(
-        ckpt, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-        data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-        model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
-        source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
-        conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
-        trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
-        tensors_out=tensors_out, progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(ckpt) as root:
+        p, d = run_plan(root, _sliced(_options(
+            root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+            model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
+            source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
+            conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
+            trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
+            tensors_out=tensors_out, progress=progress)
     typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         typer.echo(f"warning: {d['space']['warning']}", err=True)
@@ -195,8 +201,8 @@ def plan(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Source DCP checkpoint (never modified)."),
-    dst: Path = typer.Argument(..., help="Destination directory (appears atomically)."),
+    src: str = typer.Argument(..., help="Source DCP checkpoint (never modified): a directory, or s3://bucket/prefix (the s3 extra)."),
+    dst: str = typer.Argument(..., help="Destination directory (appears atomically), or s3://bucket/prefix (published with .metadata last)."),
     to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
     from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
     source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
@@ -233,7 +239,7 @@ def convert(
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode,
                          buffered=buffered, data=data)
-    _state["output"] = dst  # what the last line of a Ctrl-C speaks of (_interrupted)
+    _state["output"] = dst if args.is_url(dst) else Path(dst)  # what the last line of a Ctrl-C speaks of (_interrupted)
     if plan_file is not None:
         args.check_beside_plan(str(plan_file), {
             "--from": from_spec, "--micro-batch": micro_batch, "--grad-accum": grad_accum,
@@ -255,6 +261,10 @@ def convert(
     window_bytes = _size(window, "--buffer-memory")
     args.check_slice(layers=layers, experts=experts)
     args.check_restart(restart=restart, output_format=output_format, data=data)
+    args.check_remote_source(src, data=data, workers=workers)
+    args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format, overwrite=overwrite)
+    if not args.is_url(dst):
+        dst = Path(dst)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay
@@ -273,19 +283,22 @@ def convert(
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: typer.echo(_estimate_text(figures).lstrip("\n"))
-    opts = None
-    if plan_file is None and to is not None:
-        opts = _sliced(_options(
-            src, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-            model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
-            source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
-            source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
-            profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
-    done = run_convert(src, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
-                       workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
-                       restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
-                       debug=_state["debug"])
+    from reshard.planning.options import source_dir
+
+    with source_dir(src) as root:
+        opts = None
+        if plan_file is None and to is not None:
+            opts = _sliced(_options(
+                root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+                data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
+                model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
+                source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
+                source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
+                profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
+        done = run_convert(root, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+                           workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
+                           restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
+                           debug=_state["debug"])
     report = done.report
     if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
         raise typer.Exit(done.exit_code)
@@ -328,8 +341,8 @@ def _size(text: Optional[str], flag: str) -> Optional[int]:
 
 @app.command()
 def verify(
-    a: Path = typer.Argument(..., help="First checkpoint."),
-    b: Path = typer.Argument(..., help="Second checkpoint."),
+    a: str = typer.Argument(..., help="First checkpoint (a directory, or s3://bucket/prefix: the s3 extra)."),
+    b: str = typer.Argument(..., help="Second checkpoint (likewise)."),
     rtol: float = typer.Option(0.0, "--rtol", min=0.0, help="Relative tolerance (default: bitwise)."),
     atol: float = typer.Option(0.0, "--atol", min=0.0, help="Absolute tolerance (default: bitwise)."),
     trust_pickle: bool = _TRUST,
@@ -346,15 +359,18 @@ def verify(
     from reshard.render.report import to_json
     from reshard.render.verify import render_verify
 
-    r, code = run_verify(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict, buffered=buffered,
-                         progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(a) as root_a, source_dir(b) as root_b:
+        r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
+                             buffered=buffered, progress=progress)
     typer.echo(to_json(r) if json_out else render_verify(r))
     raise typer.Exit(code)
 
 
 @app.command()
 def export(
-    src: Path = typer.Argument(..., help="Source DCP checkpoint."),
+    src: str = typer.Argument(..., help="Source DCP checkpoint: a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
     fmt: str = typer.Option("safetensors", "--format", **_choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Cast floating tensors."),
@@ -381,9 +397,12 @@ def export(
     from reshard.commands.export import export as run_export
     from reshard.render.report import to_json
 
-    r = run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
-                   model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite, force=force,
-                   progress=progress)
+    from reshard.planning.options import source_dir
+
+    with source_dir(src) as root:
+        r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+                       model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
+                       force=force, progress=progress)
     typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 

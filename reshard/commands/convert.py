@@ -41,7 +41,7 @@ class Converted:
         return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
 
 
-def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[str] = None,
+def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
                 plan_file: Optional[Path] = None, output_format: str = "dcp", data: str = "copy",
                 workers: Optional[int] = None, threads: Optional[int] = None, window: Optional[int] = None,
                 buffered: bool = False, overwrite: bool = False, restart: bool = False, force: bool = False,
@@ -51,8 +51,18 @@ def run_convert(src: Path, dst: Path, opts: Optional[Options], *, to: Optional[s
     ``opts``: the plan options from the flags (`reshard.planning.options.build_options`), or None
     with ``plan_file`` (the options are the plan's) or without ``to`` (refused). ``window``: the
     copy buffers' memory in bytes (``--buffer-memory``). ``argv``: the command line, which
-    ``--workers`` hands to each worker without ``--workers``.
+    ``--workers`` hands to each worker without ``--workers``. ``dst`` a URL (s3://bucket/prefix):
+    the output is made and verified in a local directory, then published in DCP's commit order
+    (`publish_to_store`).
     """
+    from reshard.storage import remote
+
+    if isinstance(dst, str) and remote.is_url(dst):
+        return publish_to_store(dst, lambda local: run_convert(
+            src, local, opts, to=to, plan_file=plan_file, output_format=output_format, data=data, workers=workers,
+            threads=threads, window=window, buffered=buffered, overwrite=False, restart=restart, force=force,
+            progress=progress, argv=argv, debug=debug))
+    dst = Path(dst)
     given = None
     if plan_file is not None:
         from reshard.safefs import read_json
@@ -113,6 +123,23 @@ def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict],
         report = convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
                          restart=restart, data=data, force=force)
     return Converted(report, 0 if report["verification"]["equal"] else 1)
+
+
+def publish_to_store(url: str, run: Any) -> Converted:
+    """``run(local)``, a conversion into a local directory standing for ``url``, then, once it has
+    committed (verified equal), its upload to the store: data objects first, `.metadata` last
+    (`reshard.storage.remote.publish`). A kill before the last upload leaves no `.metadata` there,
+    so no loader takes the output, and a rerun replaces what it left."""
+    from reshard.storage import remote
+    from reshard.storage.atomic import fault_point
+
+    with remote.staged_output(url) as local:
+        done = run(local)
+        if done.report is not None and done.exit_code == 0 and (local / ".metadata").exists():
+            sent = remote.publish(local, url, on_event=fault_point)
+            done.report["destination"] = url
+            done.report["uploaded"] = {"objects": sent.requests, "bytes": sent.bytes}
+    return done
 
 
 def _without_workers(argv: list[str]) -> list[str]:

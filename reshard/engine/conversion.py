@@ -61,6 +61,7 @@ from typing import Any
 from reshard.errors import BadInput, Infeasible
 from reshard.units import now_text
 from reshard.planning.plan import source_index
+from reshard.storage import remote
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
 from reshard.engine.space import conversion_preflight
@@ -186,7 +187,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
             verification = verify_output(src, tmp, plan, checked=checked, progress=progress)
         finally:
             syncer.join()
-        verification["b"] = str(dst)  # what was verified is what appears at dst
+        verification["b"] = remote.output_name(dst) or str(dst)  # what was verified is what appears at dst (its URL)
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
         report["sidecars"] = carried
         report["estimate"] = estimate
@@ -239,7 +240,7 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
         write_manifest(tmp, manifest)
         fault_point("manifest")
         verification = verify_output(src, tmp, plan, progress=progress)
-        verification["b"] = str(dst)
+        verification["b"] = remote.output_name(dst) or str(dst)
         report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
         report["output_format"] = "local"
         report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}

@@ -20,6 +20,7 @@ uninterrupted one does.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
-from reshard.storage import archive
+from reshard.storage import archive, remote
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp import check_loadable
@@ -163,12 +164,41 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
-    locator = splice.Locator(ix.root, ix.entries.values()) if io.splice and isinstance(ix, CheckpointIndex) else None
+    # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.remote`)
+    locator = splice.Locator(ix.root, ix.entries.values()) \
+        if io.splice and isinstance(ix, CheckpointIndex) and remote.remote_of(ix.root) is None else None
+    rc = remote.remote_of(ix.root) if isinstance(ix, CheckpointIndex) else None
+    ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window) \
+        if rc is not None else contextlib.nullcontext()
     try:
-        yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
+        with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.remote)
+            yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
     finally:
         if locator is not None:
             locator.close()
+
+
+def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
+    """The byte ranges `_items_in_order` reads from a remote source, in its order: each copied
+    object's item, and for each target chunk of a re-cut tensor the source items `read_box`
+    reads (the prefetch's order; a range read otherwise is fetched when it is read)."""
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.action in ("dropped", "rewritten"):
+            continue
+        if not e.is_tensor:
+            if e.location is not None:
+                yield e.location.file, e.location.offset, e.location.length
+            continue
+        t = planned[key]
+        if t.transform or t.copy_from or t.dtype != e.dtype_name:
+            continue  # read by `write_transformed`, its own way
+        for _rank, offsets, sizes in t.chunks:
+            box = Box(tuple(offsets), tuple(sizes))
+            for c in e.chunks:
+                inter = c.box.intersect(box) if e.shape else (c.box if not c.box.offsets else None)
+                if inter is not None and c.location is not None:
+                    yield c.location.file, c.location.offset, c.location.length
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,

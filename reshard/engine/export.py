@@ -56,6 +56,7 @@ from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, ExportPlan, RenameRules, assign_shards,
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export)
+from reshard.storage import remote
 from reshard.storage.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
@@ -201,7 +202,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         report = {
             "report_version": 1,
-            "source": str(src.resolve()),
+            "source": remote.source_name(src),  # a remote source by its URL
             "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
             "format": fmt,
             "dtype": ess["dtype"],

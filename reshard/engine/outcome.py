@@ -22,7 +22,7 @@ from reshard.units import reproducible
 from reshard.planning.plan import source_index, source_inspection
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
-from reshard.storage import sidecars
+from reshard.storage import remote, sidecars
 from reshard.storage.atomic import fault_point, output_path
 from reshard.engine.copy import WriteChecks
 from reshard.model.plan import Plan
@@ -109,8 +109,8 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
     return {
         "report_version": 1,
-        "source": str(src.resolve()),
-        "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
+        "source": remote.source_name(src),  # a remote source by its URL
+        "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,
         "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from reshard.errors import BadInput
+from reshard.errors import BadInput, ReshardError
 from reshard.model.dtypes import dtype_named
 from reshard.render.space import space_line
-from reshard.storage import dcp_writer
+from reshard.storage import dcp_writer, remote
 from reshard.storage.atomic import reclaimable_bytes
 from reshard.storage.hf_dcp import open_source  # a DCP source, or torch's safetensors-backed DCP
 from reshard.storage.integrity import nearest_existing
@@ -224,6 +224,25 @@ def read_probe(source: Path | None, nbytes: int = PROBE_BYTES) -> Rate:
         os.close(fd)
 
 
+def store_probe(rc: "remote.RemoteCheckpoint", nbytes: int = PROBE_BYTES) -> Rate:
+    """Time a ranged read of up to ``nbytes`` of a remote checkpoint's largest data object: the
+    store's throughput (with its latency) is what a conversion from it reads at."""
+    sizes = {n: rc.sizes[n] for n in rc.data_files()}
+    if not sizes:
+        return Rate("read", error="no data object to read")
+    name = max(sorted(sizes), key=sizes.__getitem__)
+    what = f"read of {rc.where(name)}"
+    n = min(nbytes, sizes[name])
+    if n <= 0:
+        return Rate(what, error="the object is empty")
+    try:
+        t = time.perf_counter()
+        got = len(rc.read_range(name, 0, n))
+        return Rate(what, got, time.perf_counter() - t)
+    except ReshardError as exc:
+        return Rate(what, error=exc.message)
+
+
 def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> Rate:
     """Write ``nbytes`` to a hidden file in ``folder`` (an existing directory: nothing is created
     for the destination), fsync it, time it, and remove it, whatever happens."""
@@ -312,7 +331,8 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
         figures["warning"] = short + "; going ahead (--force)"
     exact_seconds: float | None = None
     if probe:
-        r = read_probe(largest_file(sources))
+        stores = [rc for rc in map(remote.remote_of, sources) if rc is not None]
+        r = store_probe(stores[0]) if stores else read_probe(largest_file(sources))
         w = write_probe(checked, min(PROBE_BYTES, free // 8)) if free // 8 >= 64 << 10 else \
             Rate(f"write to {checked}", error="too little free space to probe")
         figures["read"] = {"bytes": r.nbytes, "seconds": round(r.seconds, 6), "error": r.error, "file": r.what}

@@ -26,7 +26,7 @@ from reshard.model.dtypes import is_torch_tensor
 from reshard.model.inspection import JSON_VERSION, Inspection
 from reshard.storage.index import CheckpointIndex, bitwise_equal
 from reshard import safefs
-from reshard.storage import sidecars
+from reshard.storage import remote, sidecars
 from reshard.storage.plain_items import PlainTensor
 from reshard.storage.local_format import open_any
 
@@ -791,7 +791,7 @@ def _report(root: Path, ix: Any, cls: Classification, manifest: Any, mdict: dict
     complete, consistent, exit_code = _exit_code(findings)
     return {
         "json_version": JSON_VERSION,
-        "path": str(root),
+        "path": remote.display_path(root),  # the URL of a remote checkpoint (reshard.storage.remote)
         "complete": complete,
         "consistent": consistent,
         "exit_code": exit_code,

@@ -53,6 +53,7 @@ from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
 from reshard.model.dtypes import DTYPES as BY_NAME, DType
 from reshard.model.plan import NOT_CAST
+from reshard.storage import remote
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
 
 EXPORT_FORMAT_VERSION = "1"
@@ -370,7 +371,7 @@ def export_essentials(src: Path, mdict: dict[str, Any], convention: str, *, dtyp
         "continuity": mdict.get("continuity"),
         "model_family": (mdict.get("model") or {}).get("family"),
         "model_config": (mdict.get("model") or {}).get("config"),
-        "source": str(src.resolve()),
+        "source": remote.source_name(src),  # a remote source by its URL
         "source_convention": convention,
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "as stored",
         "only": only,

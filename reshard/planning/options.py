@@ -13,9 +13,10 @@ recomputes a plan from the recorded values without reading the files again.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput
 from reshard.model.plan import PLAN_VERSION, Options, Plan
@@ -242,3 +243,18 @@ def options_from_plan(given: dict[str, Any]) -> Options:
         return Options(**given["options"])
     except (KeyError, TypeError) as exc:
         raise BadInput(f"not a reshard plan ({exc})", where="--plan") from None
+
+
+@contextmanager
+def source_dir(text: str) -> Iterator[Path]:
+    """The checkpoint directory a source argument names, for as long as the command runs: the
+    path itself, or for a URL (``s3://bucket/prefix``, any fsspec URL) a private directory that
+    stands for it (`reshard.storage.remote.staged`: `.metadata` and the sidecars fetched, the data
+    read by byte range), so that a profile beside the checkpoint is found either way."""
+    from reshard.storage import remote
+
+    if remote.is_url(text):
+        with remote.staged(text) as root:
+            yield root
+    else:
+        yield Path(text)

@@ -35,7 +35,7 @@ from reshard.semantics import schedule as schedule_mod
 from reshard.semantics import sizes
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
-from reshard.storage import sidecars
+from reshard.storage import remote, sidecars
 from reshard.storage.hf_dcp import export_refusal
 from reshard.storage.safetensors_format import ExportIndex
 
@@ -414,7 +414,7 @@ def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topolo
 
 def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
     """What the plan read from its source; part of the fingerprint, so its content must not drift."""
-    return {"path": str(Path(src).resolve()), "topology": source_topo.to_dict(), "step": r.get("step"),
+    return {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": r.get("step"),
             "tokens_seen": r.get("tokens_seen"),
             "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
             "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"],

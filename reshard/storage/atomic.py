@@ -120,7 +120,8 @@ def fault_point(label: str) -> int:
     ``RESHARD_FAULT_COUNT=PATH`` appends ``"N LABEL"`` per event (the last line gives the
     total of an uninterrupted run), ``RESHARD_FAULT_SLEEP_AT=N:SECONDS`` pauses after event
     N (or after the first event called LABEL, ``RESHARD_FAULT_SLEEP_AT=rename:30``: right after the
-    commit), ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N (no cleanup of any
+    commit), ``RESHARD_FAULT_KILL_AT=N`` SIGKILLs the process after event N, or after the first event
+    called LABEL (``upload .metadata``: an upload to object storage; no cleanup of any
     kind runs: what is left on disk is what a power cut or the OOM killer leaves).
     ``RESHARD_FAULT_RANK=R`` limits all of this to the worker whose ``RANK`` is R (a
     distributed conversion; every other worker counts nothing).
@@ -142,7 +143,7 @@ def fault_point(label: str) -> int:
         if at.strip() in (str(n), label):
             time.sleep(float(secs or 1))
     kill = env.get(FAULT_KILL_ENV)
-    if kill and kill.strip() == str(n):
+    if kill and kill.strip() in (str(n), label):
         os.kill(os.getpid(), signal.SIGKILL)
     return n
 

@@ -27,7 +27,7 @@ from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DType, unstorable_reason
-from reshard.storage import save_plans
+from reshard.storage import remote, save_plans
 from reshard.storage.plain_items import NotPlain, decode_item, item_pickle
 from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
@@ -121,6 +121,9 @@ def _looks_like_dcp(ckpt: Path) -> bool:
     Only data files (``*.distcp``) or a half-written ``.metadata.tmp`` say a writer was here;
     an empty directory, a folder of notes or a run directory is no checkpoint at all.
     """
+    rc = remote.remote_of(ckpt)
+    if rc is not None:  # a remote checkpoint's data objects are in its listing, not in the directory
+        return bool(rc.data_files()) or ".metadata.tmp" in rc.sizes
     try:
         with os.scandir(ckpt) as it:
             return any(e.name.endswith(".distcp") or e.name == ".metadata.tmp" for e in it)
@@ -173,6 +176,9 @@ def metadata_cap(ckpt: Path) -> int:
     `.metadata` is far smaller than its data (0.15% at 8B x 1,024 ranks); one larger than all
     the other files of its directory together describes bytes that are not there.
     """
+    rc = remote.remote_of(ckpt)
+    if rc is not None:  # a remote checkpoint's data objects, from its one listing
+        return max(MIN_METADATA_CAP, rc.data_bytes())
     total = 0
     try:
         with os.scandir(ckpt) as it:
@@ -301,7 +307,11 @@ def _decode(md: Any, where: str) -> RawMetadata:
 # ---------------------------------------------------------------------------- item bytes
 
 def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
-    """The raw (still transformed) bytes of one item, checked for length."""
+    """The raw (still transformed) bytes of one item, checked for length (from its object store's
+    byte range when ``ckpt`` stands for a remote checkpoint: `reshard.storage.remote`)."""
+    rc = remote.remote_of(ckpt)
+    if rc is not None:
+        return rc.read_range(loc.file, loc.offset, loc.length, key=key)
     path = ckpt / loc.file
     try:
         fd = safefs.open_read(path, root=ckpt)

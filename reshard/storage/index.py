@@ -21,7 +21,7 @@ from reshard.model.geometry import Box, coverage_problems, tiles_exactly_arrays,
 from reshard import safefs
 from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation
-from reshard.storage import dcp
+from reshard.storage import dcp, remote
 from reshard.storage.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
 from reshard.storage.fastread import check_item_crcs
 from reshard.storage.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     import torch
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def _missing(name: str) -> int:
+    raise FileNotFoundError(name)
 
 
 class CheckpointIndex(EntryQueries):
@@ -185,10 +189,14 @@ class CheckpointIndex(EntryQueries):
     def _check_files(self, need: dict[str, int]) -> None:
         """Missing data files and files shorter than the byte ranges the metadata names."""
         self.file_sizes: dict[str, int] = {}
+        rc = remote.remote_of(self.root)  # a remote checkpoint: the sizes of its one listing
         for name in sorted(need):
             p = self.root / name
             try:
-                size = safefs.regular_size(p, root=self.root)  # a symlink out, a device or a FIFO is refused here
+                if rc is not None:
+                    size = rc.sizes[name] if name in rc.sizes else _missing(name)
+                else:
+                    size = safefs.regular_size(p, root=self.root)  # a symlink out, a device or a FIFO is refused here
             except FileNotFoundError:
                 keys = self._keys_past(name, None)
                 self.findings.append(Finding("error", "missing_file", f"data file '{name}' is missing; {len(keys)} keys lose bytes",
@@ -234,6 +242,9 @@ class CheckpointIndex(EntryQueries):
     # ------------------------------------------------------------------ queries
     def data_files(self) -> list[str]:
         """Data files present in the directory (whether or not the metadata names them)."""
+        rc = remote.remote_of(self.root)
+        if rc is not None:
+            return rc.data_files()
         return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
 
     def writer_of(self, file: str) -> int | None:
@@ -448,6 +459,8 @@ def same_stored_bytes(ix: CheckpointIndex, ea: Entry, eb: Entry) -> bool | None:
 
     if [c.box for c in ea.chunks] != [c.box for c in eb.chunks]:
         return None
+    if remote.remote_of(ix.root) is not None:
+        return None  # no data file here to read in place: each box is read by range and decoded instead
     for ca, cb in zip(ea.chunks, eb.chunks):
         if ca.box.is_empty():
             continue

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from reshard.errors import BadInput, Incomplete
+from reshard.storage import remote
 from reshard.storage.fileio import FdCache
 
 ALGORITHM = "sha256"  # the default of `record` (kept for callers that name no algorithm)
@@ -314,8 +315,20 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
         else:
             todo.append((key, loc, want))
     todo.sort(key=lambda t: (t[1].file, int(t[1].offset)))
-    reader = _Reader(root, max(64, int(slab_bytes)))
     nw = max(1, int(workers or _default_workers()))
+    rc = remote.remote_of(root)
+    if rc is not None:  # a checkpoint in object storage: each item's range fetched ahead (bounded), hashed here
+        with rc.prefetching(((loc.file, int(loc.offset), int(loc.length)) for _k, loc, _w in todo), in_flight=nw,
+                            memory=4 * nw * max(64, int(slab_bytes))):
+            for key, loc, want in todo:
+                got = hash_item(root, loc, key=key, algorithm=algorithm)
+                if got != want:
+                    issues.append(IntegrityIssue(kind="mismatch", expected=want, actual=got, algorithm=algorithm,
+                                                 **_base(key, loc)))
+                if progress is not None:
+                    progress.update(int(loc.length))
+        todo = []
+    reader = _Reader(root, max(64, int(slab_bytes)))
     try:
         with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="reshard-integrity") as pool:
             # a bounded window of batches in flight: results are a few hex strings each

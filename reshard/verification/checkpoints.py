@@ -126,6 +126,7 @@ from reshard.errors import BadInput
 from reshard.model.checkpoint import Entry
 from reshard.storage.index import CheckpointIndex
 from reshard.model.inspection import Inspection
+from reshard.storage import remote
 from reshard.storage.integrity import check_algorithm
 from reshard.render.progress import phase_of
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
@@ -664,8 +665,8 @@ def _result(a: Path, b: Path, stats: dict[str, int], differences: list[dict[str,
     equal = not differences
     return {
         "equal": equal,
-        "a": str(a),
-        "b": str(b),
+        "a": remote.display_path(a),  # a remote checkpoint by its URL (reshard.storage.remote)
+        "b": remote.display_path(b),
         "compared": stats,
         "differences": differences,
         "rewritten": rewritten,

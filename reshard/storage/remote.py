@@ -1,0 +1,509 @@
+"""Checkpoints in object storage (``s3://bucket/prefix``, any fsspec URL): read by byte range.
+
+Why: a frontier checkpoint lives in an object store, and `inspect` or `plan` need only its
+`.metadata` and the small files beside it, a conversion only the byte ranges it reads; a
+download of terabytes first is the cost this module removes (issue 34).
+
+How it meets the rest of reshard (the seam): every reader above works on a checkpoint
+*directory*. `staged` makes a private local directory holding `.metadata` and the sidecars
+(each fetched by byte range, bounded) and no data file, and records it with its
+`RemoteCheckpoint` in this module's registry. The storage layer's few places that touch data
+files ask `remote_of(root)` first: `dcp.read_item_bytes` fetches an item's range from the
+store (then every reader checks it against its writer's CRC as on disk),
+`dcp.metadata_cap` and `CheckpointIndex` take the data files' sizes from the one listing.
+A data file is never created in the staged directory, so a reader that bypasses the seam
+fails loudly (file missing) instead of reading something else. The local path pays one
+empty-dict test per item read.
+
+Safety: object keys are names inside the prefix. A data file name must be a plain name
+(`dcp.check_relative_path`'s rules: no ``/``, no ``..``, not absolute); a sidecar's key tail
+may have sub-folders but no ``..``, empty or absolute part; nothing outside the prefix is
+ever requested, and a listed key that breaks these rules is refused (exit 2) rather than
+skipped. Credentials come from the filesystem's own chain (for S3, botocore's: environment,
+config files, instance roles); this module never reads, prints or records them, and the URL
+it records is the one the user typed, minus any ``user:password@`` part (refused outright).
+
+fsspec and s3fs are the optional ``s3`` extra (``pip install 'reshard[s3]'``), imported only
+when a URL is opened.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from reshard import safefs
+from reshard.errors import BadInput, Incomplete, ReshardError
+
+__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
+           "output_name", "staged_output", "publish", "UPLOAD_MARKER"]
+
+#: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
+#: ``://`` in it is not something a user types; ``./s3://x`` still names one).
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.+)$")
+
+METADATA_FILE = ".metadata"
+DATA_SUFFIX = ".distcp"
+#: `dcp.MIN_METADATA_CAP` (this module sits below `dcp`, which imports it for the seam).
+METADATA_FLOOR = 256 << 20
+#: A request fetches at most this much (`.metadata` and sidecars are read in pieces of it).
+PIECE = 64 << 20
+#: The sidecars staged for inspect and plan together: reports, manifests, configs, a trainer's
+#: small state; past this the prefix holds something no sidecar is, and it is said.
+SIDECARS_CAP = 1 << 30
+
+
+def is_url(text: str | os.PathLike) -> bool:
+    """Whether a command-line source names an object-store URL rather than a local path."""
+    return isinstance(text, str) and URL.match(text) is not None
+
+
+@dataclass
+class Counters:
+    """Requests made and bytes requested, by kind (for the tests and the benchmark: what an
+    inspect of a remote checkpoint costs, against the bytes the checkpoint holds)."""
+
+    requests: int = 0
+    bytes: int = 0
+    listings: int = 0
+    by_file: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0          # requests under way now
+    peak_in_flight: int = 0     # the most at once (a prefetch's parallelism, bounded by its ``in_flight``)
+    peak_buffered: int = 0      # the most bytes fetched ahead and not yet taken (bounded by its ``memory``)
+    prefetched: int = 0         # reads answered by the prefetch
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, name: str, nbytes: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.bytes += nbytes
+            self.by_file[name] = self.by_file.get(name, 0) + nbytes
+
+    def started(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def ended(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "bytes": self.bytes, "listings": self.listings,
+                "peak_in_flight": self.peak_in_flight, "peak_buffered": self.peak_buffered,
+                "prefetched": self.prefetched, "by_file": dict(sorted(self.by_file.items()))}
+
+
+def _no_fsspec(url: str, exc: Exception) -> BadInput:
+    return BadInput(f"cannot open '{url}': {exc}", where=url,
+                    hint="Object-store sources need the optional extra: pip install 'reshard[s3]' "
+                         "(fsspec and s3fs; other protocols need their fsspec filesystem installed).")
+
+
+def _check_key_tail(tail: str, *, where: str) -> None:
+    """A key under the prefix: relative, no empty, ``.`` or ``..`` part (it could name something outside)."""
+    safefs.check_name(tail, where=where)
+    parts = tail.split("/")
+    if tail.startswith("/") or "\\" in tail or any(p in ("", ".", "..") for p in parts):
+        raise safefs.UnsafeFile(f"the object key '{tail}' is not a name inside the checkpoint's prefix", where=where,
+                                hint="Refusing to read objects outside the checkpoint's prefix.")
+
+
+def _check_data_name(name: str, *, where: str) -> None:
+    """A data file the metadata names: one plain name, as on disk (`dcp.check_relative_path`)."""
+    safefs.check_name(name, where=where)
+    if "/" in name or "\\" in name or name in ("", ".", ".."):
+        raise safefs.UnsafeFile(f"the data file name '{name}' is not a plain name inside the checkpoint's prefix",
+                                where=where, hint="Refusing to read objects outside the checkpoint's prefix.")
+
+
+class RemoteCheckpoint:
+    """One checkpoint prefix in an object store, read by byte ranges through fsspec.
+
+    ``sizes`` is the one listing (every object under the prefix, key tail -> bytes), made when
+    the checkpoint is opened; every read is a ranged GET counted in ``counters``.
+    """
+
+    def __init__(self, url: str, fs: Any, base: str):
+        self.url = url.rstrip("/")
+        self.fs = fs
+        self.base = base.rstrip("/")
+        self.counters = Counters()
+        self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
+        self.sizes: dict[str, int] = self._list()
+
+    def where(self, name: str = "") -> str:
+        """A user-facing place: the URL, or the URL of one object under it."""
+        return f"{self.url}/{name}" if name else self.url
+
+    def _list(self) -> dict[str, int]:
+        """Every object under the prefix, one listing (a paginated LIST on S3), each key checked."""
+        try:
+            found = self.fs.find(self.base, detail=True)
+        except FileNotFoundError:
+            found = {}
+        except Exception as exc:  # noqa: BLE001 - a store's errors: permissions, endpoint, bucket
+            raise BadInput(f"cannot list the checkpoint: {type(exc).__name__}: {exc}", where=self.url,
+                           hint="Check the URL, the endpoint and that the credentials in the standard chain "
+                                "(environment, config files, instance role) may list this prefix.") from None
+        self.counters.listings += 1
+        out: dict[str, int] = {}
+        head = self.base + "/"
+        for path, info in found.items():
+            path = path.rstrip("/")
+            if not path.startswith(head) or info.get("type") == "directory":
+                continue
+            tail = path[len(head):]
+            _check_key_tail(tail, where=self.url)
+            out[tail] = int(info.get("size") or 0)
+        if not out:
+            raise BadInput("no such checkpoint: nothing is stored under this prefix", where=self.url,
+                           hint="Check the bucket and prefix (a checkpoint is the prefix that holds `.metadata`).")
+        return out
+
+    def data_files(self) -> list[str]:
+        """Names of the DCP data files listed directly under the prefix."""
+        return sorted(n for n in self.sizes if "/" not in n and n.endswith(DATA_SUFFIX))
+
+    def data_bytes(self) -> int:
+        """Bytes of every object except `.metadata` (what `dcp.metadata_cap` counts on disk)."""
+        return sum(n for k, n in self.sizes.items() if k != METADATA_FILE)
+
+    def read_range(self, name: str, offset: int, length: int, *, key: str | None = None) -> bytes:
+        """``length`` bytes at ``offset`` of the data file ``name``: one ranged request (pieces
+        of `PIECE` for a larger range), checked for length. A missing file or a short object is
+        `Incomplete` (exit 2), worded as on disk."""
+        _check_data_name(name, where=self.url)
+        ahead = self.ahead
+        if ahead is not None:
+            data = ahead.take(name, offset, length)
+            if data is not None:
+                return data
+        return self._read(name, offset, length, key=key)
+
+    @contextmanager
+    def prefetching(self, ranges: Iterable[tuple[str, int, int]], *, in_flight: int = 8,
+                    memory: int = 256 << 20) -> Iterator["Prefetch"]:
+        """While the block runs, the byte ranges ``(file, offset, length)`` are fetched ahead of
+        their reader, in the order given, by at most ``in_flight`` requests at once and with at
+        most ``memory`` bytes fetched and not yet read (a larger range alone); `read_range` takes
+        them from there. A range read in another order, or not foreseen, is fetched as it is read:
+        the order costs time, never correctness. Errors surface where the range is read."""
+        ahead = Prefetch(self, ranges, in_flight=in_flight, memory=memory)
+        self.ahead = ahead
+        try:
+            yield ahead
+        finally:
+            self.ahead = None
+            ahead.close()
+
+    def _read(self, name: str, offset: int, length: int, *, key: str | None) -> bytes:
+        size = self.sizes.get(name)
+        who = f" (needed for '{key}')" if key is not None else ""
+        if size is None:
+            raise Incomplete(f"data file '{name}' is missing{who}", where=self.url,
+                             hint="The checkpoint is incomplete; restore the object or use another checkpoint.")
+        if offset < 0 or length < 0 or offset + length > size:
+            raise Incomplete(f"{'`' + key + '` needs' if key else 'reading'} bytes [{offset}, {offset + length}) "
+                             f"but the object ends at {size}", where=self.where(name),
+                             hint="The data object is truncated; the checkpoint is incomplete.")
+        parts, done = [], 0
+        while done < length:
+            n = min(PIECE, length - done)
+            self.counters.started()
+            try:
+                b = self.fs.cat_file(f"{self.base}/{name}", start=offset + done, end=offset + done + n)
+            except FileNotFoundError:
+                raise Incomplete(f"data file '{name}' disappeared while it was read{who}", where=self.url,
+                                 hint="Something deleted it under reshard; use another checkpoint.") from None
+            except Exception as exc:  # noqa: BLE001 - a store's errors, in one paragraph
+                raise BadInput(f"cannot read bytes of '{name}'{who}: {type(exc).__name__}: {exc}",
+                               where=self.where(name), hint="Check the endpoint and the credentials' read rights.") from None
+            finally:
+                self.counters.ended()
+            self.counters.add(name, n)
+            if len(b) != n:
+                raise Incomplete(f"the store returned {len(b)} of {n} bytes of '{name}' at {offset + done}",
+                                 where=self.where(name), hint="The object changed or is truncated; retry or use another checkpoint.")
+            parts.append(b)
+            done += n
+        return b"".join(parts)
+
+    def fetch_to(self, tail: str, dst: Path, *, limit: int) -> int:
+        """The object ``tail`` (a key under the prefix) copied into the local file ``dst`` by ranges, at most ``limit`` bytes."""
+        _check_key_tail(tail, where=self.url)
+        size = self.sizes[tail]
+        safefs.check_size(size, limit, self.where(tail), what=tail)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with open(dst, "wb") as f:
+            done = 0
+            while done < size:
+                n = min(PIECE, size - done)
+                f.write(self._read(tail, done, n, key=None))
+                done += n
+        return size
+
+
+class Prefetch:
+    """Ranges of one remote checkpoint fetched ahead on a bounded pool (`RemoteCheckpoint.prefetching`).
+
+    A feeder thread walks the ranges in order and submits each once the bytes fetched and not
+    yet taken leave room for it (``memory``); the pool has ``in_flight`` threads, so no more
+    requests run at once. `take` hands a range's bytes to its reader and frees its room.
+    """
+
+    def __init__(self, rc: RemoteCheckpoint, ranges: Iterable[tuple[str, int, int]], *, in_flight: int, memory: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.rc = rc
+        self.memory = max(1, memory)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, in_flight), thread_name_prefix="reshard-fetch")
+        self.cond = threading.Condition()
+        self.pending: dict[tuple[str, int, int], list[Any]] = {}
+        self.buffered = 0
+        self.skip: dict[tuple[str, int, int], int] = {}
+        self.closed = False
+        self.feeder = threading.Thread(target=self._feed, args=(iter(ranges),), name="reshard-prefetch", daemon=True)
+        self.feeder.start()
+
+    def _feed(self, ranges: Iterator[tuple[str, int, int]]) -> None:
+        for name, offset, length in ranges:
+            with self.cond:
+                while not self.closed and self.buffered and self.buffered + length > self.memory:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                key = (name, offset, length)
+                if self.skip.get(key):  # its reader came first and fetched it itself
+                    self.skip[key] -= 1
+                    continue
+                self.buffered += length
+                self.rc.counters.peak_buffered = max(self.rc.counters.peak_buffered, self.buffered)
+                fut = self.pool.submit(self.rc._read, name, offset, length, key=None)
+                self.pending.setdefault(key, []).append(fut)
+                self.cond.notify_all()
+
+    def take(self, name: str, offset: int, length: int) -> bytes | None:
+        """The range's bytes if it was foreseen (waiting for its request), else None."""
+        key = (name, offset, length)
+        with self.cond:
+            futs = self.pending.get(key)
+            if not futs:  # not foreseen, or the feeder has not reached it: the reader fetches it, the feeder skips it
+                self.skip[key] = self.skip.get(key, 0) + 1
+                return None
+            fut = futs.pop(0)
+            if not futs:
+                del self.pending[key]
+        try:
+            data = fut.result()
+        finally:
+            with self.cond:
+                self.buffered -= length
+                self.cond.notify_all()
+        with self.rc.counters.lock:
+            self.rc.counters.prefetched += 1
+        return data
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.feeder.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def open_remote(url: str) -> RemoteCheckpoint:
+    """A URL opened through fsspec with the filesystem's own credential chain, and listed once."""
+    m = URL.match(url)
+    if m is None:
+        raise BadInput("not an object-store URL", where=url, hint="Give s3://bucket/prefix or a local directory.")
+    if "@" in m.group(2).split("/", 1)[0]:
+        raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
+                       where=f"{m.group(1)}://…", hint="Give them through the standard chain: environment variables, "
+                       "config files or an instance role.")
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError as exc:
+        raise _no_fsspec(url, exc) from None
+    try:
+        fs, base = url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise _no_fsspec(url, exc) from None
+    if not base.strip("/") or "/" not in base.strip("/") and m.group(1) in ("s3", "s3a", "gs", "gcs"):
+        raise BadInput("a checkpoint is a prefix inside a bucket, not a whole bucket", where=url,
+                       hint="Give s3://bucket/prefix.")
+    return RemoteCheckpoint(url, fs, base)
+
+
+#: staged directory (its real path) -> the remote checkpoint it stands for
+_STAGED: dict[str, RemoteCheckpoint] = {}
+
+
+def remote_of(root: str | os.PathLike) -> RemoteCheckpoint | None:
+    """The remote checkpoint a staged directory stands for (None for every local checkpoint: one
+    test of an empty dict while nothing is staged)."""
+    if not _STAGED:
+        return None
+    return _STAGED.get(str(root)) or _STAGED.get(os.path.realpath(os.fspath(root)))
+
+
+def display_path(root: str | os.PathLike) -> str:
+    """What a report names as the checkpoint: the URL of a staged directory, else the path."""
+    rc = remote_of(root)
+    if rc is not None:
+        return rc.url
+    return output_name(root) or str(root)
+
+
+def source_name(root: str | os.PathLike) -> str:
+    """What an output records as its source: the URL of a staged directory, else the resolved path."""
+    rc = remote_of(root)
+    return rc.url if rc is not None else str(Path(root).resolve())
+
+
+@contextmanager
+def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
+    """A private local directory standing for the checkpoint at ``url`` while the block runs:
+    `.metadata` and every sidecar fetched by byte range, no data file (their bytes are read
+    through `remote_of`). The directory is removed afterwards, whatever happens."""
+    rc = open_remote(url)
+    tmp = Path(tempfile.mkdtemp(prefix="reshard-remote-"))
+    root = tmp / "ckpt"
+    root.mkdir()
+    try:
+        side = {k: n for k, n in rc.sizes.items() if k != METADATA_FILE and not k.endswith(DATA_SUFFIX)}
+        if sum(side.values()) > sidecars_cap:
+            raise BadInput(f"the files beside the data objects hold {sum(side.values()):,} bytes, more than the "
+                           f"{sidecars_cap:,} reshard fetches to describe a checkpoint", where=rc.url,
+                           hint="Something other than a checkpoint's sidecars is stored under this prefix; "
+                                "give the checkpoint's own prefix.")
+        if METADATA_FILE in rc.sizes:  # bounded as `dcp.metadata_cap` bounds it on disk (checked again there)
+            rc.fetch_to(METADATA_FILE, root / METADATA_FILE, limit=max(METADATA_FLOOR, rc.data_bytes()))
+        for tail in sorted(side):
+            rc.fetch_to(tail, root / tail, limit=sidecars_cap)
+        _STAGED[str(root)] = _STAGED[os.path.realpath(root)] = rc
+        try:
+            yield root
+        except ReshardError as exc:  # an error names the URL, never the private directory
+            for local in {str(root), os.path.realpath(root)}:
+                if exc.where and exc.where.startswith(local):
+                    exc.where = rc.url + exc.where[len(local):]
+            raise
+    finally:
+        for k in [k for k, v in _STAGED.items() if v is rc]:
+            del _STAGED[k]
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- outputs in object storage
+
+#: Written first under a destination prefix and removed after `.metadata`: the prefix holds an
+#: upload by reshard that may be unfinished, which a rerun may replace (nothing else it may).
+UPLOAD_MARKER = ".reshard-uploading"
+
+#: local directory an output is written into (its real path) -> the URL it is published to
+_OUTPUTS: dict[str, str] = {}
+
+
+def output_name(path: str | os.PathLike) -> str | None:
+    """The URL an output written at ``path`` (or inside it) is published to; None for a local output."""
+    if not _OUTPUTS:
+        return None
+    real = os.path.realpath(os.fspath(path))
+    for local, url in _OUTPUTS.items():
+        if real == local or real.startswith(local + os.sep):
+            return url + real[len(local):].replace(os.sep, "/")
+    return None
+
+
+def _open_destination(url: str) -> tuple[Any, str]:
+    m = URL.match(url)
+    if m is None or "@" in m.group(2).split("/", 1)[0]:
+        raise BadInput("a destination URL is s3://bucket/prefix, with no credentials in it", where=url.split("://")[0] + "://…")
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, base = url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise _no_fsspec(url, exc) from None
+    if "/" not in base.strip("/"):
+        raise BadInput("an output is a prefix inside a bucket, not a whole bucket", where=url,
+                       hint="Give s3://bucket/prefix.")
+    return fs, base.rstrip("/")
+
+
+def _listing(fs: Any, base: str, url: str) -> list[str]:
+    try:
+        found = fs.find(base)
+    except FileNotFoundError:
+        return []
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"cannot list the destination: {type(exc).__name__}: {exc}", where=url,
+                       hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
+    return sorted(p[len(base) + 1:] for p in found if p.startswith(base + "/"))
+
+
+@contextmanager
+def staged_output(url: str) -> Iterator[Path]:
+    """A local directory (not yet existing) for an output that `publish` then uploads to ``url``,
+    after checking that the destination takes it: an empty prefix, or the leftovers of an upload
+    by reshard that never committed (`UPLOAD_MARKER` and no `.metadata`). While the block runs,
+    reports name the URL (`output_name`); the directory is removed afterwards."""
+    fs, base = _open_destination(url)
+    there = _listing(fs, base, url)
+    if there and (METADATA_FILE in there or UPLOAD_MARKER not in there):
+        raise BadInput(f"the destination prefix already holds {len(there)} objects"
+                       + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
+                       hint="Choose an empty prefix (replacing objects in a store is not supported yet).")
+    tmp = Path(tempfile.mkdtemp(prefix="reshard-upload-"))
+    local = tmp / "out"
+    _OUTPUTS[os.path.realpath(local)] = url.rstrip("/")
+    try:
+        yield local
+    finally:
+        _OUTPUTS.pop(os.path.realpath(local), None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(local: Path, url: str, *, on_event: Callable[[str], Any] | None = None) -> Counters:
+    """Upload a committed local output to ``url`` in DCP's commit order, on a store with no rename:
+    `UPLOAD_MARKER` first, then the data objects at their final names, then every other file,
+    `.metadata` last (the commit marker: a loader takes the output only once it is there), then
+    the marker removed. Leftovers of an interrupted upload under the prefix (`staged_output`
+    admits only those) are deleted first, `.metadata`-less as they are. ``on_event(label)`` after
+    each object (the fault-injection hook of the tests)."""
+    fs, base = _open_destination(url)
+    counters = Counters()
+    stale = _listing(fs, base, url)
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    if METADATA_FILE not in names:
+        raise Incomplete("the output has no .metadata: nothing committed to publish", where=str(local))
+    for tail in names:
+        _check_key_tail(tail, where=url)
+    order = ([n for n in names if n.endswith(DATA_SUFFIX)]
+             + [n for n in names if not n.endswith(DATA_SUFFIX) and n != METADATA_FILE] + [METADATA_FILE])
+    try:
+        fs.pipe_file(f"{base}/{UPLOAD_MARKER}", b"reshard: an upload in progress; no .metadata means not committed\n")
+        for tail in stale:
+            if tail != UPLOAD_MARKER:
+                fs.rm_file(f"{base}/{tail}")
+        if on_event is not None:
+            on_event(f"upload {UPLOAD_MARKER}")
+        for tail in order:
+            fs.put_file(str(local / tail), f"{base}/{tail}")
+            counters.add(tail, (local / tail).stat().st_size)
+            if on_event is not None:
+                on_event(f"upload {tail}")
+        fs.rm_file(f"{base}/{UPLOAD_MARKER}")
+    except ReshardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                       hint="Nothing is committed there (no .metadata); run the same command again.") from None
+    return counters

@@ -1,0 +1,352 @@
+"""Checkpoints read from S3-compatible object storage (issue 34, first part), against a real S3 server.
+
+The server is moto's, speaking the S3 protocol on localhost (`tests/s3_server.py`: one per
+session, credentials and endpoint in the environment, the bucket made with the server's own
+API); reshard reaches it through fsspec and s3fs, no client mocked. The checkpoint is the
+session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
+
+- `test_inspect_and_plan_match_a_local_copy`: `inspect` and `plan --to dp=2`, text and
+  `--json`, print what they print for the local copy, but for the path (the URL) and the
+  plan's fingerprint (which records the path); exit codes equal.
+- `test_only_metadata_sidecars_and_small_items_are_requested`: one listing, `.metadata` and
+  the sidecars fetched, and of the data objects only the byte ranges of the small items
+  inspect reads (step counters), a small fraction of the data.
+- `test_credentials_are_never_printed_or_recorded`: neither key appears in any output; a
+  URL carrying ``user:secret@`` is refused (exit 2) without echoing the secret.
+- `test_hostile_keys_and_names_are_refused`: a data-file name with ``/`` or ``..`` requests
+  nothing; a listed key with a ``..`` part is refused (exit 2), as a symlink out is on disk.
+- `test_missing_uncommitted_and_truncated_say_what_local_says`: an empty prefix, a prefix
+  without `.metadata` (a writer died before its commit) and a truncated data object are
+  refused or reported as on disk, naming the URL.
+- `test_convert_from_the_store_is_byte_identical_and_verifies`: `convert s3://... DST` writes
+  `.metadata` and data files byte-identical to converting the local copy, verified against the
+  store's items, its report and manifest naming the URL and no credential; `verify` takes a URL
+  on either side; `--data link` and `--workers` from a store are refused (exit 2), nothing written.
+- `test_inspect_and_plan_of_a_store_import_no_torch`: both commands on a URL, in a fresh
+  interpreter, exit 0 without importing torch.
+- `test_items_are_fetched_ahead_within_the_bounds`: the conversion's reads are prefetched by
+  at most ``--threads`` requests at once (and more than one), with at most ``--buffer-memory``
+  bytes fetched and not yet used, the output unchanged.
+- `test_export_from_the_store_matches_the_local_export`: `export s3://... DST` writes the
+  safetensors files of the local copy's export: the same tensor bytes and header, but for the
+  source it names (the URL).
+- `test_convert_to_the_store_commits_metadata_last_and_torch_loads_it`: `convert s3://src
+  s3://dst` uploads the local conversion's objects byte for byte, leaves no upload marker,
+  torch's own `FsspecReader` loads every tensor strictly and bitwise equal to the local output,
+  `verify` agrees, and a second run into the committed prefix is refused.
+- `test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits`: SIGKILLed after its
+  last data object (a forked process), the upload leaves no `.metadata`: stock `dcp.load`
+  through `FsspecReader` refuses it, `inspect` says not committed, and the same command again
+  replaces the leftovers and commits the same objects (the killed process's two private local
+  directories, which no cleanup removes on SIGKILL, are removed by the test).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
+
+
+@pytest.fixture(scope="session")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_url(s3, plain_fsdp2_ckpt) -> str:
+    """`plain_fsdp2_ckpt` uploaded once: its URL on the server."""
+    return s3.upload(plain_fsdp2_ckpt, "plain")
+
+
+@pytest.fixture(scope="module")
+def local_dp2(plain_fsdp2_ckpt, tmp_path_factory) -> Path:
+    """`plain_fsdp2_ckpt` converted to dp=2 from the local copy: what every conversion from the store must equal."""
+    out = tmp_path_factory.mktemp("s3") / "local_dp2"
+    code, _out, err = cli(["convert", plain_fsdp2_ckpt, out, "--to", "dp=2", "--quiet"])
+    assert code == 0, err
+    return out
+
+
+def _data_files(ckpt: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in ckpt.iterdir() if p.suffix == ".distcp" or p.name == ".metadata"}
+
+
+def _same_but_path(local: str, remote: str, ckpt: Path, url: str) -> None:
+    assert remote == local.replace(str(ckpt.resolve()), url).replace(str(ckpt), url)
+
+
+@pytest.mark.parametrize("argv", [["inspect", "--json"], ["inspect"], ["plan", "--to", "dp=2", "--json"],
+                                  ["plan", "--to", "dp=2"]], ids=["inspect-json", "inspect", "plan-json", "plan"])
+def test_inspect_and_plan_match_a_local_copy(argv, plain_fsdp2_ckpt, plain_url):
+    code_l, out_l, _ = cli([argv[0], plain_fsdp2_ckpt, *argv[1:]])
+    code_r, out_r, err_r = cli([argv[0], plain_url, *argv[1:]])
+    assert code_r == code_l == 0, err_r
+    if argv[0] == "plan":  # the fingerprint covers the source path, so it differs with it and only with it
+        fp_l = (json.loads(out_l) if "--json" in argv else {"fingerprint": out_l.split("fingerprint ")[1].split()[0]})["fingerprint"]
+        fp_r = (json.loads(out_r) if "--json" in argv else {"fingerprint": out_r.split("fingerprint ")[1].split()[0]})["fingerprint"]
+        assert fp_l != fp_r
+        out_r = out_r.replace(fp_r, fp_l)
+    _same_but_path(out_l, out_r, plain_fsdp2_ckpt, plain_url)
+    if "--json" in argv:
+        d = json.loads(out_r)
+        assert (d["path"] if argv[0] == "inspect" else d["source"]["path"]) == plain_url
+
+
+def test_only_metadata_sidecars_and_small_items_are_requested(s3, plain_fsdp2_ckpt, plain_url):
+    from reshard.planning.describe import inspect_checkpoint
+    from reshard.storage.remote import remote_of, staged
+
+    with staged(plain_url) as root:
+        rc = remote_of(root)
+        staged_names = sorted(p.name for p in root.iterdir())
+        ins = inspect_checkpoint(root)
+        counters = rc.counters.to_dict()
+    assert ins.report["complete"] and ins.report["path"] == plain_url
+    assert remote_of(root) is None and not root.exists()  # the private directory is gone with the block
+    assert counters["listings"] == 1
+    assert ".metadata" in staged_names and not any(n.endswith(".distcp") for n in staged_names)
+    sizes = s3.keys("plain")
+    data = {k: n for k, n in sizes.items() if k.endswith(".distcp")}
+    assert counters["by_file"][".metadata"] == sizes[".metadata"]
+    asked = sum(n for k, n in counters["by_file"].items() if k in data)
+    small = sum(e.location.length if not e.is_tensor else e.chunks[0].location.length
+                for e in ins.index.entries.values() if not e.is_tensor or e.numel == 1)
+    assert 0 < asked <= small < sum(data.values()) // 4, counters  # step counters, objects: no tensor's bytes
+
+
+def test_credentials_are_never_printed_or_recorded(plain_url):
+    outs = [cli(["inspect", plain_url, "--json"]), cli(["plan", plain_url, "--to", "dp=2", "--json"]),
+            cli(["inspect", plain_url])]
+    for code, out, err in outs:
+        assert code == 0
+        assert ACCESS_KEY not in out + err and SECRET_KEY not in out + err
+    code, out, err = cli(["inspect", plain_url.replace("s3://", f"s3://{ACCESS_KEY}:{SECRET_KEY}@")])
+    assert code == 2 and "credentials in the URL are refused" in err
+    assert SECRET_KEY not in out + err and ACCESS_KEY not in out + err
+
+
+def test_hostile_keys_and_names_are_refused(s3, plain_fsdp2_ckpt, plain_url):
+    from reshard.errors import BadInput
+    from reshard.storage.remote import open_remote
+
+    rc = open_remote(plain_url)
+    for name in ("../evil/__0_0.distcp", "sub/__0_0.distcp", "/__0_0.distcp", ".."):
+        with pytest.raises(BadInput, match="outside the checkpoint|not a plain name inside"):
+            rc.read_range(name, 0, 1)
+    assert rc.counters.requests == 0  # refused before any request
+    url = s3.upload(plain_fsdp2_ckpt, "dotdot")
+    s3.client().put_object(Bucket=s3.bucket, Key="dotdot/sub/../x", Body=b"x")
+    code, _out, err = cli(["inspect", url])
+    assert code == 2 and "'sub/../x' points outside the checkpoint" in err and url in err
+
+
+def test_missing_uncommitted_and_truncated_say_what_local_says(s3, plain_fsdp2_ckpt, tmp_path):
+    code, _o, err = cli(["inspect", s3.url("nothing-here")])
+    assert code == 2 and "nothing is stored under this prefix" in err and s3.url("nothing-here") in err
+
+    url = s3.upload(plain_fsdp2_ckpt, "uncommitted")
+    s3.client().delete_object(Bucket=s3.bucket, Key="uncommitted/.metadata")
+    code, _o, err = cli(["inspect", url])
+    assert code == 2 and "not committed" in err and url in err and "reshard-remote-" not in err
+
+    local = tmp_path / "trunc"
+    shutil.copytree(plain_fsdp2_ckpt, local)
+    victim = sorted(local.glob("*.distcp"))[-1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    url = s3.upload(local, "trunc")
+    code_l, out_l, _ = cli(["inspect", local, "--json"])
+    code_r, out_r, _ = cli(["inspect", url, "--json"])
+    assert code_r == code_l == 2
+    assert any(f["code"] == "truncated_file" for f in json.loads(out_r)["problems"])
+    _same_but_path(out_l, out_r, local, url)
+
+
+def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_ckpt, plain_url, local_dp2, tmp_path):
+    """`convert s3://... DST` writes the same `.metadata` and data files as converting the local
+    copy; its report and manifest name the URL (never the private staged directory); `verify`
+    takes a URL on either side; what cannot work from a store yet is refused with the way out."""
+    remote = tmp_path / "remote"
+    code, out, err = cli(["convert", plain_url, remote, "--to", "dp=2", "--quiet", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["source"] == report["verification"]["a"] == plain_url and report["verification"]["equal"]
+    assert report["verification"]["compared"]["tensors"] > 0  # compared with the store's items value by value
+    assert _data_files(remote) == _data_files(local_dp2)
+    manifest = json.loads((remote / "manifest.json").read_text())
+    assert manifest["lineage"][-1]["policies"]["source_path"] == plain_url
+    for p in remote.iterdir():
+        text = p.read_bytes()
+        assert b"reshard-remote-" not in text and ACCESS_KEY.encode() not in text and SECRET_KEY.encode() not in text
+    for a, b in ((plain_url, remote), (remote, plain_url), (plain_url, plain_fsdp2_ckpt)):
+        code, out, err = cli(["verify", a, b, "--json"])
+        assert code == 0 and json.loads(out)["equal"], err
+
+    code, _o, err = cli(["convert", plain_url, tmp_path / "x", "--to", "dp=2", "--data", "link"])
+    assert code == 2 and "--data link" in err and not (tmp_path / "x").exists()
+    code, _o, err = cli(["convert", plain_url, tmp_path / "x", "--to", "dp=2", "--workers", "2"])
+    assert code == 2 and "--workers" in err and not (tmp_path / "x").exists()
+
+
+def test_export_from_the_store_matches_the_local_export(plain_fsdp2_ckpt, plain_url, tmp_path):
+    """`export s3://... DST` writes the safetensors files exporting the local copy writes (the same tensor bytes
+    and header), but for the source they and the report name: the URL."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert cli(["export", plain_fsdp2_ckpt, local, "--quiet"])[0] == 0
+    code, out, err = cli(["export", plain_url, remote, "--quiet", "--json"])
+    assert code == 0, err
+    assert json.loads(out)["source"] == plain_url
+    shards = sorted(p.name for p in local.iterdir() if p.suffix == ".safetensors")
+    assert shards and shards == sorted(p.name for p in remote.iterdir() if p.suffix == ".safetensors")
+    for name in shards:  # the same header but for the source it names, and the same tensor bytes
+        (hl, dl), (hr, dr) = _safetensors(local / name), _safetensors(remote / name)
+        assert hl["__metadata__"].pop("source") == str(plain_fsdp2_ckpt.resolve())
+        assert hr["__metadata__"].pop("source") == plain_url
+        assert hl == hr and dl == dr, name
+
+
+def _safetensors(path: Path) -> tuple[dict, bytes]:
+    """A safetensors file's header (JSON) and its data bytes."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_path):
+    """The conversion's reads of a remote source go through a prefetch: several ranged requests at
+    once but never more than ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead
+    and not yet used, and the output the same bytes as with no prefetch at all."""
+    from reshard.storage.remote import remote_of, staged
+
+    with staged(plain_url) as root:
+        code, _out, err = cli(["convert", root, tmp_path / "out", "--to", "dp=2", "--quiet", "--threads", "3",
+                               "--buffer-memory", "16KiB"])
+        counters = remote_of(root).counters.to_dict()
+    assert code == 0, err
+    assert 2 <= counters["peak_in_flight"] <= 3, counters
+    assert 0 < counters["peak_buffered"] <= 16 << 10, counters
+    assert counters["prefetched"] > 0
+    assert _data_files(tmp_path / "out") == _data_files(local_dp2)
+
+
+def _load_with_fsspec_reader(url: str, like: Path) -> dict:
+    """Every tensor of the checkpoint at ``url`` loaded by torch's own `FsspecReader` into tensors
+    shaped as the local checkpoint ``like`` declares them (strict: every key must be there)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(like)).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=FsspecReader(url), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
+    return sd
+
+
+def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain_url, local_dp2):
+    """`convert s3://src s3://dst`: the objects are the local conversion's files (data and
+    `.metadata` byte for byte), no upload marker is left, torch's `FsspecReader` loads every
+    tensor strictly and bitwise equal to the local output, and a second run into the same
+    prefix is refused (a committed checkpoint is never replaced)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dst = s3.url("out/dp2")
+    code, out, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["destination"] == report["verification"]["b"] == dst
+    keys = s3.keys("out/dp2")
+    assert ".reshard-uploading" not in keys
+    c = s3.client()
+    for name, data in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/dp2/{name}")["Body"].read() == data, name
+    got = _load_with_fsspec_reader(dst, local_dp2)
+    md = dcp.FileSystemReader(str(local_dp2)).read_metadata()
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+    dcp.load(want, storage_reader=dcp.FileSystemReader(str(local_dp2)))
+    assert got.keys() == want.keys() and got
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    code, _o, err = cli(["verify", local_dp2, dst])
+    assert code == 0, err
+    code, _o, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet"])
+    assert code == 2 and "a committed checkpoint" in err
+
+
+def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, plain_url, local_dp2):
+    """A conversion into the store SIGKILLed right after its last data object (a real process,
+    `tests/forked.py`) leaves data objects and no `.metadata`: stock `dcp.load` through
+    `FsspecReader` refuses the prefix, `inspect` calls it not committed, and the same command
+    run again replaces the leftovers and commits what a clean run commits."""
+    import os
+
+    import forked
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dst = s3.url("out/killed")
+    last = max(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
+    mine = ("reshard-remote-", "reshard-upload-")
+    before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)}
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {last}"})
+    assert r.returncode == -9, r.stderr
+    left = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)} - before
+    assert sorted(p.name[:15] for p in left) == list(mine)  # no cleanup runs on SIGKILL: the two private directories
+    for p in left:
+        shutil.rmtree(p)
+    keys = s3.keys("out/killed")
+    assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
+    with pytest.raises(CheckpointException, match="global metadata read failed: .*killed/.metadata"):
+        dcp.load({"x": torch.empty(1)}, storage_reader=FsspecReader(dst))
+    code, _o, err = cli(["inspect", dst])
+    assert code == 2 and "not committed" in err
+
+    code, _o, err = cli(argv)
+    assert code == 0, err
+    c = s3.client()
+    assert ".reshard-uploading" not in s3.keys("out/killed")
+    for name, data in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == data, name
+
+
+NO_TORCH_RUN = """
+import sys
+from reshard.cli import main
+
+for argv in (["inspect", sys.argv[1], "--json"], ["plan", sys.argv[1], "--to", "dp=2", "--json"]):
+    try:
+        main(argv)
+    except SystemExit as exc:
+        print("exit", argv[0], exc.code, file=sys.stderr)
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_inspect_and_plan_of_a_store_import_no_torch(plain_url):
+    """`inspect` and `plan` of a remote checkpoint stay off torch, as on disk (docs/architecture.md,
+    "Where torch is imported"): fsspec, s3fs and the staged directory bring none of it. A fresh
+    interpreter is the point (this one has torch), so it is a subprocess, one for both commands."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", NO_TORCH_RUN, plain_url], capture_output=True, text=True,
+                       env=os.environ, timeout=300)
+    assert "exit inspect 0" in r.stderr and "exit plan 0" in r.stderr, r.stderr
+    assert "torch imported: False" in r.stderr, r.stderr
