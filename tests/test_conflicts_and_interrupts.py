@@ -179,3 +179,29 @@ def test_ctrl_c_under_workers_says_what_worker_0_left(point, reference_ckpt, tmp
         assert said == [f"interrupted after the commit: {dst} is complete"], err
         code, out, err = cli(["verify", reference_ckpt, dst])
         assert code == 0, out + err
+
+
+def test_a_signal_torchrun_masks_with_its_own_error_is_still_ctrl_c(monkeypatch):
+    """torchrun's metrics wrapper (``elastic.metrics.api.prof``) reads ``start`` in a ``finally``:
+    a Ctrl-C landing before ``start`` is bound leaves ``UnboundLocalError`` with the signal as its
+    context (seen once in CI). `launch_workers` must still say "interrupted" (KeyboardInterrupt,
+    exit 130), not "unexpected UnboundLocalError"; any other error passes through unchanged."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from reshard.engine import distributed
+
+    def masked(_args):
+        try:
+            raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a value")
+    monkeypatch.setattr(torchrun, "run", masked)
+    with pytest.raises(KeyboardInterrupt):
+        distributed.launch_workers(2, ["convert", "a", "b", "--to", "dp=2"])
+
+    def broken(_args):
+        raise RuntimeError("not a signal")
+    monkeypatch.setattr(torchrun, "run", broken)
+    with pytest.raises(RuntimeError, match="not a signal"):
+        distributed.launch_workers(2, ["convert", "a", "b", "--to", "dp=2"])

@@ -635,6 +635,24 @@ def _quiet_torchrun(debug: bool) -> Iterator[None]:
             lg.propagate = propagate
 
 
+def stopped_by_signal(exc: BaseException, signal_type: type) -> bool:
+    """Whether ``exc`` was raised while torchrun handled a signal (``signal_type`` in its context chain).
+
+    torchrun's signal handler raises its ``SignalException`` at whatever bytecode the agent is
+    running. Landing between ``try:`` and ``start = time.time()`` in its metrics wrapper
+    (``elastic.metrics.api.prof``), the wrapper's ``finally`` raises ``UnboundLocalError``
+    instead, with the signal only as its context. The workers are still stopped by the agent's
+    own ``finally``; a Ctrl-C must still read as one.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, signal_type):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _run_torchrun(args: list[str], env: dict[str, str], *, debug: bool) -> dict[int, int]:
     """torchrun's launcher in this process; {global rank: exit code} of the workers that failed ({} if none)."""
     from torch.distributed import run as torchrun
@@ -653,6 +671,10 @@ def _run_torchrun(args: list[str], env: dict[str, str], *, debug: bool) -> dict[
         return {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
     except SignalException:  # Ctrl-C or SIGTERM: torchrun has stopped the workers
         raise KeyboardInterrupt from None
+    except Exception as exc:
+        if stopped_by_signal(exc, SignalException):
+            raise KeyboardInterrupt from None
+        raise
     finally:
         os.environ.clear()
         os.environ.update(saved)
