@@ -110,6 +110,7 @@ def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict
     return {
         "report_version": 1,
         "source": remote.source_name(src),  # a remote source by its URL
+        **({"source_store": remote.store_reads(src)} if remote.remote_of(src) is not None else {}),  # what it fetched
         "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,

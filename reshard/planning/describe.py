@@ -789,8 +789,10 @@ def _report(root: Path, ix: Any, cls: Classification, manifest: Any, mdict: dict
             opt: dict[str, Any], per_rank: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
     """The `--json` shape (documented in the README): its key order is what the JSON prints."""
     complete, consistent, exit_code = _exit_code(findings)
+    store = remote.store_reads(root)
     return {
         "json_version": JSON_VERSION,
+        **({"store": store} if store is not None else {}),  # a remote checkpoint: what describing it fetched
         "path": remote.display_path(root),  # the URL of a remote checkpoint (reshard.storage.remote)
         "complete": complete,
         "consistent": consistent,

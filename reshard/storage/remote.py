@@ -42,7 +42,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
-           "output_name", "staged_output", "publish", "UPLOAD_MARKER"]
+           "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -365,6 +365,17 @@ def source_name(root: str | os.PathLike) -> str:
     """What an output records as its source: the URL of a staged directory, else the resolved path."""
     rc = remote_of(root)
     return rc.url if rc is not None else str(Path(root).resolve())
+
+
+def store_reads(root: str | os.PathLike) -> dict[str, int] | None:
+    """What reading the checkpoint staged at ``root`` has cost so far: requests, bytes requested,
+    listings, against the bytes its objects hold (None for a local checkpoint). Reports carry it
+    so a user (and the benchmark) sees that an inspect fetched megabytes of a terabyte prefix."""
+    rc = remote_of(root)
+    if rc is None:
+        return None
+    return {"requests": rc.counters.requests, "bytes_requested": rc.counters.bytes, "listings": rc.counters.listings,
+            "bytes_stored": sum(rc.sizes.values()), "objects_stored": len(rc.sizes)}
 
 
 @contextmanager
