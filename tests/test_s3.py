@@ -34,11 +34,18 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   s3://dst` uploads the local conversion's objects byte for byte, leaves no upload marker,
   torch's own `FsspecReader` loads every tensor strictly and bitwise equal to the local output,
   `verify` agrees, and a second run into the committed prefix is refused.
-- `test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits`: SIGKILLed after its
-  last data object (a forked process), the upload leaves no `.metadata`: stock `dcp.load`
-  through `FsspecReader` refuses it, `inspect` says not committed, and the same command again
-  replaces the leftovers and commits the same objects (the killed process's two private local
-  directories, which no cleanup removes on SIGKILL, are removed by the test).
+- `test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload`:
+  SIGKILLed after its last data object (a forked process), the upload leaves no `.metadata`:
+  stock `dcp.load` through `FsspecReader` refuses it, `inspect` says not committed; the same
+  command again takes the committed local output from the staging folder (checked against its
+  CRC-32s, not converted again), keeps every data object already sent (size and ETag as
+  recorded), sends the rest and commits the same objects; the staging folder goes.
+- `test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_sent_again`:
+  killed after its first item, the rerun resumes the conversion from its journal (the remote
+  source's identity, sizes and ETags, is the same across runs); an object overwritten in the
+  store after a killed upload is sent again, the others kept.
+- `test_ctrl_c_bound_for_the_store_says_where_the_work_waits`: SIGINT mid-conversion, exit 130,
+  one line naming the store (nothing committed) and the staging folder.
 """
 from __future__ import annotations
 
@@ -57,6 +64,14 @@ from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
 def s3():
     with s3_server() as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def staging(tmp_path_factory, monkeypatch) -> Path:
+    """Outputs bound for the store are made under a folder of the test's own (not ~/.cache)."""
+    folder = tmp_path_factory.mktemp("staging")
+    monkeypatch.setenv("RESHARD_STAGING_DIR", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -292,11 +307,14 @@ def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain
     assert code == 2 and "a committed checkpoint" in err
 
 
-def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, plain_url, local_dp2):
+def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload(s3, plain_url, local_dp2, staging):
     """A conversion into the store SIGKILLed right after its last data object (a real process,
     `tests/forked.py`) leaves data objects and no `.metadata`: stock `dcp.load` through
-    `FsspecReader` refuses the prefix, `inspect` calls it not committed, and the same command
-    run again replaces the leftovers and commits what a clean run commits."""
+    `FsspecReader` refuses the prefix, `inspect` calls it not committed. The same command run
+    again resumes: it takes the committed local output the killed run left in its staging
+    folder (items checked against their CRC-32 now, not converted again), sends only what the
+    store lacks (`.metadata` and the sidecars; every data object is kept, proven by its size and
+    ETag), and commits what a clean run commits; the staging folder goes with the commit."""
     import os
 
     import forked
@@ -305,17 +323,18 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, pla
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from reshard.storage.remote import stage_folder
+
     dst = s3.url("out/killed")
-    last = max(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
-    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
-    mine = ("reshard-remote-", "reshard-upload-")
-    before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)}
+    data = {n for n in _data_files(local_dp2) if n.endswith(".distcp")}
+    last = max(data)
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"]
+    before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("reshard-remote-")}
     r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {last}"})
     assert r.returncode == -9, r.stderr
-    left = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(mine)} - before
-    assert sorted(p.name[:15] for p in left) == list(mine)  # no cleanup runs on SIGKILL: the two private directories
-    for p in left:
-        shutil.rmtree(p)
+    for p in {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("reshard-remote-")} - before:
+        shutil.rmtree(p)  # the staged source: no cleanup runs on SIGKILL
+    assert (stage_folder(dst) / "out" / ".metadata").is_file()  # the committed local output waits
     keys = s3.keys("out/killed")
     assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
     with pytest.raises(CheckpointException, match="global metadata read failed: .*killed/.metadata"):
@@ -323,12 +342,83 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_a_rerun_commits(s3, pla
     code, _o, err = cli(["inspect", dst])
     assert code == 2 and "not committed" in err
 
-    code, _o, err = cli(argv)
+    code, out, err = cli(argv)
     assert code == 0, err
+    report = json.loads(out)
+    assert report["taken_again"]["items_checked_now"] > 0
+    assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] == len(data)
+    assert report["uploaded"]["objects"] == len(s3.keys("out/killed")) - len(data) >= 1  # .metadata and the sidecars
+    assert not stage_folder(dst).exists()
     c = s3.client()
     assert ".reshard-uploading" not in s3.keys("out/killed")
-    for name, data in _data_files(local_dp2).items():
-        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == data, name
+    for name, want in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == want, name
+    got = _load_with_fsspec_reader(dst, local_dp2)
+    assert got
+
+
+def test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_sent_again(s3, plain_url, local_dp2):
+    """Bound for the store, a conversion SIGKILLed after its first item written resumes from its
+    journal on the rerun (as beside a local destination: the report's ``resume`` keeps items).
+    Then an upload killed mid-way whose first data object someone else overwrites in the store:
+    the rerun sends that object again (its ETag is not the one recorded), keeps the others, and
+    the result is the clean conversion's bytes."""
+    import os
+
+    import forked
+
+    c = s3.client()
+    data = sorted(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
+    dst = s3.url("out/killed-early")
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": "1"})
+    assert r.returncode == -9, r.stderr
+    assert s3.keys("out/killed-early") == {}
+    code, out, err = cli([*argv, "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["resume"]["resumed"] and report["resume"]["items_kept"] >= 1, report["resume"]
+    for name, want in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed-early/{name}")["Body"].read() == want, name
+
+    dst = s3.url("out/overwritten")
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {data[-1]}"})
+    assert r.returncode == -9, r.stderr
+    c.put_object(Bucket=s3.bucket, Key=f"out/overwritten/{data[0]}", Body=b"not what reshard wrote")
+    code, out, err = cli([*argv, "--json"])
+    assert code == 0, err
+    up = json.loads(out)["uploaded"]
+    assert up["kept_from_an_interrupted_upload"]["objects"] == len(data) - 1
+    for name, want in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/overwritten/{name}")["Body"].read() == want, name
+
+
+def test_ctrl_c_bound_for_the_store_says_where_the_work_waits(s3, plain_url, tmp_path):
+    """SIGINT while the conversion bound for the store writes its first item: exit 130 and one
+    line saying nothing is committed in the store and where the resumable work waits."""
+    import os
+    import signal
+    import time
+
+    import forked
+
+    from reshard.storage.remote import stage_folder
+
+    dst = s3.url("out/ctrl-c")
+    events = tmp_path / "events"
+    p = forked.start(["convert", plain_url, dst, "--to", "dp=2", "--quiet"],
+                     env={**os.environ, "RESHARD_FAULT_SLEEP_AT": "1:60", "RESHARD_FAULT_COUNT": str(events)})
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline and not (events.exists() and events.read_text()):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert (f"interrupted: nothing committed in {dst}; the same command run again resumes from what waits in "
+            f"{stage_folder(dst)} (--restart starts over)") in err, err
+    assert s3.keys("out/ctrl-c") == {}
 
 
 NO_TORCH_RUN = """

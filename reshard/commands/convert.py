@@ -58,21 +58,17 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
     from reshard.storage import remote
 
     if isinstance(dst, str) and remote.is_url(dst):
+        def plan_now() -> Any:
+            return make_plan(src, options_from_plan(_plan_file(plan_file)) if plan_file is not None else opts)
+
         return publish_to_store(dst, lambda local: run_convert(
             src, local, opts, to=to, plan_file=plan_file, output_format=output_format, data=data, workers=workers,
             threads=threads, window=window, buffered=buffered, overwrite=False, restart=restart, force=force,
-            progress=progress, argv=argv, debug=debug))
+            progress=progress, argv=argv, debug=debug), src=src, plan_now=plan_now, restart=restart, progress=progress)
     dst = Path(dst)
     given = None
     if plan_file is not None:
-        from reshard.safefs import read_json
-
-        try:  # a plan file comes from elsewhere too: a regular file, capped in size and depth
-            given = read_json(plan_file, root=plan_file.parent, what="plan file")
-        except FileNotFoundError:
-            raise BadInput("no such plan file", where=str(plan_file)) from None
-        except OSError as exc:
-            raise BadInput(f"cannot read the plan ({exc.strerror or exc})", where=str(plan_file)) from None
+        given = _plan_file(plan_file)
         opts = options_from_plan(given)
         if to is not None and to != opts.to:
             raise BadInput(f"--to {to} disagrees with the plan's target {opts.to}", where=str(plan_file))
@@ -125,21 +121,78 @@ def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict],
     return Converted(report, 0 if report["verification"]["equal"] else 1)
 
 
-def publish_to_store(url: str, run: Any) -> Converted:
-    """``run(local)``, a conversion into a local directory standing for ``url``, then, once it has
-    committed (verified equal), its upload to the store: data objects first, `.metadata` last
-    (`reshard.storage.remote.publish`). A kill before the last upload leaves no `.metadata` there,
-    so no loader takes the output, and a rerun replaces what it left."""
+def _plan_file(plan_file: Path) -> dict[str, Any]:
+    from reshard.safefs import read_json
+
+    try:  # a plan file comes from elsewhere too: a regular file, capped in size and depth
+        return read_json(plan_file, root=plan_file.parent, what="plan file")
+    except FileNotFoundError:
+        raise BadInput("no such plan file", where=str(plan_file)) from None
+    except OSError as exc:
+        raise BadInput(f"cannot read the plan ({exc.strerror or exc})", where=str(plan_file)) from None
+
+
+def publish_to_store(url: str, run: Any, *, src: Path, plan_now: Any, restart: bool = False,
+                     progress: Any = None) -> Converted:
+    """``run(local)``, a conversion into the local output of the destination's `remote.Stage`,
+    then, once it has committed (verified equal), its upload to the store: data objects first,
+    `.metadata` last (`reshard.storage.remote.publish`). A kill before the last upload leaves
+    no `.metadata` there, so no loader takes the output.
+
+    Resuming, as beside a local destination: a conversion killed before its local commit left
+    its journal in the stage (``run`` resumes from it); one killed during the upload left its
+    committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
+    identity) is the same takes again instead of converting anew, after checking its files
+    against the checksums its manifest records, and uploads what the store does not hold yet.
+    """
+    from reshard.engine.resume import resume_key
     from reshard.storage import remote
     from reshard.storage.atomic import fault_point
 
-    with remote.staged_output(url) as local:
-        done = run(local)
-        if done.report is not None and done.exit_code == 0 and (local / ".metadata").exists():
-            sent = remote.publish(local, url, on_event=fault_point)
-            done.report["destination"] = url
-            done.report["uploaded"] = {"objects": sent.requests, "bytes": sent.bytes}
+    with remote.staged_output(url) as stage:
+        earlier = None if restart else stage.converted()
+        if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
+            earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
+        report = _taken_again(stage, earlier["report"], progress) if earlier is not None else None
+        if report is not None:
+            done = Converted(report, 0)
+        else:
+            stage.discard_output()
+            done = run(stage.out)
+            if done.report is None or done.exit_code != 0 or not (stage.out / ".metadata").exists():
+                return done
+            stage.record_converted(resume_key(done.report["plan"]["fingerprint"], src).to_dict(), done.report)
+        sent = remote.publish(stage, on_event=fault_point)
+        done.report["destination"] = url
+        done.report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
+                                   "kept_from_an_interrupted_upload": {"objects": sent.kept.requests,
+                                                                       "bytes": sent.kept.bytes}}
     return done
+
+
+def _taken_again(stage: Any, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:
+    """The report of a committed local output an interrupted run left in ``stage``, once every item
+    is checked against the CRC-32 its manifest records (this run reads those bytes; the comparison
+    with the source is the earlier run's, against a source whose identity is unchanged). None if
+    any item differs or is unrecorded: the output is then made anew."""
+    from reshard.planning.describe import inspect_checkpoint
+    from reshard.storage.integrity import check_items, item_bytes
+    from reshard.render.progress import phase_of
+
+    insp = inspect_checkpoint(stage.out)
+    integrity = getattr(insp.manifest, "integrity", None)
+    if not integrity or not insp.report["complete"]:
+        return None
+    with phase_of(progress, "checking the staged output's checksums", item_bytes(insp.index)) as bar:
+        issues = check_items(insp.index, integrity, progress=bar)
+    if issues:
+        return None
+    report = dict(report)
+    report["taken_again"] = {"from": str(stage.out), "items_checked_now": len(integrity.get("items") or {}),
+                             "note": "the local output an interrupted run committed and verified against this "
+                                     "source (same plan, same source identity); its items checked against their "
+                                     "recorded CRC-32 now; only its upload resumes"}
+    return report
 
 
 def _without_workers(argv: list[str]) -> list[str]:
@@ -174,8 +227,17 @@ def interruption(dst: Path, before: Optional[tuple[int, int]] = None) -> tuple[s
     happened, after the verification) the output is complete: exit 0, so a script does not take
     a finished conversion for a failed one. ``before``: `watch_output` of a ``--workers`` launcher.
     """
+    from reshard.storage import remote
     from reshard.storage.atomic import what_is_left
 
+    if remote.is_url(str(dst)):  # an output bound for a store: committed once `.metadata` is uploaded
+        try:
+            if remote.committed_at(str(dst)):
+                return f"interrupted after the commit: {dst} is complete", 0
+        except Exception:  # noqa: BLE001 - the store unreachable now: say what is known locally
+            pass
+        return (f"interrupted: nothing committed in {dst}; the same command run again resumes from what waits in "
+                f"{remote.stage_folder(str(dst))} (--restart starts over)"), 130
     left = what_is_left(dst, before=before)
     if left == "committed":
         return f"interrupted after the commit: {dst} is complete", 0

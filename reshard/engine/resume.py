@@ -46,15 +46,16 @@ from reshard.storage.journal import ResumeKey, source_identity
 __all__ = ["Proof", "Resumed", "prove_spliced", "resume_key", "whole_storages"]
 
 
-def resume_key(plan: Plan, src: Path, output_format: str = "dcp") -> ResumeKey:
+def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp") -> ResumeKey:
     """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.journal`):
-    the plan, the source files as they are on disk, and what else decides the bytes written."""
+    the plan (or its fingerprint, as a report records it), the source files as they are on disk, and what
+    else decides the bytes written."""
     from importlib.metadata import version
 
     from reshard import __version__
 
     # torch's version from its installed metadata (what torch.__version__ says) without importing it
-    return ResumeKey(plan=plan.fingerprint(), source=source_identity(src),
+    return ResumeKey(plan=plan if isinstance(plan, str) else plan.fingerprint(), source=source_identity(src),
                      options={"output_format": output_format, "reshard": __version__, "torch": version("torch")})
 
 

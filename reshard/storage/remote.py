@@ -33,6 +33,7 @@ import re
 import shutil
 import tempfile
 import threading
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,8 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
-           "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads"]
+           "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -100,6 +102,14 @@ class Counters:
                 "prefetched": self.prefetched, "by_file": dict(sorted(self.by_file.items()))}
 
 
+def version_tag(info: dict[str, Any]) -> str:
+    """What the store says identifies an object's content: its ETag (S3, GCS), else its modification time."""
+    for k in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "updated"):
+        if info.get(k) is not None:
+            return f"{k}={info[k]}"
+    return ""
+
+
 def _no_fsspec(url: str, exc: Exception) -> BadInput:
     return BadInput(f"cannot open '{url}': {exc}", where=url,
                     hint="Object-store sources need the optional extra: pip install 'reshard[s3]' "
@@ -136,6 +146,7 @@ class RemoteCheckpoint:
         self.base = base.rstrip("/")
         self.counters = Counters()
         self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
+        self.tags: dict[str, str] = {}  # key tail -> the store's version tag (ETag, else modification time)
         self.sizes: dict[str, int] = self._list()
 
     def where(self, name: str = "") -> str:
@@ -162,10 +173,17 @@ class RemoteCheckpoint:
             tail = path[len(head):]
             _check_key_tail(tail, where=self.url)
             out[tail] = int(info.get("size") or 0)
+            self.tags[tail] = version_tag(info)
         if not out:
             raise BadInput("no such checkpoint: nothing is stored under this prefix", where=self.url,
                            hint="Check the bucket and prefix (a checkpoint is the prefix that holds `.metadata`).")
         return out
+
+    def identity(self) -> dict[str, list[int]]:
+        """Every object -> ``[size, CRC-32 of its version tag]``: what `journal.source_identity`
+        records of a local source by ``stat``, from the one listing. An object rewritten under
+        the prefix gets a new ETag, so a rerun never keeps bytes read from what it replaced."""
+        return {k: [n, zlib.crc32(self.tags.get(k, "").encode())] for k, n in sorted(self.sizes.items())}
 
     def data_files(self) -> list[str]:
         """Names of the DCP data files listed directly under the prefix."""
@@ -449,49 +467,162 @@ def _open_destination(url: str) -> tuple[Any, str]:
     return fs, base.rstrip("/")
 
 
-def _listing(fs: Any, base: str, url: str) -> list[str]:
+def _listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
+    """Every object under the destination prefix now (key tail -> its listing entry), fresh from the store."""
     try:
-        found = fs.find(base)
+        fs.invalidate_cache(base)
+        found = fs.find(base, detail=True)
     except FileNotFoundError:
-        return []
+        return {}
     except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
         raise BadInput(f"cannot list the destination: {type(exc).__name__}: {exc}", where=url,
                        hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
-    return sorted(p[len(base) + 1:] for p in found if p.startswith(base + "/"))
+    return {p[len(base) + 1:]: info for p, info in sorted(found.items()) if p.startswith(base + "/")}
+
+
+#: Where outputs bound for a store are made first (one folder per destination URL), unless set.
+STAGING_ENV = "RESHARD_STAGING_DIR"
+
+
+def staging_root() -> Path:
+    """``$RESHARD_STAGING_DIR``, else the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``) ``/reshard/staging``."""
+    given = os.environ.get(STAGING_ENV)
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "reshard" / "staging"
+
+
+@dataclass
+class Stage:
+    """The local side of an output bound for a store: ``out`` (the conversion's local output,
+    written by `atomic_directory` with its resumable temporaries and journal beside it), what
+    the committed conversion recorded (``converted.json``: its resume key and report) and what
+    the upload has sent (``uploaded.jsonl``). It lives in one folder per destination URL under
+    `staging_root`, so a killed run's work waits for the same command, as beside a local
+    destination; it is removed once the output is committed in the store."""
+
+    url: str
+    folder: Path
+
+    @property
+    def out(self) -> Path:
+        return self.folder / "out"
+
+    @property
+    def uploads(self) -> Path:
+        return self.folder / "uploaded.jsonl"
+
+    def converted(self) -> dict[str, Any] | None:
+        """What the committed local conversion recorded (``key``, ``report``), or None (none committed)."""
+        p = self.folder / "converted.json"
+        if not (self.out / METADATA_FILE).is_file() or not p.is_file():
+            return None
+        try:
+            got = safefs.read_json(p, root=self.folder, what="staged conversion record", limit=256 << 20)
+        except (ReshardError, OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) and {"key", "report"} <= got.keys() else None
+
+    def record_converted(self, key: dict[str, Any], report: dict[str, Any]) -> None:
+        """After the local commit: what a rerun compares its own resume key with before it uploads this output again."""
+        import json
+
+        tmp = self.folder / "converted.json.tmp"
+        tmp.write_text(json.dumps({"key": key, "report": report}))
+        os.replace(tmp, self.folder / "converted.json")
+
+    def discard_output(self) -> None:
+        """A committed local output of another conversion (its key differs): removed before this one is made."""
+        for p in (self.folder / "converted.json", self.uploads):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+def stage_folder(url: str) -> Path:
+    """The local folder of the output bound for ``url`` (`staged_output`): one per destination URL."""
+    import hashlib
+
+    return staging_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
+
+
+def committed_at(url: str) -> bool:
+    """Whether ``url`` holds a committed output now (`.metadata` listed, no upload marker)."""
+    fs, base = _open_destination(url)
+    listed = _listing(fs, base, url)
+    return METADATA_FILE in listed and UPLOAD_MARKER not in listed
 
 
 @contextmanager
-def staged_output(url: str) -> Iterator[Path]:
-    """A local directory (not yet existing) for an output that `publish` then uploads to ``url``,
-    after checking that the destination takes it: an empty prefix, or the leftovers of an upload
-    by reshard that never committed (`UPLOAD_MARKER` and no `.metadata`). While the block runs,
-    reports name the URL (`output_name`); the directory is removed afterwards."""
+def staged_output(url: str) -> Iterator[Stage]:
+    """The `Stage` of an output that `publish` uploads to ``url``, after checking that the
+    destination takes it: an empty prefix, or the leftovers of an upload by reshard that never
+    committed (`UPLOAD_MARKER` and no `.metadata`). One run at a time per destination (a lock
+    in its folder). While the block runs, reports name the URL (`output_name`). The folder is
+    removed when the block ends with the output committed in the store (`.metadata` there and
+    no marker), and kept otherwise, for the same command to resume."""
+    import fcntl
+
     fs, base = _open_destination(url)
     there = _listing(fs, base, url)
     if there and (METADATA_FILE in there or UPLOAD_MARKER not in there):
         raise BadInput(f"the destination prefix already holds {len(there)} objects"
                        + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
                        hint="Choose an empty prefix (replacing objects in a store is not supported yet).")
-    tmp = Path(tempfile.mkdtemp(prefix="reshard-upload-"))
-    local = tmp / "out"
-    _OUTPUTS[os.path.realpath(local)] = url.rstrip("/")
+    url = url.rstrip("/")
+    folder = stage_folder(url)
     try:
-        yield local
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "destination.txt").write_text(url + "\n")
+        lock = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise BadInput(f"cannot make the local staging folder {folder}: {exc.strerror or exc}", where=url,
+                       hint=f"An output bound for a store is made locally first; set {STAGING_ENV} to a "
+                            "folder with room for it.") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput("another reshard run is writing this destination", where=url,
+                           hint="Wait for it to finish, or choose another prefix.") from None
+        stage = Stage(url, folder)
+        _OUTPUTS[os.path.realpath(stage.out)] = url
+        try:
+            yield stage
+        finally:
+            _OUTPUTS.pop(os.path.realpath(stage.out), None)
+        if committed_at(url):
+            shutil.rmtree(folder, ignore_errors=True)
     finally:
-        _OUTPUTS.pop(os.path.realpath(local), None)
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
 
 
-def publish(local: Path, url: str, *, on_event: Callable[[str], Any] | None = None) -> Counters:
-    """Upload a committed local output to ``url`` in DCP's commit order, on a store with no rename:
-    `UPLOAD_MARKER` first, then the data objects at their final names, then every other file,
-    `.metadata` last (the commit marker: a loader takes the output only once it is there), then
-    the marker removed. Leftovers of an interrupted upload under the prefix (`staged_output`
-    admits only those) are deleted first, `.metadata`-less as they are. ``on_event(label)`` after
-    each object (the fault-injection hook of the tests)."""
-    fs, base = _open_destination(url)
-    counters = Counters()
-    stale = _listing(fs, base, url)
+@dataclass
+class Published:
+    """What `publish` did: objects sent and objects an earlier, interrupted upload had already
+    put there (proven by their size and the store's version tag, as recorded at their upload)."""
+
+    sent: Counters
+    kept: Counters
+
+
+def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None) -> Published:
+    """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
+    rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
+    file, `.metadata` last (the commit marker: a loader takes the output only once it is
+    there), then the marker removed.
+
+    Resuming: each object sent is recorded in ``stage.uploads`` with the local file's size and
+    modification time and the version tag (ETag) the store gave it. An object the record names
+    is not sent again when the store still lists it with that size and tag and the local file
+    is unchanged; every other object under the prefix that is not part of the output is
+    deleted. ``on_event(label)`` after each object (the fault-injection hook of the tests)."""
+    import json
+
+    fs, base = _open_destination(stage.url)
+    url, local = stage.url, stage.out
+    sent, kept = Counters(), Counters()
+    there = _listing(fs, base, url)
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     if METADATA_FILE not in names:
         raise Incomplete("the output has no .metadata: nothing committed to publish", where=str(local))
@@ -499,22 +630,53 @@ def publish(local: Path, url: str, *, on_event: Callable[[str], Any] | None = No
         _check_key_tail(tail, where=url)
     order = ([n for n in names if n.endswith(DATA_SUFFIX)]
              + [n for n in names if not n.endswith(DATA_SUFFIX) and n != METADATA_FILE] + [METADATA_FILE])
+    recorded: dict[str, dict[str, Any]] = {}
+    if stage.uploads.is_file():
+        for line in stage.uploads.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                recorded[str(r["name"])] = r
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by the kill: that object is sent again
+
+    def unchanged(tail: str) -> bool:
+        r, info = recorded.get(tail), there.get(tail)
+        st = (local / tail).stat()
+        return (r is not None and info is not None and tail != METADATA_FILE
+                and r.get("size") == st.st_size == int(info.get("size") or -1)
+                and r.get("mtime_ns") == st.st_mtime_ns and r.get("tag") == version_tag(info))
+
     try:
         fs.pipe_file(f"{base}/{UPLOAD_MARKER}", b"reshard: an upload in progress; no .metadata means not committed\n")
-        for tail in stale:
-            if tail != UPLOAD_MARKER:
+        for tail in there:
+            if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
                 fs.rm_file(f"{base}/{tail}")
         if on_event is not None:
             on_event(f"upload {UPLOAD_MARKER}")
-        for tail in order:
-            fs.put_file(str(local / tail), f"{base}/{tail}")
-            counters.add(tail, (local / tail).stat().st_size)
-            if on_event is not None:
-                on_event(f"upload {tail}")
+        with open(stage.uploads, "a") as log:
+            for tail in order:
+                st = (local / tail).stat()
+                if unchanged(tail):
+                    kept.add(tail, st.st_size)
+                    continue
+                fs.put_file(str(local / tail), f"{base}/{tail}")
+                sent.add(tail, st.st_size)
+                if tail != METADATA_FILE:
+                    fs.invalidate_cache(f"{base}/{tail}")
+                    tag = version_tag(fs.info(f"{base}/{tail}"))
+                    log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tag": tag}) + "\n")
+                    log.flush()
+                if on_event is not None:
+                    on_event(f"upload {tail}")
         fs.rm_file(f"{base}/{UPLOAD_MARKER}")
     except ReshardError:
         raise
+    except OSError as exc:
+        if exc.filename is not None and str(stage.folder) in str(exc.filename):
+            raise BadInput(f"cannot record the upload in {stage.folder}: {exc.strerror or exc}", where=url) from None
+        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                       hint="Nothing is committed there (no .metadata); run the same command again (it resumes).") from None
     except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
         raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
-                       hint="Nothing is committed there (no .metadata); run the same command again.") from None
-    return counters
+                       hint="Nothing is committed there (no .metadata); run the same command again (it resumes).") from None
+    return Published(sent, kept)
