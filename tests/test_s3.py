@@ -386,10 +386,13 @@ def test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_s
     r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {data[-1]}"})
     assert r.returncode == -9, r.stderr
     c.put_object(Bucket=s3.bucket, Key=f"out/overwritten/{data[0]}", Body=b"not what reshard wrote")
-    code, out, err = cli([*argv, "--json"])
+    code, out, err = cli([*argv[:-1], "--json", "--progress", "json"])
     assert code == 0, err
     up = json.loads(out)["uploaded"]
     assert up["kept_from_an_interrupted_upload"]["objects"] == len(data) - 1
+    ends = [e for e in map(json.loads, err.splitlines()) if e.get("phase") == "upload" and e["event"] == "end"]
+    total = up["bytes"] + up["kept_from_an_interrupted_upload"]["bytes"]
+    assert [(e["bytes_done"], e["bytes_total"]) for e in ends] == [(total, total)], err  # progress by bytes
     for name, want in _data_files(local_dp2).items():
         assert c.get_object(Bucket=s3.bucket, Key=f"out/overwritten/{name}")["Body"].read() == want, name
 

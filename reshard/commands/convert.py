@@ -22,7 +22,7 @@ from reshard.engine.copy import IOOptions
 from reshard.engine.distributed import convert_distributed, in_torchrun, launch_workers
 from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan, source_index
-from reshard.render.progress import waiting
+from reshard.render.progress import phase_of, waiting
 
 
 @dataclass
@@ -162,7 +162,8 @@ def publish_to_store(url: str, run: Any, *, src: Path, plan_now: Any, restart: b
             if done.report is None or done.exit_code != 0 or not (stage.out / ".metadata").exists():
                 return done
             stage.record_converted(resume_key(done.report["plan"]["fingerprint"], src).to_dict(), done.report)
-        sent = remote.publish(stage, on_event=fault_point)
+        with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
+            sent = remote.publish(stage, on_event=fault_point, bar=bar)
         done.report["destination"] = url
         done.report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
                                    "kept_from_an_interrupted_upload": {"objects": sent.kept.requests,
@@ -177,7 +178,6 @@ def _taken_again(stage: Any, report: dict[str, Any], progress: Any) -> Optional[
     any item differs or is unrecorded: the output is then made anew."""
     from reshard.planning.describe import inspect_checkpoint
     from reshard.storage.integrity import check_items, item_bytes
-    from reshard.render.progress import phase_of
 
     insp = inspect_checkpoint(stage.out)
     integrity = getattr(insp.manifest, "integrity", None)

@@ -13,14 +13,15 @@ receive only the phase, an object with ``update(nbytes)``, so they import neithe
 module nor tqdm. A phase counts its bytes (``done``) even when nothing is shown, which lets
 a test check the totals without a terminal. Each phase belongs to one of the stages an
 operator follows (`STAGES`): ``copy`` (writing, linking), ``verify`` (comparing, checking,
-verifying) and ``commit`` (the fsync and rename that make the output appear).
+verifying), ``commit`` (the fsync and rename that make the output appear) and, for an output
+bound for object storage, ``upload`` (the objects sent; `.metadata` last commits it there).
 
 Three modes (``--progress``):
 
 * ``auto`` (the default): a bar per phase on a terminal; nothing when stderr is not a
   terminal (a pipe, a file, CI), under ``--json`` (a script reads the output) or ``--quiet``;
 * ``json``: one JSON object per line on stderr, whatever stderr is, for schedulers and
-  dashboards: ``{"event": "start"|"progress"|"end", "phase": "copy"|"verify"|"commit",
+  dashboards: ``{"event": "start"|"progress"|"end", "phase": "copy"|"verify"|"commit"|"upload",
   "step": NAME, "bytes_done", "bytes_total", "rate" (bytes/s), "eta_s", "elapsed_s"}``,
   ``{"event": "message", "text": LINE}`` for the lines a terminal shows, at least once a
   second while a phase is open (so a stalled copy is visible as a stalled count);
@@ -57,7 +58,8 @@ __all__ = ["MODES", "STAGES", "Phase", "Progress", "describe_bytes", "end_commit
 
 MODES = ("auto", "json", "none")
 # the stage of each phase name a command opens (`stage_of`: names starting "checking" verify)
-STAGES = {"writing": "copy", "linking": "copy", "comparing": "verify", "verifying": "verify", "commit": "commit"}
+STAGES = {"writing": "copy", "linking": "copy", "comparing": "verify", "verifying": "verify", "commit": "commit",
+          "uploading": "upload"}
 TICK = 1.0  # seconds between two refreshes of an open phase (a json event, or the bar redrawn)
 
 

@@ -44,7 +44,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
-           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at"]
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -539,6 +539,11 @@ class Stage:
         shutil.rmtree(self.out, ignore_errors=True)
 
 
+def tree_bytes(local: Path) -> int:
+    """Bytes of every regular file under ``local`` (what `publish` sends at most)."""
+    return sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+
+
 def stage_folder(url: str) -> Path:
     """The local folder of the output bound for ``url`` (`staged_output`): one per destination URL."""
     import hashlib
@@ -597,6 +602,28 @@ def staged_output(url: str) -> Iterator[Stage]:
         os.close(lock)
 
 
+def _bytes_sent(bar: Any) -> Any:
+    """An fsspec callback that hands the bytes a `put_file` reports sent to ``bar`` (a progress phase, or None)."""
+    from fsspec.callbacks import Callback
+
+    class BytesSent(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def call(self, *_a: Any, **_k: Any) -> None:
+            if bar is not None and (self.value or 0) > self.seen:
+                bar.update(self.value - self.seen)
+                self.seen = self.value
+
+        def top_up(self, size: int) -> None:
+            """The object is sent: whatever the filesystem did not report is counted now."""
+            self.value = max(self.value or 0, size)
+            self.call()
+
+    return BytesSent()
+
+
 @dataclass
 class Published:
     """What `publish` did: objects sent and objects an earlier, interrupted upload had already
@@ -606,7 +633,7 @@ class Published:
     kept: Counters
 
 
-def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None) -> Published:
+def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None) -> Published:
     """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
     rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
     file, `.metadata` last (the commit marker: a loader takes the output only once it is
@@ -616,7 +643,8 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None) -> Pu
     modification time and the version tag (ETag) the store gave it. An object the record names
     is not sent again when the store still lists it with that size and tag and the local file
     is unchanged; every other object under the prefix that is not part of the output is
-    deleted. ``on_event(label)`` after each object (the fault-injection hook of the tests)."""
+    deleted. ``on_event(label)`` after each object (the fault-injection hook of the tests);
+    ``bar.update(nbytes)`` as bytes are sent or kept (a progress phase, or None)."""
     import json
 
     fs, base = _open_destination(stage.url)
@@ -658,8 +686,12 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None) -> Pu
                 st = (local / tail).stat()
                 if unchanged(tail):
                     kept.add(tail, st.st_size)
+                    if bar is not None:
+                        bar.update(st.st_size)
                     continue
-                fs.put_file(str(local / tail), f"{base}/{tail}")
+                counted = _bytes_sent(bar)
+                fs.put_file(str(local / tail), f"{base}/{tail}", callback=counted)
+                counted.top_up(st.st_size)
                 sent.add(tail, st.st_size)
                 if tail != METADATA_FILE:
                     fs.invalidate_cache(f"{base}/{tail}")
