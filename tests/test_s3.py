@@ -288,8 +288,10 @@ def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain
     assert code == 0, err
     report = json.loads(out)
     assert report["destination"] == report["verification"]["b"] == dst
+    up = report["estimate"]["upload"]  # the store's upload rate probed for the estimate, the probe deleted
+    assert up["bytes"] > 0 and up["error"] is None and "to upload" in report["estimate"]["basis"], report["estimate"]
     keys = s3.keys("out/dp2")
-    assert ".reshard-uploading" not in keys
+    assert ".reshard-uploading" not in keys and not any(k.startswith(".reshard-probe-") for k in keys), keys
     c = s3.client()
     for name, data in _data_files(local_dp2).items():
         assert c.get_object(Bucket=s3.bucket, Key=f"out/dp2/{name}")["Body"].read() == data, name

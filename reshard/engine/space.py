@@ -243,6 +243,18 @@ def store_probe(rc: "remote.RemoteCheckpoint", nbytes: int = PROBE_BYTES) -> Rat
         return Rate(what, error=exc.message)
 
 
+def upload_probe(url: str, nbytes: int = PROBE_BYTES) -> Rate:
+    """Time one put of ``nbytes`` (random, so a compressing store times something) under the
+    destination prefix ``url``, deleted after: the rate an output bound for the store is sent at."""
+    what = f"upload to {url}"
+    try:
+        return Rate(what, nbytes, remote.timed_put(url, secrets.token_bytes(nbytes)))
+    except ReshardError as exc:
+        return Rate(what, error=exc.message)
+    except Exception as exc:  # noqa: BLE001 - the store's errors: the estimate says it is not measured
+        return Rate(what, error=f"{type(exc).__name__}: {exc}")
+
+
 def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> Rate:
     """Write ``nbytes`` to a hidden file in ``folder`` (an existing directory: nothing is created
     for the destination), fsync it, time it, and remove it, whatever happens."""
@@ -342,11 +354,18 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
             parts.append(read_bytes / r.per_second)
         if w.per_second:
             parts.append(need / w.per_second)
+        url = remote.output_name(dst)
+        if url is not None:  # bound for a store: made here, then sent there
+            u = upload_probe(url)
+            figures["upload"] = {"bytes": u.nbytes, "seconds": round(u.seconds, 6), "error": u.error, "file": u.what}
+            if u.per_second:
+                parts.append(need / u.per_second)
         if parts:
             exact_seconds = sum(parts)
             figures["seconds"] = round(exact_seconds, 3)
+        up = f"; {human_bytes(need)} to upload, {u.describe()}" if url is not None else ""
         figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
-                            f"two probes ({r.describe()}; {w.describe()}); the copy only, an estimate")
+                            f"probes ({r.describe()}; {w.describe()}{up}); the copy only, an estimate")
     if progress is not None:
         progress.say(space_line(figures))
         if hasattr(progress, "estimated"):  # the estimate printed before the work (convert: on stdout, even on a pipe)

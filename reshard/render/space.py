@@ -41,7 +41,9 @@ def _about(seconds: float) -> str:
 
 def _rates(figures: dict[str, Any]) -> str:
     out = []
-    for side in ("read", "write"):
+    for side in ("read", "write", "upload"):
+        if side == "upload" and "upload" not in figures:
+            continue  # only an output bound for object storage is uploaded
         r = figures.get(side) or {}
         if r.get("error") is None and r.get("bytes"):
             out.append(f"{side} {human_bytes(r['bytes'] / max(r['seconds'], 1e-6))}/s")

@@ -44,7 +44,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
-           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes"]
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -539,6 +539,30 @@ class Stage:
         shutil.rmtree(self.out, ignore_errors=True)
 
 
+#: Names of the objects `timed_put` writes and deletes under a destination prefix (a leftover of a
+#: killed probe is one of reshard's own, replaced like an unfinished upload's).
+PROBE_PREFIX = ".reshard-probe-"
+
+
+def timed_put(url: str, data: bytes) -> float:
+    """Seconds to put ``data`` as one probe object under the destination prefix ``url`` (then deleted):
+    the store's upload rate, for the estimate a conversion bound for it prints first."""
+    import secrets
+    import time
+
+    fs, base = _open_destination(url)
+    key = f"{base}/{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        t = time.perf_counter()
+        fs.pipe_file(key, data)
+        return time.perf_counter() - t
+    finally:
+        try:
+            fs.rm_file(key)
+        except Exception:  # noqa: BLE001 - a probe left behind is replaced by the upload (`staged_output`)
+            pass
+
+
 def tree_bytes(local: Path) -> int:
     """Bytes of every regular file under ``local`` (what `publish` sends at most)."""
     return sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
@@ -569,7 +593,7 @@ def staged_output(url: str) -> Iterator[Stage]:
     import fcntl
 
     fs, base = _open_destination(url)
-    there = _listing(fs, base, url)
+    there = {k: v for k, v in _listing(fs, base, url).items() if not k.startswith(PROBE_PREFIX)}
     if there and (METADATA_FILE in there or UPLOAD_MARKER not in there):
         raise BadInput(f"the destination prefix already holds {len(there)} objects"
                        + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
