@@ -365,7 +365,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
             figures["seconds"] = round(exact_seconds, 3)
         up = f"; {human_bytes(need)} to upload, {u.describe()}" if url is not None else ""
         figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
-                            f"probes ({r.describe()}; {w.describe()}{up}); the copy only, an estimate")
+                            f"{'three' if up else 'two'} probes ({r.describe()}; {w.describe()}{up}); the copy only, an estimate")
     if progress is not None:
         progress.say(space_line(figures))
         if hasattr(progress, "estimated"):  # the estimate printed before the work (convert: on stdout, even on a pipe)
