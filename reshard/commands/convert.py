@@ -20,9 +20,10 @@ from reshard.model.plan import Options
 from reshard.engine.conversion import check_data_mode, convert
 from reshard.engine.copy import IOOptions
 from reshard.engine.distributed import convert_distributed, in_torchrun, launch_workers
+from reshard.engine.publishing import convert_into_store
 from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan, source_index
-from reshard.render.progress import phase_of, waiting
+from reshard.render.progress import waiting
 
 
 @dataclass
@@ -53,7 +54,7 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
     copy buffers' memory in bytes (``--buffer-memory``). ``argv``: the command line, which
     ``--workers`` hands to each worker without ``--workers``. ``dst`` a URL (s3://bucket/prefix):
     the output is made and verified in a local directory, then published in DCP's commit order
-    (`publish_to_store`).
+    (`reshard.engine.publishing.convert_into_store`).
     """
     from reshard.storage import remote
 
@@ -61,10 +62,14 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
         def plan_now() -> Any:
             return make_plan(src, options_from_plan(_plan_file(plan_file)) if plan_file is not None else opts)
 
-        return publish_to_store(dst, lambda local: run_convert(
-            src, local, opts, to=to, plan_file=plan_file, output_format=output_format, data=data, workers=workers,
-            threads=threads, window=window, buffered=buffered, overwrite=False, restart=restart, force=force,
-            progress=progress, argv=argv, debug=debug), src=src, plan_now=plan_now, restart=restart, progress=progress)
+        def run_locally(local: Path) -> tuple[Optional[dict[str, Any]], int]:
+            done = run_convert(src, local, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+                               workers=workers, threads=threads, window=window, buffered=buffered, overwrite=False,
+                               restart=restart, force=force, progress=progress, argv=argv, debug=debug)
+            return done.report, done.exit_code
+
+        return Converted(*convert_into_store(dst, run_locally, src=src, plan_now=plan_now, restart=restart,
+                                             progress=progress))
     dst = Path(dst)
     given = None
     if plan_file is not None:
@@ -130,69 +135,6 @@ def _plan_file(plan_file: Path) -> dict[str, Any]:
         raise BadInput("no such plan file", where=str(plan_file)) from None
     except OSError as exc:
         raise BadInput(f"cannot read the plan ({exc.strerror or exc})", where=str(plan_file)) from None
-
-
-def publish_to_store(url: str, run: Any, *, src: Path, plan_now: Any, restart: bool = False,
-                     progress: Any = None) -> Converted:
-    """``run(local)``, a conversion into the local output of the destination's `remote.Stage`,
-    then, once it has committed (verified equal), its upload to the store: data objects first,
-    `.metadata` last (`reshard.storage.remote.publish`). A kill before the last upload leaves
-    no `.metadata` there, so no loader takes the output.
-
-    Resuming, as beside a local destination: a conversion killed before its local commit left
-    its journal in the stage (``run`` resumes from it); one killed during the upload left its
-    committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
-    identity) is the same takes again instead of converting anew, after checking its files
-    against the checksums its manifest records, and uploads what the store does not hold yet.
-    """
-    from reshard.engine.resume import resume_key
-    from reshard.storage import remote
-    from reshard.storage.atomic import fault_point
-
-    with remote.staged_output(url) as stage:
-        earlier = None if restart else stage.converted()
-        if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
-            earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
-        report = _taken_again(stage, earlier["report"], progress) if earlier is not None else None
-        if report is not None:
-            done = Converted(report, 0)
-        else:
-            stage.discard_output()
-            done = run(stage.out)
-            if done.report is None or done.exit_code != 0 or not (stage.out / ".metadata").exists():
-                return done
-            stage.record_converted(resume_key(done.report["plan"]["fingerprint"], src).to_dict(), done.report)
-        with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
-            sent = remote.publish(stage, on_event=fault_point, bar=bar)
-        done.report["destination"] = url
-        done.report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
-                                   "kept_from_an_interrupted_upload": {"objects": sent.kept.requests,
-                                                                       "bytes": sent.kept.bytes}}
-    return done
-
-
-def _taken_again(stage: Any, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:
-    """The report of a committed local output an interrupted run left in ``stage``, once every item
-    is checked against the CRC-32 its manifest records (this run reads those bytes; the comparison
-    with the source is the earlier run's, against a source whose identity is unchanged). None if
-    any item differs or is unrecorded: the output is then made anew."""
-    from reshard.planning.describe import inspect_checkpoint
-    from reshard.storage.integrity import check_items, item_bytes
-
-    insp = inspect_checkpoint(stage.out)
-    integrity = getattr(insp.manifest, "integrity", None)
-    if not integrity or not insp.report["complete"]:
-        return None
-    with phase_of(progress, "checking the staged output's checksums", item_bytes(insp.index)) as bar:
-        issues = check_items(insp.index, integrity, progress=bar)
-    if issues:
-        return None
-    report = dict(report)
-    report["taken_again"] = {"from": str(stage.out), "items_checked_now": len(integrity.get("items") or {}),
-                             "note": "the local output an interrupted run committed and verified against this "
-                                     "source (same plan, same source identity); its items checked against their "
-                                     "recorded CRC-32 now; only its upload resumes"}
-    return report
 
 
 def _without_workers(argv: list[str]) -> list[str]:

@@ -1,0 +1,76 @@
+"""A conversion whose output goes to object storage: made in a local stage, then published.
+
+Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
+committed local output, the checksums checked before that output is taken again, and the
+upload's own record, is execution, the same for any caller (`reshard convert`, a script).
+The bytes of the upload itself are `reshard.storage.remote.publish`'s.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from reshard.engine.resume import resume_key
+from reshard.planning.describe import inspect_checkpoint
+from reshard.render.progress import phase_of
+from reshard.storage import remote
+from reshard.storage.atomic import fault_point
+from reshard.storage.integrity import check_items, item_bytes
+
+__all__ = ["convert_into_store"]
+
+
+def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, Any]], int]], *, src: Path,
+                       plan_now: Callable[[], Any], restart: bool = False,
+                       progress: Any = None) -> tuple[Optional[dict[str, Any]], int]:
+    """``run(local)``, a conversion into the local output of the destination's `remote.Stage`,
+    then, once it has committed (verified equal), its upload to the store: data objects first,
+    `.metadata` last (`reshard.storage.remote.publish`). A kill before the last upload leaves
+    no `.metadata` there, so no loader takes the output.
+
+    Resuming, as beside a local destination: a conversion killed before its local commit left
+    its journal in the stage (``run`` resumes from it); one killed during the upload left its
+    committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
+    identity) is the same takes again instead of converting anew, after checking its files
+    against the checksums its manifest records, and uploads what the store does not hold yet.
+    """
+    with remote.staged_output(url) as stage:
+        earlier = None if restart else stage.converted()
+        if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
+            earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
+        report = _taken_again(stage, earlier["report"], progress) if earlier is not None else None
+        if report is not None:
+            code = 0
+        else:
+            stage.discard_output()
+            report, code = run(stage.out)
+            if report is None or code != 0 or not (stage.out / ".metadata").exists():
+                return report, code
+            stage.record_converted(resume_key(report["plan"]["fingerprint"], src).to_dict(), report)
+        with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
+            sent = remote.publish(stage, on_event=fault_point, bar=bar)
+        report["destination"] = url
+        report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
+                              "kept_from_an_interrupted_upload": {"objects": sent.kept.requests, "bytes": sent.kept.bytes}}
+    return report, code
+
+
+def _taken_again(stage: remote.Stage, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:
+    """The report of a committed local output an interrupted run left in ``stage``, once every item
+    is checked against the CRC-32 its manifest records (this run reads those bytes; the comparison
+    with the source is the earlier run's, against a source whose identity is unchanged). None if
+    any item differs or is unrecorded: the output is then made anew."""
+    insp = inspect_checkpoint(stage.out)
+    integrity = getattr(insp.manifest, "integrity", None)
+    if not integrity or not insp.report["complete"]:
+        return None
+    with phase_of(progress, "checking the staged output's checksums", item_bytes(insp.index)) as bar:
+        issues = check_items(insp.index, integrity, progress=bar)
+    if issues:
+        return None
+    report = dict(report)
+    report["taken_again"] = {"from": str(stage.out), "items_checked_now": len(integrity.get("items") or {}),
+                             "note": "the local output an interrupted run committed and verified against this "
+                                     "source (same plan, same source identity); its items checked against their "
+                                     "recorded CRC-32 now; only its upload resumes"}
+    return report
