@@ -371,7 +371,7 @@ def verify(
 @app.command()
 def export(
     src: str = typer.Argument(..., help="Source DCP checkpoint: a directory, or s3://bucket/prefix (the s3 extra)."),
-    dst: Path = typer.Argument(..., help="Output directory (appears atomically)."),
+    dst: str = typer.Argument(..., help="Output directory (appears atomically), or s3://bucket/prefix (made locally, then uploaded; the s3 extra)."),
     fmt: str = typer.Option("safetensors", "--format", **_choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Cast floating tensors."),
     only: str = typer.Option("model", "--only", **_choice(args.ONLY), help="What to export."),
@@ -391,6 +391,8 @@ def export(
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
     args.check_export(fmt=fmt, model_config=model_config)
+    args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp", overwrite=overwrite)
+    dst = dst if args.is_url(dst) else Path(dst)
     _state["output"] = dst
     args.check_source(src)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)

@@ -44,6 +44,9 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   killed after its first item, the rerun resumes the conversion from its journal (the remote
   source's identity, sizes and ETags, is the same across runs); an object overwritten in the
   store after a killed upload is sent again, the others kept.
+- `test_export_into_the_store_uploads_the_shards_index_last_and_resumes`: `export` to a URL
+  puts the local export's shards byte for byte, the index last, each loadable by safetensors;
+  killed after its first shard, the rerun exports again and keeps that shard (same CRC-32, ETag).
 - `test_ctrl_c_bound_for_the_store_says_where_the_work_waits`: SIGINT mid-conversion, exit 130,
   one line naming the store (nothing committed) and the staging folder.
 """
@@ -231,6 +234,47 @@ def test_export_from_the_store_matches_the_local_export(plain_fsdp2_ckpt, plain_
         assert hl["__metadata__"].pop("source") == str(plain_fsdp2_ckpt.resolve())
         assert hr["__metadata__"].pop("source") == plain_url
         assert hl == hr and dl == dr, name
+
+
+def test_export_into_the_store_uploads_the_shards_index_last_and_resumes(s3, plain_url, tmp_path, monkeypatch):
+    """`export s3://src s3://dst` (several shards) puts the files the same export writes locally,
+    byte for byte, the index last; safetensors' own loader reads each shard from the store. Killed
+    after its first shard's upload, the same command exports again and sends only what the store
+    lacks (the re-exported first shard has the same bytes, proven by its CRC-32 and ETag)."""
+    import os
+
+    import forked
+    from safetensors.torch import load as load_safetensors
+
+    local = tmp_path / "local"
+    opts = ["--max-shard-size", "4KB", "--quiet"]
+    assert cli(["export", plain_url, local, *opts])[0] == 0
+    files = sorted(p.name for p in local.iterdir() if p.is_file())
+    shards = [n for n in files if n.endswith(".safetensors")]
+    assert len(shards) >= 2 and "model.safetensors.index.json" in files, files
+
+    dst = s3.url("exported")
+    r = forked.run(["export", plain_url, dst, *opts], env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {shards[0]}"})
+    assert r.returncode == -9, r.stderr
+    keys = s3.keys("exported")
+    assert shards[0] in keys and "model.safetensors.index.json" not in keys and ".reshard-uploading" in keys
+    events = tmp_path / "events"
+    monkeypatch.setenv("RESHARD_FAULT_COUNT", str(events))
+    code, out, err = cli(["export", plain_url, dst, *opts[:-1], "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["destination"] == dst
+    assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] == 1
+    uploads = [label for label in (ln.split(" ", 1)[1] for ln in events.read_text().splitlines())
+               if label.startswith("upload ")]
+    assert uploads[-1] == "upload model.safetensors.index.json", uploads  # the loader's entry file last
+    c = s3.client()
+    assert set(s3.keys("exported")) == set(files)
+    for name in files:
+        if name.endswith(".safetensors"):  # the report file names the run (time), the shards are the same bytes
+            body = c.get_object(Bucket=s3.bucket, Key=f"exported/{name}")["Body"].read()
+            assert body == (local / name).read_bytes(), name
+            assert load_safetensors(body).keys() == load_safetensors((local / name).read_bytes()).keys()
 
 
 def _safetensors(path: Path) -> tuple[dict, bytes]:

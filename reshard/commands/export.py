@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from reshard.engine.export import export as run_export
+from reshard.engine.publishing import export_into_store
 from reshard.semantics.hf import parse_values
 from reshard.semantics.profile import find_profile, load_profile
 from reshard.units import parse_size
 
 
-def export(src: Path, dst: Path, *, fmt: str, dtype: str | None, only: str, max_shard_size: str,
+def export(src: Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str, max_shard_size: str,
            rename: Path | None, model_config: list[str] | None, profile: Path | None, no_profile: bool,
            overwrite: bool, force: bool, progress: Any = None) -> dict[str, Any]:
     """Export ``src`` into ``dst`` with the options as the command line gives them; returns the export report.
@@ -36,6 +37,12 @@ def export(src: Path, dst: Path, *, fmt: str, dtype: str | None, only: str, max_
         used = sorted(k for k in prof.model_config if k not in values) if fmt == "hf" else []
         values.update({k: prof.model_config[k] for k in used})
         record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
-    return run_export(src, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                      rename=rename, overwrite=overwrite, model_config=values or None, profile=record,
-                      progress=progress, force=force)
+
+    def run(local: Path) -> dict[str, Any]:
+        return run_export(src, local, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
+                          rename=rename, overwrite=overwrite, model_config=values or None, profile=record,
+                          progress=progress, force=force)
+
+    if isinstance(dst, str):  # s3://bucket/prefix: made locally, then uploaded (`reshard.engine.publishing`)
+        return export_into_store(dst, run, progress=progress)
+    return run(dst)

@@ -204,7 +204,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
             "report_version": 1,
             "source": remote.source_name(src),  # a remote source by its URL
             **({"source_store": remote.store_reads(src)} if remote.remote_of(src) is not None else {}),
-            "destination": str(output_path(dst)),  # a symlink at dst was replaced, not followed
+            "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
             "format": fmt,
             "dtype": ess["dtype"],
             "only": only,

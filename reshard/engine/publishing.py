@@ -1,4 +1,4 @@
-"""A conversion whose output goes to object storage: made in a local stage, then published.
+"""A conversion or export whose output goes to object storage: made in a local stage, then published.
 
 Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
 committed local output, the checksums checked before that output is taken again, and the
@@ -17,7 +17,7 @@ from reshard.storage import remote
 from reshard.storage.atomic import fault_point
 from reshard.storage.integrity import check_items, item_bytes
 
-__all__ = ["convert_into_store"]
+__all__ = ["convert_into_store", "export_into_store"]
 
 
 def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, Any]], int]], *, src: Path,
@@ -47,12 +47,29 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
             if report is None or code != 0 or not (stage.out / ".metadata").exists():
                 return report, code
             stage.record_converted(resume_key(report["plan"]["fingerprint"], src).to_dict(), report)
-        with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
-            sent = remote.publish(stage, on_event=fault_point, bar=bar)
-        report["destination"] = url
-        report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
-                              "kept_from_an_interrupted_upload": {"objects": sent.kept.requests, "bytes": sent.kept.bytes}}
+        _upload(stage, report, progress)
     return report, code
+
+
+def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, progress: Any = None) -> dict[str, Any]:
+    """``run(local)``, an export into the local output of the destination's `remote.Stage`, then
+    its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
+    after a killed upload exports again (an export keeps no journal) and sends only the objects
+    whose bytes the store does not hold as recorded."""
+    with remote.staged_output(url) as stage:
+        stage.discard_output()
+        report = run(stage.out)
+        _upload(stage, report, progress)
+    return report
+
+
+def _upload(stage: remote.Stage, report: dict[str, Any], progress: Any) -> None:
+    """`remote.publish` with progress by bytes; the report names the URL and what was sent or kept."""
+    with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
+        sent = remote.publish(stage, on_event=fault_point, bar=bar)
+    report["destination"] = stage.url
+    report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
+                          "kept_from_an_interrupted_upload": {"objects": sent.kept.requests, "bytes": sent.kept.bytes}}
 
 
 def _taken_again(stage: remote.Stage, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:

@@ -44,7 +44,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
-           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX"]
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX", "ENTRY_FILES", "upload_order"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -533,9 +533,9 @@ class Stage:
         os.replace(tmp, self.folder / "converted.json")
 
     def discard_output(self) -> None:
-        """A committed local output of another conversion (its key differs): removed before this one is made."""
-        for p in (self.folder / "converted.json", self.uploads):
-            p.unlink(missing_ok=True)
+        """A committed local output this run does not take again: removed before a new one is made
+        (the upload record stays: `publish` keeps an object only if the new file's bytes are the same)."""
+        (self.folder / "converted.json").unlink(missing_ok=True)
         shutil.rmtree(self.out, ignore_errors=True)
 
 
@@ -576,10 +576,11 @@ def stage_folder(url: str) -> Path:
 
 
 def committed_at(url: str) -> bool:
-    """Whether ``url`` holds a committed output now (`.metadata` listed, no upload marker)."""
+    """Whether ``url`` holds a committed output now: objects listed and no upload marker among them
+    (`publish` removes it after the last object, `.metadata` for DCP)."""
     fs, base = _open_destination(url)
-    listed = _listing(fs, base, url)
-    return METADATA_FILE in listed and UPLOAD_MARKER not in listed
+    listed = {k for k in _listing(fs, base, url) if not k.startswith(PROBE_PREFIX)}
+    return bool(listed) and UPLOAD_MARKER not in listed
 
 
 @contextmanager
@@ -657,18 +658,40 @@ class Published:
     kept: Counters
 
 
+#: Uploaded last, in this order, when the output has them: the files a loader opens first (an
+#: export's index and config, a DCP checkpoint's `.metadata`), so none is in the store before
+#: everything it names.
+ENTRY_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json", METADATA_FILE)
+
+
+def upload_order(names: list[str]) -> list[str]:
+    """Data objects first (DCP's ``.distcp``, then every other file), `ENTRY_FILES` last."""
+    rest = [n for n in names if n not in ENTRY_FILES]
+    return ([n for n in rest if n.endswith(DATA_SUFFIX)] + [n for n in rest if not n.endswith(DATA_SUFFIX)]
+            + [n for n in ENTRY_FILES if n in names])
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
 def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None) -> Published:
     """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
     rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
-    file, `.metadata` last (the commit marker: a loader takes the output only once it is
-    there), then the marker removed.
+    file, `ENTRY_FILES` last (`.metadata` for DCP: the commit marker, a loader takes the output
+    only once it is there), then the marker removed.
 
-    Resuming: each object sent is recorded in ``stage.uploads`` with the local file's size and
-    modification time and the version tag (ETag) the store gave it. An object the record names
-    is not sent again when the store still lists it with that size and tag and the local file
-    is unchanged; every other object under the prefix that is not part of the output is
-    deleted. ``on_event(label)`` after each object (the fault-injection hook of the tests);
-    ``bar.update(nbytes)`` as bytes are sent or kept (a progress phase, or None)."""
+    Resuming: each object sent is recorded in ``stage.uploads`` with the local file's size,
+    modification time and CRC-32 and the version tag (ETag) the store gave it. An object the
+    record names is not sent again when the store still lists it with that size and tag and
+    the local file is the same (its modification time, else its CRC-32: an export made again
+    writes the same bytes at a new time); every other object under the prefix that is not part
+    of the output is deleted. ``on_event(label)`` after each object (the fault-injection hook
+    of the tests); ``bar.update(nbytes)`` as bytes are sent or kept (a progress phase, or None)."""
     import json
 
     fs, base = _open_destination(stage.url)
@@ -676,12 +699,11 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     sent, kept = Counters(), Counters()
     there = _listing(fs, base, url)
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-    if METADATA_FILE not in names:
-        raise Incomplete("the output has no .metadata: nothing committed to publish", where=str(local))
+    if not names:
+        raise Incomplete("the output is empty: nothing committed to publish", where=str(local))
     for tail in names:
         _check_key_tail(tail, where=url)
-    order = ([n for n in names if n.endswith(DATA_SUFFIX)]
-             + [n for n in names if not n.endswith(DATA_SUFFIX) and n != METADATA_FILE] + [METADATA_FILE])
+    order = upload_order(names)
     recorded: dict[str, dict[str, Any]] = {}
     if stage.uploads.is_file():
         for line in stage.uploads.read_text().splitlines():
@@ -694,12 +716,14 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     def unchanged(tail: str) -> bool:
         r, info = recorded.get(tail), there.get(tail)
         st = (local / tail).stat()
-        return (r is not None and info is not None and tail != METADATA_FILE
-                and r.get("size") == st.st_size == int(info.get("size") or -1)
-                and r.get("mtime_ns") == st.st_mtime_ns and r.get("tag") == version_tag(info))
+        if (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
+                or not r.get("size") == st.st_size == int(info.get("size") or -1)):
+            return False
+        return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(local / tail)
 
     try:
-        fs.pipe_file(f"{base}/{UPLOAD_MARKER}", b"reshard: an upload in progress; no .metadata means not committed\n")
+        fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
+                     b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
         for tail in there:
             if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
                 fs.rm_file(f"{base}/{tail}")
@@ -720,7 +744,8 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
                 if tail != METADATA_FILE:
                     fs.invalidate_cache(f"{base}/{tail}")
                     tag = version_tag(fs.info(f"{base}/{tail}"))
-                    log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tag": tag}) + "\n")
+                    log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                          "crc32": _file_crc(local / tail), "tag": tag}) + "\n")
                     log.flush()
                 if on_event is not None:
                     on_event(f"upload {tail}")
@@ -731,8 +756,8 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
         if exc.filename is not None and str(stage.folder) in str(exc.filename):
             raise BadInput(f"cannot record the upload in {stage.folder}: {exc.strerror or exc}", where=url) from None
         raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
-                       hint="Nothing is committed there (no .metadata); run the same command again (it resumes).") from None
+                       hint="Nothing is committed there; run the same command again (it resumes).") from None
     except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
         raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
-                       hint="Nothing is committed there (no .metadata); run the same command again (it resumes).") from None
+                       hint="Nothing is committed there; run the same command again (it resumes).") from None
     return Published(sent, kept)
