@@ -25,6 +25,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
@@ -193,12 +196,19 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
         t = planned[key]
         if t.transform or t.copy_from or t.dtype != e.dtype_name:
             continue  # read by `write_transformed`, its own way
+        if not e.shape:  # a 0-d tensor: its one item per target chunk
+            for _rank, _offsets, _sizes in t.chunks:
+                for c in e.chunks:
+                    if not c.box.offsets and c.location is not None:
+                        yield c.location.file, c.location.offset, c.location.length
+            continue
+        tab = ChunkTable.of(e.chunks, len(e.shape))  # one array comparison per target chunk, not a Box per pair
+        lo, hi = tab.offsets, tab.offsets + tab.sizes
         for _rank, offsets, sizes in t.chunks:
-            box = Box(tuple(offsets), tuple(sizes))
-            for c in e.chunks:
-                inter = c.box.intersect(box) if e.shape else (c.box if not c.box.offsets else None)
-                if inter is not None and c.location is not None:
-                    yield c.location.file, c.location.offset, c.location.length
+            o = np.asarray(offsets, dtype=np.int64)
+            hit = np.all((lo < o + np.asarray(sizes, dtype=np.int64)) & (hi > o), axis=1) & (tab.file >= 0)
+            for i in np.flatnonzero(hit):
+                yield tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
