@@ -436,10 +436,12 @@ def import_(
     typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 
-def _summary_line(verb: str, r: dict, dst: Path) -> str:
+def _summary_line(verb: str, r: dict, dst: Path | str) -> str:
+    from reshard.render.report import store_lines
+
     keys = r.get("keys") or r.get("summary") or {}
     n = len(keys) if isinstance(keys, (list, dict)) else keys
-    return f"{verb}    {dst} ({n} keys accounted for; report in {dst})"
+    return "\n".join([f"{verb}    {dst} ({n} keys accounted for; report in {dst})", *store_lines(r)])
 
 
 @app.command()

@@ -395,6 +395,11 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] == len(data)
     assert report["uploaded"]["objects"] == len(s3.keys("out/killed")) - len(data) >= 1  # .metadata and the sidecars
     assert not stage_folder(dst).exists()
+    from reshard.render.report import render_convert
+
+    text = render_convert(report)  # what a person reads: whose verification, and what was kept
+    assert "by the interrupted run that made it" in text and "already there from the interrupted upload, kept" in text
+    assert "ranged requests" in text
     c = s3.client()
     assert ".reshard-uploading" not in s3.keys("out/killed")
     for name, want in _data_files(local_dp2).items():

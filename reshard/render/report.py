@@ -286,6 +286,10 @@ def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",
     ]
+    lines[4:4] = store_lines(r)
+    if r.get("taken_again"):  # the verification is the interrupted run's: say so, and what this run checked
+        lines[2] += (f"; by the interrupted run that made it, its {r['taken_again']['items_checked_now']} items "
+                     "checked against their CRC-32 now")
     d = r.get("data") or {}
     if d.get("mode") == "link":
         methods = sorted({x["method"] for x in d["shared"]})
@@ -294,6 +298,22 @@ def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
                         f"({d['linked_tensors']} tensors, {d['linked_objects']} objects), {d['written_keys']} keys written new")
         lines.insert(5, f"            {d['note'] if verbose else _shared_warning(methods)}")
     return "\n".join(lines + sidecar_lines(r.get("sidecars") or [], verb="carried byte-identical"))
+
+
+def store_lines(r: dict[str, Any]) -> list[str]:
+    """What a run from or into object storage fetched and sent (`reshard.storage.remote`), in words."""
+    out = []
+    st = r.get("source_store")
+    if st:
+        out.append(f"fetched     {human_bytes(st['bytes_requested'])} in {st['requests']} ranged requests "
+                   f"({human_bytes(st['bytes_stored'])} stored under the source prefix)")
+    up = r.get("uploaded")
+    if up:
+        kept = up["kept_from_an_interrupted_upload"]
+        out.append(f"uploaded    {human_bytes(up['bytes'])} in {up['objects']} objects"
+                   + (f"; {kept['objects']} objects ({human_bytes(kept['bytes'])}) already there from the interrupted "
+                      "upload, kept" if kept["objects"] else ""))
+    return out
 
 
 def _shared_warning(methods: list[str]) -> str:
