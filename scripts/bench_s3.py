@@ -22,7 +22,8 @@ not measured. The server's own CPU time during each measured command is read fro
 Part A, **inspect** (``--ranks``, default 1,024): a metadata-only checkpoint from
 ``reshard.testing.synthetic_metadata.make_llama_metadata_checkpoint`` (the ``.metadata`` ``dcp.save``
 writes for FSDP2 + AdamW, sparse data files of the right sizes; the step counters are real bytes)
-of a small Llama config with Llama-3-8B's 32 layers (``--inspect-model``, below): a real 8B x
+of a small Llama config with Llama-3-8B's 32 layers (``--inspect-model``: ``small``, the default,
+or ``entries8b``, whose ``.metadata`` has 8B x 1,024's entry count; see ``MODELS``): a real 8B x
 1,024 checkpoint holds about 97 GB of data objects, which moto (objects in memory) cannot hold.
 Rows, each in a fresh subprocess, ``--runs`` rounds (default 3), medians:
 
@@ -177,7 +178,7 @@ def child_env(endpoint: str) -> dict:
 class Server:
     """moto's S3 server in a child process; its CPU time read from /proc."""
 
-    def __init__(self, py: str, env_base: dict):
+    def __init__(self, py: str):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.env = child_env(self.endpoint)
@@ -527,12 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=a.tmp))
     problems: list[str] = []
+    from importlib import metadata as pkg_metadata
+
     versions = {}
     for name in ("moto", "s3fs", "fsspec", "boto3"):
         try:
-            from importlib import metadata as pkg_metadata
             versions[name] = pkg_metadata.version(name)
-        except Exception:  # noqa: BLE001
+        except pkg_metadata.PackageNotFoundError:
             versions[name] = "not installed"
     rep: dict = {"benchmark": "s3", "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "command": " ".join(["python", "scripts/bench_s3.py"] + (argv if argv is not None else sys.argv[1:])),
@@ -540,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                  "problems": problems}
     srv = None
     try:
-        srv = Server(a.python, dict(os.environ))
+        srv = Server(a.python)
         rep["endpoint"] = srv.endpoint
         if not a.skip_inspect:
             rep["inspect"] = part_inspect(a, srv, work, problems)
