@@ -204,6 +204,10 @@ def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_c
     assert report["source"] == report["verification"]["a"] == plain_url and report["verification"]["equal"]
     assert report["verification"]["compared"]["tensors"] > 0  # compared with the store's items value by value
     assert _data_files(remote) == _data_files(local_dp2)
+    # each byte fetched once: the verification reads the copy's fetches again from this machine
+    got, data = report["source_store"], sum(n for k, n in s3.keys("plain").items() if k.endswith(".distcp"))
+    assert got["bytes_read_again_from_the_local_copy"] > 0 and report["estimate"]["read_cache_bytes"] > 0, got
+    assert got["bytes_requested"] <= data + (4 << 20) + (1 << 16), (got, data)  # + the throughput probe, .metadata
     manifest = json.loads((remote / "manifest.json").read_text())
     assert manifest["lineage"][-1]["policies"]["source_path"] == plain_url
     for p in remote.iterdir():
@@ -297,8 +301,9 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
                                "--buffer-memory", "16KiB"])
         counters = remote_of(root).counters.to_dict()
     assert code == 0, err
-    assert 2 <= counters["peak_in_flight"] <= 3, counters
-    assert 0 < counters["peak_buffered"] <= 16 << 10, counters
+    (copy,) = [p for p in counters["prefetches"] if p["label"] == "copy"]
+    assert 2 <= copy["peak_in_flight"] <= 3, counters
+    assert 0 < copy["peak_buffered"] <= 16 << 10, counters
     assert counters["prefetched"] > 0
     assert _data_files(tmp_path / "out") == _data_files(local_dp2)
 

@@ -171,7 +171,7 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     locator = splice.Locator(ix.root, ix.entries.values()) \
         if io.splice and isinstance(ix, CheckpointIndex) and remote.remote_of(ix.root) is None else None
     rc = remote.remote_of(ix.root) if isinstance(ix, CheckpointIndex) else None
-    ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window) \
+    ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window, label="copy") \
         if rc is not None else contextlib.nullcontext()
     try:
         with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.remote)

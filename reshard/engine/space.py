@@ -118,9 +118,46 @@ def conversion_read_bytes(plan: Any, ix: Any) -> int:
 
 def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: bool = False,
                          progress: Any = None) -> dict[str, Any]:
-    """`preflight` for `reshard convert`: the plan's output estimate against ``dst``'s free space."""
-    return preflight(dst, needed=estimate_output_bytes(plan, ix), read_bytes=conversion_read_bytes(plan, ix),
-                     sources=[ix.root], force=force, progress=progress)
+    """`preflight` for `reshard convert`: the plan's output estimate against ``dst``'s free space.
+
+    A source in object storage also gets its read cache here (`keep_remote_reads`), sized by the
+    room the output leaves: the verification after the copy then reads the source's bytes from
+    this machine instead of fetching them a second time."""
+    read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
+    rc = remote.remote_of(ix.root)
+    kept = keep_remote_reads(rc, nearest_existing(Path(os.path.abspath(os.fspath(dst))).parent), needed) \
+        if rc is not None else None  # before the probe, whose read is then kept too
+    figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress)
+    if kept is not None:
+        figures["read_cache_bytes"] = kept
+    return figures
+
+
+READ_CACHE_ENV = "RESHARD_READ_CACHE"  # at most this much of a remote source kept locally in a conversion (0: none)
+
+
+def keep_remote_reads(rc: "remote.RemoteCheckpoint", checked: Path, needed: int) -> int:
+    """Turn on ``rc``'s local copy of what the conversion fetches (`RemoteCheckpoint.keep_reads`) with a
+    budget: the bytes of its data objects, within half the space its folder's file system has left once
+    the output (``needed`` at ``checked``, when on the same file system) and 1 GiB are set aside, and
+    within ``$RESHARD_READ_CACHE`` when set. Returns the budget (0: nothing kept)."""
+    from reshard.units import parse_size
+
+    folder = rc.cache_folder
+    if folder is None:
+        return 0
+    try:
+        free = shutil.disk_usage(folder).free
+        same = os.stat(folder).st_dev == os.stat(checked).st_dev
+    except OSError:
+        return 0
+    spare = free - (needed if same else 0) - (1 << 30)
+    budget = min(rc.data_bytes(), max(0, spare // 2))
+    cap = os.environ.get(READ_CACHE_ENV, "").strip()
+    if cap:
+        budget = 0 if cap == "0" else min(budget, parse_size(cap))
+    rc.keep_reads(budget)
+    return budget
 
 
 # ---------------------------------------------------------------------------- before the first byte

@@ -7,12 +7,13 @@ judged here, once, as a list of findings that name files and keys.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
@@ -262,6 +263,23 @@ class CheckpointIndex(EntryQueries):
         return sorted(ranks)
 
     # ------------------------------------------------------------------ reading bytes
+    def reading_ahead(self, keys: Iterable[str], *, in_flight: int = 16, memory: int = 64 << 20) -> Any:
+        """A block during which the items of ``keys`` (small ones: step counters, parameter groups)
+        are fetched ahead in parallel when the checkpoint is in object storage (`remote.prefetching`):
+        read one by one, each would wait a round trip. Nothing happens for a local checkpoint."""
+        rc = remote.remote_of(self.root)
+        if rc is None:
+            return contextlib.nullcontext()
+        ranges = []
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None:
+                continue
+            loc = e.location if not e.is_tensor else (e.chunks[0].location if len(e.chunks) == 1 else None)
+            if loc is not None:
+                ranges.append((loc.file, int(loc.offset), int(loc.length)))
+        return rc.prefetching(ranges, in_flight=in_flight, memory=memory, label="small items")
+
     def read_object(self, key: str) -> Any:
         e = self.entry(key)
         if e.is_tensor:

@@ -319,7 +319,7 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
     rc = remote.remote_of(root)
     if rc is not None:  # a checkpoint in object storage: each item's range fetched ahead (bounded), hashed here
         with rc.prefetching(((loc.file, int(loc.offset), int(loc.length)) for _k, loc, _w in todo), in_flight=nw,
-                            memory=4 * nw * max(64, int(slab_bytes))):
+                            memory=4 * nw * max(64, int(slab_bytes)), label="checksums"):
             for key, loc, want in todo:
                 got = hash_item(root, loc, key=key, algorithm=algorithm)
                 if got != want:

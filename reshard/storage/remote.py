@@ -44,7 +44,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
-           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX", "ENTRY_FILES", "upload_order"]
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX", "ENTRY_FILES", "upload_order", "ReadCache"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -79,6 +79,7 @@ class Counters:
     peak_in_flight: int = 0     # the most at once (a prefetch's parallelism, bounded by its ``in_flight``)
     peak_buffered: int = 0      # the most bytes fetched ahead and not yet taken (bounded by its ``memory``)
     prefetched: int = 0         # reads answered by the prefetch
+    prefetches: list[dict[str, Any]] = field(default_factory=list)  # each finished prefetch: label, bounds, peaks
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, nbytes: int) -> None:
@@ -99,7 +100,8 @@ class Counters:
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "bytes": self.bytes, "listings": self.listings,
                 "peak_in_flight": self.peak_in_flight, "peak_buffered": self.peak_buffered,
-                "prefetched": self.prefetched, "by_file": dict(sorted(self.by_file.items()))}
+                "prefetched": self.prefetched, "prefetches": list(self.prefetches),
+                "by_file": dict(sorted(self.by_file.items()))}
 
 
 def version_tag(info: dict[str, Any]) -> str:
@@ -146,6 +148,8 @@ class RemoteCheckpoint:
         self.base = base.rstrip("/")
         self.counters = Counters()
         self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
+        self.kept: ReadCache | None = None  # after `keep_reads`: fetched ranges kept locally for a second reader
+        self.cache_folder: Path | None = None  # where `keep_reads` keeps them (the staged directory's parent)
         self.tags: dict[str, str] = {}  # key tail -> the store's version tag (ETag, else modification time)
         self.sizes: dict[str, int] = self._list()
 
@@ -198,16 +202,30 @@ class RemoteCheckpoint:
         of `PIECE` for a larger range), checked for length. A missing file or a short object is
         `Incomplete` (exit 2), worded as on disk."""
         _check_data_name(name, where=self.url)
-        ahead = self.ahead
+        ahead = self.ahead  # first: a range the prefetch has under way is taken from it, or it waits forever
         if ahead is not None:
             data = ahead.take(name, offset, length)
             if data is not None:
                 return data
+        kept = self.kept
+        if kept is not None:
+            data = kept.get(name, offset, length)
+            if data is not None:
+                return data
         return self._read(name, offset, length, key=key)
+
+    def keep_reads(self, budget: int) -> None:
+        """From now on, keep up to ``budget`` bytes of what is fetched in a local file per data
+        object (`ReadCache`), so a second reader of the same ranges (a conversion's verification,
+        after its copy) reads them here instead of fetching them again. The bytes are those the
+        store returned in this run, checked by every reader against their writer's CRC-32 as on
+        disk. Removed with the staged directory."""
+        if budget > 0 and self.cache_folder is not None and self.kept is None:
+            self.kept = ReadCache(self.cache_folder / "reads", budget)
 
     @contextmanager
     def prefetching(self, ranges: Iterable[tuple[str, int, int]], *, in_flight: int = 8,
-                    memory: int = 256 << 20) -> Iterator["Prefetch"]:
+                    memory: int = 256 << 20, label: str = "") -> Iterator["Prefetch"]:
         """While the block runs, the byte ranges ``(file, offset, length)`` are fetched ahead of
         their reader, in the order given, by at most ``in_flight`` requests at once and with at
         most ``memory`` bytes fetched and not yet read (a larger range alone); `read_range` takes
@@ -220,6 +238,9 @@ class RemoteCheckpoint:
         finally:
             self.ahead = None
             ahead.close()
+            with self.counters.lock:
+                self.counters.prefetches.append({"label": label, "in_flight": in_flight, "memory": memory,
+                                                 "peak_in_flight": ahead.peak_running, "peak_buffered": ahead.peak_buffered})
 
     def _read(self, name: str, offset: int, length: int, *, key: str | None) -> bytes:
         size = self.sizes.get(name)
@@ -251,7 +272,11 @@ class RemoteCheckpoint:
                                  where=self.where(name), hint="The object changed or is truncated; retry or use another checkpoint.")
             parts.append(b)
             done += n
-        return b"".join(parts)
+        data = b"".join(parts)
+        kept = self.kept
+        if kept is not None and name in self.sizes and name.endswith(DATA_SUFFIX):
+            kept.put(name, offset, data)
+        return data
 
     def fetch_to(self, tail: str, dst: Path, *, limit: int) -> int:
         """The object ``tail`` (a key under the prefix) copied into the local file ``dst`` by ranges, at most ``limit`` bytes."""
@@ -268,12 +293,104 @@ class RemoteCheckpoint:
         return size
 
 
+class ReadCache:
+    """Ranges of a remote checkpoint's data objects fetched in this run, kept in one sparse local
+    file per object at their own offsets, with the spans held (merged, sorted) per object: a
+    conversion's copy fetches nearly every byte in order, so a few spans per object stand for
+    millions of items. At most ``budget`` bytes; past it, or on any write error, nothing more is
+    kept (a later read fetches again: the cache costs disk, never correctness)."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder, self.budget, self.used, self.served = folder, budget, 0, 0
+        self.lock = threading.Lock()
+        self.fds: dict[str, int] = {}
+        self.spans: dict[str, list[list[int]]] = {}
+
+    def covers(self, name: str, offset: int, length: int) -> bool:
+        """Whether the range is kept here (a read of it would not go to the store)."""
+        import bisect
+
+        with self.lock:
+            spans = self.spans.get(name)
+            if not spans or name not in self.fds:
+                return False
+            i = bisect.bisect_right(spans, [offset, float("inf")]) - 1
+            return i >= 0 and spans[i][1] >= offset + length
+
+    def get(self, name: str, offset: int, length: int) -> bytes | None:
+        if not self.covers(name, offset, length):
+            return None
+        with self.lock:
+            fd = self.fds.get(name)
+        if fd is None:
+            return None
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError:
+            return None
+        if len(data) != length:
+            return None
+        with self.lock:
+            self.served += length
+        return data
+
+    def put(self, name: str, offset: int, data: bytes) -> None:
+        import bisect
+
+        n = len(data)
+        if self.covers(name, offset, n):
+            return  # read before (a duplicate): kept once
+        with self.lock:
+            if not n or self.used + n > self.budget:
+                return
+            self.used += n
+            fd = self.fds.get(name)
+            if fd is None:
+                try:
+                    self.folder.mkdir(parents=True, exist_ok=True)
+                    fd = self.fds[name] = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                except OSError:
+                    self.budget = 0
+                    return
+        try:
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, memoryview(data)[done:], offset + done)
+        except OSError:
+            with self.lock:
+                self.budget = 0  # a full disk: keep nothing more, fetch again instead
+            return
+        with self.lock:
+            spans = self.spans.setdefault(name, [])
+            i = bisect.bisect_left(spans, [offset, offset])
+            spans.insert(i, [offset, offset + n])
+            j = max(i - 1, 0)  # merge with the neighbours that touch or overlap it
+            while j + 1 < len(spans):
+                if spans[j][1] >= spans[j + 1][0]:
+                    spans[j][1] = max(spans[j][1], spans[j + 1][1])
+                    del spans[j + 1]
+                elif j < i:
+                    j += 1
+                else:
+                    break
+
+    def close(self) -> None:
+        with self.lock:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+            self.spans.clear()
+
+
 class Prefetch:
     """Ranges of one remote checkpoint fetched ahead on a bounded pool (`RemoteCheckpoint.prefetching`).
 
     A feeder thread walks the ranges in order and submits each once the bytes fetched and not
     yet taken leave room for it (``memory``); the pool has ``in_flight`` threads, so no more
-    requests run at once. `take` hands a range's bytes to its reader and frees its room.
+    requests run at once. `take` hands a range's bytes to its reader and frees its room. A
+    range listed again while it is still pending is fetched once for all its readers (a source
+    item that feeds several target chunks), and one the read cache already holds is not
+    fetched at all (`ReadCache`: its readers read it there).
     """
 
     def __init__(self, rc: RemoteCheckpoint, ranges: Iterable[tuple[str, int, int]], *, in_flight: int, memory: int):
@@ -283,8 +400,8 @@ class Prefetch:
         self.memory = max(1, memory)
         self.pool = ThreadPoolExecutor(max_workers=max(1, in_flight), thread_name_prefix="reshard-fetch")
         self.cond = threading.Condition()
-        self.pending: dict[tuple[str, int, int], list[Any]] = {}
-        self.buffered = 0
+        self.pending: dict[tuple[str, int, int], list[Any]] = {}  # range -> [its request, readers still to take it]
+        self.buffered = self.peak_buffered = self.running = self.peak_running = 0
         self.skip: dict[tuple[str, int, int], int] = {}
         self.closed = False
         self.feeder = threading.Thread(target=self._feed, args=(iter(ranges),), name="reshard-prefetch", daemon=True)
@@ -301,29 +418,49 @@ class Prefetch:
                 if self.skip.get(key):  # its reader came first and fetched it itself
                     self.skip[key] -= 1
                     continue
+                if key in self.pending:  # already under way for an earlier reader: one request for both
+                    self.pending[key][1] += 1
+                    continue
+                kept = self.rc.kept
+                if kept is not None and kept.covers(name, offset, length):
+                    continue  # fetched before in this run: its reader reads the local copy
                 self.buffered += length
+                self.peak_buffered = max(self.peak_buffered, self.buffered)
                 self.rc.counters.peak_buffered = max(self.rc.counters.peak_buffered, self.buffered)
-                fut = self.pool.submit(self.rc._read, name, offset, length, key=None)
-                self.pending.setdefault(key, []).append(fut)
+                fut = self.pool.submit(self._fetch, name, offset, length)
+                self.pending[key] = [fut, 1]
                 self.cond.notify_all()
+
+    def _fetch(self, name: str, offset: int, length: int) -> bytes:
+        with self.cond:
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+        try:
+            return self.rc._read(name, offset, length, key=None)
+        finally:
+            with self.cond:
+                self.running -= 1
 
     def take(self, name: str, offset: int, length: int) -> bytes | None:
         """The range's bytes if it was foreseen (waiting for its request), else None."""
         key = (name, offset, length)
         with self.cond:
-            futs = self.pending.get(key)
-            if not futs:  # not foreseen, or the feeder has not reached it: the reader fetches it, the feeder skips it
+            entry = self.pending.get(key)
+            if entry is None:  # not foreseen, or the feeder has not reached it: the reader fetches it, the feeder skips it
                 self.skip[key] = self.skip.get(key, 0) + 1
                 return None
-            fut = futs.pop(0)
-            if not futs:
+            fut = entry[0]
+            entry[1] -= 1
+            last = entry[1] == 0
+            if last:
                 del self.pending[key]
         try:
             data = fut.result()
         finally:
-            with self.cond:
-                self.buffered -= length
-                self.cond.notify_all()
+            if last:  # its room is freed once its last reader has it
+                with self.cond:
+                    self.buffered -= length
+                    self.cond.notify_all()
         with self.rc.counters.lock:
             self.rc.counters.prefetched += 1
         return data
@@ -393,7 +530,8 @@ def store_reads(root: str | os.PathLike) -> dict[str, int] | None:
     if rc is None:
         return None
     return {"requests": rc.counters.requests, "bytes_requested": rc.counters.bytes, "listings": rc.counters.listings,
-            "bytes_stored": sum(rc.sizes.values()), "objects_stored": len(rc.sizes)}
+            "bytes_stored": sum(rc.sizes.values()), "objects_stored": len(rc.sizes),
+            **({"bytes_read_again_from_the_local_copy": rc.kept.served} if rc.kept is not None else {})}
 
 
 @contextmanager
@@ -405,6 +543,7 @@ def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix="reshard-remote-"))
     root = tmp / "ckpt"
     root.mkdir()
+    rc.cache_folder = tmp
     try:
         side = {k: n for k, n in rc.sizes.items() if k != METADATA_FILE and not k.endswith(DATA_SUFFIX)}
         if sum(side.values()) > sidecars_cap:
@@ -427,6 +566,8 @@ def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
     finally:
         for k in [k for k, v in _STAGED.items() if v is rc]:
             del _STAGED[k]
+        if rc.kept is not None:
+            rc.kept.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
