@@ -272,6 +272,9 @@ def test_export_into_the_store_uploads_the_shards_index_last_and_resumes(s3, pla
     uploads = [label for label in (ln.split(" ", 1)[1] for ln in events.read_text().splitlines())
                if label.startswith("upload ")]
     assert uploads[-1] == "upload model.safetensors.index.json", uploads  # the loader's entry file last
+    for argv in (["verify", plain_url, dst], ["inspect", dst]):  # an export in the store, read back by range
+        code, out, err = cli(argv)
+        assert code == 0 and "reshard-remote-" not in out + err, out + err  # named by its URL, never the staged folder
     c = s3.client()
     assert set(s3.keys("exported")) == set(files)
     for name in files:

@@ -6,9 +6,10 @@ the commands above never ask which format a checkpoint is in. Nothing here reads
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence, overload
+from typing import Any, ContextManager, Iterable, Iterator, Sequence, overload
 
 import numpy as np
 
@@ -189,6 +190,12 @@ class EntryQueries:
     entries: dict[str, Entry]
     findings: list[Finding]
     root: Path
+
+    def reading_ahead(self, keys: Iterable[str]) -> ContextManager[Any]:
+        """A block during which the items of ``keys`` may be fetched ahead of their reads: nothing
+        to do for files on this machine; a checkpoint in object storage overrides it
+        (`reshard.storage.index.CheckpointIndex.reading_ahead`)."""
+        return contextlib.nullcontext()
 
     @property
     def complete(self) -> bool:

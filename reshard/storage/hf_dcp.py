@@ -51,6 +51,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
 from reshard.model.geometry import Box, coverage_problems, whole
+from reshard.storage import remote
 from reshard.storage.index import CheckpointIndex
 from reshard.model.dtypes import DType
 from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, read_span, torch_shape
@@ -365,6 +366,9 @@ def open_source(path: str | Path, *, trust_pickle: bool = False) -> CheckpointIn
 def _export_way_out(path: str | Path, to: str) -> str:
     """The commands that take a consolidated export further: import, and for torch's consolidated
     output the convert of its per-rank shards."""
+    if remote.remote_of(path) is not None:  # import reads local files: name the URL, never the private staged folder
+        return (f"`reshard import DIR DST --to {to}` on a local copy of {remote.display_path(path)} makes a DCP "
+                "checkpoint of it (a warm start of the weights)")
     out = f"`reshard import {path} DST --to {to}` makes a DCP checkpoint of it (a warm start of the weights)"
     shards = consolidated_shards(path)
     if shards is not None:

@@ -26,6 +26,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.inspection import Inspection
 from reshard.planning.describe import inspect_checkpoint
 from reshard.planning.plan import source_index
+from reshard.storage import remote
 from reshard.model.plan import Options, Plan
 from reshard.verification.objects import identical, short_repr
 
@@ -350,7 +351,8 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
         return None, []
     source, src, si, so = ("a", a, sa, sb) if kinds[1] else ("b", b, sb, sa)
     counters = "an export carries no trainer counters"
-    ev = Evidence(source, f"what an export of {src} leaves out, recomputed from {src}",
+    named = remote.display_path(src)  # a checkpoint in object storage by its URL, never its private staged folder
+    ev = Evidence(source, f"what an export of {named} leaves out, recomputed from {named}",
                   semantics={"step": (counters, None), "tokens_seen": (counters, None)})
     meta = so.index.metadata
     only = meta.get("only")
