@@ -47,6 +47,8 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
 - `test_export_into_the_store_uploads_the_shards_index_last_and_resumes`: `export` to a URL
   puts the local export's shards byte for byte, the index last, each loadable by safetensors;
   killed after its first shard, the rerun exports again and keeps that shard (same CRC-32, ETag).
+- `test_the_upload_check_reads_the_servers_own_etags`: each object sent is checked by the ETag
+  the server computed (single PUT and a three-part multipart upload); other bytes fail it.
 - `test_ctrl_c_bound_for_the_store_says_where_the_work_waits`: SIGINT mid-conversion, exit 130,
   one line naming the store (nothing committed) and the staging folder.
 """
@@ -284,6 +286,32 @@ def test_export_into_the_store_uploads_the_shards_index_last_and_resumes(s3, pla
             assert load_safetensors(body).keys() == load_safetensors((local / name).read_bytes()).keys()
 
 
+def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch):
+    """`remote.etag_matches` against ETags the server computed: a single PUT's (the MD5) and a
+    multipart upload's (``md5(md5(part)...)-N``, three parts of 5 MiB, the smallest S3 allows),
+    both True for the bytes sent, False for other bytes of the same size; an ETag of another
+    form is None (not checked), never True."""
+    import os
+
+    import fsspec
+
+    from reshard.storage import remote
+
+    fs = fsspec.filesystem("s3")
+    data = tmp_path / "data"
+    data.write_bytes(os.urandom(11 << 20))
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(11 << 20))
+    fs.put_file(str(data), f"{s3.bucket}/etag/single", chunksize=64 << 20)
+    fs.put_file(str(data), f"{s3.bucket}/etag/multi", chunksize=5 << 20)
+    single, multi = fs.info(f"{s3.bucket}/etag/single"), fs.info(f"{s3.bucket}/etag/multi")
+    assert str(multi["ETag"]).strip('"').endswith("-3"), multi["ETag"]
+    assert remote.etag_matches(data, single) is True and remote.etag_matches(other, single) is False
+    monkeypatch.setattr(remote, "PART_BYTES", 5 << 20)  # the part size this upload used (s3fs's default is 50 MiB)
+    assert remote.etag_matches(data, multi) is True and remote.etag_matches(other, multi) is False
+    assert remote.etag_matches(data, {"ETag": '"not-an-md5"'}) is None
+
+
 def _safetensors(path: Path) -> tuple[dict, bytes]:
     """A safetensors file's header (JSON) and its data bytes."""
     import struct
@@ -340,6 +368,8 @@ def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain
     assert code == 0, err
     report = json.loads(out)
     assert report["destination"] == report["verification"]["b"] == dst
+    assert report["uploaded"]["checked_by_etag"] == report["uploaded"]["objects"] > 0, report["uploaded"]
+    assert report["uploaded"]["not_checked"] == 0
     up = report["estimate"]["upload"]  # the store's upload rate probed for the estimate, the probe deleted
     assert up["bytes"] > 0 and up["error"] is None and "to upload" in report["estimate"]["basis"], report["estimate"]
     keys = s3.keys("out/dp2")

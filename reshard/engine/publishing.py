@@ -69,6 +69,7 @@ def _upload(stage: remote.Stage, report: dict[str, Any], progress: Any) -> None:
         sent = remote.publish(stage, on_event=fault_point, bar=bar)
     report["destination"] = stage.url
     report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
+                          "checked_by_etag": sent.checked, "not_checked": sent.unchecked,
                           "kept_from_an_interrupted_upload": {"objects": sent.kept.requests, "bytes": sent.kept.bytes}}
 
 

@@ -310,7 +310,9 @@ def store_lines(r: dict[str, Any]) -> list[str]:
     up = r.get("uploaded")
     if up:
         kept = up["kept_from_an_interrupted_upload"]
-        out.append(f"uploaded    {human_bytes(up['bytes'])} in {up['objects']} objects"
+        checked = ("each one's ETag the MD5 of the bytes sent" if not up.get("not_checked")
+                   else f"{up['not_checked']} not checked: the store's ETag is not an MD5 of their bytes")
+        out.append(f"uploaded    {human_bytes(up['bytes'])} in {up['objects']} objects ({checked})"
                    + (f"; {kept['objects']} objects ({human_bytes(kept['bytes'])}) already there from the interrupted "
                       "upload, kept" if kept["objects"] else ""))
     return out

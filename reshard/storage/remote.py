@@ -44,7 +44,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 
 __all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "staged_output", "publish", "UPLOAD_MARKER", "store_reads", "Stage", "Published",
-           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX", "ENTRY_FILES", "upload_order", "ReadCache"]
+           "STAGING_ENV", "staging_root", "version_tag", "stage_folder", "committed_at", "tree_bytes", "timed_put", "PROBE_PREFIX", "ENTRY_FILES", "upload_order", "ReadCache", "etag_matches"]
 
 #: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
 #: ``://`` in it is not something a user types; ``./s3://x`` still names one).
@@ -797,6 +797,8 @@ class Published:
 
     sent: Counters
     kept: Counters
+    checked: int = 0     # objects sent whose store ETag is the MD5 of the bytes sent (single or multipart form)
+    unchecked: int = 0   # objects sent whose ETag is not an MD5 the client can recompute (an encrypted bucket, another store)
 
 
 #: Uploaded last, in this order, when the output has them: the files a loader opens first (an
@@ -820,6 +822,35 @@ def _file_crc(path: Path) -> int:
     return crc
 
 
+#: s3fs's multipart upload: parts of 50 MiB, larger when 10,000 would not hold the file.
+PART_BYTES, MAX_PARTS = 50 << 20, 10_000
+
+
+def etag_matches(path: Path, info: dict[str, Any]) -> bool | None:
+    """Whether the store's ETag of an object is the MD5 of the local file ``path`` it was sent from:
+    the MD5 itself for a single PUT, ``md5(md5(part) ...)-N`` for a multipart upload in the parts
+    s3fs sends (`PART_BYTES`). None when the ETag is not of that form (server-side encryption
+    with KMS, another store's tag, another part size): the bytes are then not checked this way."""
+    import hashlib
+    import math
+
+    etag = str(info.get("ETag") or info.get("etag") or "").strip().strip('"').lower()
+    m = re.fullmatch(r"([0-9a-f]{32})(?:-(\d+))?", etag)
+    if m is None:
+        return None
+    size = path.stat().st_size
+    parts = int(m.group(2) or 0)
+    part = PART_BYTES if math.ceil(size / PART_BYTES) <= MAX_PARTS else math.ceil(size / MAX_PARTS)
+    if parts and math.ceil(size / part) != parts:
+        return None
+    whole, digests = hashlib.md5(), []
+    with open(path, "rb") as f:
+        while block := f.read(part):
+            (digests.append(hashlib.md5(block).digest()) if parts else whole.update(block))
+    want = hashlib.md5(b"".join(digests)).hexdigest() if parts else whole.hexdigest()
+    return want == m.group(1)
+
+
 def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None) -> Published:
     """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
     rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
@@ -838,6 +869,7 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     fs, base = _open_destination(stage.url)
     url, local = stage.url, stage.out
     sent, kept = Counters(), Counters()
+    checked = unchecked = 0
     there = _listing(fs, base, url)
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     if not names:
@@ -882,11 +914,19 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
                 fs.put_file(str(local / tail), f"{base}/{tail}", callback=counted)
                 counted.top_up(st.st_size)
                 sent.add(tail, st.st_size)
+                fs.invalidate_cache(f"{base}/{tail}")
+                info = fs.info(f"{base}/{tail}")
+                same = etag_matches(local / tail, info)
+                if same is False or int(info.get("size") or -1) != st.st_size:
+                    if tail == METADATA_FILE:  # never leave a commit marker over bytes the store did not get
+                        fs.rm_file(f"{base}/{tail}")
+                    raise BadInput(f"the store holds other bytes for '{tail}' than were sent (its ETag or size "
+                                   "differs from the local file's)", where=f"{url}/{tail}",
+                                   hint="Nothing is committed there; run the same command again (it sends that object again).")
+                checked, unchecked = checked + (same is True), unchecked + (same is None)
                 if tail != METADATA_FILE:
-                    fs.invalidate_cache(f"{base}/{tail}")
-                    tag = version_tag(fs.info(f"{base}/{tail}"))
                     log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                          "crc32": _file_crc(local / tail), "tag": tag}) + "\n")
+                                          "crc32": _file_crc(local / tail), "tag": version_tag(info)}) + "\n")
                     log.flush()
                 if on_event is not None:
                     on_event(f"upload {tail}")
@@ -901,4 +941,4 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
         raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
                        hint="Nothing is committed there; run the same command again (it resumes).") from None
-    return Published(sent, kept)
+    return Published(sent, kept, checked, unchecked)
