@@ -73,9 +73,9 @@ def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
                        hint="Run the conversion as one process (without --workers).")
 
 
-def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str, overwrite: bool) -> None:
+def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str) -> None:
     """What a conversion into object storage does not do yet, refused before any work: linked
-    data, per-rank safetensors, several workers, or replacing what the prefix holds."""
+    data, per-rank safetensors, several workers (``--overwrite`` is checked against the prefix itself)."""
     if not is_url(dst):
         return
     scheme, rest = dst.split("://", 1)
@@ -84,7 +84,7 @@ def check_remote_destination(dst: str, *, data: str, workers: int | None, output
                        where=f"{scheme}://…", hint="Give them through the standard chain: environment variables, "
                        "config files or an instance role.")
     for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
-                       (workers not in (None, 1), "--workers"), (overwrite, "--overwrite")):
+                       (workers not in (None, 1), "--workers")):
         if given:
             raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
                            hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")

@@ -262,7 +262,7 @@ def convert(
     args.check_slice(layers=layers, experts=experts)
     args.check_restart(restart=restart, output_format=output_format, data=data)
     args.check_remote_source(src, data=data, workers=workers)
-    args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format, overwrite=overwrite)
+    args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format)
     if not args.is_url(dst):
         dst = Path(dst)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
@@ -391,7 +391,7 @@ def export(
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
     args.check_export(fmt=fmt, model_config=model_config)
-    args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp", overwrite=overwrite)
+    args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp")
     dst = dst if args.is_url(dst) else Path(dst)
     _state["output"] = dst
     args.check_source(src)

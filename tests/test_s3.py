@@ -33,7 +33,8 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
 - `test_convert_to_the_store_commits_metadata_last_and_torch_loads_it`: `convert s3://src
   s3://dst` uploads the local conversion's objects byte for byte, leaves no upload marker,
   torch's own `FsspecReader` loads every tensor strictly and bitwise equal to the local output,
-  `verify` agrees, and a second run into the committed prefix is refused.
+  `verify` agrees, and a second run into the committed prefix is refused; with `--overwrite` it
+  replaces it (`.metadata` put last), but not a prefix holding an object of someone else's.
 - `test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload`:
   SIGKILLed after its last data object (a forked process), the upload leaves no `.metadata`:
   stock `dcp.load` through `FsspecReader` refuses it, `inspect` says not committed; the same
@@ -354,11 +355,13 @@ def _load_with_fsspec_reader(url: str, like: Path) -> dict:
     return sd
 
 
-def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain_url, local_dp2):
+def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain_url, local_dp2, tmp_path, monkeypatch):
     """`convert s3://src s3://dst`: the objects are the local conversion's files (data and
     `.metadata` byte for byte), no upload marker is left, torch's `FsspecReader` loads every
     tensor strictly and bitwise equal to the local output, and a second run into the same
-    prefix is refused (a committed checkpoint is never replaced)."""
+    prefix is refused (a committed checkpoint is never replaced without --overwrite); with
+    `--overwrite` it is replaced (`.metadata` put last), but not a prefix holding an object of
+    someone else's."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -388,7 +391,23 @@ def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain
     code, _o, err = cli(["verify", local_dp2, dst])
     assert code == 0, err
     code, _o, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet"])
-    assert code == 2 and "a committed checkpoint" in err
+    assert code == 2 and "a committed checkpoint" in err and "--overwrite" in err
+
+    # --overwrite replaces a committed checkpoint (its .metadata deleted first), never a foreign object
+    events = tmp_path / "events"
+    monkeypatch.setenv("RESHARD_FAULT_COUNT", str(events))
+    code, _o, err = cli(["convert", plain_url, dst, "--to", "dp=1", "--quiet", "--overwrite"])
+    assert code == 0, err
+    keys = s3.keys("out/dp2")
+    assert ".reshard-uploading" not in keys and all("__1_" not in k for k in keys), keys  # dp=2's rank-1 file went
+    uploads = [ln.split(" ", 1)[1] for ln in events.read_text().splitlines() if " upload " in f" {ln}"]
+    assert uploads[-1] == "upload .metadata", uploads
+    code, _o, err = cli(["verify", plain_url, dst])
+    assert code == 0, err
+    c.put_object(Bucket=s3.bucket, Key="out/dp2/notes.txt", Body=b"mine")
+    code, _o, err = cli(["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--overwrite"])
+    assert code == 2 and "notes.txt" in err and "--overwrite refuses" in err, err
+    assert "notes.txt" in s3.keys("out/dp2") and ".metadata" in s3.keys("out/dp2")  # nothing replaced
 
 
 def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload(s3, plain_url, local_dp2, staging):

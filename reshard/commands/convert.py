@@ -69,7 +69,7 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
             return done.report, done.exit_code
 
         return Converted(*convert_into_store(dst, run_locally, src=src, plan_now=plan_now, restart=restart,
-                                             progress=progress))
+                                             overwrite=overwrite, progress=progress))
     dst = Path(dst)
     given = None
     if plan_file is not None:

@@ -40,9 +40,9 @@ def export(src: Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str
 
     def run(local: Path) -> dict[str, Any]:
         return run_export(src, local, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
-                          rename=rename, overwrite=overwrite, model_config=values or None, profile=record,
-                          progress=progress, force=force)
+                          rename=rename, overwrite=overwrite and local == dst, model_config=values or None,
+                          profile=record, progress=progress, force=force)
 
     if isinstance(dst, str):  # s3://bucket/prefix: made locally, then uploaded (`reshard.engine.publishing`)
-        return export_into_store(dst, run, progress=progress)
+        return export_into_store(dst, run, overwrite=overwrite, progress=progress)
     return run(dst)

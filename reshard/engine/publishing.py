@@ -21,7 +21,7 @@ __all__ = ["convert_into_store", "export_into_store"]
 
 
 def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, Any]], int]], *, src: Path,
-                       plan_now: Callable[[], Any], restart: bool = False,
+                       plan_now: Callable[[], Any], restart: bool = False, overwrite: bool = False,
                        progress: Any = None) -> tuple[Optional[dict[str, Any]], int]:
     """``run(local)``, a conversion into the local output of the destination's `remote.Stage`,
     then, once it has committed (verified equal), its upload to the store: data objects first,
@@ -33,8 +33,9 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
     committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
     identity) is the same takes again instead of converting anew, after checking its files
     against the checksums its manifest records, and uploads what the store does not hold yet.
+    ``overwrite``: a checkpoint or an earlier reshard output at ``url`` is replaced (`remote.staged_output`).
     """
-    with remote.staged_output(url) as stage:
+    with remote.staged_output(url, overwrite=overwrite) as stage:
         earlier = None if restart else stage.converted()
         if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
             earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
@@ -51,12 +52,13 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
     return report, code
 
 
-def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, progress: Any = None) -> dict[str, Any]:
+def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwrite: bool = False,
+                      progress: Any = None) -> dict[str, Any]:
     """``run(local)``, an export into the local output of the destination's `remote.Stage`, then
     its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
     after a killed upload exports again (an export keeps no journal) and sends only the objects
-    whose bytes the store does not hold as recorded."""
-    with remote.staged_output(url) as stage:
+    whose bytes the store does not hold as recorded. ``overwrite`` as for `convert_into_store`."""
+    with remote.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
         report = run(stage.out)
         _upload(stage, report, progress)

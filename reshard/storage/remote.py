@@ -724,22 +724,46 @@ def committed_at(url: str) -> bool:
     return bool(listed) and UPLOAD_MARKER not in listed
 
 
+def _check_replaceable(fs: Any, base: str, url: str, there: dict[str, dict[str, Any]]) -> None:
+    """``--overwrite`` into a store: what the prefix holds must be a checkpoint or an earlier reshard
+    output by `formats/replaceable.toml`'s rule (`replaceable.survey_listing`, each anchor's first
+    bytes fetched), or nothing is replaced."""
+    from reshard.storage.replaceable import survey_listing
+
+    def head(tail: str) -> bytes:
+        try:
+            return fs.cat_file(f"{base}/{tail}", start=0, end=min(64, int(there[tail].get("size") or 0)))
+        except Exception:  # noqa: BLE001 - unreadable: not recognised as what its name says
+            return b""
+
+    found = survey_listing([t for t in there if t != UPLOAD_MARKER], head, url)
+    if not found.replaceable:
+        raise BadInput(f"--overwrite refuses to replace what the prefix holds: {found.describe()}", where=url,
+                       hint="Choose another prefix, or remove those objects yourself.")
+
+
 @contextmanager
-def staged_output(url: str) -> Iterator[Stage]:
+def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
     """The `Stage` of an output that `publish` uploads to ``url``, after checking that the
     destination takes it: an empty prefix, or the leftovers of an upload by reshard that never
-    committed (`UPLOAD_MARKER` and no `.metadata`). One run at a time per destination (a lock
-    in its folder). While the block runs, reports name the URL (`output_name`). The folder is
+    committed (`UPLOAD_MARKER` present), or with ``overwrite`` a checkpoint or an earlier reshard
+    output (`_check_replaceable`), which `publish` then replaces: not atomically, as no store
+    can rename a prefix, but never showing a mix: its `.metadata` (and an export's index and
+    config) are deleted first, so no loader takes it while the new objects arrive, and the new
+    `.metadata` is put last. One run at a time per destination (a lock in its folder). While the block runs, reports name the URL (`output_name`). The folder is
     removed when the block ends with the output committed in the store (`.metadata` there and
     no marker), and kept otherwise, for the same command to resume."""
     import fcntl
 
     fs, base = _open_destination(url)
     there = {k: v for k, v in _listing(fs, base, url).items() if not k.startswith(PROBE_PREFIX)}
-    if there and (METADATA_FILE in there or UPLOAD_MARKER not in there):
-        raise BadInput(f"the destination prefix already holds {len(there)} objects"
-                       + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
-                       hint="Choose an empty prefix (replacing objects in a store is not supported yet).")
+    if there and UPLOAD_MARKER not in there:
+        if not overwrite:
+            raise BadInput(f"the destination prefix already holds {len(there)} objects"
+                           + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
+                           hint="Choose an empty prefix, or pass --overwrite to replace a checkpoint or an earlier "
+                                "reshard output there.")
+        _check_replaceable(fs, base, url, there)
     url = url.rstrip("/")
     folder = stage_folder(url)
     try:
@@ -897,7 +921,8 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     try:
         fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
                      b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
-        for tail in there:
+        entries_first = sorted(there, key=lambda t: (t.rsplit("/", 1)[-1] not in ENTRY_FILES, t))
+        for tail in entries_first:  # what a loader opens first goes first: nobody takes a half-replaced output
             if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
                 fs.rm_file(f"{base}/{tail}")
         if on_event is not None:

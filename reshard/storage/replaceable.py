@@ -19,6 +19,7 @@ import os
 import stat
 import struct
 import tomllib
+from typing import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 from reshard.errors import BadInput
 from reshard.paths import formats_root
 
-__all__ = ["Rule", "Survey", "rules", "survey", "is_replaceable"]
+__all__ = ["Rule", "Survey", "rules", "survey", "is_replaceable", "survey_listing", "starts_as"]
 
 NAMED = 5  # unrecognised files named in a refusal; the rest are counted
 MAGICS = ("pickle", "json", "safetensors", "torch")
@@ -88,6 +89,47 @@ def rules() -> Rule:
         raise BadInput(f"invalid rule file: {exc}", where=str(path)) from None
 
 
+def starts_as(head: bytes, magic: str) -> bool:
+    """Whether a file whose first bytes are ``head`` (64 or fewer) starts the way ``magic`` says."""
+    if magic == "pickle":
+        return head[:1] == b"\x80"
+    if magic == "json":
+        return head.lstrip()[:1] == b"{"
+    if magic == "safetensors":
+        return len(head) >= 9 and struct.unpack_from("<Q", head)[0] >= 2 and head[8:9] == b"{"
+    return head[:4] == b"PK\x03\x04" or head[:1] == b"\x80"  # torch
+
+
+def survey_listing(tails: Iterable[str], head: Callable[[str], bytes], where: str) -> Survey:
+    """`survey` of a prefix in object storage: its objects by key tail (``a/b`` below the prefix),
+    an anchor's first bytes fetched by ``head(tail)``. A store has no links and no empty folders,
+    so only the names, the depth and the magic decide."""
+    out = Survey(Path(where))
+    rule = rules()
+    for n, tail in enumerate(sorted(tails)):
+        if n >= rule.max_entries:
+            out.why = f"it holds more than {rule.max_entries:,} objects, more than a checkpoint does"
+            return out
+        if tail.count("/") > rule.max_depth:
+            out.why = f"it nests keys deeper than {rule.max_depth} levels ('{tail}')"
+            return out
+        name = tail.rsplit("/", 1)[-1]
+        kind = None
+        for pattern, magic in rule.anchors:
+            if fnmatch.fnmatchcase(name, pattern):
+                kind = "anchor" if starts_as(head(tail), magic) else None
+                break
+        if kind is None and any(fnmatch.fnmatchcase(name, p) for p in rule.files):
+            kind = "file"
+        if kind == "anchor" and out.anchor is None:
+            out.anchor = tail
+        elif kind is None:
+            out.count += 1
+            if len(out.unrecognised) < NAMED:
+                out.unrecognised.append(tail)
+    return out
+
+
 def _has_magic(path: str, magic: str) -> bool:
     """Whether the regular file at ``path`` (never a link: O_NOFOLLOW) starts the way ``magic`` says."""
     try:
@@ -102,13 +144,7 @@ def _has_magic(path: str, magic: str) -> bool:
         return False
     finally:
         os.close(fd)
-    if magic == "pickle":
-        return head[:1] == b"\x80"
-    if magic == "json":
-        return head.lstrip()[:1] == b"{"
-    if magic == "safetensors":
-        return len(head) >= 9 and struct.unpack_from("<Q", head)[0] >= 2 and head[8:9] == b"{"
-    return head[:4] == b"PK\x03\x04" or head[:1] == b"\x80"  # torch
+    return starts_as(head, magic)
 
 
 def _classify(name: str, path: str, is_file: bool, rule: Rule) -> str | None:
