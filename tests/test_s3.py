@@ -288,7 +288,7 @@ def test_export_into_the_store_uploads_the_shards_index_last_and_resumes(s3, pla
 
 
 def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch):
-    """`remote.etag_matches` against ETags the server computed: a single PUT's (the MD5) and a
+    """`upload.etag_matches` against ETags the server computed: a single PUT's (the MD5) and a
     multipart upload's (``md5(md5(part)...)-N``, three parts of 5 MiB, the smallest S3 allows),
     both True for the bytes sent, False for other bytes of the same size; an ETag of another
     form is None (not checked), never True."""
@@ -296,7 +296,7 @@ def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch)
 
     import fsspec
 
-    from reshard.storage import remote
+    from reshard.storage import upload
 
     fs = fsspec.filesystem("s3")
     data = tmp_path / "data"
@@ -307,10 +307,10 @@ def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch)
     fs.put_file(str(data), f"{s3.bucket}/etag/multi", chunksize=5 << 20)
     single, multi = fs.info(f"{s3.bucket}/etag/single"), fs.info(f"{s3.bucket}/etag/multi")
     assert str(multi["ETag"]).strip('"').endswith("-3"), multi["ETag"]
-    assert remote.etag_matches(data, single) is True and remote.etag_matches(other, single) is False
-    monkeypatch.setattr(remote, "PART_BYTES", 5 << 20)  # the part size this upload used (s3fs's default is 50 MiB)
-    assert remote.etag_matches(data, multi) is True and remote.etag_matches(other, multi) is False
-    assert remote.etag_matches(data, {"ETag": '"not-an-md5"'}) is None
+    assert upload.etag_matches(data, single) is True and upload.etag_matches(other, single) is False
+    monkeypatch.setattr(upload, "PART_BYTES", 5 << 20)  # the part size this upload used (s3fs's default is 50 MiB)
+    assert upload.etag_matches(data, multi) is True and upload.etag_matches(other, multi) is False
+    assert upload.etag_matches(data, {"ETag": '"not-an-md5"'}) is None
 
 
 def _safetensors(path: Path) -> tuple[dict, bytes]:
@@ -426,7 +426,7 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from reshard.storage.remote import stage_folder
+    from reshard.storage.upload import stage_folder
 
     dst = s3.url("out/killed")
     data = {n for n in _data_files(local_dp2) if n.endswith(".distcp")}
@@ -514,7 +514,7 @@ def test_ctrl_c_bound_for_the_store_says_where_the_work_waits(s3, plain_url, tmp
 
     import forked
 
-    from reshard.storage.remote import stage_folder
+    from reshard.storage.upload import stage_folder
 
     dst = s3.url("out/ctrl-c")
     events = tmp_path / "events"

@@ -169,17 +169,17 @@ def interruption(dst: Path, before: Optional[tuple[int, int]] = None) -> tuple[s
     happened, after the verification) the output is complete: exit 0, so a script does not take
     a finished conversion for a failed one. ``before``: `watch_output` of a ``--workers`` launcher.
     """
-    from reshard.storage import remote
+    from reshard.storage import remote, upload
     from reshard.storage.atomic import what_is_left
 
     if remote.is_url(str(dst)):  # an output bound for a store: committed once `.metadata` is uploaded
         try:
-            if remote.committed_at(str(dst)):
+            if upload.committed_at(str(dst)):
                 return f"interrupted after the commit: {dst} is complete", 0
         except Exception:  # noqa: BLE001 - the store unreachable now: say what is known locally
             pass
         return (f"interrupted: nothing committed in {dst}; the same command run again resumes from what waits in "
-                f"{remote.stage_folder(str(dst))} (--restart starts over)"), 130
+                f"{upload.stage_folder(str(dst))} (--restart starts over)"), 130
     left = what_is_left(dst, before=before)
     if left == "committed":
         return f"interrupted after the commit: {dst} is complete", 0

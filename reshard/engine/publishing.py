@@ -3,7 +3,7 @@
 Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
 committed local output, the checksums checked before that output is taken again, and the
 upload's own record, is execution, the same for any caller (`reshard convert`, a script).
-The bytes of the upload itself are `reshard.storage.remote.publish`'s.
+The bytes of the upload itself are `reshard.storage.upload.publish`'s.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
-from reshard.storage import remote
+from reshard.storage import upload
 from reshard.storage.atomic import fault_point
 from reshard.storage.integrity import check_items, item_bytes
 
@@ -23,9 +23,9 @@ __all__ = ["convert_into_store", "export_into_store"]
 def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, Any]], int]], *, src: Path,
                        plan_now: Callable[[], Any], restart: bool = False, overwrite: bool = False,
                        progress: Any = None) -> tuple[Optional[dict[str, Any]], int]:
-    """``run(local)``, a conversion into the local output of the destination's `remote.Stage`,
+    """``run(local)``, a conversion into the local output of the destination's `upload.Stage`,
     then, once it has committed (verified equal), its upload to the store: data objects first,
-    `.metadata` last (`reshard.storage.remote.publish`). A kill before the last upload leaves
+    `.metadata` last (`reshard.storage.upload.publish`). A kill before the last upload leaves
     no `.metadata` there, so no loader takes the output.
 
     Resuming, as beside a local destination: a conversion killed before its local commit left
@@ -33,9 +33,9 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
     committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
     identity) is the same takes again instead of converting anew, after checking its files
     against the checksums its manifest records, and uploads what the store does not hold yet.
-    ``overwrite``: a checkpoint or an earlier reshard output at ``url`` is replaced (`remote.staged_output`).
+    ``overwrite``: a checkpoint or an earlier reshard output at ``url`` is replaced (`upload.staged_output`).
     """
-    with remote.staged_output(url, overwrite=overwrite) as stage:
+    with upload.staged_output(url, overwrite=overwrite) as stage:
         earlier = None if restart else stage.converted()
         if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
             earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
@@ -54,28 +54,28 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
 
 def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwrite: bool = False,
                       progress: Any = None) -> dict[str, Any]:
-    """``run(local)``, an export into the local output of the destination's `remote.Stage`, then
+    """``run(local)``, an export into the local output of the destination's `upload.Stage`, then
     its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
     after a killed upload exports again (an export keeps no journal) and sends only the objects
     whose bytes the store does not hold as recorded. ``overwrite`` as for `convert_into_store`."""
-    with remote.staged_output(url, overwrite=overwrite) as stage:
+    with upload.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
         report = run(stage.out)
         _upload(stage, report, progress)
     return report
 
 
-def _upload(stage: remote.Stage, report: dict[str, Any], progress: Any) -> None:
-    """`remote.publish` with progress by bytes; the report names the URL and what was sent or kept."""
-    with phase_of(progress, "uploading", remote.tree_bytes(stage.out)) as bar:
-        sent = remote.publish(stage, on_event=fault_point, bar=bar)
+def _upload(stage: upload.Stage, report: dict[str, Any], progress: Any) -> None:
+    """`upload.publish` with progress by bytes; the report names the URL and what was sent or kept."""
+    with phase_of(progress, "uploading", upload.tree_bytes(stage.out)) as bar:
+        sent = upload.publish(stage, on_event=fault_point, bar=bar)
     report["destination"] = stage.url
     report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
                           "checked_by_etag": sent.checked, "not_checked": sent.unchecked,
                           "kept_from_an_interrupted_upload": {"objects": sent.kept.requests, "bytes": sent.kept.bytes}}
 
 
-def _taken_again(stage: remote.Stage, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:
+def _taken_again(stage: upload.Stage, report: dict[str, Any], progress: Any) -> Optional[dict[str, Any]]:
     """The report of a committed local output an interrupted run left in ``stage``, once every item
     is checked against the CRC-32 its manifest records (this run reads those bytes; the comparison
     with the source is the earlier run's, against a source whose identity is unchanged). None if

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 from reshard.errors import BadInput, ReshardError
 from reshard.model.dtypes import dtype_named
 from reshard.render.space import space_line
-from reshard.storage import dcp_writer, remote
+from reshard.storage import dcp_writer, remote, upload
 from reshard.storage.atomic import reclaimable_bytes
 from reshard.storage.hf_dcp import open_source  # a DCP source, or torch's safetensors-backed DCP
 from reshard.storage.integrity import nearest_existing
@@ -285,7 +285,7 @@ def upload_probe(url: str, nbytes: int = PROBE_BYTES) -> Rate:
     destination prefix ``url``, deleted after: the rate an output bound for the store is sent at."""
     what = f"upload to {url}"
     try:
-        return Rate(what, nbytes, remote.timed_put(url, secrets.token_bytes(nbytes)))
+        return Rate(what, nbytes, upload.timed_put(url, secrets.token_bytes(nbytes)))
     except ReshardError as exc:
         return Rate(what, error=exc.message)
     except Exception as exc:  # noqa: BLE001 - the store's errors: the estimate says it is not measured

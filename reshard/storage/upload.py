@@ -1,0 +1,415 @@
+"""Outputs bound for object storage: made in a local stage, then published in DCP's commit order.
+
+Why a module of its own: `reshard.storage.remote` reads a checkpoint in a store by byte range;
+this module writes one there, which a store without rename makes a different problem. The
+output is made and verified in a local folder per destination URL (`Stage`, under
+`staging_root`), then uploaded by `publish`: a marker object first, the data objects, the
+other files, the files a loader opens first last (`ENTRY_FILES`: `.metadata`), the marker
+removed. Each object is checked by the ETag the store computed (`etag_matches`) and recorded,
+so a killed upload resumes by sending only what the store does not hold as recorded.
+``--overwrite`` replaces only a checkpoint or an earlier reshard output, by the rule of
+`formats/replaceable.toml` applied to the listing.
+
+fsspec (and the store's filesystem, s3fs) come with the optional ``s3`` extra, imported only
+when a URL is opened (`reshard.storage.remote.no_fsspec` words the error otherwise).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from reshard import safefs
+from reshard.errors import BadInput, Incomplete, ReshardError
+from reshard.storage.remote import (DATA_SUFFIX, METADATA_FILE, URL, Counters, check_key_tail, no_fsspec,
+                                    register_output, unregister_output, version_tag)
+
+__all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
+           "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
+           "publish"]
+
+
+#: Written first under a destination prefix and removed after `.metadata`: the prefix holds an
+#: upload by reshard that may be unfinished, which a rerun may replace (nothing else it may).
+UPLOAD_MARKER = ".reshard-uploading"
+
+def _open_destination(url: str) -> tuple[Any, str]:
+    m = URL.match(url)
+    if m is None or "@" in m.group(2).split("/", 1)[0]:
+        raise BadInput("a destination URL is s3://bucket/prefix, with no credentials in it", where=url.split("://")[0] + "://…")
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, base = url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise no_fsspec(url, exc) from None
+    if "/" not in base.strip("/"):
+        raise BadInput("an output is a prefix inside a bucket, not a whole bucket", where=url,
+                       hint="Give s3://bucket/prefix.")
+    return fs, base.rstrip("/")
+
+
+def _listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
+    """Every object under the destination prefix now (key tail -> its listing entry), fresh from the store."""
+    try:
+        fs.invalidate_cache(base)
+        found = fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"cannot list the destination: {type(exc).__name__}: {exc}", where=url,
+                       hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
+    return {p[len(base) + 1:]: info for p, info in sorted(found.items()) if p.startswith(base + "/")}
+
+
+#: Where outputs bound for a store are made first (one folder per destination URL), unless set.
+STAGING_ENV = "RESHARD_STAGING_DIR"
+
+
+def staging_root() -> Path:
+    """``$RESHARD_STAGING_DIR``, else the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``) ``/reshard/staging``."""
+    given = os.environ.get(STAGING_ENV)
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "reshard" / "staging"
+
+
+@dataclass
+class Stage:
+    """The local side of an output bound for a store: ``out`` (the conversion's local output,
+    written by `atomic_directory` with its resumable temporaries and journal beside it), what
+    the committed conversion recorded (``converted.json``: its resume key and report) and what
+    the upload has sent (``uploaded.jsonl``). It lives in one folder per destination URL under
+    `staging_root`, so a killed run's work waits for the same command, as beside a local
+    destination; it is removed once the output is committed in the store."""
+
+    url: str
+    folder: Path
+
+    @property
+    def out(self) -> Path:
+        return self.folder / "out"
+
+    @property
+    def uploads(self) -> Path:
+        return self.folder / "uploaded.jsonl"
+
+    def converted(self) -> dict[str, Any] | None:
+        """What the committed local conversion recorded (``key``, ``report``), or None (none committed)."""
+        p = self.folder / "converted.json"
+        if not (self.out / METADATA_FILE).is_file() or not p.is_file():
+            return None
+        try:
+            got = safefs.read_json(p, root=self.folder, what="staged conversion record", limit=256 << 20)
+        except (ReshardError, OSError, ValueError):
+            return None
+        return got if isinstance(got, dict) and {"key", "report"} <= got.keys() else None
+
+    def record_converted(self, key: dict[str, Any], report: dict[str, Any]) -> None:
+        """After the local commit: what a rerun compares its own resume key with before it uploads this output again."""
+        import json
+
+        tmp = self.folder / "converted.json.tmp"
+        tmp.write_text(json.dumps({"key": key, "report": report}))
+        os.replace(tmp, self.folder / "converted.json")
+
+    def discard_output(self) -> None:
+        """A committed local output this run does not take again: removed before a new one is made
+        (the upload record stays: `publish` keeps an object only if the new file's bytes are the same)."""
+        (self.folder / "converted.json").unlink(missing_ok=True)
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+#: Names of the objects `timed_put` writes and deletes under a destination prefix (a leftover of a
+#: killed probe is one of reshard's own, replaced like an unfinished upload's).
+PROBE_PREFIX = ".reshard-probe-"
+
+
+def timed_put(url: str, data: bytes) -> float:
+    """Seconds to put ``data`` as one probe object under the destination prefix ``url`` (then deleted):
+    the store's upload rate, for the estimate a conversion bound for it prints first."""
+    import secrets
+    import time
+
+    fs, base = _open_destination(url)
+    key = f"{base}/{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        t = time.perf_counter()
+        fs.pipe_file(key, data)
+        return time.perf_counter() - t
+    finally:
+        try:
+            fs.rm_file(key)
+        except Exception:  # noqa: BLE001 - a probe left behind is replaced by the upload (`staged_output`)
+            pass
+
+
+def tree_bytes(local: Path) -> int:
+    """Bytes of every regular file under ``local`` (what `publish` sends at most)."""
+    return sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+
+
+def stage_folder(url: str) -> Path:
+    """The local folder of the output bound for ``url`` (`staged_output`): one per destination URL."""
+    import hashlib
+
+    return staging_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
+
+
+def committed_at(url: str) -> bool:
+    """Whether ``url`` holds a committed output now: objects listed and no upload marker among them
+    (`publish` removes it after the last object, `.metadata` for DCP)."""
+    fs, base = _open_destination(url)
+    listed = {k for k in _listing(fs, base, url) if not k.startswith(PROBE_PREFIX)}
+    return bool(listed) and UPLOAD_MARKER not in listed
+
+
+def _check_replaceable(fs: Any, base: str, url: str, there: dict[str, dict[str, Any]]) -> None:
+    """``--overwrite`` into a store: what the prefix holds must be a checkpoint or an earlier reshard
+    output by `formats/replaceable.toml`'s rule (`replaceable.survey_listing`, each anchor's first
+    bytes fetched), or nothing is replaced."""
+    from reshard.storage.replaceable import survey_listing
+
+    def head(tail: str) -> bytes:
+        try:
+            return fs.cat_file(f"{base}/{tail}", start=0, end=min(64, int(there[tail].get("size") or 0)))
+        except Exception:  # noqa: BLE001 - unreadable: not recognised as what its name says
+            return b""
+
+    found = survey_listing([t for t in there if t != UPLOAD_MARKER], head, url)
+    if not found.replaceable:
+        raise BadInput(f"--overwrite refuses to replace what the prefix holds: {found.describe()}", where=url,
+                       hint="Choose another prefix, or remove those objects yourself.")
+
+
+@contextmanager
+def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
+    """The `Stage` of an output that `publish` uploads to ``url``, after checking that the
+    destination takes it: an empty prefix, or the leftovers of an upload by reshard that never
+    committed (`UPLOAD_MARKER` present), or with ``overwrite`` a checkpoint or an earlier reshard
+    output (`_check_replaceable`), which `publish` then replaces: not atomically, as no store
+    can rename a prefix, but never showing a mix: its `.metadata` (and an export's index and
+    config) are deleted first, so no loader takes it while the new objects arrive, and the new
+    `.metadata` is put last. One run at a time per destination (a lock in its folder). While the block runs, reports name the URL (`output_name`). The folder is
+    removed when the block ends with the output committed in the store (`.metadata` there and
+    no marker), and kept otherwise, for the same command to resume."""
+    import fcntl
+
+    fs, base = _open_destination(url)
+    there = {k: v for k, v in _listing(fs, base, url).items() if not k.startswith(PROBE_PREFIX)}
+    if there and UPLOAD_MARKER not in there:
+        if not overwrite:
+            raise BadInput(f"the destination prefix already holds {len(there)} objects"
+                           + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
+                           hint="Choose an empty prefix, or pass --overwrite to replace a checkpoint or an earlier "
+                                "reshard output there.")
+        _check_replaceable(fs, base, url, there)
+    url = url.rstrip("/")
+    folder = stage_folder(url)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "destination.txt").write_text(url + "\n")
+        lock = os.open(folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise BadInput(f"cannot make the local staging folder {folder}: {exc.strerror or exc}", where=url,
+                       hint=f"An output bound for a store is made locally first; set {STAGING_ENV} to a "
+                            "folder with room for it.") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput("another reshard run is writing this destination", where=url,
+                           hint="Wait for it to finish, or choose another prefix.") from None
+        stage = Stage(url, folder)
+        register_output(stage.out, url)
+        try:
+            yield stage
+        finally:
+            unregister_output(stage.out)
+        if committed_at(url):
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
+def _bytes_sent(bar: Any) -> Any:
+    """An fsspec callback that hands the bytes a `put_file` reports sent to ``bar`` (a progress phase, or None)."""
+    from fsspec.callbacks import Callback
+
+    class BytesSent(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
+
+        def call(self, *_a: Any, **_k: Any) -> None:
+            if bar is not None and (self.value or 0) > self.seen:
+                bar.update(self.value - self.seen)
+                self.seen = self.value
+
+        def top_up(self, size: int) -> None:
+            """The object is sent: whatever the filesystem did not report is counted now."""
+            self.value = max(self.value or 0, size)
+            self.call()
+
+    return BytesSent()
+
+
+@dataclass
+class Published:
+    """What `publish` did: objects sent and objects an earlier, interrupted upload had already
+    put there (proven by their size and the store's version tag, as recorded at their upload)."""
+
+    sent: Counters
+    kept: Counters
+    checked: int = 0     # objects sent whose store ETag is the MD5 of the bytes sent (single or multipart form)
+    unchecked: int = 0   # objects sent whose ETag is not an MD5 the client can recompute (an encrypted bucket, another store)
+
+
+#: Uploaded last, in this order, when the output has them: the files a loader opens first (an
+#: export's index and config, a DCP checkpoint's `.metadata`), so none is in the store before
+#: everything it names.
+ENTRY_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "config.json", METADATA_FILE)
+
+
+def upload_order(names: list[str]) -> list[str]:
+    """Data objects first (DCP's ``.distcp``, then every other file), `ENTRY_FILES` last."""
+    rest = [n for n in names if n not in ENTRY_FILES]
+    return ([n for n in rest if n.endswith(DATA_SUFFIX)] + [n for n in rest if not n.endswith(DATA_SUFFIX)]
+            + [n for n in ENTRY_FILES if n in names])
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+#: s3fs's multipart upload: parts of 50 MiB, larger when 10,000 would not hold the file.
+PART_BYTES, MAX_PARTS = 50 << 20, 10_000
+
+
+def etag_matches(path: Path, info: dict[str, Any]) -> bool | None:
+    """Whether the store's ETag of an object is the MD5 of the local file ``path`` it was sent from:
+    the MD5 itself for a single PUT, ``md5(md5(part) ...)-N`` for a multipart upload in the parts
+    s3fs sends (`PART_BYTES`). None when the ETag is not of that form (server-side encryption
+    with KMS, another store's tag, another part size): the bytes are then not checked this way."""
+    import hashlib
+    import math
+
+    etag = str(info.get("ETag") or info.get("etag") or "").strip().strip('"').lower()
+    m = re.fullmatch(r"([0-9a-f]{32})(?:-(\d+))?", etag)
+    if m is None:
+        return None
+    size = path.stat().st_size
+    parts = int(m.group(2) or 0)
+    part = PART_BYTES if math.ceil(size / PART_BYTES) <= MAX_PARTS else math.ceil(size / MAX_PARTS)
+    if parts and math.ceil(size / part) != parts:
+        return None
+    whole, digests = hashlib.md5(), []
+    with open(path, "rb") as f:
+        while block := f.read(part):
+            (digests.append(hashlib.md5(block).digest()) if parts else whole.update(block))
+    want = hashlib.md5(b"".join(digests)).hexdigest() if parts else whole.hexdigest()
+    return want == m.group(1)
+
+
+def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None) -> Published:
+    """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
+    rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
+    file, `ENTRY_FILES` last (`.metadata` for DCP: the commit marker, a loader takes the output
+    only once it is there), then the marker removed.
+
+    Resuming: each object sent is recorded in ``stage.uploads`` with the local file's size,
+    modification time and CRC-32 and the version tag (ETag) the store gave it. An object the
+    record names is not sent again when the store still lists it with that size and tag and
+    the local file is the same (its modification time, else its CRC-32: an export made again
+    writes the same bytes at a new time); every other object under the prefix that is not part
+    of the output is deleted. ``on_event(label)`` after each object (the fault-injection hook
+    of the tests); ``bar.update(nbytes)`` as bytes are sent or kept (a progress phase, or None)."""
+    import json
+
+    fs, base = _open_destination(stage.url)
+    url, local = stage.url, stage.out
+    sent, kept = Counters(), Counters()
+    checked = unchecked = 0
+    there = _listing(fs, base, url)
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    if not names:
+        raise Incomplete("the output is empty: nothing committed to publish", where=str(local))
+    for tail in names:
+        check_key_tail(tail, where=url)
+    order = upload_order(names)
+    recorded: dict[str, dict[str, Any]] = {}
+    if stage.uploads.is_file():
+        for line in stage.uploads.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                recorded[str(r["name"])] = r
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by the kill: that object is sent again
+
+    def unchanged(tail: str) -> bool:
+        r, info = recorded.get(tail), there.get(tail)
+        st = (local / tail).stat()
+        if (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
+                or not r.get("size") == st.st_size == int(info.get("size") or -1)):
+            return False
+        return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(local / tail)
+
+    try:
+        fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
+                     b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
+        entries_first = sorted(there, key=lambda t: (t.rsplit("/", 1)[-1] not in ENTRY_FILES, t))
+        for tail in entries_first:  # what a loader opens first goes first: nobody takes a half-replaced output
+            if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
+                fs.rm_file(f"{base}/{tail}")
+        if on_event is not None:
+            on_event(f"upload {UPLOAD_MARKER}")
+        with open(stage.uploads, "a") as log:
+            for tail in order:
+                st = (local / tail).stat()
+                if unchanged(tail):
+                    kept.add(tail, st.st_size)
+                    if bar is not None:
+                        bar.update(st.st_size)
+                    continue
+                counted = _bytes_sent(bar)
+                fs.put_file(str(local / tail), f"{base}/{tail}", callback=counted)
+                counted.top_up(st.st_size)
+                sent.add(tail, st.st_size)
+                fs.invalidate_cache(f"{base}/{tail}")
+                info = fs.info(f"{base}/{tail}")
+                same = etag_matches(local / tail, info)
+                if same is False or int(info.get("size") or -1) != st.st_size:
+                    if tail == METADATA_FILE:  # never leave a commit marker over bytes the store did not get
+                        fs.rm_file(f"{base}/{tail}")
+                    raise BadInput(f"the store holds other bytes for '{tail}' than were sent (its ETag or size "
+                                   "differs from the local file's)", where=f"{url}/{tail}",
+                                   hint="Nothing is committed there; run the same command again (it sends that object again).")
+                checked, unchecked = checked + (same is True), unchecked + (same is None)
+                if tail != METADATA_FILE:
+                    log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                          "crc32": _file_crc(local / tail), "tag": version_tag(info)}) + "\n")
+                    log.flush()
+                if on_event is not None:
+                    on_event(f"upload {tail}")
+        fs.rm_file(f"{base}/{UPLOAD_MARKER}")
+    except ReshardError:
+        raise
+    except OSError as exc:
+        if exc.filename is not None and str(stage.folder) in str(exc.filename):
+            raise BadInput(f"cannot record the upload in {stage.folder}: {exc.strerror or exc}", where=url) from None
+        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                       hint="Nothing is committed there; run the same command again (it resumes).") from None
+    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                       hint="Nothing is committed there; run the same command again (it resumes).") from None
+    return Published(sent, kept, checked, unchecked)
