@@ -226,14 +226,17 @@ def test_convert_from_the_store_is_byte_identical_and_verifies(s3, plain_fsdp2_c
     assert code == 2 and "--workers" in err and not (tmp_path / "x").exists()
 
 
-def test_export_from_the_store_matches_the_local_export(plain_fsdp2_ckpt, plain_url, tmp_path):
+def test_export_from_the_store_matches_the_local_export(s3, plain_fsdp2_ckpt, plain_url, tmp_path):
     """`export s3://... DST` writes the safetensors files exporting the local copy writes (the same tensor bytes
     and header), but for the source they and the report name: the URL."""
     local, remote = tmp_path / "local", tmp_path / "remote"
     assert cli(["export", plain_fsdp2_ckpt, local, "--quiet"])[0] == 0
     code, out, err = cli(["export", plain_url, remote, "--quiet", "--json"])
     assert code == 0, err
-    assert json.loads(out)["source"] == plain_url
+    report = json.loads(out)
+    assert report["source"] == plain_url
+    got, data = report["source_store"], sum(n for k, n in s3.keys("plain").items() if k.endswith(".distcp"))
+    assert got["bytes_requested"] <= data + (4 << 20) + (1 << 16), (got, data)  # its verification reads the local copy
     shards = sorted(p.name for p in local.iterdir() if p.suffix == ".safetensors")
     assert shards and shards == sorted(p.name for p in remote.iterdir() if p.suffix == ".safetensors")
     for name in shards:  # the same header but for the source it names, and the same tensor bytes

@@ -13,7 +13,7 @@ import os
 import re
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -263,22 +263,25 @@ class CheckpointIndex(EntryQueries):
         return sorted(ranks)
 
     # ------------------------------------------------------------------ reading bytes
-    def reading_ahead(self, keys: Iterable[str], *, in_flight: int = 16, memory: int = 64 << 20) -> Any:
-        """A block during which the items of ``keys`` (small ones: step counters, parameter groups)
-        are fetched ahead in parallel when the checkpoint is in object storage (`remote.prefetching`):
-        read one by one, each would wait a round trip. Nothing happens for a local checkpoint."""
+    def reading_ahead(self, keys: Iterable[str], *, in_flight: int = 16, memory: int = 64 << 20,
+                      label: str = "small items") -> Any:
+        """A block during which the items of ``keys`` (an object's item, every chunk of a tensor, in
+        that order: how `read_plain` and `read_tensor` read them) are fetched ahead in parallel when
+        the checkpoint is in object storage (`remote.prefetching`): read one by one, each would wait
+        a round trip. Nothing happens for a local checkpoint."""
         rc = remote.remote_of(self.root)
         if rc is None:
             return contextlib.nullcontext()
-        ranges = []
-        for k in keys:
-            e = self.entries.get(k)
-            if e is None:
-                continue
-            loc = e.location if not e.is_tensor else (e.chunks[0].location if len(e.chunks) == 1 else None)
-            if loc is not None:
-                ranges.append((loc.file, int(loc.offset), int(loc.length)))
-        return rc.prefetching(ranges, in_flight=in_flight, memory=memory, label="small items")
+
+        def ranges() -> Iterator[tuple[str, int, int]]:
+            for k in keys:
+                e = self.entries.get(k)
+                if e is None:
+                    continue
+                for loc in ([c.location for c in e.chunks] if e.is_tensor else [e.location]):
+                    if loc is not None:
+                        yield loc.file, int(loc.offset), int(loc.length)
+        return rc.prefetching(ranges(), in_flight=in_flight, memory=memory, label=label)
 
     def read_object(self, key: str) -> Any:
         e = self.entry(key)
