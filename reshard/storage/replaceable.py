@@ -57,6 +57,15 @@ class Survey:
     def replaceable(self) -> bool:
         return self.anchor is not None and self.count == 0 and not self.why
 
+    def add(self, rel: str, kind: str | None) -> None:
+        """One file (``rel``, its relative path) classified as an anchor, a known file or None (unrecognised)."""
+        if kind == "anchor" and self.anchor is None:
+            self.anchor = rel
+        elif kind is None:
+            self.count += 1
+            if len(self.unrecognised) < NAMED:
+                self.unrecognised.append(rel)
+
     def describe(self) -> str:
         """One sentence: why the destination is not replaceable, naming what would be lost."""
         if self.why:
@@ -121,12 +130,7 @@ def survey_listing(tails: Iterable[str], head: Callable[[str], bytes], where: st
                 break
         if kind is None and any(fnmatch.fnmatchcase(name, p) for p in rule.files):
             kind = "file"
-        if kind == "anchor" and out.anchor is None:
-            out.anchor = tail
-        elif kind is None:
-            out.count += 1
-            if len(out.unrecognised) < NAMED:
-                out.unrecognised.append(tail)
+        out.add(tail, kind)
     return out
 
 
@@ -216,12 +220,7 @@ def survey(dst: str | os.PathLike) -> Survey:
                 stack.append((e.path, rel + "/", depth + 1))
                 continue
             kind = _classify(e.name, e.path, stat.S_ISREG(mode), rule) if stat.S_ISREG(mode) or stat.S_ISLNK(mode) else None
-            if kind == "anchor" and out.anchor is None:
-                out.anchor = rel
-            elif kind is None:
-                out.count += 1
-                if len(out.unrecognised) < NAMED:
-                    out.unrecognised.append(rel)
+            out.add(rel, kind)
     return out
 
 
