@@ -20,6 +20,7 @@ norm and a head. Its parameter names are the per-expert layout
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -159,4 +160,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a gloo thread can abort interpreter teardown ("terminate called without an active exception")

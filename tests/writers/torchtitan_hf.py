@@ -25,6 +25,7 @@ documented there, apply here too), with the sizes of ``model`` instead of fixed 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -197,4 +198,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # a gloo thread can abort interpreter teardown ("terminate called without an active exception")
