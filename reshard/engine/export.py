@@ -57,7 +57,6 @@ from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, Expo
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export)
 from reshard.storage import remote
-from reshard.storage.integrity import nearest_existing
 from reshard.storage.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
@@ -173,9 +172,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         progress.say(f"exporting {describe_bytes(total, len(plan.items), 'tensor')} as {fmt} …")
 
     needed = _estimate_bytes(shards, "safetensors" if fmt == "hf" else fmt, lambda s: header_metadata(ess, s, plan.copies))
-    rc = remote.remote_of(src)
-    kept = keep_remote_reads(rc, nearest_existing(Path(os.path.abspath(os.fspath(dst))).parent), needed) \
-        if rc is not None else None  # a source in a store: its verification reads what the export fetched, here
+    kept = keep_remote_reads(src, dst, needed)  # a source in a store: its verification reads what the export fetched, here
     estimate = preflight(dst, needed=needed, read_bytes=sum(ix.entries[it.key].nbytes for it in plan.items
                                                              if it.key in ix.entries) or total,
                          sources=[src], force=force, what="the export", progress=progress)

@@ -124,9 +124,7 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     room the output leaves: the verification after the copy then reads the source's bytes from
     this machine instead of fetching them a second time."""
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
-    rc = remote.remote_of(ix.root)
-    kept = keep_remote_reads(rc, nearest_existing(Path(os.path.abspath(os.fspath(dst))).parent), needed) \
-        if rc is not None else None  # before the probe, whose read is then kept too
+    kept = keep_remote_reads(ix.root, dst, needed)  # before the probe, whose read is then kept too
     figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress)
     if kept is not None:
         figures["read_cache_bytes"] = kept
@@ -136,14 +134,19 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
 READ_CACHE_ENV = "RESHARD_READ_CACHE"  # at most this much of a remote source kept locally in a conversion (0: none)
 
 
-def keep_remote_reads(rc: "remote.RemoteCheckpoint", checked: Path, needed: int) -> int:
-    """Turn on ``rc``'s local copy of what the conversion fetches (`RemoteCheckpoint.keep_reads`) with a
-    budget: the bytes of its data objects, within half the space its folder's file system has left once
-    the output (``needed`` at ``checked``, when on the same file system) and 1 GiB are set aside, and
-    within ``$RESHARD_READ_CACHE`` when set. Returns the budget (0: nothing kept)."""
+def keep_remote_reads(src: str | os.PathLike, dst: str | os.PathLike, needed: int) -> int | None:
+    """For a source in object storage (None for a local one): turn on its local copy of what the run
+    fetches (`RemoteCheckpoint.keep_reads`) with a budget: the bytes of its data objects, within half
+    the space its folder's file system has left once the output (``needed`` bytes at ``dst``, when on
+    the same file system) and 1 GiB are set aside, and within ``$RESHARD_READ_CACHE`` when set.
+    Returns the budget (0: nothing kept)."""
     from reshard.units import parse_size
 
+    rc = remote.remote_of(src)
+    if rc is None:
+        return None
     folder = rc.cache_folder
+    checked = nearest_existing(Path(os.path.abspath(os.fspath(dst))).parent)
     if folder is None:
         return 0
     try:
