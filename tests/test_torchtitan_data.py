@@ -389,3 +389,29 @@ def test_plan_names_where_each_new_rank_resumes_and_the_proof(titan_source, resu
     assert f"new rank {world - 1}: resumes at stream position {consumed}, reads examples " \
            f"{', '.join(map(str, data['resume'][-1]['first_examples']))}" in text, text
     assert f"proof: {consumed} examples read before, {consumed} read by no new rank, 0 read twice" in text, text
+
+
+def test_an_alias_of_a_dp_rank_is_refused_naming_both(loaders, tmp_path):
+    """Issue 42 item 2: ``dataloader.dp_rank_001`` (an older position of rank 1) beside ``dataloader.dp_rank_1``,
+    in a checkpoint written by ``dcp.save``: torchtitan loads ``dp_rank_1`` only, so a translation proven against
+    either would be proven against a state the trainer may not read. ``plan --data-policy translate`` refuses it
+    (exit 2) naming both keys, and inspect reports it. Costs a single-process dcp.save and two CLI calls (~1 s)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    per_rank, _ = _train(loaders, "reshard_var", 2, 6)  # (2, 4, 6) of CASES: translates when nothing is aliased
+    older, _ = _train(loaders, "reshard_var", 2, 1)
+    assert _translate(per_rank, 2, 4).proof["exact"]
+    sd = {"tok_embeddings.weight": torch.ones(8, 4), "output.weight": torch.ones(8, 4),
+          "dataloader": {"dp_rank_0": per_rank[0][1], "dp_rank_1": per_rank[1][1], "dp_rank_001": older[1][1],
+                         "world_size": 2},
+          "train_state": {"step": 5, "ntokens_seen": 40}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    code, out, err = cli(["plan", tmp_path / "ck", "--from", "dp=2", "--to", "dp=4", "--data-policy", "translate",
+                          "--trust-pickle", "--json"])
+    assert code == 2, out + err
+    assert "'dataloader.dp_rank_001' and 'dataloader.dp_rank_1'" in err and "--convention" in err, err
+    code, out, _ = cli(["inspect", tmp_path / "ck", "--json"])
+    problems = json.loads(out)["problems"]
+    assert any(p["code"] == "data_rank_alias" and set(p["keys"]) == {"dataloader.dp_rank_001", "dataloader.dp_rank_1"}
+               for p in problems), problems

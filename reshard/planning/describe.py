@@ -683,6 +683,12 @@ def _per_rank_state(roles: dict[str, KeyRole], topo: topo_mod.Topology, findings
         shared = sorted(r.key for r in rs if r.rank is None)
         info: dict[str, Any] = {"keys": len(rs), "ranks": ranked, "keyed_per_rank": bool(ranked),
                                 "shared_keys": shared[:20]}
+        spelled: dict[int, KeyRole] = {}
+        for r in sorted((r for r in rs if r.rank is not None), key=lambda r: r.key):
+            first = spelled.setdefault(r.rank, r)
+            if first.rank_text != r.rank_text:  # plan refuses them (`Classification.ranked`); inspect says so first
+                findings.append(Finding("inconsistent", f"{role}_rank_alias",
+                                        f"two {role} keys name rank {r.rank} (a trainer loads one of them)", keys=(first.key, r.key)))
         if ranked:
             expect = topo.world_size if role == "rng" else topo.dp
             gaps = sorted(set(range(expect)) - set(ranked))

@@ -378,9 +378,8 @@ def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topolo
     shared_data: dict[str, Any] = {}
     cursor = (mdict.get("data") or {}).get("cursor")
     data_roles = [x for x in cls.roles.values() if x.role == "data"]
-    for x in data_roles:
-        if x.rank is not None:
-            per_rank_data[x.rank] = (x.key, None)
+    for rank, held in cls.ranked("data").items():  # two spellings of one rank: refused, naming both
+        per_rank_data[rank] = (held[0].key, None)
     if per_rank_data:
         for x in data_roles:
             if x.rank is None:
@@ -400,10 +399,7 @@ def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topolo
 def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topology, target: Topology,
          options: Options, same_positions: bool) -> rng_mod.RngDecision:
     """Each target rank's RNG streams: kept where every rank keeps its position, else reseeded by policy."""
-    rng_ranks: dict[int, list[str]] = {}
-    for x in cls.roles.values():
-        if x.role == "rng" and x.rank is not None:
-            rng_ranks.setdefault(x.rank, []).append(x.key)
+    rng_ranks = {rank: [x.key for x in held] for rank, held in cls.ranked("rng").items()}
     seed = options.seed if options.seed is not None else int((mdict.get("rng") or {}).get("seed", 0))
     return rng_mod.decide(rng_ranks, source_world=source_topo.world_size, target_world=target.world_size,
                           same_positions=same_positions, policy=options.rng_policy, seed=seed,

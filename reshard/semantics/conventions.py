@@ -110,7 +110,7 @@ class Convention:
             rank = groups.get("rank")
             return KeyRole(key, rule.role, param=groups.get("param"), name=groups.get("name"),
                            rank=int(rank) if rank is not None else None, per_rank=rule.per_rank,
-                           convention=self.name)
+                           convention=self.name, rank_text=rank)
         return KeyRole(key, "unknown")
 
 
@@ -144,6 +144,7 @@ class KeyRole:
     rank: int | None = None    # for per-rank state
     per_rank: bool = False
     convention: str | None = None  # the convention whose rule classified the key
+    rank_text: str | None = None   # the rank as the key spells it ("001"): two spellings of one rank are aliases
 
 
 @dataclass
@@ -155,6 +156,30 @@ class Classification:
 
     def by_role(self, role: str) -> list[KeyRole]:
         return [r for r in self.roles.values() if r.role == role]
+
+    def ranked(self, role: str) -> dict[int, list[KeyRole]]:
+        """The per-rank keys of ``role`` by the rank they name, refusing aliases.
+
+        Why: a trainer loads rank k's state under one spelling of k (torchtitan:
+        ``dataloader.dp_rank_{k}``); a second key whose rank parses equal (``dp_rank_001`` beside
+        ``dp_rank_1``) is a state no trainer reads, and a translation proven against it would be
+        proven against the wrong state. Two spellings of one rank are refused, naming both.
+        """
+        out: dict[int, list[KeyRole]] = {}
+        spelled: dict[int, KeyRole] = {}
+        for r in sorted(self.roles.values(), key=lambda r: r.key):
+            if r.role != role or r.rank is None:
+                continue
+            first = spelled.setdefault(r.rank, r)
+            if first.rank_text != r.rank_text:
+                raise BadInput(f"two {role} keys name rank {r.rank}: '{first.key}' and '{r.key}' (the rank spelled "
+                               f"'{first.rank_text}' and '{r.rank_text}'); a trainer loads one of them, and which one "
+                               "this checkpoint means is not knowable", where=r.key,
+                               hint="Say which key is not the trainer's state: a convention file (--convention FILE) "
+                                    "whose [[rule]] matches that key exactly with role = \"other\" carries it unchanged "
+                                    "as an opaque key; or remove it from a copy of the checkpoint.")
+            out.setdefault(r.rank, []).append(r)
+        return out
 
     def conventions_used(self) -> dict[str, int]:
         """Convention name -> how many keys it classified (the primary first)."""
