@@ -16,6 +16,7 @@ from pathlib import Path
 from reshard.errors import BadInput
 from reshard.paths import formats_root
 from reshard.semantics.schedule import POLICIES as SCHEDULES
+from reshard.storage import urls
 
 # reshard.semantics.rng.POLICIES, which imports torch: tests/test_cli_validation.py checks they agree
 RNG_POLICIES = ("carry", "reseed", "drop")
@@ -29,17 +30,17 @@ DATA_MODES = ("copy", "link")
 EXPORT_FORMATS = ("safetensors", "torch", "hf")
 CONTROLS = ("relaunch", "naive-state", "none")
 
-__all__ = ["is_url", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+__all__ = ["is_url", "check_source", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.")  # the same test as reshard.storage.remote.URL
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
 def is_url(text: object) -> bool:
-    """A source given as ``scheme://...`` (s3://bucket/prefix), read through fsspec, not a local path."""
-    return isinstance(text, str) and _URL.match(text) is not None
+    """A source or destination given as ``scheme://...`` (s3://bucket/prefix), not a local path
+    (`reshard.storage.urls.looks_like_url`; whether it is one reshard takes is `urls.parse`'s rule)."""
+    return urls.looks_like_url(text)
 
 
 def check_source(*paths: Path | str) -> None:
@@ -47,11 +48,7 @@ def check_source(*paths: Path | str) -> None:
     import, and a typo deserves an answer at once), in the words the checkpoint reader uses."""
     for path in paths:
         if is_url(path):  # an object-store URL: its listing says whether it exists (reshard.storage.remote)
-            scheme, rest = str(path).split("://", 1)
-            if "@" in rest.split("/", 1)[0]:  # refused before anything (a progress line) could echo it
-                raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
-                               where=f"{scheme}://…", hint="Give them through the standard chain: environment "
-                               "variables, config files or an instance role.")
+            urls.parse(str(path))  # refused before anything (a progress line) could echo a credential
             continue
         if not os.path.exists(path):
             raise BadInput("no such checkpoint directory", where=str(path),
@@ -78,16 +75,27 @@ def check_remote_destination(dst: str, *, data: str, workers: int | None, output
     data, per-rank safetensors, several workers (``--overwrite`` is checked against the prefix itself)."""
     if not is_url(dst):
         return
-    scheme, rest = dst.split("://", 1)
-    if "@" in rest.split("/", 1)[0]:
-        raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
-                       where=f"{scheme}://…", hint="Give them through the standard chain: environment variables, "
-                       "config files or an instance role.")
+    urls.parse(dst, what="destination URL")
     for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
                        (workers not in (None, 1), "--workers")):
         if given:
             raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
                            hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")
+
+
+def check_overlap(src: str, dst: str) -> None:
+    """A destination in a store equal to, inside or above its source in the same store is refused
+    before any work, as `atomic_directory` refuses it by real path on disk: ``--overwrite`` would
+    delete the source, and an output inside it would become part of it (the next listing reads it)."""
+    if not (is_url(src) and is_url(dst)):
+        return  # a local side and a store side never share a byte
+    a, b = urls.parse(src), urls.parse(dst, what="destination URL")
+    how = urls.overlaps(a, b)
+    if how is not None:
+        said = {"equal": "is the source", "inside": "lies inside the source", "above": "holds the source"}[how]
+        raise BadInput(f"the destination {b} {said} ({a}): writing it would change or delete the checkpoint "
+                       "being read", where=str(b), hint="Choose a destination prefix beside the source, not at, "
+                       "above or inside it.")
 
 
 def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq_len: int | None = None,

@@ -263,6 +263,7 @@ def convert(
     args.check_restart(restart=restart, output_format=output_format, data=data)
     args.check_remote_source(src, data=data, workers=workers)
     args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format)
+    args.check_overlap(src, dst)
     if not args.is_url(dst):
         dst = Path(dst)
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
@@ -392,6 +393,7 @@ def export(
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
     args.check_export(fmt=fmt, model_config=model_config)
     args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp")
+    args.check_overlap(src, dst)
     dst = dst if args.is_url(dst) else Path(dst)
     _state["output"] = dst
     args.check_source(src)

@@ -194,6 +194,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
         report["resume"] = journal.summary()
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the converted checkpoint")
+        remote.check_unchanged(src)  # a source in a store: what was read is still what is listed
         commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
     end_commit(progress, commit)
     return report
@@ -250,6 +251,7 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
         report["estimate"] = estimate
         write_reports(tmp, report)
         refuse_if_different(verification, dst, "the local output")
+        remote.check_unchanged(src)
         commit = start_commit(progress, tmp)
     end_commit(progress, commit)
     return report

@@ -241,6 +241,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         if not verification["equal"]:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
+        remote.check_unchanged(src)  # a source in a store: what was read is still what is listed
         commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
     end_commit(progress, commit)
     return report

@@ -1,4 +1,4 @@
-"""Checkpoints in object storage (``s3://bucket/prefix``, any fsspec URL): read by byte range.
+"""Checkpoints in object storage (``s3://bucket/prefix``; `urls.SCHEMES`): read by byte range.
 
 Why: a frontier checkpoint lives in an object store, and `inspect` or `plan` need only its
 `.metadata` and the small files beside it, a conversion only the byte ranges it reads; a
@@ -23,6 +23,15 @@ skipped. Credentials come from the filesystem's own chain (for S3, botocore's: e
 config files, instance roles); this module never reads, prints or records them, and the URL
 it records is the one the user typed, minus any ``user:password@`` part (refused outright).
 
+Against a store that changes or stalls (issue 42): every ranged GET of an S3 object carries
+``If-Match`` with the ETag the one listing recorded (`RemoteCheckpoint.pin`), so bytes of a
+version other than the one listed are never read, and `check_unchanged` lists the prefix again
+before an output is committed: an object replaced, removed or rewritten since is exit 2 naming
+it. Every request has a connect and a read timeout and a bounded number of attempts with
+botocore's backoff (`StoreLimits`, from ``RESHARD_STORE_*``); a store that does not answer is
+exit 2 within `StoreLimits.longest_wait`, which the error states. Zero-byte folder markers
+(``logs/``, a ``.metadata/`` made by a console) are listed as markers, never as files.
+
 fsspec and s3fs are the optional ``s3`` extra (``pip install 'reshard[s3]'``), imported only
 when a URL is opened.
 """
@@ -41,14 +50,11 @@ from typing import Any, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
+from reshard.storage import urls
 
-__all__ = ["URL", "is_url", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
+__all__ = ["is_url", "StoreLimits", "open_store", "store_error", "check_unchanged", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
            "output_name", "register_output", "unregister_output", "store_reads", "version_tag", "ReadCache", "Prefetch",
            "check_key_tail", "no_fsspec", "METADATA_FILE", "DATA_SUFFIX"]
-
-#: ``scheme://rest``: what reshard takes for a URL rather than a local path (a local path with
-#: ``://`` in it is not something a user types; ``./s3://x`` still names one).
-URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.+)$")
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -62,8 +68,123 @@ SIDECARS_CAP = 1 << 30
 
 
 def is_url(text: str | os.PathLike) -> bool:
-    """Whether a command-line source names an object-store URL rather than a local path."""
-    return isinstance(text, str) and URL.match(text) is not None
+    """Whether a command-line source names an object-store URL rather than a local path
+    (`urls.looks_like_url`; `urls.parse` then decides whether reshard takes it)."""
+    return urls.looks_like_url(text)
+
+
+#: The environment variables that set `StoreLimits` (seconds, seconds, a count).
+LIMIT_ENV = {"connect_timeout": "RESHARD_STORE_CONNECT_TIMEOUT", "read_timeout": "RESHARD_STORE_READ_TIMEOUT",
+             "attempts": "RESHARD_STORE_ATTEMPTS"}
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """How long reshard waits for a store: each request's connect and read timeout (seconds; the
+    read timeout bounds the silence between two packets) and the attempts of one request, with
+    botocore's standard retry mode backing off between them (at most 2^i s, 20 s at most).
+
+    Why bounded everywhere: a store that accepts the connection and never answers used to hang
+    a conversion forever (issue 42: still silent at 1,303 s); now the request fails within
+    `longest_wait`, said in the error."""
+
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    attempts: int = 4
+
+    @classmethod
+    def from_env(cls) -> "StoreLimits":
+        given: dict[str, Any] = {}
+        for name, var in LIMIT_ENV.items():
+            text = os.environ.get(var)
+            if text is None or not text.strip():
+                continue
+            try:
+                value = int(text) if name == "attempts" else float(text)
+            except ValueError:
+                value = -1
+            if not 0 < value <= (100 if name == "attempts" else 3600):
+                raise BadInput(f"{var}={text!r} is not a {'count of attempts from 1 to 100' if name == 'attempts' else 'number of seconds above 0 and at most 3600'}",
+                               hint=f"Set {var} to such a value, or unset it (default {getattr(cls, name)}).")
+            given[name] = value
+        return cls(**given)
+
+    def longest_wait(self) -> float:
+        """Seconds one request may take at most before it is given up: every attempt's connect and
+        read timeout and the backoff between attempts."""
+        backoff = sum(min(20.0, 2.0 ** i) for i in range(self.attempts - 1))
+        return self.attempts * (self.connect_timeout + self.read_timeout) + backoff
+
+    def botocore(self) -> dict[str, Any]:
+        """`botocore.config.Config` arguments (s3fs's ``config_kwargs``)."""
+        return {"connect_timeout": self.connect_timeout, "read_timeout": self.read_timeout,
+                "retries": {"max_attempts": self.attempts, "mode": "standard"}}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"connect_timeout_s": self.connect_timeout, "read_timeout_s": self.read_timeout,
+                "attempts": self.attempts, "longest_wait_s": round(self.longest_wait(), 1)}
+
+    def said(self) -> str:
+        return (f"{self.attempts} attempt{'s' if self.attempts != 1 else ''} of at most {self.connect_timeout:g} s to "
+                f"connect and {self.read_timeout:g} s of silence each, {self.longest_wait():g} s in all")
+
+
+def open_store(url: str, *, what: str = "URL") -> tuple[Any, str, urls.StoreURL, StoreLimits]:
+    """``url`` parsed (`urls.parse`: the one rule) and opened through fsspec with the filesystem's
+    own credential chain and `StoreLimits`: ``(fs, base, parsed, limits)``, ``base`` the
+    filesystem's ``bucket/prefix``. A fresh filesystem instance every time (fsspec caches them
+    by arguments), so what `RemoteCheckpoint.pin` registers on its client serves that
+    checkpoint only."""
+    parsed = urls.parse(url, what=what)
+    if not parsed.key:
+        raise BadInput("a checkpoint is a prefix inside a bucket, not a whole bucket", where=str(parsed),
+                       hint=f"Give {parsed.scheme}://{parsed.bucket}/prefix.")
+    limits = StoreLimits.from_env()
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError as exc:
+        raise no_fsspec(str(parsed), exc) from None
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if parsed.family == "s3":
+        options["config_kwargs"] = limits.botocore()
+    try:
+        fs, base = url_to_fs(str(parsed), **options)
+    except (ImportError, ValueError, TypeError) as exc:
+        raise no_fsspec(str(parsed), exc) from None
+    if isinstance(getattr(fs, "retries", None), int):
+        fs.retries = 1  # s3fs's own loop of 5 around botocore's: the attempts are botocore's, counted once
+    return fs, base.rstrip("/"), parsed, limits
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def store_error(exc: BaseException, *, doing: str, where: str, limits: StoreLimits | None = None,
+                hint: str = "Check the endpoint and the credentials' rights.") -> BadInput:
+    """A store's exception as one paragraph (exit 2): an object that changed since it was listed
+    (HTTP 412 to ``If-Match``) and a store that did not answer in time (with the bound that was
+    waited) each in their own words, anything else with its type and message."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        code = str((response or {}).get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+        status = (response or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+        if code == "PreconditionFailed" or status == 412:
+            return BadInput(f"{doing}: the object changed since the checkpoint was listed (its ETag is no longer the "
+                            "one listed), so its bytes would be another version's", where=where,
+                            hint="Nothing is committed. Run the command again once the writer has finished, or copy "
+                                 "the checkpoint to a prefix no one writes.")
+        if "Timeout" in type(e).__name__ or isinstance(e, TimeoutError):
+            bound = f" ({limits.said()})" if limits is not None else ""
+            return BadInput(f"{doing}: the store did not answer in time{bound}", where=where,
+                            hint="Nothing is committed. Check the endpoint and the network; "
+                                 f"{', '.join(LIMIT_ENV.values())} set other bounds.")
+    return BadInput(f"{doing}: {type(exc).__name__}: {exc}", where=where, hint=hint)
 
 
 @dataclass
@@ -142,46 +263,103 @@ class RemoteCheckpoint:
     the checkpoint is opened; every read is a ranged GET counted in ``counters``.
     """
 
-    def __init__(self, url: str, fs: Any, base: str):
+    def __init__(self, url: str, fs: Any, base: str, *, limits: StoreLimits | None = None, pin: bool = False):
         self.url = url.rstrip("/")
         self.fs = fs
         self.base = base.rstrip("/")
+        self.limits = limits or StoreLimits()
         self.counters = Counters()
         self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
         self.kept: ReadCache | None = None  # after `keep_reads`: fetched ranges kept locally for a second reader
         self.cache_folder: Path | None = None  # where `keep_reads` keeps them (the staged directory's parent)
         self.tags: dict[str, str] = {}  # key tail -> the store's version tag (ETag, else modification time)
+        self.etags: dict[str, str] = {}  # full "bucket/key" -> the ETag listed, which every GET is pinned to
+        self.markers: list[str] = []  # zero-byte folder markers ("logs/"), listed and not taken for files
         self.sizes: dict[str, int] = self._list()
+        self.pinned: Any = None  # the client whose GETs carry If-Match (`pin`)
+        if pin:
+            self.pin()
+
+    def pin(self) -> None:
+        """From now on every GET this filesystem's S3 client sends carries ``If-Match`` with the
+        ETag the listing recorded for its key: the store answers 412 rather than another version's
+        bytes (`store_error`). A botocore event handler, because s3fs's ranged read takes no
+        per-call arguments; registered again if s3fs made a new client."""
+        client = self.fs.s3  # s3fs connects on first use
+        if client is self.pinned:
+            return
+        client.meta.events.register("before-parameter-build.s3.GetObject", self._if_match)
+        self.pinned = client
+
+    def _if_match(self, params: dict[str, Any], **_: Any) -> None:
+        etag = self.etags.get(f"{params.get('Bucket')}/{params.get('Key')}")
+        if etag:
+            params["IfMatch"] = etag
 
     def where(self, name: str = "") -> str:
         """A user-facing place: the URL, or the URL of one object under it."""
         return f"{self.url}/{name}" if name else self.url
 
-    def _list(self) -> dict[str, int]:
-        """Every object under the prefix, one listing (a paginated LIST on S3), each key checked."""
+    def _find(self) -> dict[str, dict[str, Any]]:
         try:
+            self.fs.invalidate_cache(self.base)
             found = self.fs.find(self.base, detail=True)
         except FileNotFoundError:
             found = {}
         except Exception as exc:  # noqa: BLE001 - a store's errors: permissions, endpoint, bucket
-            raise BadInput(f"cannot list the checkpoint: {type(exc).__name__}: {exc}", where=self.url,
-                           hint="Check the URL, the endpoint and that the credentials in the standard chain "
-                                "(environment, config files, instance role) may list this prefix.") from None
+            raise store_error(exc, doing="cannot list the checkpoint", where=self.url, limits=self.limits,
+                              hint="Check the URL, the endpoint and that the credentials in the standard chain "
+                                   "(environment, config files, instance role) may list this prefix.") from None
         self.counters.listings += 1
+        return found
+
+    def _list(self) -> dict[str, int]:
+        """Every object under the prefix, one listing (a paginated LIST on S3), each key checked.
+
+        A zero-byte key ending in ``/`` is a folder marker (the S3 console's "create folder"):
+        recorded in `markers`, never a file (``.metadata/`` is not `.metadata`). Every other key
+        must map onto one local file name: plain parts of at most 255 bytes, no control
+        character, and not both a file and a folder (``a`` beside ``a/b``)."""
         out: dict[str, int] = {}
         head = self.base + "/"
-        for path, info in found.items():
-            path = path.rstrip("/")
+        for path, info in self._find().items():
             if not path.startswith(head) or info.get("type") == "directory":
                 continue
+            size = int(info.get("size") or 0)
+            if path.endswith("/") and size == 0:
+                self.markers.append(path[len(head):])
+                continue
             tail = path[len(head):]
-            check_key_tail(tail, where=self.url)
-            out[tail] = int(info.get("size") or 0)
+            check_key_tail(tail, where=self.where(tail.rstrip("/")))
+            if any(len(p.encode()) > 255 for p in tail.split("/")) or len(tail.encode()) > 1024:
+                raise safefs.UnsafeFile("the object key has a part longer than 255 bytes (or is longer than 1,024), "
+                                        "which no local file name can hold", where=self.url,
+                                        hint="Rename the object, or give a prefix that holds only the checkpoint.")
+            out[tail] = size
             self.tags[tail] = version_tag(info)
+            etag = info.get("ETag") or info.get("etag")
+            if etag:
+                self.etags[path] = str(etag)
         if not out:
             raise BadInput("no such checkpoint: nothing is stored under this prefix", where=self.url,
                            hint="Check the bucket and prefix (a checkpoint is the prefix that holds `.metadata`).")
+        folders = {"/".join(t.split("/")[:i]) for t in out for i in range(1, t.count("/") + 1)}
+        both = sorted(folders & out.keys())
+        if both:
+            raise safefs.UnsafeFile(f"'{both[0]}' is both an object and a folder of objects under this prefix, which "
+                                    "no local directory can hold", where=self.where(both[0]),
+                                    hint="Rename one of them, or give a prefix that holds only the checkpoint.")
         return out
+
+    def changed(self) -> list[str]:
+        """The objects of the first listing that a new listing shows replaced (another size or
+        version tag) or gone: what a reader may have read of another version."""
+        now: dict[str, tuple[int, str]] = {}
+        head = self.base + "/"
+        for path, info in self._find().items():
+            if path.startswith(head) and info.get("type") != "directory":
+                now[path[len(head):]] = (int(info.get("size") or 0), version_tag(info))
+        return sorted(t for t, n in self.sizes.items() if now.get(t) != (n, self.tags.get(t, "")))
 
     def identity(self) -> dict[str, list[int]]:
         """Every object -> ``[size, CRC-32 of its version tag]``: what `journal.source_identity`
@@ -252,6 +430,8 @@ class RemoteCheckpoint:
             raise Incomplete(f"{'`' + key + '` needs' if key else 'reading'} bytes [{offset}, {offset + length}) "
                              f"but the object ends at {size}", where=self.where(name),
                              hint="The data object is truncated; the checkpoint is incomplete.")
+        if self.pinned is not None:
+            self.pin()  # the same client: one identity test
         parts, done = [], 0
         while done < length:
             n = min(PIECE, length - done)
@@ -262,8 +442,8 @@ class RemoteCheckpoint:
                 raise Incomplete(f"data file '{name}' disappeared while it was read{who}", where=self.url,
                                  hint="Something deleted it under reshard; use another checkpoint.") from None
             except Exception as exc:  # noqa: BLE001 - a store's errors, in one paragraph
-                raise BadInput(f"cannot read bytes of '{name}'{who}: {type(exc).__name__}: {exc}",
-                               where=self.where(name), hint="Check the endpoint and the credentials' read rights.") from None
+                raise store_error(exc, doing=f"cannot read bytes of '{name}'{who}", where=self.where(name),
+                                  limits=self.limits, hint="Check the endpoint and the credentials' read rights.") from None
             finally:
                 self.counters.ended()
             self.counters.add(name, n)
@@ -474,26 +654,25 @@ class Prefetch:
 
 
 def open_remote(url: str) -> RemoteCheckpoint:
-    """A URL opened through fsspec with the filesystem's own credential chain, and listed once."""
-    m = URL.match(url)
-    if m is None:
-        raise BadInput("not an object-store URL", where=url, hint="Give s3://bucket/prefix or a local directory.")
-    if "@" in m.group(2).split("/", 1)[0]:
-        raise BadInput("credentials in the URL are refused (they would be recorded in reports and manifests)",
-                       where=f"{m.group(1)}://…", hint="Give them through the standard chain: environment variables, "
-                       "config files or an instance role.")
-    try:
-        from fsspec.core import url_to_fs
-    except ImportError as exc:
-        raise no_fsspec(url, exc) from None
-    try:
-        fs, base = url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise no_fsspec(url, exc) from None
-    if not base.strip("/") or "/" not in base.strip("/") and m.group(1) in ("s3", "s3a", "gs", "gcs"):
-        raise BadInput("a checkpoint is a prefix inside a bucket, not a whole bucket", where=url,
-                       hint="Give s3://bucket/prefix.")
-    return RemoteCheckpoint(url, fs, base)
+    """A URL opened through fsspec (`open_store`) and listed once; on S3 every read is pinned to
+    the version listed (`RemoteCheckpoint.pin`)."""
+    fs, base, parsed, limits = open_store(url)
+    return RemoteCheckpoint(str(parsed), fs, base, limits=limits, pin=parsed.family == "s3")
+
+
+def check_unchanged(root: str | os.PathLike) -> None:
+    """Before an output read from the checkpoint staged at ``root`` is committed: the prefix listed
+    again, and every object of the first listing there with its size and version tag, else exit 2
+    naming what changed (nothing committed). A no-op for a local checkpoint."""
+    rc = remote_of(root)
+    if rc is None:
+        return
+    gone = rc.changed()
+    if gone:
+        raise BadInput(f"{len(gone)} object{'s' if len(gone) != 1 else ''} of the source changed since it was listed: "
+                       + ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else ""), where=rc.where(gone[0]),
+                       hint="Nothing is committed: what was read may be of another version. Run the command again "
+                            "once the writer has finished, or copy the checkpoint to a prefix no one writes.")
 
 
 #: staged directory (its real path) -> the remote checkpoint it stands for
@@ -522,7 +701,7 @@ def source_name(root: str | os.PathLike) -> str:
     return rc.url if rc is not None else str(Path(root).resolve())
 
 
-def store_reads(root: str | os.PathLike) -> dict[str, int] | None:
+def store_reads(root: str | os.PathLike) -> dict[str, Any] | None:
     """What reading the checkpoint staged at ``root`` has cost so far: requests, bytes requested,
     listings, against the bytes its objects hold (None for a local checkpoint). Reports carry it
     so a user (and the benchmark) sees that an inspect fetched megabytes of a terabyte prefix."""
@@ -531,6 +710,8 @@ def store_reads(root: str | os.PathLike) -> dict[str, int] | None:
         return None
     return {"requests": rc.counters.requests, "bytes_requested": rc.counters.bytes, "listings": rc.counters.listings,
             "bytes_stored": sum(rc.sizes.values()), "objects_stored": len(rc.sizes),
+            "versions_pinned": rc.pinned is not None, "limits": rc.limits.to_dict(),
+            **({"folder_markers": list(rc.markers)} if rc.markers else {}),
             **({"bytes_read_again_from_the_local_copy": rc.kept.served} if rc.kept is not None else {})}
 
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.storage.remote import (DATA_SUFFIX, METADATA_FILE, URL, Counters, check_key_tail, no_fsspec,
-                                    register_output, unregister_output, version_tag)
+from reshard.storage.remote import (DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, register_output,
+                                    store_error, unregister_output, version_tag)
 
 __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
@@ -39,19 +39,15 @@ __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage
 UPLOAD_MARKER = ".reshard-uploading"
 
 def _open_destination(url: str) -> tuple[Any, str]:
-    m = URL.match(url)
-    if m is None or "@" in m.group(2).split("/", 1)[0]:
-        raise BadInput("a destination URL is s3://bucket/prefix, with no credentials in it", where=url.split("://")[0] + "://…")
+    """The destination's filesystem and ``bucket/prefix``, by the one URL rule and with the store's bounds (`open_store`)."""
     try:
-        from fsspec.core import url_to_fs
-
-        fs, base = url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise no_fsspec(url, exc) from None
-    if "/" not in base.strip("/"):
-        raise BadInput("an output is a prefix inside a bucket, not a whole bucket", where=url,
-                       hint="Give s3://bucket/prefix.")
-    return fs, base.rstrip("/")
+        fs, base, _parsed, _limits = open_store(url, what="destination URL")
+    except BadInput as exc:
+        if "whole bucket" in exc.message:
+            raise BadInput("an output is a prefix inside a bucket, not a whole bucket", where=exc.where,
+                           hint="Give s3://bucket/prefix.") from None
+        raise
+    return fs, base
 
 
 def _listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
@@ -62,8 +58,8 @@ def _listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
     except FileNotFoundError:
         return {}
     except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
-        raise BadInput(f"cannot list the destination: {type(exc).__name__}: {exc}", where=url,
-                       hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
+        raise store_error(exc, doing="cannot list the destination", where=url,
+                          hint="Check the URL, the endpoint and the credentials' rights to list and write there.") from None
     return {p[len(base) + 1:]: info for p, info in sorted(found.items()) if p.startswith(base + "/")}
 
 
@@ -91,6 +87,9 @@ class Stage:
 
     url: str
     folder: Path
+    #: Objects under the prefix that ``--overwrite`` checked as replaceable (`_check_replaceable`)
+    #: before this run began: with the objects this machine's record names, all `publish` may delete.
+    replaceable: frozenset[str] = frozenset()
 
     @property
     def out(self) -> Path:
@@ -99,6 +98,45 @@ class Stage:
     @property
     def uploads(self) -> Path:
         return self.folder / "uploaded.jsonl"
+
+    @property
+    def probes(self) -> Path:
+        return self.folder / "probes.jsonl"
+
+    def recorded(self) -> dict[str, dict[str, Any]]:
+        """What this machine's uploads to the URL recorded, by object name, the last line winning:
+        ``{"name", "intent": True}`` written before an object is put (a kill between the put and its
+        record leaves the object ours), then its size, times, CRC-32 and the ETag the store gave
+        it; the marker's line (`UPLOAD_MARKER`) with its ETag; and each probe (`timed_put`)."""
+        import json
+
+        out: dict[str, dict[str, Any]] = {}
+        for path in (self.uploads, self.probes):
+            try:
+                lines = path.read_text().splitlines() if path.is_file() else []
+            except (OSError, UnicodeDecodeError):
+                lines = []
+            for line in lines:
+                try:
+                    r = json.loads(line)
+                    out[str(r["name"])] = r
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by the kill
+        return out
+
+    def foreign(self, there: dict[str, dict[str, Any]]) -> list[str]:
+        """The objects listed under the prefix that are not this machine's to replace: neither named
+        by its record (with the marker's ETag as recorded, when the marker is there) nor checked by
+        ``--overwrite``. An upload marker no record of this machine matches makes everything foreign:
+        it is someone else's unfinished upload, or a planted name."""
+        mine = self.recorded()
+        marker = there.get(UPLOAD_MARKER)
+        said = mine.get(UPLOAD_MARKER, {})  # intent alone: killed between the put and its record
+        ours_marker = marker is not None and bool(said) and said.get("tag") in (None, version_tag(marker))
+        keep = set(self.replaceable)
+        if marker is None or ours_marker:
+            keep |= set(mine)
+        return sorted(t for t in there if t not in keep)
 
     def converted(self) -> dict[str, Any] | None:
         """What the committed local conversion recorded (``key``, ``report``), or None (none committed)."""
@@ -137,8 +175,15 @@ def timed_put(url: str, data: bytes) -> float:
     import secrets
     import time
 
+    import json
+
     fs, base = _open_destination(url)
-    key = f"{base}/{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    name = f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    key = f"{base}/{name}"
+    stage = Stage(url.rstrip("/"), stage_folder(url))
+    stage.folder.mkdir(parents=True, exist_ok=True)  # the probe is recorded before it is put: a kill leaves it ours
+    with open(stage.probes, "a") as log:
+        log.write(json.dumps({"name": name, "probe": True}) + "\n")
     try:
         t = time.perf_counter()
         fs.pipe_file(key, data)
@@ -166,8 +211,13 @@ def committed_at(url: str) -> bool:
     """Whether ``url`` holds a committed output now: objects listed and no upload marker among them
     (`publish` removes it after the last object, `.metadata` for DCP)."""
     fs, base = _open_destination(url)
-    listed = {k for k in _listing(fs, base, url) if not k.startswith(PROBE_PREFIX)}
+    probes = {k for k, r in Stage(url.rstrip("/"), stage_folder(url)).recorded().items() if r.get("probe")}
+    listed = {k for k in _listing(fs, base, url) if k not in probes}
     return bool(listed) and UPLOAD_MARKER not in listed
+
+
+def _names(tails: list[str], most: int = 8) -> str:
+    return ", ".join(tails[:most]) + (f" and {len(tails) - most} more" if len(tails) > most else "")
 
 
 def _check_replaceable(fs: Any, base: str, url: str, there: dict[str, dict[str, Any]]) -> None:
@@ -202,16 +252,24 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
     import fcntl
 
     fs, base = _open_destination(url)
-    there = {k: v for k, v in _listing(fs, base, url).items() if not k.startswith(PROBE_PREFIX)}
-    if there and UPLOAD_MARKER not in there:
-        if not overwrite:
-            raise BadInput(f"the destination prefix already holds {len(there)} objects"
-                           + (", a committed checkpoint" if METADATA_FILE in there else ""), where=url,
-                           hint="Choose an empty prefix, or pass --overwrite to replace a checkpoint or an earlier "
-                                "reshard output there.")
-        _check_replaceable(fs, base, url, there)
     url = url.rstrip("/")
     folder = stage_folder(url)
+    there = _listing(fs, base, url)
+    foreign = Stage(url, folder).foreign(there)
+    if foreign and not overwrite:
+        if UPLOAD_MARKER in foreign:
+            raise BadInput(f"the destination prefix holds an upload marker ({UPLOAD_MARKER}) that no upload recorded on "
+                           f"this machine wrote, beside {len(foreign) - 1} other objects: "
+                           + _names([t for t in foreign if t != UPLOAD_MARKER]), where=url,
+                           hint="Those objects are not reshard's to replace. Resume that upload on the machine that "
+                                "began it, choose an empty prefix, or pass --overwrite to replace a checkpoint or "
+                                "an earlier reshard output there.")
+        raise BadInput(f"the destination prefix already holds {len(foreign)} objects"
+                       + (", a committed checkpoint" if METADATA_FILE in foreign else "") + ": " + _names(foreign),
+                       where=url, hint="Choose an empty prefix, or pass --overwrite to replace a checkpoint or an "
+                                       "earlier reshard output there.")
+    if foreign:
+        _check_replaceable(fs, base, url, {t: there[t] for t in foreign})
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "destination.txt").write_text(url + "\n")
@@ -226,7 +284,7 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
         except BlockingIOError:
             raise BadInput("another reshard run is writing this destination", where=url,
                            hint="Wait for it to finish, or choose another prefix.") from None
-        stage = Stage(url, folder)
+        stage = Stage(url, folder, replaceable=frozenset(foreign))
         register_output(stage.out, url)
         try:
             yield stage
@@ -347,14 +405,12 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     for tail in names:
         check_key_tail(tail, where=url)
     order = upload_order(names)
-    recorded: dict[str, dict[str, Any]] = {}
-    if stage.uploads.is_file():
-        for line in stage.uploads.read_text().splitlines():
-            try:
-                r = json.loads(line)
-                recorded[str(r["name"])] = r
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by the kill: that object is sent again
+    recorded = stage.recorded()
+    foreign = stage.foreign(there)
+    if foreign:  # appeared since `staged_output` looked, or a stage made elsewhere: not ours to delete or overwrite
+        raise BadInput(f"the destination prefix holds {len(foreign)} objects no upload of this machine recorded and "
+                       "--overwrite did not check: " + _names(foreign), where=url,
+                       hint="Nothing was deleted. Choose an empty prefix, or remove those objects yourself.")
 
     def unchanged(tail: str) -> bool:
         r, info = recorded.get(tail), there.get(tail)
@@ -365,8 +421,13 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
         return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(local / tail)
 
     try:
-        fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
-                     b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
+        with open(stage.uploads, "a") as log:  # the marker is ours once its ETag is recorded
+            log.write(json.dumps({"name": UPLOAD_MARKER, "intent": True}) + "\n")
+            log.flush()
+            fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
+                         b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
+            fs.invalidate_cache(f"{base}/{UPLOAD_MARKER}")
+            log.write(json.dumps({"name": UPLOAD_MARKER, "tag": version_tag(fs.info(f"{base}/{UPLOAD_MARKER}"))}) + "\n")
         entries_first = sorted(there, key=lambda t: (t.rsplit("/", 1)[-1] not in ENTRY_FILES, t))
         for tail in entries_first:  # what a loader opens first goes first: nobody takes a half-replaced output
             if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
@@ -381,6 +442,8 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
                     if bar is not None:
                         bar.update(st.st_size)
                     continue
+                log.write(json.dumps({"name": tail, "intent": True}) + "\n")  # a kill after the put leaves it ours
+                log.flush()
                 counted = _bytes_sent(bar)
                 fs.put_file(str(local / tail), f"{base}/{tail}", callback=counted)
                 counted.top_up(st.st_size)
