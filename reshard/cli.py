@@ -35,7 +35,7 @@ def _show_version(value: bool) -> None:
     if value:
         from reshard import __version__
 
-        typer.echo(f"reshard {__version__}")
+        _echo(f"reshard {__version__}")
         raise typer.Exit(0)
 
 
@@ -53,7 +53,7 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 def _warn(lines: list[str]) -> None:
     for line in lines:
-        typer.echo(f"warning: {line}", err=True)
+        _echo(f"warning: {line}", err=True)
 
 
 def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = True, mode: str = "auto"):
@@ -106,7 +106,7 @@ def inspect(
         opts = _options(root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
                         profile=profile, no_profile=no_profile)
         result = run_inspect(root, opts, deep=deep, progress=progress)
-    typer.echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
+    _echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
 
@@ -193,9 +193,9 @@ def plan(
             conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
             trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
             tensors_out=tensors_out, progress=progress)
-    typer.echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
+    _echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
-        typer.echo(f"warning: {d['space']['warning']}", err=True)
+        _echo(f"warning: {d['space']['warning']}", err=True)
     raise typer.Exit(0 if p.feasible else 1)
 
 
@@ -283,7 +283,7 @@ def convert(
     from reshard.render.report import render_convert, to_json
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
-        progress.on_estimate = lambda figures: typer.echo(_estimate_text(figures).lstrip("\n"))
+        progress.on_estimate = lambda figures: _echo(_estimate_text(figures).lstrip("\n"))
     from reshard.planning.options import source_dir
 
     with source_dir(src) as root:
@@ -303,9 +303,9 @@ def convert(
     report = done.report
     if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
         raise typer.Exit(done.exit_code)
-    typer.echo(to_json(report) if json_out else render_convert(report, verbose=verbose))
+    _echo(to_json(report) if json_out else render_convert(report, verbose=verbose))
     if done.resume_note:  # kept K of N items, or started over and why
-        typer.echo(done.resume_note, err=True)
+        _echo(done.resume_note, err=True)
     raise typer.Exit(done.exit_code)
 
 
@@ -365,7 +365,7 @@ def verify(
     with source_dir(a) as root_a, source_dir(b) as root_b:
         r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
                              buffered=buffered, progress=progress)
-    typer.echo(to_json(r) if json_out else render_verify(r))
+    _echo(to_json(r) if json_out else render_verify(r))
     raise typer.Exit(code)
 
 
@@ -407,7 +407,7 @@ def export(
         r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
                        model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
                        force=force, progress=progress)
-    typer.echo(to_json(r) if json_out else _summary_line("exported", r, dst))
+    _echo(to_json(r) if json_out else _summary_line("exported", r, dst))
 
 
 @app.command(name="import")
@@ -435,7 +435,7 @@ def import_(
 
     r = run_import(src, dst, to=to, rename=rename, fmt=fmt, experiment_id=experiment_id, overwrite=overwrite,
                    force=force, progress=progress)
-    typer.echo(to_json(r) if json_out else _summary_line("imported", r, dst))
+    _echo(to_json(r) if json_out else _summary_line("imported", r, dst))
 
 
 def _summary_line(verb: str, r: dict, dst: Path | str) -> str:
@@ -492,7 +492,7 @@ def rehearse(
                      micro_batch=micro_batch, grad_accum=grad_accum, source_micro_batch=source_micro_batch,
                      source_grad_accum=source_grad_accum, control=control, dataset_len=dataset_len, seed=seed,
                      reuse_baseline=reuse_baseline, like=like, out=out, timeout=timeout, progress=progress)
-    typer.echo(to_json(r) if json_out else render_rehearsal(r))
+    _echo(to_json(r) if json_out else render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 
 
@@ -515,7 +515,7 @@ def window(
     from reshard.render.window import render_window
 
     r = judge(before, after, manifest=manifest, out=out)
-    typer.echo(to_json(r) if json_out else render_window(r))
+    _echo(to_json(r) if json_out else render_window(r))
     raise typer.Exit(int(r["exit_code"]))
 
 
@@ -730,13 +730,22 @@ def _interrupted() -> int:
         return 130
     dst = _state.get("output")
     if dst is None:
-        typer.echo("interrupted", err=True)
+        _echo("interrupted", err=True)
         return 130
     from reshard.commands.convert import interruption
 
     line, code = interruption(dst, _state.get("output_before"))
-    typer.echo(line, err=True)
+    _echo(line, err=True)
     return code
+
+
+def _echo(text: str, *, err: bool = False) -> None:
+    """Every line the CLI prints, with anything that looks like a credential redacted
+    (`reshard.render.redaction.redact`: a URL's userinfo, access key ids, the values of secret
+    environment variables): the last defence; nothing reads or records credentials at all."""
+    from reshard.render.redaction import redact
+
+    typer.echo(redact(text), err=err)
 
 
 def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:
@@ -753,8 +762,8 @@ def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False)
 
             from reshard.errors import error_object
 
-            typer.echo(json.dumps(error_object(exc, code, paragraph, usage=usage), ensure_ascii=False))
-        typer.echo(f"error: {paragraph}", err=True)
+            _echo(json.dumps(error_object(exc, code, paragraph, usage=usage), ensure_ascii=False))
+        _echo(f"error: {paragraph}", err=True)
     sys.exit(code)
 
 
@@ -800,7 +809,7 @@ def _warn_trusted() -> None:
     dcp = sys.modules.get("reshard.storage.dcp")
     line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
     if line:
-        typer.echo(line, err=True)
+        _echo(line, err=True)
 
 
 def _say_error(exc: BaseException, code: int, paragraph: str) -> bool:

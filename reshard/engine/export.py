@@ -57,6 +57,7 @@ from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, Expo
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export)
 from reshard.storage import remote
+from reshard.render.redaction import redact
 from reshard.storage.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
@@ -237,7 +238,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
                             "values_from": hf.origin, "transforms": hf.transforms}
         # no measured figure on disk under SOURCE_DATE_EPOCH (free space, probes), as no wall time
         on_disk = {**report, "estimate": None} if os.environ.get("SOURCE_DATE_EPOCH") else report
-        (tmp / REPORT).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
+        (tmp / REPORT).write_text(redact(json.dumps(on_disk, indent=2, default=str)) + "\n")  # no credential, ever
         if not verification["equal"]:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")

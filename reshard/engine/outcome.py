@@ -22,6 +22,7 @@ from reshard.units import reproducible
 from reshard.planning.plan import source_index, source_inspection
 from reshard.storage.index import CheckpointIndex
 from reshard.storage.hf_dcp import open_source
+from reshard.render.redaction import redact
 from reshard.storage import remote, sidecars
 from reshard.storage.atomic import fault_point, output_path
 from reshard.engine.copy import WriteChecks
@@ -54,9 +55,9 @@ def write_reports(tmp: Path, report: dict[str, Any]) -> None:
     on_disk = {**{k: v for k, v in report.items() if k != "estimate"}, "seconds": None} if reproducible() else report
     if reproducible() and "resume" in report:
         on_disk = {**on_disk, "resume": None}  # a resumed run writes the reports an uninterrupted one does
-    (tmp / REPORT_JSON).write_text(json.dumps(on_disk, indent=2, default=str) + "\n")
+    (tmp / REPORT_JSON).write_text(redact(json.dumps(on_disk, indent=2, default=str)) + "\n")  # no credential, ever
     fault_point("report.json")
-    (tmp / REPORT_MD).write_text(conversion_markdown(on_disk))
+    (tmp / REPORT_MD).write_text(redact(conversion_markdown(on_disk)))
     fault_point("report.md")
 
 

@@ -252,9 +252,10 @@ def source_dir(text: str) -> Iterator[Path]:
     stands for it (`reshard.storage.remote.staged`: `.metadata` and the sidecars fetched, the data
     read by byte range), so that a profile beside the checkpoint is found either way."""
     from reshard.storage import remote
+    from reshard.storage.sidecars import fetched_to_describe
 
     if remote.is_url(text):
-        with remote.staged(text) as root:
+        with remote.staged(text, fetch=fetched_to_describe) as root:
             yield root
     else:
         yield Path(text)

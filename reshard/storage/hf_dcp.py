@@ -32,11 +32,16 @@ out, a FIFO or a device), headers are read by `reshard.storage.safetensors_forma
 (length capped and inside the file, JSON depth capped) and validated strictly: dtype known,
 shape and ``data_offsets`` consistent with each other and inside the file, no two tensors of a
 file overlapping, every stored tensor with offsets of its rank, no offsets for a tensor the file
-lacks, one dtype per key, no chunk stored twice. A problem raises `BadInput` (a truncated file:
-`Incomplete`) naming the file and the key; chunks that do not tile the tensor are findings
-(exit 2 from inspect, refused by plan), as for DCP. safetensors records no checksums, so a
-flipped payload byte cannot be detected in the source; `convert` compares its output with
-these bytes value for value.
+lacks, one dtype per key, no chunk stored twice. Every integer a header gives is bounded:
+``data_offsets`` by the file's own size, and what no byte of the file bounds (a dimension of an
+empty chunk, a saved offset whose neighbours may be in a lost file) by what torch holds
+(`MAX_INT`, int64): each dimension, each saved offset, each chunk's ``offset + size`` and the
+byte size of the global tensor the chunks imply. Past int64 no torch writer wrote the value and
+reshard's chunk tables (numpy int64) would overflow, so the tensor and file are named instead of an
+"unexpected OverflowError". A problem raises `BadInput` (a truncated file: `Incomplete`) naming
+the file and the key; chunks that do not tile the tensor are findings (exit 2 from inspect,
+refused by plan), as for DCP. safetensors records no checksums, so a flipped payload byte
+cannot be detected in the source; `convert` compares its output with these bytes value for value.
 """
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.storage import remote
 from reshard.storage.index import CheckpointIndex
 from reshard.model.dtypes import DType
-from reshard.storage.safetensors_format import SAFETENSORS_DTYPES, ST_INDEX, read_header, read_span, torch_shape
+from reshard.storage.safetensors_format import (FORGED_HINT, MAX_INT, SAFETENSORS_DTYPES, ST_INDEX, past_int64,
+                                                read_header, read_span, torch_shape)
 
 FORMAT = "hf-safetensors-dcp"
 if TYPE_CHECKING:
@@ -141,8 +147,13 @@ class HfDcpIndex(EntryQueries):
         self._load()
 
     # ------------------------------------------------------------------ validation
-    def _bad(self, message: str, file: str | None = None) -> BadInput:
-        return BadInput(message, where=str(self.root / file) if file else str(self.root), hint=HINT)
+    def _bad(self, message: str, file: str | None = None, *, hint: str = HINT, key: str | None = None) -> BadInput:
+        return BadInput(message, where=str(self.root / file) if file else str(self.root), hint=hint,
+                        keys=[key] if key is not None else None)
+
+    def _forged(self, message: str, file: str, key: str) -> BadInput:
+        """A header integer past what torch holds (`MAX_INT`): a value no writer made, named with its tensor."""
+        return self._bad(message, file, hint=FORGED_HINT, key=key)
 
     def _load(self) -> None:
         if not self.root.is_dir():
@@ -193,7 +204,12 @@ class HfDcpIndex(EntryQueries):
                                 "is unknown", fname)
             if len(at) != len(shape):
                 raise self._bad(f"tensor '{name}' has {len(shape)} dims but {SHARDING_KEY} gives {len(at)} offsets "
-                                f"({at})", fname)
+                                f"({at!r:.80})", fname)
+            ends = [o + n for o, n in zip(at, shape)]
+            if (big := past_int64(ends)) is not None:
+                raise self._forged(f"tensor '{name}' at {SHARDING_KEY} offsets {at!r:.80} with shape {list(shape)!r:.80} "
+                                   f"ends at {big} along a dim, past torch's int64 sizes (at most {MAX_INT})", fname,
+                                   name)
             ranges.append((begin, end, name))
             out.append((name, Box(tuple(at), tuple(shape)), dt, ItemLocation(fname, data_start + begin, end - begin)))
         if offsets:
@@ -226,6 +242,9 @@ class HfDcpIndex(EntryQueries):
             if not isinstance(at, list) or not all(type(o) is int and o >= 0 for o in at):
                 raise self._bad(f"{SHARDING_KEY} of tensor '{key}' has no list of non-negative "
                                 f"'{OFFSETS_KEY}' ({v!r:.80})", fname)
+            if (big := past_int64(at)) is not None:
+                raise self._forged(f"{SHARDING_KEY} of tensor '{key}' has the {OFFSETS_KEY} {big}, past torch's int64 "
+                                   f"sizes (at most {MAX_INT})", fname, key)
             out[key] = at
         return out
 
@@ -240,6 +259,9 @@ class HfDcpIndex(EntryQueries):
             raise self._bad(f"tensor '{name}' has unknown dtype {h.get('dtype')!r}", fname)
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise self._bad(f"tensor '{name}' has a bad shape {shape!r:.80}", fname)
+        if (big := past_int64(shape)) is not None:  # an empty chunk's other dims: no byte of the file bounds them
+            raise self._forged(f"tensor '{name}' has a dimension of {big} in its shape, past torch's int64 sizes "
+                               f"(at most {MAX_INT})", fname, name)
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
             raise self._bad(f"tensor '{name}' has bad data_offsets {offs!r:.80}", fname)
         stored, shape = shape, torch_shape(dt, shape)  # F4 headers count 4-bit values, two per torch element
@@ -247,6 +269,9 @@ class HfDcpIndex(EntryQueries):
             raise self._bad(f"tensor '{name}' is {h['dtype']} of shape {stored!r:.80}: its last dimension does not "
                             "hold whole pairs of 4-bit values", fname)
         begin, end = offs
+        if end > MAX_INT:  # no file holds 2^63 bytes (off_t is int64): not a truncated file but a forged offset
+            raise self._forged(f"tensor '{name}' has data_offsets ending at byte {end}, past what any file can hold "
+                               f"(at most {MAX_INT} bytes)", fname, name)
         if begin < 0 or end - begin != prod(shape) * dt.itemsize:
             raise self._bad(f"tensor '{name}': {end - begin} bytes for {h['dtype']}{stored}", fname)
         if data_start + end > size:
@@ -267,6 +292,12 @@ class HfDcpIndex(EntryQueries):
         if any(len(b.sizes) != ndim for b, _ in pieces):
             raise self._bad(f"tensor '{key}' is stored with different numbers of dims", pieces[0][1].file)
         shape = tuple(max(b.offsets[d] + b.sizes[d] for b, _ in pieces) for d in range(ndim))
+        if prod(shape) * dtype.itemsize > MAX_INT:  # each extent fits (checked per chunk); their product may not
+            far = max(pieces, key=lambda p: max(o + n for o, n in zip(p[0].offsets, p[0].sizes)))
+            raise self._forged(f"tensor '{key}': its chunks make it {str(dtype).removeprefix('torch.')}{list(shape)}, "
+                               f"{prod(shape) * dtype.itemsize} bytes, past the int64 byte counts torch holds (at "
+                               f"most {MAX_INT}); the chunk of shape {list(far[0].sizes)} at {SHARDING_KEY} offsets "
+                               f"{list(far[0].offsets)} reaches farthest", far[1].file, key)
         chunks = sorted((Chunk(b, loc) for b, loc in pieces), key=lambda c: c.box.offsets)
         self.entries[key] = Entry(key, "tensor", shape=shape, dtype=dtype, chunks=chunks)
         for p in coverage_problems(shape, (c.box for c in chunks)):

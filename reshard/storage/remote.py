@@ -38,7 +38,6 @@ when a URL is opened.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -46,7 +45,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
@@ -65,6 +64,11 @@ PIECE = 64 << 20
 #: The sidecars staged for inspect and plan together: reports, manifests, configs, a trainer's
 #: small state; past this the prefix holds something no sidecar is, and it is said.
 SIDECARS_CAP = 1 << 30
+#: Objects beside the data objects (sidecars, reports, folder contents): more is not a checkpoint
+#: (the bound `reshard.storage.sidecars.MAX_SIDECARS` puts on a local directory's files).
+MAX_OBJECTS = 10_000
+#: Sidecars fetched at once while a checkpoint is staged.
+FETCHERS = 8
 
 
 def is_url(text: str | os.PathLike) -> bool:
@@ -275,6 +279,7 @@ class RemoteCheckpoint:
         self.tags: dict[str, str] = {}  # key tail -> the store's version tag (ETag, else modification time)
         self.etags: dict[str, str] = {}  # full "bucket/key" -> the ETag listed, which every GET is pinned to
         self.markers: list[str] = []  # zero-byte folder markers ("logs/"), listed and not taken for files
+        self.deferred: dict[str, int] = {}  # sidecars `staged` listed without fetching (key tail -> bytes)
         self.sizes: dict[str, int] = self._list()
         self.pinned: Any = None  # the client whose GETs carry If-Match (`pin`)
         if pin:
@@ -716,33 +721,51 @@ def store_reads(root: str | os.PathLike) -> dict[str, Any] | None:
 
 
 @contextmanager
-def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
+def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP,
+           fetch: Callable[[str], bool] | None = None) -> Iterator[Path]:
     """A private local directory standing for the checkpoint at ``url`` while the block runs:
-    `.metadata` and every sidecar fetched by byte range, no data file (their bytes are read
-    through `remote_of`). The directory is removed afterwards, whatever happens."""
+    `.metadata` and the sidecars fetched by byte range (at most `FETCHERS` at once), no data
+    file (their bytes are read through `remote_of`). The directory is removed afterwards,
+    whatever happens.
+
+    ``fetch(name)``: whether a sidecar is fetched now (a reader may open it by name: its format
+    is known, or it is reshard's own); the others are `RemoteCheckpoint.deferred`, listed from
+    the listing alone and fetched only when a conversion carries them (`sidecars.carry_sidecars`).
+    Without it every sidecar is fetched. Before any request, the objects beside the data files
+    are bounded in number (`MAX_OBJECTS`) and the fetched ones in bytes (``sidecars_cap``)."""
     rc = open_remote(url)
     tmp = Path(tempfile.mkdtemp(prefix="reshard-remote-"))
     root = tmp / "ckpt"
     root.mkdir()
     rc.cache_folder = tmp
     try:
-        side = {k: n for k, n in rc.sizes.items() if k != METADATA_FILE and not k.endswith(DATA_SUFFIX)}
-        if sum(side.values()) > sidecars_cap:
-            raise BadInput(f"the files beside the data objects hold {sum(side.values()):,} bytes, more than the "
+        data = set(rc.data_files())
+        side = {k: n for k, n in rc.sizes.items() if k != METADATA_FILE and k not in data}
+        if len(side) > MAX_OBJECTS:
+            raise BadInput(f"the prefix holds {len(side):,} objects besides the data objects, more than the "
+                           f"{MAX_OBJECTS:,} a checkpoint's sidecars are (nothing was fetched)", where=rc.url,
+                           hint="Give the checkpoint's own prefix (the one that holds `.metadata`), not a folder "
+                                "of many things.")
+        now = {k: n for k, n in side.items() if fetch is None or fetch(k)}
+        rc.deferred = {k: n for k, n in side.items() if k not in now}
+        if sum(now.values()) > sidecars_cap:
+            raise BadInput(f"the files beside the data objects hold {sum(now.values()):,} bytes, more than the "
                            f"{sidecars_cap:,} reshard fetches to describe a checkpoint", where=rc.url,
                            hint="Something other than a checkpoint's sidecars is stored under this prefix; "
                                 "give the checkpoint's own prefix.")
         if METADATA_FILE in rc.sizes:  # bounded as `dcp.metadata_cap` bounds it on disk (checked again there)
             rc.fetch_to(METADATA_FILE, root / METADATA_FILE, limit=max(METADATA_FLOOR, rc.data_bytes()))
-        for tail in sorted(side):
-            rc.fetch_to(tail, root / tail, limit=sidecars_cap)
+        if now:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=FETCHERS, thread_name_prefix="reshard-sidecar") as pool:
+                for done in [pool.submit(rc.fetch_to, t, root / t, limit=sidecars_cap) for t in sorted(now)]:
+                    done.result()
         _STAGED[str(root)] = _STAGED[os.path.realpath(root)] = rc
         try:
             yield root
         except ReshardError as exc:  # an error names the URL, never the private directory
-            for local in {str(root), os.path.realpath(root)}:
-                if exc.where and exc.where.startswith(local):
-                    exc.where = rc.url + exc.where[len(local):]
+            _name_the_url(exc, root, rc.url)
             raise
     finally:
         for k in [k for k, v in _STAGED.items() if v is rc]:
@@ -750,6 +773,17 @@ def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP) -> Iterator[Path]:
         if rc.kept is not None:
             rc.kept.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _name_the_url(exc: ReshardError, root: Path, url: str) -> None:
+    """``exc`` speaking of the URL wherever it names the private staged directory (its place and its message)."""
+    for local in sorted({str(root), os.path.realpath(root)}, key=len, reverse=True):
+        if exc.where and exc.where.startswith(local):
+            exc.where = url + exc.where[len(local):]
+        exc.message = exc.message.replace(local, url)
+        if exc.hint:
+            exc.hint = exc.hint.replace(local, url)
+    exc.args = (exc.render(),)
 
 
 # ---------------------------------------------------------------------------- outputs: their URL in reports

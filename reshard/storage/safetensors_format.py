@@ -65,6 +65,13 @@ MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit for the JSON header
 if TYPE_CHECKING:
     import torch
 
+MAX_INT = (1 << 63) - 1
+"""The largest size, offset or byte count torch holds (int64). A header integer past it was written by
+no torch writer (and no safetensors library: its sizes are ``usize``, torch's ``int64``), and reshard's
+chunk tables are int64 arrays that it would overflow, so every shape a header gives is checked against
+it (byte offsets are bounded tighter still, by the file's own size)."""
+FORGED_HINT = ("No torch writer records such a value: the file is corrupt or was edited. Save the checkpoint "
+               "again, or restore the file from a good copy.")
 INDEX_HINT = ("Fix or regenerate the index so that it lists every tensor of every shard, each in the shard "
               "that holds it, and names only shard files inside the source directory.")
 
@@ -102,6 +109,11 @@ def torch_shape(dtype: DType, shape: list[int]) -> tuple[int, ...] | None:
     if not shape or not isinstance(shape[-1], int) or shape[-1] % n:
         return None
     return (*shape[:-1], shape[-1] // n)
+
+
+def past_int64(values: list[int] | tuple[int, ...]) -> int | None:
+    """The first of ``values`` torch's int64 cannot hold (see `MAX_INT`), or None when all fit."""
+    return next((v for v in values if v > MAX_INT), None)
 
 
 def is_export(path: str | Path) -> bool:
@@ -393,7 +405,10 @@ class ExportIndex(EntryQueries):
                 if dt is None:
                     raise self._bad(f"tensor '{name}' has unknown dtype {h.get('dtype')!r}", fname)
                 if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                    raise self._bad(f"tensor '{name}' has a bad shape {shape!r}", fname)
+                    raise self._bad(f"tensor '{name}' has a bad shape {shape!r:.80}", fname)
+                if (big := past_int64(shape)) is not None:  # an empty tensor's other dims: no byte bounds them
+                    raise BadInput(f"tensor '{name}' has a dimension of {big} in its shape, past torch's int64 "
+                                   f"sizes (at most {MAX_INT})", where=str(fpath), hint=FORGED_HINT, keys=[name])
                 if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
                     raise self._bad(f"tensor '{name}' has bad data_offsets {offs!r}", fname)
                 shape = torch_shape(dt, shape)

@@ -17,6 +17,11 @@ that is not DCP's `.metadata`, a data file, or reshard's own file (`manifest.jso
 - `carry_sidecars` copies each byte-identical into a conversion's temporary output (before
   the atomic commit), checking the SHA-256 of the copy against the source's and the plan's.
 
+Beside a checkpoint in a store (`reshard.storage.remote.staged`), only the sidecars a reader may
+open are fetched to describe it (`fetched_to_describe`); the others are listed from the store's
+listing, their version tag standing for the SHA-256 (`STORE_TAG`), and fetched when a conversion
+carries them, pinned to the version listed.
+
 Files are opened through `reshard.safefs` like every other checkpoint file: a symlink out of
 the checkpoint, a FIFO, a device or a socket is refused by name (exit 2); a symlink inside it
 is followed (and one that names a data file is that data file, not a sidecar).
@@ -37,6 +42,7 @@ from reshard import safefs
 from reshard.errors import BadInput
 from reshard.model.dtypes import is_torch_tensor
 from reshard.paths import formats_root
+from reshard.storage import remote
 
 FORMATS = ("torch-weights-only", "json", "opaque")
 POLICIES = ("carry", "rewrite")
@@ -48,6 +54,12 @@ MAX_SIDECARS = 10_000          # a directory with more files than this is not a 
 MAX_DEPTH = 8                  # subdirectories below the root that are walked
 SUMMARY_KEYS = 64              # top-level keys described per read sidecar
 REWRITERS: dict[str, Callable[[bytes, Any], bytes]] = {}  # rewriter name -> fn(source bytes, plan): new bytes
+#: Name endings of files some reader of reshard's may open by name beside a checkpoint (configs,
+#: profiles, trainer state, safetensors shards, reports): fetched when a checkpoint in a store is
+#: staged. Any other file no format entry reads is opaque, described from the store's listing.
+READ_SUFFIXES = (".json", ".toml", ".yaml", ".yml", ".pt", ".pth", ".bin", ".safetensors", ".txt", ".md", ".metadata")
+#: What a sidecar described from a store's listing records instead of a SHA-256 it was never fetched for.
+STORE_TAG = "store:"
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,17 @@ def rule_for(name: str) -> SidecarRule | None:
     return None
 
 
+def fetched_to_describe(name: str) -> bool:
+    """Whether a sidecar of a checkpoint in a store is fetched to describe it (`remote.staged`'s
+    ``fetch``): reshard's own files, a format entry that reads its content, a name a reader may
+    open (`READ_SUFFIXES`). The rest, e.g. 50,000 log files under ``logs/``, cost no request until
+    a conversion carries them (issue 42)."""
+    if name in RESHARD_OWN or name.lower().endswith(READ_SUFFIXES):
+        return True
+    rule = rule_for(name)
+    return rule is not None and rule.format != "opaque"
+
+
 def claimed_names(ix: Any) -> set[str]:
     """The names a checkpoint index accounts for itself: `.metadata` and its data files (named or present)."""
     return {METADATA_FILE, *getattr(ix, "file_sizes", {}), *ix.data_files()}
@@ -139,12 +162,20 @@ def find_sidecars(root: str | os.PathLike, claimed: Iterable[str]) -> list[Sidec
             digest = _sha256_fd(fd)
         finally:
             os.close(fd)
-        rule = rule_for(rel)
-        if rule is None:
-            out.append(Sidecar(rel, size, digest, "opaque", OPAQUE_POLICY, None))
-        else:
-            out.append(Sidecar(rel, size, digest, rule.format, rule.policy, rule.writer, rule.per_rank, rule.note))
-    return out
+        out.append(_described(rel, size, digest))
+    rc = remote.remote_of(real_root)
+    if rc is not None:  # a checkpoint in a store: the sidecars not fetched, by their listed size and version
+        for rel, size in rc.deferred.items():
+            if rel not in claimed:
+                out.append(_described(rel, size, STORE_TAG + rc.tags.get(rel, "")))
+    return sorted(out, key=lambda c: c.name)
+
+
+def _described(rel: str, size: int, digest: str) -> Sidecar:
+    rule = rule_for(rel)
+    if rule is None:
+        return Sidecar(rel, size, digest, "opaque", OPAQUE_POLICY, None)
+    return Sidecar(rel, size, digest, rule.format, rule.policy, rule.writer, rule.per_rank, rule.note)
 
 
 def _walk(real_root: Path, claimed: set[str], claimed_real: set[str]) -> list[tuple[str, Path]]:
@@ -199,6 +230,8 @@ def read_content(root: str | os.PathLike, car: Sidecar) -> dict[str, Any]:
     be read is still listed and carried."""
     if car.format == "opaque":
         return {"read": False, "why": "opaque: not read"}
+    if car.sha256.startswith(STORE_TAG):
+        return {"read": False, "why": "in the store, not fetched to describe the checkpoint"}
     if car.size > READ_LIMIT:
         return {"read": False, "why": f"{car.size:,} bytes, more than the {READ_LIMIT:,} reshard reads of a sidecar"}
     path = safefs.resolve_root(root) / car.name
@@ -289,6 +322,19 @@ def carry_sidecars(src: str | os.PathLike, out: str | os.PathLike, claimed: Iter
                            where=str(real_src / car.name))
         dst = out_root / car.name
         dst.parent.mkdir(parents=True, exist_ok=True)
+        if car.sha256.startswith(STORE_TAG):  # fetched now, at the version listed (reads are pinned to it)
+            rc = remote.remote_of(real_src)
+            if dst.exists():
+                raise BadInput(f"the source's sidecar '{car.name}' has the name of a file the conversion writes",
+                               where=rc.where(car.name) if rc else str(real_src), hint="Rename or move the sidecar.")
+            rc.fetch_to(car.name, dst, limit=car.size)
+            fd = os.open(dst, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                digest = _sha256_fd(fd)
+            finally:
+                os.close(fd)
+            report.append({**car.to_dict(), "sha256": digest, "carried": True, "fetched_from_the_store": True})
+            continue
         digest = _copy(real_src / car.name, dst, root=real_src)
         if digest != car.sha256:
             raise BadInput(f"sidecar '{car.name}' changed while it was copied", where=str(real_src / car.name),

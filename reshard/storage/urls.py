@@ -15,21 +15,20 @@ whole rule, checked before any import of fsspec or torch:
 - a bucket, then a key prefix whose parts are plain names (no empty, ``.`` or ``..`` part).
 
 `overlaps` compares two parsed URLs as `os.path.realpath` compares local directories: one
-store, one bucket, and one key prefix equal to or inside the other. `redact` removes what looks
-like a credential from any text reshard prints or records (the last line of defence; the
-first is that nothing reads or records credentials at all).
+store, one bucket, and one key prefix equal to or inside the other. (`reshard.render.redaction`
+removes what looks like a credential from any text reshard prints or records: the last line
+of defence; the first is that nothing reads or records credentials at all.)
 
 Nothing here imports torch, fsspec or anything of reshard but its errors.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from reshard.errors import BadInput
 
-__all__ = ["SCHEMES", "StoreURL", "looks_like_url", "parse", "overlaps", "redact"]
+__all__ = ["SCHEMES", "StoreURL", "looks_like_url", "parse", "overlaps"]
 
 #: The schemes reshard reads and writes as object stores, each with the store family it names
 #: (``s3a`` is Hadoop's spelling of the same S3 bucket; ``gcs`` of ``gs``; the Azure ones of one account).
@@ -70,7 +69,7 @@ class StoreURL:
 
 
 def _refuse(message: str, text: str, hint: str) -> BadInput:
-    return BadInput(message, where=redact(text) if "@" not in text else text.split("://", 1)[0] + "://…", hint=hint)
+    return BadInput(message, where=text, hint=hint)  # never a text with '@' (refused first, unechoed)
 
 
 def parse(text: str, *, what: str = "URL") -> StoreURL:
@@ -129,30 +128,3 @@ def overlaps(a: StoreURL, b: StoreURL) -> str | None:
     if pa[:len(pb)] == pb:
         return "above"
     return None
-
-
-#: Environment variables whose values are secrets wherever they appear in text.
-_SECRET_ENV = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|ACCESS_KEY|ACCOUNT_KEY|SAS_", re.IGNORECASE)
-#: ... unless the variable names a place rather than holding the secret (``AWS_SHARED_CREDENTIALS_FILE``).
-_PLACE_ENV = re.compile(r"_(FILE|PATH|DIR|URL|ENDPOINT)$", re.IGNORECASE)
-_USERINFO = re.compile(r"(://)[^/@\s]*@")
-_AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|AGPA|ANPA|ANVA|AIPA)[A-Z0-9]{12,}\b")
-_SIGNED = re.compile(r"(?i)\b(X-Amz-(?:Credential|Signature|Security-Token)|sig|signature|sv|se|sp)=[^&\s'\"]+")
-_REDACTED = "<redacted>"
-
-
-def redact(text: str) -> str:
-    """``text`` with anything that looks like a credential replaced by ``<redacted>``: the userinfo
-    of a URL (``://user:secret@``), AWS access key ids, presigned-URL and SAS parameters, and the
-    literal value of any environment variable named like a secret (``AWS_SECRET_ACCESS_KEY``,
-    ``*_TOKEN``, ``*_PASSWORD``; values of eight characters or more). Applied to every message,
-    report and JSON object reshard prints or writes."""
-    if not text:
-        return text
-    out = _USERINFO.sub(r"\1" + _REDACTED + "@", text)
-    out = _AWS_KEY_ID.sub(_REDACTED, out)
-    out = _SIGNED.sub(lambda m: f"{m.group(1)}={_REDACTED}", out)
-    for name, value in os.environ.items():
-        if len(value) >= 8 and _SECRET_ENV.search(name) and not _PLACE_ENV.search(name) and value in out:
-            out = out.replace(value, _REDACTED)
-    return out
