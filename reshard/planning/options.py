@@ -248,7 +248,7 @@ def options_from_plan(given: dict[str, Any]) -> Options:
 @contextmanager
 def source_dir(text: str) -> Iterator[Path]:
     """The checkpoint directory a source argument names, for as long as the command runs: the
-    path itself, or for a URL (``s3://bucket/prefix``, any fsspec URL) a private directory that
+    path itself, or for a URL (``s3://bucket/prefix``: `reshard.storage.urls`) a private directory that
     stands for it (`reshard.storage.remote.staged`: `.metadata` and the sidecars fetched, the data
     read by byte range), so that a profile beside the checkpoint is found either way."""
     from reshard.storage import remote
