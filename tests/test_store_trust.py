@@ -28,7 +28,7 @@ for "another checkpoint's tensors".
   ``.metadata/`` beside the checkpoint: inspect fetches none of the logs, lists every one, and a
   conversion carries each byte-identical.
 - `test_keys_no_local_file_can_hold_are_named_by_their_url`: a file and a folder of one name, a
-  part of 300 bytes: exit 2 naming the URL, never the private staging directory.
+  part of 300 bytes, a tab (a control character): exit 2 naming the URL, never the private staging directory.
 
 Cost: about 25 s on the 2-core machine (one moto server, one extra 4-rank save, two forked
 processes, one of them paused for 4 s).
@@ -312,10 +312,13 @@ def test_a_huge_listing_is_bounded_and_opaque_files_cost_no_request(s3, plain_fs
 def test_keys_no_local_file_can_hold_are_named_by_their_url(s3, plain_fsdp2_ckpt):
     c = s3.client()
     for prefix, extra in (("odd/both", {"odd/both/a": b"1", "odd/both/a/b": b"2"}),
-                          ("odd/long", {"odd/long/" + "x" * 300: b"1"})):
+                          ("odd/long", {"odd/long/" + "x" * 300: b"1"}),
+                          ("odd/tab", {"odd/tab/notes\tmore.txt": b"1"})):  # moto takes no newline in a key; a tab is the same rule
         url = s3.upload(plain_fsdp2_ckpt, prefix)
         for k, v in extra.items():
             c.put_object(Bucket=s3.bucket, Key=k, Body=v)
         code, _o, err = cli(["inspect", url])
         assert code == 2 and url in err and "reshard-remote-" not in err, err
-        assert ("both an object and a folder" in err) if prefix.endswith("both") else ("255 bytes" in err), err
+        assert {"both": "both an object and a folder", "long": "255 bytes",
+                "tab": "'notes\\tmore.txt' holds a control character"}[prefix.split("/")[1]] in err, err
+        assert err.count("\n") == 1  # one paragraph, the key's control character escaped

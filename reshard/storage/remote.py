@@ -335,6 +335,10 @@ class RemoteCheckpoint:
                 self.markers.append(path[len(head):])
                 continue
             tail = path[len(head):]
+            if any(ord(ch) < 32 or ch == "\x7f" for ch in tail):
+                raise safefs.UnsafeFile(f"the object key {tail!r} holds a control character (a newline, a tab), which "
+                                        "would break every line that names it", where=self.url,
+                                        hint="Rename the object, or give a prefix that holds only the checkpoint.")
             check_key_tail(tail, where=self.where(tail.rstrip("/")))
             if any(len(p.encode()) > 255 for p in tail.split("/")) or len(tail.encode()) > 1024:
                 raise safefs.UnsafeFile("the object key has a part longer than 255 bytes (or is longer than 1,024), "
