@@ -13,6 +13,12 @@ recorded by the checkpoint, and a ``--from`` that contradicts it is bad input na
 
 Nothing here reads bytes: the plans arrive as per-rank item counts already checked against the
 stored items (`reshard.storage.save_plans`), the geometry as the index's chunk offsets and data file names.
+
+The world the plans claim is as large as the `.metadata` makes it (a plan list of 720,720 ranks
+fits in a few MB), so nothing here costs more than a pass over the ranks: the one factorisation
+that can fit is computed, not searched for among the world's divisors (240 of them for 720,720,
+each an O(world) pass: a minute), and rank lists in the evidence are abbreviated past
+`MAX_LISTED`.
 """
 from __future__ import annotations
 
@@ -49,20 +55,19 @@ def recorded_layout(ix: Any, keys: Sequence[str], convention: Convention, findin
                                 f"{plans.problem or 'they are empty'}", file=".metadata"))
         return None
     world = len(items_per_rank)
-    writers = frozenset(r for r, n in enumerate(items_per_rank) if n)
+    writers = [r for r, n in enumerate(items_per_rank) if n]
     tp_seen = _writers_per_layer_piece(ix, keys)
-    fits = [(t, d, p) for t, d, p in _factorisations(world)
-            if t == tp_seen and _writers_at_dp0(rank_order, {"tp": t, "dp": d, "pp": p}, world) == writers]
-    if len(fits) != 1 or (fits[0][1] == 1 and fits[0][2] > 1):
+    fit = _fit(rank_order, world, writers, tp_seen)
+    if fit is None or (fit[1] == 1 and fit[2] > 1):
         # No idle rank and more writers than TP ranks: pipeline stages, or data-parallel ranks that
         # write shards of their own (the distributed optimizer); the plans do not say which.
         return None
-    tp, dp, pp = fits[0]
-    idle = sorted(set(range(world)) - writers)
+    tp, dp, pp = fit
+    idle = [r for r, n in enumerate(items_per_rank) if not n]
     evidence = [
         f"the save plans in .metadata (all_local_plans) record {world} ranks and agree item for item with the "
         f"stored chunks ({sum(items_per_rank)} items)",
-        f"ranks {_ranks(sorted(writers))} planned {_ranks([items_per_rank[r] for r in sorted(writers)])} items"
+        f"ranks {_ranks(writers)} planned {_counts([items_per_rank[r] for r in writers])} items"
         + (f"; ranks {_ranks(idle)} planned none: all they held were replicas another rank saved "
            "(Megatron saves replica_id 0 only)" if idle else ""),
         f"{tp_seen} ranks wrote the pieces of one layer of a tensor (tensor parallel {tp_seen})",
@@ -97,21 +102,28 @@ def check_given(given: Topology, recorded: Topology, where: str, origin: str = "
                          f"{recorded.spec()}; --from on the command line wins over it."))
 
 
-def _factorisations(world: int) -> list[tuple[int, int, int]]:
-    """Every (tp, dp, pp) whose product is ``world``."""
-    divisors = [n for n in range(1, world + 1) if world % n == 0]
-    return [(t, d, world // (t * d)) for t in divisors for d in divisors if (world // t) % d == 0]
+def _fit(order: Sequence[str], world: int, writers: Sequence[int], tp: int) -> tuple[int, int, int] | None:
+    """The (tp, dp, pp) of ``world`` with TP degree ``tp`` whose ranks at data-parallel index 0 (on the
+    mesh ``order``, innermost first) are exactly ``writers`` (distinct ranks below ``world``), or None.
 
-
-def _writers_at_dp0(order: Sequence[str], degrees: dict[str, int], world: int) -> frozenset[int]:
-    """Ranks whose data-parallel coordinate is 0 on the mesh ``order`` (innermost first)."""
+    Whatever the order, ``world / dp`` ranks sit at dp index 0, so the number of writers fixes dp
+    (and pp = writers / tp): there is at most one candidate, and it fits when every writer is at dp
+    index 0 (as many ranks as there are writers are, so then they are exactly the writers). Cost:
+    one pass over the writers, whatever the world the plans claim.
+    """
+    n = len(writers)
+    if n == 0 or tp < 1 or n % tp or world % n:
+        return None
+    degrees = {"tp": tp, "dp": world // n, "pp": n // tp}
     stride = 1
     for dim in order:
         if dim == "dp":
             break
-        stride *= degrees.get(dim, 1)
-    dp = degrees.get("dp", 1)
-    return frozenset(r for r in range(world) if (r // stride) % dp == 0)
+        stride *= degrees[dim]
+    dp = degrees["dp"]
+    if any((r // stride) % dp for r in writers):
+        return None
+    return tp, dp, degrees["pp"]
 
 
 def _writers_per_layer_piece(ix: Any, keys: Sequence[str]) -> int:
@@ -136,5 +148,31 @@ def _writers_per_layer_piece(ix: Any, keys: Sequence[str]) -> int:
     return most
 
 
+MAX_LISTED = 16
+"""Rank lists in the evidence name at most this many ranks (or runs of ranks): a forged plan list
+claims as many idle ranks as its file has room for, and the report should not grow with them."""
+
+
 def _ranks(values: Sequence[int]) -> str:
-    return ", ".join(str(v) for v in values)
+    """Ascending ranks as text: each one up to `MAX_LISTED`, else runs ``a-b``, the first `MAX_LISTED` of them."""
+    if len(values) <= MAX_LISTED:
+        return ", ".join(str(v) for v in values)
+    runs: list[str] = []
+    start = prev = values[0]
+    for v in [*values[1:], None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if len(runs) > MAX_LISTED or v is None:
+            break
+        start = prev = v
+    more = len(runs) > MAX_LISTED
+    return ", ".join(runs[:MAX_LISTED]) + (", ..." if more else "") + f" ({len(values)} ranks)"
+
+
+def _counts(values: Sequence[int]) -> str:
+    """Item counts, one per rank: each up to `MAX_LISTED`, else the first ones and the total."""
+    if len(values) <= MAX_LISTED:
+        return ", ".join(str(v) for v in values)
+    return ", ".join(str(v) for v in values[:MAX_LISTED]) + f", ... ({sum(values)} in all)"

@@ -298,7 +298,9 @@ def archive_bytes(t: "torch.Tensor") -> bytes:
     """The whole item for a small tensor, in memory (tests and small objects)."""
     import torch
 
-    t = t.detach().contiguous()
+    t = t.detach()
+    # a bool made contiguous through its bytes: torch's bool copy writes 0x01 for any non-zero byte
+    t = t.view(torch.uint8).contiguous().view(torch.bool) if t.dtype == torch.bool else t.contiguous()
     f = framing(t.dtype, tuple(t.shape))
     raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     crc = zlib.crc32(raw)

@@ -187,6 +187,14 @@ static int length(Scan *s, const unsigned char *d, size_t size, int is_signed, i
     return 0;
 }
 
+/* A memo index set a second time: a pickler sets each once, as it builds the object (PickleMemoFault). */
+static int set_twice(Scan *s, uint64_t idx) {
+    snprintf(s->buf, sizeof s->buf, "memo index %llu is set twice", (unsigned long long)idx);
+    s->msg = s->buf;
+    s->code = 0;
+    return -1;
+}
+
 static int put(Scan *s, uint64_t idx) {
     if (idx > s->n) {
         snprintf(s->buf, sizeof s->buf, "memo index %llu is larger than the pickle", (unsigned long long)idx);
@@ -198,7 +206,8 @@ static int put(Scan *s, uint64_t idx) {
     TOP(x);
     int64_t *slot = memo_slot(&s->memo, idx, 1);
     if (!slot) NOMEM();
-    if (*slot == UNSET) s->memo.count++;
+    if (*slot != UNSET) return set_twice(s, idx);
+    s->memo.count++;
     *slot = x;
     return 0;
 }
@@ -225,7 +234,8 @@ static int run(Scan *s, const unsigned char *d, int64_t *total) {
             uint64_t idx = s->memo.count;
             int64_t *slot = memo_slot(&s->memo, idx, 1);
             if (!slot) NOMEM();
-            if (*slot == UNSET) s->memo.count++;
+            if (*slot != UNSET) return set_twice(s, idx); /* an index a BINPUT took: MEMOIZE would rebind it */
+            s->memo.count++;
             *slot = s->stack.v[s->stack.n - 1];
             break;
         }
@@ -241,7 +251,10 @@ static int run(Scan *s, const unsigned char *d, int64_t *total) {
                 s->pos += 4;
             }
             int64_t *slot = memo_slot(&s->memo, idx, 0);
-            if (!slot || *slot == UNSET) BAD("a memo index that was never set");
+            if (!slot || *slot == UNSET) {
+                snprintf(s->buf, sizeof s->buf, "memo index %llu was never set", (unsigned long long)idx);
+                BAD(s->buf);
+            }
             x = *slot;
             if (x < 0) s->mut.v[-1 - x] |= SHARED;
             PUSH(x);

@@ -198,6 +198,18 @@ def bad_metadata(where: str, what: str) -> BadInput:
     )
 
 
+def chunk_rank_mismatch(where: str, key: str, index: int, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                        shape: tuple[int, ...]) -> BadInput:
+    """The refusal of chunk ``index`` of tensor ``key`` whose offsets or sizes have another rank than its shape,
+    naming the key and the chunk (torch's planner gives every chunk its tensor's rank)."""
+    dims = f"{len(offsets)} dims" if len(offsets) == len(sizes) else f"{len(offsets)} and {len(sizes)} dims"
+    return BadInput(
+        f"malformed checkpoint metadata: chunk {index} of tensor '{key}' has offsets {list(offsets)} and sizes "
+        f"{list(sizes)} ({dims}), but the tensor's shape {list(shape)} has {len(shape)}",
+        where=where, keys=[key],
+        hint="torch.distributed.checkpoint gives every chunk its tensor's rank; the file is corrupt or forged.")
+
+
 def unwritable_dtypes(where: str, found: list[tuple[str, DType]]) -> BadInput:
     """The refusal of a checkpoint holding tensors of a dtype reshard cannot write (`reshard.model.dtypes.unstorable_reason`:
     every dtype whose items are plain storage bytes is written, float8/float4/uint16-64/bits/complex included), every
@@ -250,12 +262,18 @@ def _decode(md: Any, where: str) -> RawMetadata:
                 raise bad_metadata(where, f"chunks of '{key}' are not a list")
             chunks = []
             add = chunks.append
+            rank = len(shape)
             for c in chunks_in:
                 if not isinstance(c, Record):
                     raise bad_metadata(where, f"a chunk of '{key}' is not a chunk record")
                 d = c.__dict__
-                add((_int_tuple(d.get("offsets"), where, "chunk offsets", key),
-                     _int_tuple(d.get("sizes"), where, "chunk sizes", key)))
+                o = _int_tuple(d.get("offsets"), where, "chunk offsets", key)
+                s = _int_tuple(d.get("sizes"), where, "chunk sizes", key)
+                if len(o) != rank or len(s) != rank:
+                    # Refused here, by name: the columns keep a key's chunks as rows of its rank, one
+                    # key after another, so a chunk of another rank would shift every later key's rows.
+                    raise chunk_rank_mismatch(where, key, len(chunks), o, s, shape)
+                add((o, s))
             entries[key] = RawTensor(key, shape, dtype, chunks)
         else:
             raise bad_metadata(where, f"entry '{key}' has unknown storage type {kind}")

@@ -680,7 +680,11 @@ def _save_bytes(obj: Any) -> bytes:
 
 
 def _compact(t: "torch.Tensor") -> "torch.Tensor":
-    """A CPU tensor that is contiguous and owns exactly its bytes (no offset, no excess)."""
+    """A CPU tensor that is contiguous and owns exactly its bytes (no offset, no excess), the bytes as they were."""
+    import torch  # a tensor was given: torch is imported already
+
+    if t.dtype == torch.bool:  # torch's bool copy writes 0x01 for any non-zero byte: compact the stored bytes instead
+        return _compact(t.view(torch.uint8)).view(torch.bool)
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():

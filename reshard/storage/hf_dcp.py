@@ -207,9 +207,9 @@ class HfDcpIndex(EntryQueries):
                                 f"({at!r:.80})", fname)
             ends = [o + n for o, n in zip(at, shape)]
             if (big := past_int64(ends)) is not None:
-                raise self._forged(f"tensor '{name}' at {SHARDING_KEY} offsets {at!r:.80} with shape {list(shape)!r:.80} "
-                                   f"ends at {big} along a dim, past torch's int64 sizes (at most {MAX_INT})", fname,
-                                   name)
+                raise self._forged(f"tensor '{name}' at {SHARDING_KEY} offsets {at!r:.80} with shape "
+                                   f"{list(shape)!r:.80} ends at {big} along a dim, past torch's int64 sizes (at most "
+                                   f"{MAX_INT})", fname, name)
             ranges.append((begin, end, name))
             out.append((name, Box(tuple(at), tuple(shape)), dt, ItemLocation(fname, data_start + begin, end - begin)))
         if offsets:

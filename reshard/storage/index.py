@@ -342,7 +342,11 @@ class CheckpointIndex(EntryQueries):
         return self.read_box(key, whole(e.shape))
 
     def read_box(self, key: str, box: Box) -> "torch.Tensor":
-        """Assemble one box of a tensor from the chunks that intersect it, reading only those."""
+        """Assemble one box of a tensor from the chunks that intersect it, reading only those.
+
+        The box holds the stored bytes exactly: a bool byte other than 0x00 and 0x01, which torch's
+        own copy would turn into 0x01, is kept, so that a conversion through here writes what it read
+        and `verify`, which compares what this returns bit for bit, sees the byte the file holds."""
         import torch  # tensor bytes are decoded here, and only here of this module
 
         e = self.entry(key)
@@ -370,7 +374,10 @@ class CheckpointIndex(EntryQueries):
                                where=str(self.root / c.location.file), hint="The checkpoint is corrupt.")
             src = inter.relative_to(c.box).slices()
             dst = inter.relative_to(box).slices()
-            out[dst] = t[src]
+            if t.dtype == torch.bool:  # torch's bool copy writes 0x01 for any non-zero byte: copy the bytes as stored
+                out.view(torch.uint8)[dst] = t.view(torch.uint8)[src]
+            else:
+                out[dst] = t[src]
             filled += inter.numel
         if filled != box.numel:
             raise Incomplete(f"the chunks of '{key}' cover {filled} of {box.numel} elements of the requested box",
@@ -396,9 +403,11 @@ class CheckpointIndex(EntryQueries):
         recorded = dict((integrity or {}).get("items") or {})
         mismatched: list[dict[str, Any]] = []
         unrecorded: list[tuple[str, str]] = []
+        odd_bools: set[str] = set()  # bool keys already warned of (one warning per key, not per chunk)
         for e in self.entries.values():
-            items = [(c.location, c.box.sizes) for c in e.chunks] if e.is_tensor else [(e.location, None)]
-            for loc, sizes in items:
+            items = ([(c.location, c.box.sizes, c.box.offsets) for c in e.chunks] if e.is_tensor
+                     else [(e.location, None, None)])
+            for loc, sizes, c_offsets in items:
                 if loc is None:
                     continue
                 done = math.prod(sizes) * e.dtype.itemsize if sizes is not None else loc.length
@@ -422,6 +431,12 @@ class CheckpointIndex(EntryQueries):
                     if sizes is not None and (not isinstance(obj, torch.Tensor) or tuple(obj.shape) != sizes or obj.dtype != e.dtype.torch):
                         raise BadInput(f"item holds {type(obj).__name__} {tuple(getattr(obj, 'shape', ()))}, "
                                        f"metadata says {e.dtype_name} {list(sizes)}")
+                    if sizes is not None and obj.dtype == torch.bool and e.key not in odd_bools:
+                        odd = odd_bool_byte(obj)
+                        if odd is not None:
+                            odd_bools.add(e.key)
+                            found.append(Finding("warning", "bool_bytes", _odd_bool_message(e.key, odd, sizes, c_offsets),
+                                                 file=loc.file, keys=(e.key,)))
                 except ReshardError as exc:
                     code = {"UnsafeInput": "unsafe_item", "CorruptItem": "crc_mismatch"}.get(type(exc).__name__,
                                                                                                "unreadable_item")
@@ -443,6 +458,36 @@ class CheckpointIndex(EntryQueries):
                                  file="manifest.json", keys=tuple(k for k, _ in unrecorded[:50])))
         self.findings.extend(found)
         return found
+
+
+def odd_bool_byte(t: "torch.Tensor") -> tuple[int, int] | None:
+    """``(flat index, byte)`` of the first element of a bool tensor whose stored byte is neither 0x00 nor 0x01, or None.
+
+    Such a byte is what a uint8 tensor saved through ``.view(torch.bool)`` holds; no bool operation writes one.
+    torch reads it inconsistently (``t[i]`` is True, ``t.sum()`` counts the byte, a copy writes 0x01), so reshard
+    carries and compares it as stored, and ``inspect --deep`` says where it is."""
+    import torch
+
+    raw = t.view(torch.uint8).reshape(-1)
+    odd = torch.nonzero(raw > 1)
+    if not len(odd):
+        return None
+    i = int(odd[0, 0])
+    return i, int(raw[i])
+
+
+def _odd_bool_message(key: str, odd: tuple[int, int], sizes: tuple[int, ...], offsets: tuple[int, ...]) -> str:
+    """The warning of `odd_bool_byte`'s find in a chunk at ``offsets`` of ``sizes``: the element in global coordinates."""
+    flat, byte = odd
+    at = []
+    for s in reversed(sizes):
+        at.append(flat % s)
+        flat //= s
+    index = [o + i for o, i in zip(offsets, reversed(at))]
+    return (f"bool tensor '{key}' holds a byte that is neither False (0x00) nor True (0x01): 0x{byte:02x} at {index}. "
+            "torch reads it inconsistently (indexing says True, sum() counts the byte, a copy writes 0x01); reshard "
+            "copies and compares it as stored, so a conversion keeps it and verify tells it from True. Was a uint8 "
+            "tensor saved through .view(torch.bool)? Save t != 0 to store plain bools")
 
 
 def bitwise_equal(ix: CheckpointIndex, a: str, b: str) -> bool:

@@ -12,9 +12,10 @@
  * It is a fast path, never a judge: anything outside the subset that torch's pickler and reshard's
  * own writer (reshard.storage.metadata_pickle) produce (an unknown global, an opcode neither uses,
  * a memo fetch of a container or record, a truncated or malformed stream, an opcode across a
- * frame's end, a chunk whose rank differs from its tensor's, an int outside int64, a Metadata field
- * it does not know such as Megatron's all_local_plans, nesting deeper than MAXDEPTH, the cost budget
- * of safe_pickle.pickle_cost exceeded) makes decode() return None, and the caller takes the safe
+ * frame's end, a chunk whose rank differs from its tensor's, BINPUT indices that do not rise (one
+ * set twice), an int outside int64, a Metadata field it does not know such as Megatron's
+ * all_local_plans, nesting deeper than MAXDEPTH, the cost budget of safe_pickle.pickle_cost
+ * exceeded) makes decode() return None, and the caller takes the safe
  * Python path, which stays the reference and words the refusal. Where decode() answers, its columns
  * equal what the Python path reads (tests/test_metadecode.py).
  *
@@ -404,7 +405,7 @@ static int64_t arg_len(Rd *r, unsigned char op) {
 
 static int pass1(D *d) {
     Rd *r = &d->rd;
-    uint64_t count = 0;
+    uint64_t count = 0, next_put = 0;
     int mode = 0;
     for (;;) {
         if (NEED(r, 1) < 0) return -1;
@@ -418,6 +419,12 @@ static int pass1(D *d) {
             if (mode && mode != m) return -1;  /* MEMOIZE and BINPUT in one pickle: not what pickle writes */
             mode = m;
             if (op == 0x94) count++;
+            else { /* BINPUT indices rise, as a pickler hands them out: an index set twice is the safe path's to refuse */
+                if (NEED(r, (size_t)n) < 0) return -1;
+                uint64_t idx = op == 0x71 ? r->buf[r->pos] : u4(r->buf + r->pos);
+                if (idx < next_put) return -1;
+                next_put = idx + 1;
+            }
         }
         if (op == 0x68 || op == 0x6A) {
             if (NEED(r, (size_t)n) < 0) return -1;

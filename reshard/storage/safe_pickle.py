@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import re
 import struct
 import tomllib
 from functools import lru_cache
@@ -197,13 +198,54 @@ def load_metadata_pickle(data: bytes, where: str) -> Any:
         raise
     except RecursionError:
         raise BadInput("metadata pickle nests too deeply", where=where)
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+    except (pickle.UnpicklingError, TypeError) as exc:
+        misuse = value_misuse(str(exc))
+        if misuse is None:
+            raise _unparsable(exc, where) from None
+        raise BadInput(f"refusing the checkpoint metadata pickle: {misuse}", where=where,
+                       hint="No pickler writes this (a memo fetch of another object than the one its place "
+                            "needs, or a forged value); the file is forged or corrupt: restore it from its writer "
+                            "or use another checkpoint.") from None
+    except (EOFError, ValueError, AttributeError, IndexError,
             KeyError, UnicodeDecodeError, OverflowError, MemoryError, ImportError, struct_error()) as exc:
-        raise BadInput(
-            f"cannot parse the checkpoint metadata ({type(exc).__name__}: {exc})",
-            where=where,
-            hint="The file is truncated or corrupt; restore it from the writer or use another checkpoint.",
-        ) from None
+        raise _unparsable(exc, where) from None
+
+
+def _unparsable(exc: BaseException, where: str) -> BadInput:
+    return BadInput(
+        f"cannot parse the checkpoint metadata ({type(exc).__name__}: {exc})",
+        where=where,
+        hint="The file is truncated or corrupt; restore it from the writer or use another checkpoint.",
+    )
+
+
+# What the C unpickler (and the stand-ins here) say when a value of one kind is used where the pickle
+# needs another (the way a memo fetch of the wrong index shows), and the same in DCP's terms.
+_MISUSES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), w) for p, w in (
+    (r"unhashable type: '([^']+)'",
+     "it uses a {0} (or a record whose key fields hold one) as a dict key or set member, which cannot be one "
+     "(DCP's keys are strings and MetadataIndex records)"),
+    (r"^'([^']+)' object is not callable",
+     "it calls a {0} as if it were a class or function (REDUCE of a value DCP's pickler never calls)"),
+    (r"^NEWOBJ class argument must be a type, not (\w+)",
+     "it builds an object from a {0} where a class belongs (NEWOBJ of a value that is not one of DCP's classes)"),
+    (r"^NEWOBJ class argument isn't a type object", "it builds an object from a value that is not a class (NEWOBJ)"),
+    (r"^(\w+)\(\) takes no arguments", "it calls the record class {0} with arguments, which DCP's pickler never "
+                                       "gives it (records are built empty, then given their state)"),
+    (r"^STACK_GLOBAL requires str", "it names a global by a value that is not a string (STACK_GLOBAL)"),
+    (r"^unexpected state for (\w+): (\w+)", "it gives the {0} record a {1} as its state, where DCP's pickler gives "
+                                           "a dict of its fields"),
+))
+
+
+def value_misuse(message: str) -> str | None:
+    """What a pickle does wrong, in DCP's terms, when the unpickler refused a value of the wrong kind
+    (``message``: the exception's text); None for any other refusal."""
+    for pattern, words in _MISUSES:
+        m = pattern.search(message)
+        if m:
+            return words.format(*m.groups())
+    return None
 
 
 def struct_error() -> type[Exception]:
@@ -245,6 +287,17 @@ class PickleSelfReference(PickleTooCostly):
     """The pickle builds an object that refers to itself (`SELF_REFERENCE`): refused as a forgery, not as a cost."""
 
 
+class PickleMemoFault(PickleTooCostly):
+    """The pickle misuses its memo: it fetches an index it never set, sets an index beyond its own length, or
+    sets one index twice. A pickler sets each index once, as it builds the object, and fetches only what it set;
+    refused as a forgery, not as a cost (the message starts ``memo index N``, in both scans)."""
+
+
+def _memo_fault(detail: str) -> bool:
+    """Whether a refusal of either scan is a `PickleMemoFault` (the native scan answers with its message only)."""
+    return detail.startswith("memo index ")
+
+
 def pickle_budget(n_bytes: int) -> int:
     """The most a pickle of ``n_bytes`` may cost: ``COST_PER_BYTE * n_bytes + COST_SLACK`` units."""
     return COST_PER_BYTE * n_bytes + COST_SLACK
@@ -284,7 +337,9 @@ def pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
             return r
         code, at, detail = r
         if code == 0:
-            raise (PickleSelfReference if detail == SELF_REFERENCE else PickleTooCostly)(f"{detail} (opcode at byte {at})")
+            kind = (PickleSelfReference if detail == SELF_REFERENCE else
+                    PickleMemoFault if _memo_fault(detail) else PickleTooCostly)
+            raise kind(f"{detail} (opcode at byte {at})")
         if code == 1:
             raise PickleTooCostly(f"the pickle ends without STOP (at byte {at})")
         if code == 3:
@@ -311,9 +366,12 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
     - a container changed after a second reference to it was taken (memo get, DUP): its
       weight was already counted where it was referenced. Real pickles refer back only to
       finished objects (DCP metadata and torch.save object items hold no cycles);
-    - a memo index above the pickle's length (the C unpickler sizes its memo array by the
-      largest index it is given), a length running past the end, an unknown opcode, the
-      copyreg extension registry and out-of-band buffers (neither DCP nor torch.save uses them).
+    - a memo misused (`PickleMemoFault`): an index above the pickle's length (the C unpickler
+      sizes its memo array by the largest index it is given), a fetch of an index never set, an
+      index set twice (a pickler sets each once, as it builds the object: a second PUT would make
+      later fetches name another object than the first ones);
+    - a length running past the end, an unknown opcode, the copyreg extension registry and
+      out-of-band buffers (neither DCP nor torch.save uses them).
 
     One pass over the bytes with a stack of integers, stopping at STOP as the unpickler does.
     """
@@ -331,7 +389,7 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
     u4 = _U4.unpack_from
 
     def bad(what: str) -> PickleTooCostly:
-        return PickleTooCostly(f"{what} (opcode at byte {at[0]})")
+        return (PickleMemoFault if _memo_fault(what) else PickleTooCostly)(f"{what} (opcode at byte {at[0]})")
 
     def over() -> PickleTooCostly:
         return bad(f"it builds more than its budget of {limit} units")
@@ -367,7 +425,10 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
     def put(idx: int) -> None:
         if idx > n:
             raise bad(f"memo index {idx} is larger than the pickle")
-        memo[idx] = top()
+        x = top()
+        if idx in memo:
+            raise bad(f"memo index {idx} is set twice")
+        memo[idx] = x
 
     def get(idx: int) -> None:
         x = memo.get(idx)
@@ -396,16 +457,16 @@ def python_pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> i
             if op == 0x94:  # MEMOIZE (the next index: never above the pickle's length)
                 if len(stack) <= fence:
                     raise bad("stack underflow")
-                memo[len(memo)] = stack[-1]
+                idx = len(memo)
+                if idx in memo:  # an index a BINPUT took: MEMOIZE would rebind it
+                    raise bad(f"memo index {idx} is set twice")
+                memo[idx] = stack[-1]
             elif op == 0x68 or op == 0x6A:  # h BINGET, j LONG_BINGET
-                if op == 0x68:
-                    x = memo.get(mv[pos])
-                    pos += 1
-                else:
-                    x = memo.get(u4(mv, pos)[0])
-                    pos += 4
+                idx = mv[pos] if op == 0x68 else u4(mv, pos)[0]
+                pos += 1 if op == 0x68 else 4
+                x = memo.get(idx)
                 if x is None:
-                    raise bad("a memo index that was never set")
+                    raise bad(f"memo index {idx} was never set")
                 if x.__class__ is not int:
                     x[1] = 1
                 append(x)
@@ -593,8 +654,17 @@ def check_cost(data: bytes, *, where: str, what: str) -> int:
         # A cycle, not a cost: the unpickler would build it, and whatever walks the result (the metadata
         # decoder, hashing a record, repr in an error) would recurse or loop on it.
         raise BadInput(
-            f"refusing {what}: it refers back to an object that is still being built, i.e. a record or list "
-            f"that contains itself ({exc}); DCP and torch.save never write such a cycle",
+            f"refusing {what}: it changes a list, dict or record after taking a second reference to it (a memo "
+            f"fetch or DUP: {exc}), the only way a pickle builds one that contains itself; DCP and torch.save "
+            f"never write that",
+            where=where,
+            hint="The file is forged or corrupt; restore it from its writer or use another checkpoint.",
+        ) from None
+    except PickleMemoFault as exc:
+        # Not a cost either: a fetch of nothing, or of another object than the one a pickler put there.
+        raise BadInput(
+            f"refusing {what}: it misuses the pickle memo: {exc}. A pickler sets each memo index once, as it "
+            "builds the object, and fetches only indices it has set; DCP and torch.save never write this",
             where=where,
             hint="The file is forged or corrupt; restore it from its writer or use another checkpoint.",
         ) from None

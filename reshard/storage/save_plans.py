@@ -13,6 +13,15 @@ plan of the rank whose data file (``__<rank>_<n>.distcp``) holds it, and every p
 was stored. Plans that disagree, or are malformed, are reported with the reason and used for
 nothing. Reading them is a walk over inert records (`safe_pickle`); nothing in them is called.
 
+The number of plans is the world the file claims, and a pickle can claim far more ranks than it
+holds plans: a memo reference repeats one plan object for 5 bytes (720,720 "ranks" in 3.6 MB).
+No save writes that: each rank's plan reaches the coordinator through ``gather_object``, unpickled
+on its own, so the list Megatron pickles holds one distinct object per rank, and torch's pickler
+writes each in full (about 38 bytes for an idle rank's empty plan). A list that repeats a plan
+object is therefore malformed (the world it claims is more than the plans the file holds), said
+so before any plan is walked, and everything else costs one pass over the plans and their items,
+which the pickle's cost bound (`safe_pickle.pickle_cost`) keeps proportional to the file's bytes.
+
 This module knows ranks, items and files, nothing of what a layout means: which degrees the
 counts imply is the writer's convention (`reshard.semantics.megatron`).
 """
@@ -20,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from reshard.storage.safe_pickle import Record
 
@@ -48,6 +59,9 @@ def decode(plans: Any) -> list[list[ItemId]] | str | None:
         return None
     if not isinstance(plans, (list, tuple)) or not plans:
         return "all_local_plans is not a list of save plans"
+    shared = _shared_plan(plans)
+    if shared is not None:
+        return shared
     out: list[list[ItemId]] = []
     for rank, plan in enumerate(plans):
         items = plan.get("items") if isinstance(plan, Record) and type(plan).__name__ == "SavePlan" else None
@@ -66,6 +80,24 @@ def decode(plans: Any) -> list[list[ItemId]] | str | None:
     return out
 
 
+def _shared_plan(plans: list[Any] | tuple[Any, ...]) -> str | None:
+    """Why ``plans`` cannot be one plan per rank when two ranks' entries are one object (see the module
+    docstring: a save pickles every rank's plan on its own), else None.
+
+    By identity, as a sorted uint64 array of the objects' ids: 8 bytes per rank, where a dict or
+    set of Python ints costs some 100 bytes per rank (70 MB for a claimed world of 720,720)."""
+    ids = np.fromiter(map(id, plans), dtype=np.uint64, count=len(plans))
+    ids.sort()
+    distinct = int(np.count_nonzero(ids[1:] != ids[:-1])) + 1
+    if distinct == len(plans):
+        return None
+    first: dict[int, int] = {}  # a forged list only: which two ranks share an object
+    seen, rank = next((s, r) for r, plan in enumerate(plans) if (s := first.setdefault(id(plan), r)) != r)
+    return (f"all_local_plans claims {len(plans)} ranks but holds {distinct} distinct save plan(s): the entries of "
+            f"ranks {seen} and {rank} are one object, repeated by reference, where a save pickles every rank's own "
+            f"plan, so the file records the plans of at most {distinct} ranks")
+
+
 def check(decoded: list[list[ItemId]] | str | None, stored: Mapping[ItemId, Any],
           writer_of: Callable[[str], int | None]) -> SavePlans | None:
     """The plans as evidence: each stored item planned by the rank whose data file holds it, each planned item stored.
@@ -82,17 +114,17 @@ def check(decoded: list[list[ItemId]] | str | None, stored: Mapping[ItemId, Any]
     planned: set[ItemId] = set()
     for ids in decoded:
         planned.update(ids)
-    by_rank = [set(ids) for ids in decoded]
+    by_rank = {rank: set(ids) for rank, ids in enumerate(decoded) if ids}  # idle ranks (most of a world): no set
     rank_of = {f: writer_of(f) for f in {loc.file for loc in stored.values()}}  # a few files, thousands of items
     for f, rank in sorted(rank_of.items()):
         if rank is None:
             return SavePlans(problem=f"data file '{f}' does not name the rank that wrote it")
-        if rank >= len(by_rank):
+        if rank >= len(decoded):
             return SavePlans(problem=f"data file '{f}' was written by rank {rank} but the plans "
-                                     f"record {len(by_rank)} rank(s)")
+                                     f"record {len(decoded)} rank(s)")
     for item, loc in stored.items():
         rank = rank_of[loc.file]
-        if item not in by_rank[rank]:
+        if item not in by_rank.get(rank, ()):
             return SavePlans(problem=f"'{item[0]}' is stored in '{loc.file}' but rank {rank}'s plan does not hold it")
     missing = planned.difference(stored)
     if missing:

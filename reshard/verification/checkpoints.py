@@ -321,7 +321,7 @@ def _differing(ta: "torch.Tensor", tb: "torch.Tensor", rtol: float, atol: float)
     """A flat mask of the elements that differ: bit for bit, or (a tolerance given) beyond it, widened."""
     import torch
 
-    if rtol > 0 or atol > 0:
+    if (rtol > 0 or atol > 0) and not ta.dtype == tb.dtype == torch.bool:  # two bools: their bytes, whatever the tolerance
         wa, wb = widened(ta), widened(tb)
         if wa is not None and wb is not None:
             bad = ~torch.isclose(wa, wb, rtol=rtol, atol=atol, equal_nan=True).reshape(-1)

@@ -41,10 +41,10 @@ def bits(t: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if t.dtype == torch.bool:  # viewed before any copy: torch's bool copy turns every non-zero byte into 0x01
+        return t.view(torch.uint8).contiguous().reshape(-1, 1)
     flat = t.contiguous().reshape(-1)
     size = flat.element_size()
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8).reshape(-1, 1)
     if size in by_size:
         return flat.view(by_size[size]).reshape(-1, 1)
     return flat.view(torch.uint8).reshape(-1, size)
@@ -54,11 +54,15 @@ def element(t: "torch.Tensor", flat: int) -> Any:
     """Element ``flat`` of ``t`` as a Python value for a difference report: its number when the
     dtype has arithmetic on CPU (float8 through float64), else its raw bits as hex (``0x7f``:
     float4_e2m1fn_x2 and the bits dtypes have neither ``.item()`` nor a conversion); a NaN with
-    its bits (``nan (0x7f)``), since two NaNs that differ differ only there."""
+    its bits (``nan (0x7f)``), since two NaNs that differ differ only there; a bool as False or
+    True, or as its byte (``0x02``) when it is neither, since ``.item()`` would call it True."""
     import torch
 
-    v = t.reshape(-1)[flat]
+    v = (t.view(torch.uint8) if t.dtype == torch.bool else t).reshape(-1)[flat]  # a bool's byte as stored
     hexbits = "0x" + bytes(v.reshape(1).contiguous().view(torch.uint8).tolist()[::-1]).hex()  # little-endian
+    if t.dtype == torch.bool:  # False, True, or (a byte no bool operation writes) its bits: 0x02 is not True
+        byte = int(v.item())
+        return bool(byte) if byte <= 1 else hexbits
     try:
         x = v.item()
     except (RuntimeError, TypeError):
