@@ -44,6 +44,9 @@ def _child(argv: list[str], env: dict[str, str], out: str, err: str, cwd: str | 
         os.setsid()
     os.environ.clear()
     os.environ.update(env)
+    import tempfile
+
+    tempfile.tempdir = None  # as a new process would: TMPDIR of this environment, not the server's cached choice
     if cwd:
         os.chdir(cwd)
     # stdout/stderr: files, FIFOs or a pseudo-terminal's slave (never our controlling terminal)

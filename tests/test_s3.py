@@ -435,11 +435,14 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     data = {n for n in _data_files(local_dp2) if n.endswith(".distcp")}
     last = max(data)
     argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"]
-    before = {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("reshard-remote-")}
-    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {last}"})
+    # the killed child's temporary files in a folder of its own: no cleanup runs on SIGKILL, and the
+    # shared temporary folder holds other test workers' staged sources, which must not be touched
+    own_tmp = staging.parent / f"{staging.name}-tmp"
+    own_tmp.mkdir()
+    r = forked.run(argv, env={**os.environ, "TMPDIR": str(own_tmp), "RESHARD_FAULT_KILL_AT": f"upload {last}"})
     assert r.returncode == -9, r.stderr
-    for p in {p for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith("reshard-remote-")} - before:
-        shutil.rmtree(p)  # the staged source: no cleanup runs on SIGKILL
+    assert [p.name[:15] for p in own_tmp.iterdir()] == ["reshard-remote-"]  # the staged source, left by the kill
+    shutil.rmtree(own_tmp)
     assert (stage_folder(dst) / "out" / ".metadata").is_file()  # the committed local output waits
     keys = s3.keys("out/killed")
     assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
