@@ -27,21 +27,25 @@ def export(src: Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str
 
     ``profile``: the profile file (``--profile``), else ``reshard.toml`` found in the working
     directory or beside the checkpoint unless ``no_profile``: with ``--format hf`` its model
-    values fill what ``model_config`` does not give, and the report names it.
+    values fill what ``model_config`` does not give, its ``tie`` pairs are written once (any
+    format; checked bitwise equal, refused when they differ), and the report names it.
     """
     values = parse_values(model_config)
     record = None
+    ties: list[list[str]] = []
     found = find_profile(src, profile, enabled=not no_profile)
     if found is not None:
         prof = load_profile(found)
         used = sorted(k for k in prof.model_config if k not in values) if fmt == "hf" else []
         values.update({k: prof.model_config[k] for k in used})
-        record = {"file": prof.file, "sha256": prof.sha256, "contributed": [f"model_config.{k}" for k in used]}
+        ties = [list(t) for t in prof.ties]
+        record = {"file": prof.file, "sha256": prof.sha256,
+                  "contributed": [f"model_config.{k}" for k in used] + (["tie"] if ties else [])}
 
     def run(local: Path) -> dict[str, Any]:
         return run_export(src, local, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
                           rename=rename, overwrite=overwrite and local == dst, model_config=values or None,
-                          profile=record, progress=progress, force=force)
+                          profile=record, progress=progress, force=force, ties=ties or None)
 
     if isinstance(dst, str):  # s3://bucket/prefix: made locally, then uploaded (`reshard.engine.publishing`)
         return export_into_store(dst, run, overwrite=overwrite, progress=progress)

@@ -55,7 +55,7 @@ from reshard.engine.space import keep_remote_reads, preflight, space_errors
 from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, ExportPlan, RenameRules, assign_shards,
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
-                                     hf_plan, plan_export)
+                                     hf_plan, plan_export, source_report, tied_groups)
 from reshard.storage import remote
 from reshard.render.redaction import redact
 from reshard.storage.safetensors_format import header_shape
@@ -111,14 +111,18 @@ def _write_torch_shard(ix, path: Path, shard: list[ExportItem], progress: Any) -
 def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
            overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None,
-           profile: dict[str, Any] | None = None, force: bool = False) -> dict[str, Any]:
+           profile: dict[str, Any] | None = None, force: bool = False,
+           ties: list[list[str]] | None = None) -> dict[str, Any]:
     """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report.
 
     ``fmt="hf"``: safetensors under the Hugging Face names of the model family's mapping
     (``formats/hf/<family>.toml``, strict), the weights transformed as it declares, and a
     ``config.json`` from the checkpoint's shapes plus ``model_config`` (``--model-config``) and the
     manifest's ``model.config`` for what the shapes cannot tell (asked for once when missing).
-       ``profile``: the record of the profile that contributed values (file, sha256, what), kept in the report.
+    ``profile``: the record of the profile that contributed values (file, sha256, what), kept in the report.
+    ``ties``: parameter names that are one tensor (the profile's ``tie``), checked bitwise equal and
+    written once, like the manifest's ``model.tied`` and the ties `reshard inspect` proves, which
+    are always used (`reshard.planning.export.plan_export`); recorded as ``ties_given``.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by the exported bytes.
     ``force``: go ahead when the destination lacks the space for the output, whose size is
@@ -157,15 +161,21 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     m = read_manifest(src)
     mdict = m.to_dict() if m is not None else {}
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
+    inspected = source_report(src)  # the step, lineage and the ties inspect proves (equal bytes, known pairs)
+    given = [list(t) for t in ties or []]
     plan = plan_export(ix, cls, mdict, only=only, dtype=out_dtype, rules=rules,
-                       fmt="torch" if fmt == "torch" else "safetensors")  # a dtype the format cannot store: refused here
+                       fmt="torch" if fmt == "torch" else "safetensors",  # a dtype the format cannot store: refused here
+                       found=tied_groups(inspected), given=given,
+                       given_where=f"the profile {profile['file']}" if profile and profile.get("file") else "the profile")
     if not plan.items:
         raise BadInput("the checkpoint holds no parameters to export", where=str(src))
     hf = hf_plan(src, ix, cls, mdict, plan, model_config or {}, out_dtype) if fmt == "hf" else None
     ext = "pt" if fmt == "torch" else "safetensors"
     shards = assign_shards(plan.items, max_shard, ext)
     ess = export_essentials(src, mdict, cls.convention.name, dtype=out_dtype, only=only, rules=rules, tied=plan.tied, fmt=fmt)
-    ess.update(export_identity(src, mdict))
+    if given:
+        ess["ties_given"] = given  # an option, as --dtype: verify re-derives the export with it
+    ess.update(export_identity(src, mdict, inspected))
     if hf is not None:
         ess.update(hf_mapping=hf.mapping.describe(), hf_values=hf.values)
     total = sum(it.nbytes for it in plan.items)

@@ -15,8 +15,11 @@ Parameters: their FQN (no ``model.`` checkpoint prefix), after the optional rena
 (param groups, scheduler, counters, RNG, data position) is not exported and is listed in
 ``export-report.json`` with the reason.
 
-Tied weights (the manifest's ``model.tied``, or a pair from ``formats/models/ties.toml``
-whose copies are bitwise equal) are written once. ``dtype`` casts floating-point
+Tied weights are written once: the manifest's ``model.tied``, the profile's ``tie`` (both
+checked bitwise equal), the ties `reshard inspect` proves (``found``: its ``optimizer.tied``
+records whose copies are bitwise equal, among them a parameter without moments equal to one
+with them, whatever its names; `tied_groups`), and the pairs of ``formats/models/ties.toml``
+whose copies are bitwise equal. ``dtype`` casts floating-point
 parameters and moments only (step counters keep their dtype, and so does float4_e2m1fn_x2,
 which has no conversion). Every dtype a checkpoint holds is exported as stored: safetensors
 names float8 (``F8_E4M3``, ``F8_E5M2``, the ``FNUZ`` variants, ``F8_E8M0``), ``F4`` (two
@@ -29,7 +32,8 @@ plain string, `header_metadata`) holds: ``format`` = ``"pt"`` (transformers requ
 ``reshard_export`` (format version), ``experiment_id``, ``step``, ``tokens_seen``, ``topology``,
 ``source``, ``source_convention``, ``model_family``, ``dtype``, ``only``, ``rename``, ``tied`` (JSON
 list of groups of exported names: the first is stored, the others are copies of it and not
-stored) and ``export_map`` (JSON ``{exported name: source DCP key}`` for that shard's
+stored), ``ties_given`` (only when the profile named ties: its groups, source names; an option
+``verify`` re-derives the export with, checked against the source's bytes again) and ``export_map`` (JSON ``{exported name: source DCP key}`` for that shard's
 tensors), which `reshard.storage.safetensors_format` uses to map names back for ``verify`` and
 ``import``.
 
@@ -46,7 +50,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
@@ -207,6 +211,7 @@ class ExportPlan:
     keys: list[dict[str, Any]] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)   # exported names, first stored
     tied_fqns: list[list[str]] = field(default_factory=list)
+    tied_by: list[str] = field(default_factory=list)      # per group: manifest, given, inspect or known pair
     copies: dict[str, tuple[str, str]] = field(default_factory=dict)  # copy name -> (source key, stored name)
     warnings: list[str] = field(default_factory=list)
 
@@ -243,10 +248,27 @@ def unstorable(items: list[ExportItem], fmt: str, *, where: str | None = None) -
                          + "; nothing was written.")
 
 
+def tied_groups(report: dict[str, Any] | None) -> list[list[str]]:
+    """The tied groups an inspection report proves: its ``optimizer.tied`` records whose saved copies
+    were compared bitwise equal (``equal`` true), whatever their source (manifest, ``--tie``, a known
+    pair, or equal bytes: a parameter without moments equal to one with them, under any names)."""
+    records = ((report or {}).get("optimizer") or {}).get("tied") or []
+    return [list(r["names"]) for r in records
+            if isinstance(r, dict) and r.get("equal") is True and isinstance(r.get("names"), list)
+            and len(r["names"]) >= 2 and all(isinstance(n, str) for n in r["names"])]
+
+
 def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | None,
-                rules: RenameRules | None, fmt: str = "safetensors") -> ExportPlan:
+                rules: RenameRules | None, fmt: str = "safetensors", found: Sequence[Sequence[str]] = (),
+                given: Sequence[Sequence[str]] = (), given_where: str | None = None) -> ExportPlan:
     """What an export of ``ix`` writes (see the module docstring); ``fmt``'s dtypes are checked
-    (`unstorable`: a dtype safetensors has no name for is refused, every such key named)."""
+    (`unstorable`: a dtype safetensors has no name for is refused, every such key named).
+
+    ``found``: the tied groups `reshard inspect` proved on this source (`tied_groups` of its report;
+    their copies were compared there, so they are not read again). ``given``: the ties the user
+    states (the profile's ``tie``, ``given_where`` naming it), checked here: copies that differ are
+    refused, since the export would write one tensor where the source holds two.
+    """
     from reshard.semantics.conventions import known_tied_pairs
     from reshard.storage.index import bitwise_equal
 
@@ -254,20 +276,32 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
     roles = cls.roles
     params = {r.param: k for k, r in roles.items() if r.role == "parameter" and r.param and ix.entries[k].is_tensor}
 
-    # tied groups: the manifest's (authoritative) and known pairs whose copies are bitwise equal
+    # tied groups, in order: the manifest's (authoritative), the user's, inspect's proofs, known pairs;
+    # a group whose saved members an earlier one already ties is not looked at again
     copy_of: dict[str, str] = {}  # fqn -> fqn stored instead
     declared = [list(g) for g in ((mdict.get("model") or {}).get("tied") or [])]
-    groups = [(g, "manifest") for g in declared]
-    for a, b in known_tied_pairs():
-        if not any(a in g and b in g for g in declared):
-            groups.append(([a, b], "known pair"))
+    groups: list[tuple[list[str], str]] = [(g, "manifest") for g in declared]
+    groups += [(list(g), "given") for g in given  # a header's ties_given is input: only lists of names count
+               if isinstance(g, (list, tuple)) and all(isinstance(n, str) for n in g)]
+    groups += [(list(g), "inspect") for g in found]
+    groups += [([a, b], "known pair") for a, b in known_tied_pairs()]
     for g, source in groups:
-        present = [n for n in g if n in params]
-        if len(present) < 2:
-            continue
-        first = present[0]
-        same = [n for n in present[1:] if bitwise_equal(ix, params[first], params[n])]
-        if source == "manifest" and len(same) != len(present) - 1:
+        present = list(dict.fromkeys(n for n in g if n in params))
+        if source == "given" and len(present) < 2:
+            p.warnings.append(f"the tie {' = '.join(g)} of {given_where or 'the profile'} names "
+                              + ("one saved parameter: nothing to write once" if present else "no saved parameter"))
+        if len(present) < 2 or any(n in t for n in present for t in p.tied_fqns):
+            continue  # nothing to tie, or an earlier group already ties one of them
+        first, rest = present[0], present[1:]
+        same = rest if source == "inspect" else [n for n in rest if bitwise_equal(ix, params[first], params[n])]
+        if source == "given" and len(same) != len(rest):
+            differ = [n for n in rest if n not in same]
+            raise BadInput(f"the tie {' = '.join(present)} of {given_where or 'the profile'} is not one tensor: "
+                           f"'{params[first]}' and '{params[differ[0]]}' differ",
+                           where=str(ix.root), keys=[params[first], *(params[n] for n in differ)],
+                           hint=f"Drop this tie from {given_where or 'the profile'}: the source saves these "
+                                "parameters as two different tensors.")
+        if source == "manifest" and len(same) != len(rest):
             p.warnings.append(f"tied copies {present} are declared in the manifest but differ: all exported")
             continue
         if not same:
@@ -275,6 +309,7 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
         for n in same:
             copy_of[n] = first
         p.tied_fqns.append([first, *same])
+        p.tied_by.append(source)
 
     unrenamed: list[str] = []
 
@@ -293,8 +328,7 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
         elif r.role == "parameter" and r.param:
             if r.param in copy_of:
                 p.copies[rename(r.param)] = (key, rename(copy_of[r.param]))
-                rec.update(action="tied_copy", name=rename(r.param),
-                           reason=f"tied copy of '{copy_of[r.param]}' (bitwise equal): written once, under '{rename(copy_of[r.param])}'")
+                rec.update(action="tied_copy", name=rename(r.param), reason=_copy_reason(copy_of[r.param], rename))
             else:
                 name = rename(r.param)
         elif r.role in ("optimizer_moment", "optimizer_step") and r.param:
@@ -328,15 +362,66 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
     return p
 
 
-def key_actions(ix, cls, mdict: dict[str, Any], *, only: str) -> list[dict[str, Any]]:
+def _copy_reason(stored: str, rename: Any = str) -> str:
+    """What the report says of a tied copy: written once, under the stored member's exported name."""
+    return f"tied copy of '{stored}' (bitwise equal): written once, under '{rename(stored)}'"
+
+
+def _store_instead(plan: ExportPlan, params: dict[str, str], k: int, keep: str) -> None:
+    """Tied group ``k`` stored under its member ``keep`` instead of its first, in place (no rename rules).
+
+    The members' bytes are equal, so which source key feeds the stored tensor changes nothing in
+    its value; it decides the name, which matters where the target class stores one name of the
+    pair and makes the other from it (transformers' ``tie_word_embeddings`` keeps the input
+    embedding and points ``lm_head`` at it).
+    """
+    group = plan.tied_fqns[k]
+    old = group[0]
+    for it in plan.items:
+        if it.key == params[old]:
+            it.key = params[keep]
+    for n in group:
+        plan.copies.pop(n, None)
+        if n != keep:
+            plan.copies[n] = (params[n], keep)
+    recs = {rec["key"]: i for i, rec in enumerate(plan.keys)}
+    was = plan.keys[recs[params[old]]]
+    plan.keys[recs[params[keep]]] = {**was, "key": params[keep], "role": plan.keys[recs[params[keep]]]["role"]}
+    plan.keys[recs[params[old]]] = {"key": params[old], "role": was["role"], "action": "tied_copy", "name": old,
+                                    "reason": _copy_reason(keep)}
+    for n in group[1:]:
+        if n != keep:
+            plan.keys[recs[params[n]]]["reason"] = _copy_reason(keep)
+    plan.tied_fqns[k] = [keep, *(n for n in group if n != keep)]
+
+
+def _untie(plan: ExportPlan, params: dict[str, str], k: int) -> None:
+    """Tied group ``k`` written as separate tensors after all, in place (no rename rules): each copy
+    becomes an exported item like the stored member (same shape and dtype: their bytes are equal)."""
+    group = plan.tied_fqns.pop(k)
+    plan.tied_by.pop(k)
+    stored = next(it for it in plan.items if it.key == params[group[0]])
+    recs = {rec["key"]: i for i, rec in enumerate(plan.keys)}
+    was = plan.keys[recs[params[group[0]]]]
+    for n in group[1:]:
+        plan.copies.pop(n, None)
+        plan.items.append(ExportItem(params[n], n, stored.role, stored.shape, stored.src_dtype, stored.dtype))
+        plan.keys[recs[params[n]]] = {**was, "key": params[n], "role": plan.keys[recs[params[n]]]["role"], "name": n}
+
+
+def key_actions(ix, cls, mdict: dict[str, Any], *, only: str, found: Sequence[Sequence[str]] = (),
+                given: Sequence[Sequence[str]] = ()) -> list[dict[str, Any]]:
     """What `export` does with every source key (``exported``, ``tied_copy`` or ``dropped``, with
     the reason), exactly as ``export-report.json`` lists them, computed from the source itself.
 
     Public for `reshard verify DCP EXPORT`, which re-derives what an export of the source
     leaves out instead of believing the report the export carries. Names and dtypes do not
-    change what is left out, so no rename rules or cast are taken.
+    change what is left out, so no rename rules or cast are taken; the ties are the export's:
+    ``found`` those inspect proves on the source (`tied_groups`), ``given`` the ones the export
+    records as given (``ties_given``), checked against the source again.
     """
-    return plan_export(ix, cls, mdict, only=only, dtype=None, rules=None, fmt="torch").keys  # every dtype: what is left out
+    return plan_export(ix, cls, mdict, only=only, dtype=None, rules=None, fmt="torch", found=found,
+                       given=given, given_where="the export's recorded ties_given").keys  # every dtype: what is left out
 
 
 def assign_shards(items: list[ExportItem], max_shard_size: int, ext: str) -> list[list[ExportItem]]:
@@ -399,18 +484,27 @@ def header_metadata(ess: dict[str, Any], shard: list[ExportItem], copies: dict[s
     return meta
 
 
-def export_identity(src: Path, mdict: dict[str, Any]) -> dict[str, Any]:
-    """Step and lineage as `reshard inspect` finds them (a checkpoint without a manifest still has a step).
-
-    The step comes from inspect's rules (manifest, counter or optimizer step counters), so an
-    export of a torchtitan checkpoint records ``train_state.step`` instead of null.
-    """
+def source_report(src: Path) -> dict[str, Any]:
+    """`reshard inspect`'s report of ``src`` as found (empty when it cannot describe it): the step,
+    lineage and proven ties an export takes from it, so that the export and ``verify`` agree with inspect."""
     from reshard.planning.describe import inspect_checkpoint
     from reshard.errors import ReshardError
 
     try:
-        r = inspect_checkpoint(src).report
+        return inspect_checkpoint(src).report
     except ReshardError:
+        return {}
+
+
+def export_identity(src: Path, mdict: dict[str, Any], report: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Step and lineage as `reshard inspect` finds them (a checkpoint without a manifest still has a step).
+
+    The step comes from inspect's rules (manifest, counter or optimizer step counters), so an
+    export of a torchtitan checkpoint records ``train_state.step`` instead of null. ``report``:
+    `source_report` of ``src`` when the caller has it (else it is made here).
+    """
+    r = source_report(src) if report is None else report
+    if not r:
         return {"step_source": None, "lineage": mdict.get("lineage") or []}
     out: dict[str, Any] = {"step": r.get("step"), "step_source": r.get("step_source"),
                            "lineage": r.get("lineage") or mdict.get("lineage") or []}
@@ -481,11 +575,19 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: ExportPlan, model_c
         origin.setdefault(k, "checkpoint shapes" if k not in mapping.defaults and k not in mapping.derive
                           else ("default" if k in mapping.defaults else "derived"))
     tied = False
-    for group in plan.tied_fqns:
+    for k in reversed(range(len(plan.tied_fqns))):  # reversed: an untied group leaves the list
+        group = plan.tied_fqns[k]
         names = {mapping.hf_name(f) for f in group}
         if mapping.tie is None or names != set(mapping.tie):
+            if plan.tied_by[k] == "inspect":  # equal bytes no one declared: both written, as the class keeps them
+                _untie(plan, params, k)
+                plan.warnings.append(f"{' and '.join(group)} are bitwise equal (inspect counts them one tensor), but "
+                                     f"{mapping.architecture} cannot tie {sorted(names)}: each is written")
+                continue
             raise BadInput(f"the tied parameters {group} map to {sorted(names)}, which {mapping.architecture} "
                            "cannot tie", where=str(src), hint=f"Declare `tie` in {mapping.source} if the class ties them.")
+        if mapping.hf_name(group[0]) != mapping.tie[0]:  # the class stores tie[0] and makes tie[1] from it
+            _store_instead(plan, params, k, next(f for f in group if mapping.hf_name(f) == mapping.tie[0]))
         tied = True
     seen: dict[str, str] = {}
     transforms: dict[str, str] = {}
@@ -528,8 +630,11 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: ExportPlan, model_c
     plan.copies = {mapping.hf_name(cls.roles[key].param): (key, mapping.hf_name(sname))
                    for key, sname in plan.copies.values()}
     plan.tied = [[mapping.hf_name(f) for f in g] for g in plan.tied_fqns]
+    stored_of = {n: g[0] for g in plan.tied_fqns for n in g[1:]}
     for rec in plan.keys:
         r = cls.roles[rec["key"]]
+        if rec.get("action") == "tied_copy" and r.param in stored_of:
+            rec["reason"] = _copy_reason(stored_of[r.param], mapping.hf_name)
         if rec.get("name") and r.param:
             rec["name"] = mapping.hf_name(r.param)
             if rec["name"] in transforms:

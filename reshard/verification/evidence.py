@@ -343,7 +343,7 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
     semantics ``step`` and ``tokens_seen`` may be unknown on the export side (the format has
     no trainer counters). Nothing else is excused: a value that differs is a difference.
     """
-    from reshard.planning.export import key_actions
+    from reshard.planning.export import key_actions, tied_groups
     from reshard.storage.safetensors_format import ExportIndex
 
     kinds = (isinstance(sa.index, ExportIndex), isinstance(sb.index, ExportIndex))
@@ -362,7 +362,9 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
         return ev, [f"{so.index.path} records --only {short_repr(only)}, which `reshard export` never writes: "
                     "every key it lacks counts as a difference"]
     mdict = si.manifest.to_dict() if si.manifest is not None else {}
-    for rec in key_actions(si.index, si.classification, mdict, only=only):
+    given = so.index.source_essentials().get("ties_given")  # the export's option (a profile's tie), checked again
+    for rec in key_actions(si.index, si.classification, mdict, only=only, found=tied_groups(si.report),
+                           given=given if isinstance(given, list) else []):
         if rec.get("action") in ("dropped", "tied_copy"):
             ev.dropped[rec["key"]] = f"not exported (--only {only}): {rec.get('reason', '')}"
     ev.what += f" (--only {only})"

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Incomplete, Infeasible
-from reshard.planning.export import DTYPES, HF_CONFIG, ExportItem, dtype_arg, hf_plan, plan_export
+from reshard.planning.export import (DTYPES, HF_CONFIG, ExportItem, dtype_arg, hf_plan, plan_export, source_report,
+                                     tied_groups)
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,9 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
                  + ", ".join(f"{k}={v}" for k, v in sorted(asked.items())))
     recorded = ex.source_essentials().get("dtype")
     dtype = dtype_arg(recorded) if isinstance(recorded, str) and recorded.lower() in DTYPES else None
-    plan = plan_export(ix, cls, mdict, only="model", dtype=dtype, rules=None)
+    given = ex.source_essentials().get("ties_given")  # an option of the export (the profile's tie), checked again here
+    plan = plan_export(ix, cls, mdict, only="model", dtype=dtype, rules=None, found=tied_groups(source_report(src)),
+                       given=given if isinstance(given, list) else [], given_where="the export's recorded ties_given")
     hf = hf_plan(src, ix, cls, mdict, plan, asked, dtype)
     for k in sorted(set(hf.config) | set(cfg)):
         if k == "dtype":
@@ -126,7 +129,9 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
         del want, got
     for name in sorted(set(ex.entries) - set(expected)):
         if name in plan.copies:
-            notes.append(f"{name}: a tied copy, stored although the export writes it once")
+            stored_as = ex.stored.get(name, ("", name))[1]  # a copy the header ties reads the stored tensor
+            notes.append(f"{name}: a tied copy of '{plan.copies[name][1]}', "
+                         + ("stored although the export writes it once" if stored_as == name else "not stored (written once)"))
             continue
         diffs.append({"key": name, "kind": "unexpected", "detail": "stored in the export, not an export of any source parameter"})
     return {
