@@ -194,11 +194,14 @@ class TrainState:
 
 
 def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None, seq: int = SEQ, batch: int = BATCH,
-          steps: int = TOTAL_STEPS) -> Job:
+          steps: int = TOTAL_STEPS, model_cfg: Any = None, last_save_model_only: bool = False) -> Job:
     """The job on this process's ranks: torchtitan's llama3 model, ``parallelize_llama`` (FSDP2 at
     dp_shard = world), AdamW, the LR schedule and ``CheckpointManager``. ``loader(dp_rank, dp_world)``
     makes the dataloader (default: `TinyTokens` through ``ParallelAwareDataloader``);
-    tests/writers/torchtitan_data_run.py gives torchtitan's HuggingFaceTextDataLoader."""
+    tests/writers/torchtitan_data_run.py gives torchtitan's HuggingFaceTextDataLoader. ``model_cfg``:
+    another ``Llama3Model.Config`` than `model_config`'s (tests/writers/torchtitan_tied.py's tied one);
+    ``last_save_model_only``: torchtitan's own default (True) for a run's last save, where the writers
+    here otherwise keep the full state."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -219,7 +222,7 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     parallel_dims.build_mesh()
-    cfg = model_config(fuse_qkv)
+    cfg = model_cfg if model_cfg is not None else model_config(fuse_qkv)
     cfg.update_from_config(config=_JobConfig(parallelism))
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -249,7 +252,7 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
                   ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
                                           batch_size=batch))
     train_state = TrainState()
-    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False,
+    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=last_save_model_only,
                                       keep_latest_k=0, exclude_from_loading=list(exclude))
     checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=lr_schedulers, states={"train_state": train_state},

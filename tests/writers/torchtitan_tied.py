@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_hf import model_config as untied_config  # noqa: E402
-from torchtitan_run import SPMD_BACKEND, Job, TinyTokens, TrainState, cpu_mesh, full, train  # noqa: E402
+from torchtitan_run import Job, cpu_mesh, full, train  # noqa: E402
+from torchtitan_run import build as build_job  # noqa: E402
 
 
 def tied_config(m: dict[str, Any]):
@@ -59,60 +59,11 @@ def tied_config(m: dict[str, Any]):
 
 
 def build(dump: Path, m: dict[str, Any], steps: int) -> Job:
-    """torchtitan's job at dp_shard = world: the tied model, parallelize_llama, AdamW, LR schedule, CheckpointManager."""
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3.parallelize import parallelize_llama
-
-    world = dist.get_world_size()
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend=SPMD_BACKEND)
-    training = TrainingConfig(local_batch_size=2, seq_len=16, steps=steps, mixed_precision_param="float32")
-
-    @dataclass
-    class _JobConfig:  # update_from_config reads only `.parallelism` from a non-Trainer config
-        parallelism: ParallelismConfig
-
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    parallel_dims = ParallelDims.from_config(parallelism, world)
-    parallel_dims.build_mesh()
-    cfg = tied_config(m)
-    cfg.update_from_config(config=_JobConfig(parallelism))
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cfg.build()
-    model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                              compile_config=CompileConfig(), ac_config=None, dump_folder=str(dump))
-    for module in model.modules():  # gloo has no PREMUL_SUM (torchtitan_run.py's docstring)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    assert model.tok_embeddings.weight is model.lm_head.weight, "torchtitan did not tie the weights"
-    opt_cfg = default_adamw(lr=8e-4)
-    opt_cfg.implementation = "for-loop"
-    optimizers = opt_cfg.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                                 min_lr_factor=0.0).build(optimizers=optimizers, training_steps=steps)
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
-    dataloader = ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
-                                         batch_size=2)
-    train_state = TrainState()
-    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0)  # default last_save_model_only
-    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                sd_adapter=None, base_folder=str(dump))
-    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
-    return Job(model, optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
-               parallel_dims, context)
+    """torchtitan's job at dp_shard = world (`torchtitan_run.build`) with the tied model and torchtitan's
+    default ``last_save_model_only``."""
+    job = build_job(dump, False, [], model_cfg=tied_config(m), seq=16, batch=2, steps=steps, last_save_model_only=True)
+    assert job.model.tok_embeddings.weight is job.model.lm_head.weight, "torchtitan did not tie the weights"
+    return job
 
 
 def reference(job: Job, m: dict[str, Any], tokens: list[list[int]], ref: Path, step: int) -> None:
