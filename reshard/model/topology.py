@@ -136,6 +136,13 @@ class ChunkEvidence:
     cuts: dict[tuple[int, tuple[int, ...]], tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     writer_ranks: list[int] = field(default_factory=list)
     whole_rows: int = 0  # the most rows of a tensor saved in one piece (not cut along dim 0)
+    # FSDP2's reading of cuts along a dim >= 1 (``shard_placement_fn`` returning ``Shard(d)``): tensors
+    # cut along exactly one dim into ``torch.chunk``'s pieces for one per writer rank, each piece
+    # from its own writer; per cut dim, the count and an example key. ``not_chunked`` is the first
+    # tensor (key) that is not so cut (whole, or cut otherwise): tensor parallelism leaves some whole.
+    chunked_dims: Counter = field(default_factory=Counter)
+    chunked_example: dict[int, str] = field(default_factory=dict)
+    not_chunked: str | None = None
 
     @property
     def collective(self) -> bool:
@@ -179,7 +186,23 @@ def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], np.ndarray, np.nd
         for d in range(1, len(shape)):
             if pieces[d] > 1:
                 ev.tp_cuts[pieces[d]] += 1
+        _note_chunked(ev, key, shape, starts, writers)
     return ev
+
+
+def _note_chunked(ev: ChunkEvidence, key: Any, shape: tuple[int, ...], starts: list[np.ndarray],
+                  writers: np.ndarray) -> None:
+    """Whether one tensor is cut as FSDP2 cuts every parameter: along one dim, at ``torch.chunk``'s starts for
+    one piece per writer rank, each piece written by its own rank (`ChunkEvidence.chunked_dims`)."""
+    world = len(ev.writer_ranks)
+    cut = [d for d in range(len(shape)) if len(starts[d]) > 1]
+    ok = (world > 1 and len(cut) == 1 and (writers >= 0).all() and len(np.unique(writers)) == len(writers)
+          == len(starts[cut[0]]) and chunk_starts(shape[cut[0]], world) == tuple(starts[cut[0]].tolist()))
+    if ok:
+        ev.chunked_dims[cut[0]] += 1
+        ev.chunked_example.setdefault(cut[0], str(key))
+    elif ev.not_chunked is None:
+        ev.not_chunked = str(key)
 
 
 def infer_from(ev: ChunkEvidence) -> Topology:
@@ -208,12 +231,33 @@ def infer_from(ev: ChunkEvidence) -> Topology:
         evidence.append(f"dim-0 pieces per tensor: {dict(sorted(dim0.items()))}")
     if tp_cuts:
         evidence.append(f"tensors cut along dim>=1 into {dict(sorted(tp_cuts.items()))} pieces (tensor parallel)")
+    if tp > 1 and tp == world and ev.not_chunked is None and any(d >= 1 for d in ev.chunked_dims):
+        return _fsdp_or_tp(ev, world, evidence)
     if tp > 1 and world % tp == 0 and shard * tp != world:
         # With 2-D (FSDP x TP) the dim-0 pieces seen on column-parallel weights are dp*tp.
         shard = max(1, world // tp)
     if shard * tp >= world:
         return Topology(dp_shard=shard, tp=tp, source="inferred", evidence=tuple(evidence))
     return _more_writers_than_shards(shard, tp, world, ev, evidence)
+
+
+def _fsdp_or_tp(ev: ChunkEvidence, world: int, evidence: list[str]) -> Topology:
+    """Cuts along a dim >= 1 that FSDP2 with ``shard_placement_fn`` (``Shard(1)``) makes as well as TP: ambiguous.
+
+    Every tensor is cut along one dim into ``torch.chunk``'s pieces for one per writer, each from
+    its own rank: FSDP2 cuts every parameter of a group so (``Shard(d)`` per parameter), while a
+    tensor-parallel plan cuts only the parameters it names and leaves norms and row-parallel
+    biases whole. So FSDP (``dp_shard = world``) is the reading the evidence supports and comes
+    first; TP stays a candidate (a plan that names every parameter cuts them all too).
+    """
+    dims = ", ".join(f"{n} along dim {d} (e.g. '{ev.chunked_example[d]}')" for d, n in sorted(ev.chunked_dims.items()))
+    evidence.append(f"every one of {sum(ev.chunked_dims.values())} tensors is cut along one dim into torch.chunk's "
+                    f"pieces for {world} ranks, one piece per writer: {dims}. FSDP2 with shard_placement_fn "
+                    f"(Shard(1)) cuts every parameter so; tensor parallelism cuts only the parameters its plan names "
+                    f"and leaves the rest whole, and none is whole here")
+    fsdp, tp = Topology(dp_shard=world), Topology(tp=world)
+    return Topology(dp_shard=world, source="inferred", evidence=tuple(evidence),
+                    alternatives=(fsdp.spec(), tp.spec()))
 
 
 def _every_writer_a_shard(ev: ChunkEvidence, tp: int, world: int) -> bool:

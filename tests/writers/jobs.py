@@ -23,6 +23,26 @@ import torch.distributed as dist
 Job = Callable[[int, dict[str, Any]], Any]
 
 
+def save_state(model: torch.nn.Module, optim: Any, where: str) -> None:
+    """torch's own recipe: ``get_state_dict`` of the model and its optimizer(s), ``dcp.save`` under ``model``/``optim``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+
+
+def load_state(model: torch.nn.Module, optim: Any, where: str) -> None:
+    """The recipe's load: ``dcp.load`` into this layout's state dict, then a strict ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=where)
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
 def run_job(rank: int, job: dict[str, Any], fn: Job) -> None:
     """One job on this rank: rank 0 ``torch.save``s its result, a failing rank its traceback beside it."""
     world = job["world"]

@@ -109,6 +109,15 @@ def sharded_state(model: torch.nn.Module, opt: torch.optim.Adam) -> dict:
     return {"model": model_sd, "optimizer": osd, "iteration": STEPS, "checkpoint_version": 3.0}
 
 
+def model_tensors_only(sd: dict) -> dict:
+    """``--model-only``: the model's ShardedTensors alone (no optimizer, no ``_extra_state`` ShardedObjects), as a
+    weights-only save of Megatron's state leaves it: the Megatron key names with nothing else to recognise them by."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {"model": {k: v for k, v in sd["model"].items() if isinstance(v, ShardedTensor)},
+            "iteration": sd["iteration"], "checkpoint_version": sd["checkpoint_version"]}
+
+
 def flat_sharded(sd: dict, prefix: str = "") -> dict:
     """Every ShardedTensor in a (nested) sharded state dict, by its path."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -124,13 +133,15 @@ def flat_sharded(sd: dict, prefix: str = "") -> dict:
     return out
 
 
-def save(ckpt: Path, ref: Path, tp: int) -> None:
+def save(ckpt: Path, ref: Path, tp: int, model_only: bool = False) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     model = build(tp)
     opt = optimizer_for(model, steps=STEPS)
     sd = sharded_state(model, opt)
+    if model_only:
+        sd = model_tensors_only(sd)
     rank = dist.get_rank()
     ref.mkdir(parents=True, exist_ok=True)
     pieces = {path: dict(key=t.key, global_shape=tuple(t.global_shape), box=t.global_slice(),
@@ -153,7 +164,7 @@ def global_reference(ref: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load(ckpt: Path, ref: Path, tp: int) -> None:
+def load(ckpt: Path, ref: Path, tp: int, model_only: bool = False) -> None:
     from megatron.core import dist_checkpointing
 
     model = build(tp)
@@ -161,6 +172,8 @@ def load(ckpt: Path, ref: Path, tp: int) -> None:
         p.data.fill_(float("nan"))
     opt = optimizer_for(model, steps=1)  # moments exist (shape only); their values are overwritten by the load
     sd = sharded_state(model, opt)
+    if model_only:
+        sd = model_tensors_only(sd)
     expect = flat_sharded(sd)
     loaded = dist_checkpointing.load(sd, str(ckpt))
     got = flat_sharded_plain(loaded, expect)
@@ -175,7 +188,7 @@ def load(ckpt: Path, ref: Path, tp: int) -> None:
     if loaded.get("iteration") != STEPS:  # common.pt, read by Megatron's common strategy
         bad.append(f"iteration={loaded.get('iteration')!r}")
     common_step = loaded.get("optimizer", {}).get("state", {}).get("common_step")
-    if not (isinstance(common_step, torch.Tensor) and common_step.item() == float(STEPS)):
+    if not model_only and not (isinstance(common_step, torch.Tensor) and common_step.item() == float(STEPS)):
         bad.append(f"optimizer.state.common_step={common_step!r}")
     if bad:
         print(f"rank {dist.get_rank()}: DIFFERENT {bad}", flush=True)
@@ -194,7 +207,8 @@ def flat_sharded_plain(loaded: dict, like: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_rank(rank: int, world: int, port: int, mode: str, ckpt: Path, ref: Path, tp: int) -> None:
+def run_rank(rank: int, world: int, port: int, mode: str, ckpt: Path, ref: Path, tp: int,
+             model_only: bool = False) -> None:
     """One rank: the process group over gloo, the CPU shims, then Megatron's save or load."""
     if world:  # started by --nproc (forked): torchrun's environment, set by hand
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -202,7 +216,7 @@ def run_rank(rank: int, world: int, port: int, mode: str, ckpt: Path, ref: Path,
     dist.init_process_group("gloo")
     cpu_shims()
     try:
-        (save if mode == "save" else load)(ckpt, ref, tp)
+        (save if mode == "save" else load)(ckpt, ref, tp, model_only)
     finally:
         dist.destroy_process_group()
 
@@ -221,9 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("ref", type=Path)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--nproc", type=int, default=0, help="fork this many ranks (default: run under torchrun)")
+    ap.add_argument("--model-only", action="store_true", help="save/load the model's ShardedTensors only")
     a = ap.parse_args(argv)
     if not a.nproc:
-        run_rank(0, 0, 0, a.mode, a.ckpt, a.ref, a.tp)
+        run_rank(0, 0, 0, a.mode, a.ckpt, a.ref, a.tp, a.model_only)
         return
     import socket
 
@@ -235,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=run_rank, args=(r, a.nproc, port, a.mode, a.ckpt, a.ref, a.tp)) for r in range(a.nproc)]
+    procs = [ctx.Process(target=run_rank, args=(r, a.nproc, port, a.mode, a.ckpt, a.ref, a.tp, a.model_only)) for r in range(a.nproc)]
     for p in procs:
         p.start()
     for p in procs:
