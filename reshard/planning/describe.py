@@ -17,7 +17,7 @@ import numpy as np
 from reshard.gc_pause import paused_gc
 from reshard.render.report import moment_sets_text
 from reshard.model import topology as topo_mod
-from reshard.semantics import megatron
+from reshard.semantics import megatron, pipeline
 from reshard.semantics.conventions import Classification, Convention, KeyRole, classify, known_tied_pairs, reshard_key
 from reshard.semantics.trainer_config import step_from_folder
 from reshard.errors import BadInput, ReshardError
@@ -237,7 +237,7 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
     elif recorded is not None:
         topo = recorded
     else:
-        topo = topo_mod.infer_from(_chunk_evidence(ix, keys))
+        topo = _pipeline_or(topo_mod.infer_from(_chunk_evidence(ix, keys)), ix, cls)
         if not cls.convention.stores_replicas:
             topo = topo_mod.replicas_not_stored(topo, cls.convention.name)
         if topo.ambiguous:
@@ -248,6 +248,32 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
     if writers and max(writers) >= topo.world_size and topo.source == "manifest":
         findings.append(Finding("inconsistent", "topology_mismatch",
                                 f"data files were written by rank {max(writers)} but the {topo.source} topology has world size {topo.world_size}"))
+    return topo
+
+
+def _pipeline_or(topo: topo_mod.Topology, ix: Any, cls: Classification) -> topo_mod.Topology:
+    """An inferred layout whose extra writers may be replicas or pipeline stages, read as stages where
+    the parameters' and moments' writers show them (`reshard.semantics.pipeline`), else unchanged."""
+    candidates = [topo_mod.parse_spec(a) for a in topo.alternatives if a.startswith("pp=")]
+    if topo.dp_replicate > 1 and topo.cp == topo.pp == 1:
+        candidates.insert(0, topo_mod.Topology(pp=topo.dp_replicate, dp_shard=topo.dp_shard, tp=topo.tp))
+    writer_of = getattr(ix, "writer_of", None)
+    if not candidates or writer_of is None:
+        return topo
+    writers_of: dict[tuple[str, str], set[int]] = {}
+    for key, role in cls.roles.items():
+        if role.param and role.role in ("parameter", "optimizer_moment") and ix.entries[key].is_tensor:
+            e = ix.entries[key]
+            t = ChunkTable.of(e.chunks, len(e.shape))
+            files = [t.files[i] if 0 <= i < len(t.files) else None for i in np.unique(t.file).tolist()]
+            ranks = {w if f is not None and (w := writer_of(f)) is not None else -1 for f in files}
+            writers_of.setdefault((role.role, role.param), set()).update(ranks)
+    params = {name: w for (r, name), w in writers_of.items() if r == "parameter"}
+    moments = {name: w for (r, name), w in writers_of.items() if r == "optimizer_moment"}
+    for cand in candidates:
+        reading = pipeline.read_stages(params, moments, world=cand.world_size, ranks_per_stage=cand.world_size // cand.pp)
+        if reading is not None:
+            return pipeline.as_topology(reading, topo)
     return topo
 
 

@@ -109,11 +109,21 @@ def source_index(plan: Plan, src: str | Path, *, trust_pickle: bool | None = Non
 
 
 def source_inspection(plan: Plan, src: str | Path, *, trust_pickle: bool) -> Inspection | None:
-    """This run's inspection of the source, when a comparison may take it as its own (`source_index`,
-    and described from the checkpoint alone: `Inspection.as_found`), else None."""
-    if source_index(plan, src, trust_pickle=trust_pickle) is None or not plan.inspection.as_found:
+    """This run's inspection of the source, when a comparison may take it as its own (`source_index`),
+    else None: described from the checkpoint alone (`Inspection.as_found`), or with only the source
+    layout stated (``--from``, a profile's ``from`` or a trainer config's degrees).
+
+    The layout is what the plan was made with: a comparison that inferred the source's layout again
+    would judge the per-rank state against another layout than the plan's (a pipeline stage read as
+    a replica expects a data-loader state per stage). User conventions and ties classify keys
+    differently from a fresh inspection of the output, so with them the source is inspected again.
+    """
+    if source_index(plan, src, trust_pickle=trust_pickle) is None:
         return None
-    return plan.inspection
+    ins = plan.inspection
+    if ins.as_found or not (plan.options.conventions or plan.options.ties):
+        return ins
+    return None
 
 
 def _with_user_ties(mdict: dict[str, Any], ties: list[list[str]] | None) -> dict[str, Any]:

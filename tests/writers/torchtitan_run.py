@@ -13,6 +13,20 @@ torchtitan dominate, so one launch serves several jobs):
         model, optimizer, lr_scheduler and train_state value bitwise with REF; RESULT (JSON) lists
         per job: loaded, torchtitan's error if its load raised, the differences.
 
+Optional ``"pp": P`` in a write or load job (default 1, what every other test uses): the job is
+torchtitan's pipeline-parallel one, ``ParallelDims(pp=P, dp_shard=world // P)``, the model split
+by torchtitan 0.3.0's own ``pipeline_llm`` (``pipeline_parallel_schedule = "1F1B"``, micro-batch
+1 of a local batch 2, each stage then ``parallelize_llama``'d) and trained through the schedule
+with torchtitan's ``CrossEntropyLoss`` divided by the global valid tokens, as
+``Trainer.pp_forward_backward_step`` does (one substitution: torchtitan 0.3.0 hands the schedule the
+micro-batch lists as ``step(arg_mbs=..., target_mbs=...)``, which torch 2.13's ``step`` does not take;
+it gets the whole batch, which it splits into the same micro-batches). ``CheckpointManager`` gets the stages as
+``model_parts`` (``ModelWrapper`` merges their state dicts; ``OptimizersContainer`` flattens the
+optimizers' by parameter name), so each stage writes its own keys. The reference is then the
+union of every rank's full values, and each rank's loader state is also kept by dp rank
+(``dataloader_dp_rank_<k>.pt``: the PP stages of one dp rank read the same batches), which a
+``"pp"`` load job compares against.
+
 What is torchtitan's own code here (the trainer's build order, torchtitan/trainer.py):
 ``Llama3Model.Config`` (with ``Llama3TransformerBlock.Config``, ``make_gqa_config``,
 ``make_ffn_config`` as ``models/llama3/__init__.py`` uses them) built on the meta device,
@@ -176,6 +190,10 @@ class Job:
     dp_world: int
     parallel_dims: Any
     train_context: Any
+    pp_schedule: Any = None
+    pp_first: bool = True
+    pp_last: bool = True
+    model_parts: list[nn.Module] | None = None
 
 
 class TrainState:
@@ -194,7 +212,7 @@ class TrainState:
 
 
 def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None, seq: int = SEQ, batch: int = BATCH,
-          steps: int = TOTAL_STEPS, model_cfg: Any = None, last_save_model_only: bool = False) -> Job:
+          steps: int = TOTAL_STEPS, model_cfg: Any = None, last_save_model_only: bool = False, pp: int = 1) -> Job:
     """The job on this process's ranks: torchtitan's llama3 model, ``parallelize_llama`` (FSDP2 at
     dp_shard = world), AdamW, the LR schedule and ``CheckpointManager``. ``loader(dp_rank, dp_world)``
     makes the dataloader (default: `TinyTokens` through ``ParallelAwareDataloader``);
@@ -210,6 +228,8 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     world = dist.get_world_size()
+    if pp > 1:
+        return build_pp(dump, fuse_qkv, exclude, pp=pp, seq=seq, batch=batch, steps=steps)
     parallelism = ParallelismConfig(data_parallel_shard_degree=world, spmd_backend=SPMD_BACKEND)
     training = TrainingConfig(local_batch_size=batch, seq_len=seq, steps=steps, mixed_precision_param="float32")
 
@@ -262,8 +282,107 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
                parallel_dims, context)
 
 
+def build_pp(dump: Path, fuse_qkv: bool, exclude: list[str], *, pp: int, seq: int, batch: int, steps: int) -> Job:
+    """The pipeline-parallel job as torchtitan's Trainer builds it (trainer.py, ``parallel_dims.pp_enabled``):
+    the whole model on the meta device, ``pipeline_llm`` (its 1F1B schedule and stage split), each
+    model part ``to_empty`` + ``init_weights``, the optimizer and checkpointer over ``model_parts``,
+    the dataloader at the micro-batch size."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    world = dist.get_world_size()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // pp, pipeline_parallel_degree=pp,
+                                    pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=1,
+                                    spmd_backend=SPMD_BACKEND)
+    training = TrainingConfig(local_batch_size=batch, seq_len=seq, steps=steps, mixed_precision_param="float32")
+
+    @dataclass
+    class _JobConfig:
+        parallelism: ParallelismConfig
+
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    cfg = model_config(fuse_qkv)
+    cfg.update_from_config(config=_JobConfig(parallelism))
+    loss_fn = CrossEntropyLoss.Config().build(compile_config=CompileConfig())
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = cfg.build()
+    schedule, parts, first, last = pipeline_llm(
+        model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+        compile_config=CompileConfig(), ac_config=None, dump_folder=str(dump), device=torch.device("cpu"),
+        model_config=cfg, parallelize_fn=parallelize_llama, loss_fn=loss_fn)
+    del model
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(0)
+    for part in parts:
+        for module in part.modules():  # gloo has no PREMUL_SUM (see the docstring)
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+    opt_cfg = default_adamw(lr=8e-4)
+    opt_cfg.implementation = "for-loop"
+    optimizers = opt_cfg.build(model_parts=parts)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                                 min_lr_factor=0.0).build(optimizers=optimizers,
+                                                                          training_steps=steps)
+    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
+    dataloader = ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
+                                         batch_size=parallelism.pipeline_parallel_microbatch_size)
+    train_state = TrainState()
+    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False,
+                                      keep_latest_k=0, exclude_from_loading=list(exclude))
+    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=parts, optimizers=optimizers,
+                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
+                                sd_adapter=None, base_folder=str(dump))
+    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
+    return Job(parts[0], optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
+               parallel_dims, context, pp_schedule=schedule, pp_first=first, pp_last=last, model_parts=parts)
+
+
+def train_pp(job: Job, steps: int, batch: int = BATCH) -> None:
+    """torchtitan's ``train_step`` + ``pp_forward_backward_step``: ``batch`` micro-batches fetched on every
+    rank, the schedule stepped with the first stage's inputs and the last stage's targets, the loss
+    normalised by the global valid tokens, then optimizers.step and lr_schedulers.step."""
+    it = iter(job.dataloader)
+    for _ in range(steps):
+        job.train_state.step += 1
+        job.optimizers.zero_grad()
+        mbs = [next(it) for _ in range(batch)]
+        labels = [lab for _, lab in mbs]
+        tokens = torch.tensor(sum(int(lab.numel()) for lab in labels), dtype=torch.int64)
+        if job.dp_world > 1:
+            dist.all_reduce(tokens, group=job.parallel_dims.get_mesh("batch").get_group())
+        # torchtitan 0.3.0 passes the micro-batches as ``arg_mbs=``/``target_mbs=``, arguments of a newer
+        # torch's ``step``; torch 2.13's ``step`` takes the whole batch and splits it into the same
+        # micro-batches (one sample each, in order) before the same ``_step_microbatches``.
+        inputs = torch.cat([d["input"] for d, _ in mbs])
+        with job.train_context():
+            job.pp_schedule.step(*((inputs,) if job.pp_first else ()), target=torch.cat(labels) if job.pp_last else None,
+                                 losses=[] if job.pp_last else None, loss_kwargs={"global_valid_tokens": tokens},
+                                 return_outputs=False)
+        job.train_state.ntokens_seen += sum(int(lab.numel()) for lab in labels)
+        job.optimizers.step()
+        job.lr_schedulers.step()
+
+
 def train(job: Job, steps: int) -> None:
     """torchtitan's train_step, reduced to its state-changing calls: fwd/bwd, optimizers.step, lr_schedulers.step."""
+    if job.pp_schedule is not None:
+        return train_pp(job, steps)
     it = iter(job.dataloader)
     for _ in range(steps):
         job.train_state.step += 1
@@ -295,14 +414,26 @@ def full(value: Any) -> Any:
     return value
 
 
-def snapshot(job: Job) -> dict[str, Any]:
-    """Everything CheckpointManager saves, as full values (collective: every rank calls it)."""
-    return {
+def snapshot(job: Job, union: bool = False) -> dict[str, Any]:
+    """Everything CheckpointManager saves, as full values (collective: every rank calls it).
+
+    ``union``: the union over every rank (pipeline stages hold disjoint keys), on every rank."""
+    snap = {
         "model": {k: full(v) for k, v in job.checkpointer.states["model"].state_dict().items()},
         "optimizer": {k: full(v) for k, v in job.optimizers.state_dict().items()},
         "lr_scheduler": job.lr_schedulers.state_dict(),
         "train_state": job.train_state.state_dict(),
     }
+    if not union:
+        return snap
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, snap)
+    merged: dict[str, Any] = {"model": {}, "optimizer": {}}
+    for part in every:
+        merged["model"].update(part["model"])
+        merged["optimizer"].update(part["optimizer"])
+    merged["lr_scheduler"], merged["train_state"] = every[0]["lr_scheduler"], every[0]["train_state"]
+    return merged
 
 
 def same(a: Any, b: Any) -> bool:
@@ -332,13 +463,16 @@ def write(spec: dict[str, Any]) -> None:
     """Train ``steps`` steps and save with CheckpointManager; rank 0 keeps the full-value reference."""
     dump = Path(spec["dump"])
     rank = dist.get_rank()
-    job = build(dump, spec.get("fuse_qkv", True), [])
+    pp = spec.get("pp", 1)
+    job = build(dump, spec.get("fuse_qkv", True), [], pp=pp)
     train(job, spec.get("steps", 2))
     job.checkpointer.save(curr_step=spec.get("steps", 2))
-    snap = snapshot(job)
+    snap = snapshot(job, union="pp" in spec)
     ref = dump / "reference"
     ref.mkdir(parents=True, exist_ok=True)
     torch.save(job.dataloader.state_dict(), ref / f"dataloader_rank_{rank}.pt")
+    if "pp" in spec:
+        torch.save(job.dataloader.state_dict(), ref / f"dataloader_dp_rank_{job.dp_rank}.pt")
     if rank == 0:
         torch.save(snap, ref / "state.pt")
     job.checkpointer.close()
@@ -374,13 +508,13 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
     """
     rank = dist.get_rank()
     exclude = spec.get("exclude", [])
-    job = build(Path(spec["dump"]), spec.get("fuse_qkv", True), exclude)
+    job = build(Path(spec["dump"]), spec.get("fuse_qkv", True), exclude, pp=spec.get("pp", 1))
     ref_dir = Path(spec["ref"])
     fresh_loader = job.dataloader.state_dict()
     loaded, error = load_on_every_rank(job, spec["step"])
     if error:
         return {"name": spec["name"], "loaded": False, "error": error, "differences": []}
-    got = snapshot(job)
+    got = snapshot(job, union="pp" in spec)
     diffs = [] if loaded else ["CheckpointManager.load returned False"]
     compared: dict[str, int] = {}
     if rank == 0:
@@ -391,7 +525,7 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
     if "dataloader" in exclude:
         loader_ok = loader_state == fresh_loader  # excluded: a fresh loader at the start of its split
     else:
-        ref_loader = ref_dir / f"dataloader_rank_{rank}.pt"
+        ref_loader = ref_dir / (f"dataloader_dp_rank_{job.dp_rank}.pt" if "pp" in spec else f"dataloader_rank_{rank}.pt")
         loader_ok = ref_loader.exists() and loader_state == torch.load(ref_loader, weights_only=False)
     if not loader_ok:
         diffs.append(f"dataloader state of rank {rank} is not the expected one")
