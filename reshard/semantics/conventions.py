@@ -11,11 +11,15 @@ torchtitan-style `lr_scheduler`, a user's `step`. One convention is chosen as th
 conventions' rules (except their catch-alls, which only a primary may use) and last to the
 generic roles of `generic.toml` (scheduler, counters, config, blobs). Each key records the
 convention that classified it, so the report can say who explained what.
+
+A convention may say its optimizer state is keyed by position (``[optimizer] keyed_by =
+"index"``, a raw ``Optimizer.state_dict()``); its moments are then mapped to their parameters
+through the model's parameter order (`map_indexed_optimizer`), the keys left as written.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -72,6 +76,10 @@ class Convention:
     # (Megatron's torch_dist: reshard.semantics.megatron); empty: the writer records no plans.
     save_plans_rank_order: tuple[str, ...] = ()
     buffer_names: tuple[str, ...] = ()  # leaf names of non-trainable state (running statistics)
+    # How the writer keys its optimizer state (``[optimizer] keyed_by``): "name", the parameter's
+    # fqn (get_optimizer_state_dict); or "index", its position as torch.optim.Optimizer.state_dict()
+    # numbers them (a raw ``optimizer.state_dict()`` saved as it is: torchtune's DistributedCheckpointer).
+    optimizer_keyed_by: str = "name"
 
     def __post_init__(self) -> None:
         # every rule tried on a key in one RE2 pass (the rules' patterns, compiled once more as a set)
@@ -145,6 +153,7 @@ class KeyRole:
     per_rank: bool = False
     convention: str | None = None  # the convention whose rule classified the key
     rank_text: str | None = None   # the rank as the key spells it ("001"): two spellings of one rank are aliases
+    index: int | None = None       # an index-keyed optimizer entry's position; ``param`` is then the parameter it maps to
 
 
 @dataclass
@@ -242,12 +251,20 @@ def _parse(spec: dict[str, Any], source: str) -> Convention:
             buffer_names=tuple(spec.get("buffers", {}).get("names", ())),
             stores_replicas=bool(spec.get("topology", {}).get("stores_replicas", True)),
             save_plans_rank_order=_rank_order(spec.get("topology", {}).get("save_plans_rank_order", [])),
+            optimizer_keyed_by=_keyed_by(spec.get("optimizer", {}).get("keyed_by", "name")),
             fused=tuple(FusedEntry(compile_pattern(f["optimizer"], source, what="[[fused]] optimizer pattern"), tuple(f["parts"]), int(f.get("dim", 0)),
                                    str(f.get("layout", ""))) for f in spec.get("fused", [])),
         )
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise BadInput(f"invalid convention: {type(exc).__name__} {exc}", where=source,
                        hint="See formats/conventions/*.toml for the format: name, [[rule]] match/role.") from None
+
+
+def _keyed_by(value: Any) -> str:
+    """``[optimizer] keyed_by``: "name" (the default) or "index"."""
+    if value not in ("name", "index"):
+        raise ValueError(f"[optimizer] keyed_by must be \"name\" or \"index\", got {value!r}")
+    return str(value)
 
 
 def _rank_order(order: Any) -> tuple[str, ...]:
@@ -361,6 +378,7 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
         first = tuple(c for c in user if c is not conv)
         others = first + tuple(c for c in shipped if c is not conv) + tuple(generic)
         roles = {k: _classify_key(i, conv, others, len(first), full, comp) for i, (k, _kind) in enumerate(keys)}
+        roles = map_indexed_optimizer(roles, (conv, *others))
         unknown = sum(1 for r in roles.values() if r.role == "unknown")
         params = {r.param for r in roles.values() if r.role == "parameter"}
         orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
@@ -384,6 +402,43 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
                 break
     _, conv, roles, _, others = scored[0]
     return Classification(conv, roles, [(s[1].name, s[3]) for s in scored], others)
+
+
+def map_indexed_optimizer(roles: dict[str, KeyRole], conventions: Sequence[Convention]) -> dict[str, KeyRole]:
+    """Index-keyed optimizer entries mapped to the parameters they belong to (``KeyRole.param``; the key is unchanged).
+
+    Why: ``torch.optim.Optimizer.state_dict()`` keys its state by position, numbering the
+    parameters of its groups in order (group 0's in its order, then group 1's, ...); a writer
+    that saves it as it is (torchtune's DistributedCheckpointer: ``optimizer.state.0.exp_avg``)
+    names no parameter, and read by name every moment is an orphan and every parameter lacks
+    moments. The optimizer was built over ``model.parameters()``, whose order is the module
+    registration order that ``model.state_dict()`` also follows and DCP keeps in ``.metadata``
+    (reshard's conversions write the keys in the same order). So position i is the i-th
+    parameter entry in key order, non-trainable buffers (the conventions' ``buffer_names``)
+    left out. Only the classification changes: the keys stay as the writer wrote them, so its
+    own loader reads the converted checkpoint. An index with no parameter at its position
+    stays an orphan, and a moment whose shape differs from the parameter it maps to is reported
+    (describe's shape check): an order that is not the optimizer's (parameter groups that do not
+    follow the model's order, a tied parameter saved under two names, which ``model.parameters()``
+    yields once) shows there, unless the parameters it confuses have the same shapes.
+    """
+    keyed = {c.name for c in conventions if c.optimizer_keyed_by == "index"}
+    if not keyed:
+        return roles
+    indexed = [k for k, r in roles.items() if r.convention in keyed and r.role in ("optimizer_moment", "optimizer_step")
+               and r.param is not None and r.param.isdecimal()]
+    if not indexed:
+        return roles
+    buffers = {n for c in conventions for n in c.buffer_names}
+    order = list(dict.fromkeys(r.param for r in roles.values()
+                               if r.role == "parameter" and r.param and r.param.rsplit(".", 1)[-1] not in buffers))
+    out = dict(roles)
+    for k in indexed:
+        r = roles[k]
+        i = int(r.param or 0)
+        if i < len(order):
+            out[k] = replace(r, param=order[i], index=i)
+    return out
 
 
 def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
