@@ -60,7 +60,7 @@ def assert_one_paragraph_error(code: int, err: str) -> None:
 
 def test_the_shipped_families_are_the_model_files():
     names = sorted(p.stem for p in (formats_root() / "models").glob("*.toml") if p.name != "ties.toml")
-    assert shipped_families() == names == ["llama-fused", "llama-torchtitan", "megatron-gpt", "reference-gpt"]
+    assert shipped_families() == names == ["llama-fused", "llama-torchtitan", "megatron-gpt", "qwen3-moe-torchtitan", "reference-gpt"]
 
 
 @pytest.mark.parametrize("family", shipped_families())

@@ -140,6 +140,7 @@ class Plan:
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
     data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
     slice: dict[str, Any] | None = None  # --layers / --experts: what the slice keeps, renames and drops (`reshard.planning.slice`)
+    experts: dict[str, Any] | None = None  # MoE experts stacked in one tensor: which ranks hold which (`reshard.planning.experts`)
     inspection: Any = field(default=None, repr=False, compare=False)  # the source's Inspection this run made (not in JSON)
 
     def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
@@ -171,6 +172,8 @@ class Plan:
         }
         if self.slice is not None:
             d["slice"] = self.slice
+        if self.experts is not None:
+            d["experts"] = self.experts
         rows = sum(len(t.chunks) for t in self.tensors)
         if tensors == "auto" and rows > FULL_TABLE_ROWS:
             d["tensor_summary"] = tensor_summary(self.tensors)

@@ -26,6 +26,7 @@ from reshard.planning import decisions
 from reshard.planning.keys import key_actions, per_rank_prefix
 from reshard.planning.options import from_origin, user_conventions
 from reshard.planning.describe import inspect_checkpoint
+from reshard.planning.experts import expert_map
 from reshard.planning.slice import apply_slice, slice_verdict
 from reshard.semantics import placement as placement_mod
 from reshard.semantics import batch as batch_mod
@@ -85,6 +86,8 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     plan.data_link = link_summary(plan, ix)
     if sliced is not None:
         plan.slice = sliced.summary
+    experts = expert_map(ix, cls, mdict, options.rules, keys.tensors)  # MoE: which rank holds which experts
+    plan.experts = experts.to_dict() | {"text": experts.describe()} if experts is not None else None
     plan.inspection = ins  # one inspection per run: convert and verify take it (`source_index`)
     return plan
 

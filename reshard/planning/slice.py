@@ -58,7 +58,10 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
     model = mdict.get("model") or {}
     rules = select_rules(params, family=model.get("family"), rules_file=options.rules)
     config = {**(model.get("config") or {}), **(options.model_config or {})}
-    sl = slicing_mod.plan_slice(rules, params, layers=options.layers, experts=options.experts, config=config)
+    shapes = {x.param: tuple(ix.entries[k].shape) for k, x in cls.roles.items()
+              if x.role == "parameter" and x.param and k in ix.entries and ix.entries[k].is_tensor}
+    sl = slicing_mod.plan_slice(rules, params, layers=options.layers, experts=options.experts, config=config,
+                                shapes=shapes)
     planned = {t.key: t for t in keys.tensors}
     fates: dict[str, slicing_mod.Fate] = {}
     for a in keys.actions:
@@ -149,7 +152,8 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
 
 
 def _select_router_rows(sl: slicing_mod.Slice, cls: Any, keys: Keys, target: Topology) -> None:
-    """``--experts``: a router parameter (and its moments) keeps the rows of the kept experts (transform ``select``).
+    """``--experts``: a router parameter, or experts stacked in one tensor (and their moments), keeps the rows
+    of the kept experts along its expert axis (transform ``select``).
 
     The tensor is read whole, its rows picked and re-cut, like a TP-dependent layout
     (`reshard.semantics.transforms.write_transformed`); convert proves it against the source's rows.
@@ -167,7 +171,8 @@ def _select_router_rows(sl: slicing_mod.Slice, cls: Any, keys: Keys, target: Top
         dim, index = rows
         count = next(a.count for a in sl.axes if a.what == "expert")
         if t.transform or dim >= len(t.shape) or t.shape[dim] != count:
-            raise BadInput(f"router parameter '{src}' cannot keep the rows of experts {list(index)}: "
+            raise BadInput(f"parameter '{src}' (one row per expert: [experts] router/stacked) cannot keep the rows "
+                           f"of experts {list(index)}: "
                            + ("it is already rewritten for this target (" + t.transform["kind"] + ")" if t.transform
                               else f"its shape {list(t.shape)} has no dim {dim} of {count} experts"),
                            where=sl.rules_source,

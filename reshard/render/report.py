@@ -198,6 +198,9 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         out.append(f"slice       {sl['description']}: {sl['kept']['tensors']} tensors, {human_bytes(sl['kept']['bytes'])} "
                    f"(source {human_bytes(s['bytes'])}); left out {sl['dropped']['keys']} keys, "
                    f"{human_bytes(sl['dropped']['bytes'])}; {sl['renamed']['keys']} keys renumbered")
+    if p.get("experts"):  # MoE: which ranks hold which stacked experts, before and after
+        out.append(f"experts     {p['experts']['text']}")
+        out.append(f"            {p['experts']['note']}")
     m = p["memory"]
     out.append(f"memory      per rank max {human_bytes(m['max'])}, min {human_bytes(m['min'])} "
                "(parameters + gradients + optimizer state)")

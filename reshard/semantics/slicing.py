@@ -8,7 +8,9 @@ layer is comes from the model family's ``[pipeline]`` description in ``formats/m
 parameter FQNs whose named group ``layer`` is the index, ``num_layers`` the model config
 name of the layer count. Optionally the experts of an MoE layer are sliced the same way,
 from the family's ``[experts]`` table (``match`` with a named group ``expert``,
-``num_experts`` its config name).
+``num_experts`` its config name), or, where the experts are stacked in one tensor (torchtitan's
+``GroupedExperts``: ``w1_EFD`` of shape (experts, hidden, dim)), along the expert axis of those
+tensors (``stacked = [{ match, dim }]``): their rows of the kept experts, like a router's.
 
 This module knows names only: it decides each key's fate (outside every layer, kept as
 is, renamed, dropped) and rewrites lists of FQNs; the plan applies it to the keys and the
@@ -253,12 +255,14 @@ def declared_experts(rules: ModelRules) -> dict[str, Any]:
 
 
 def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, experts: str | None = None,
-               config: dict[str, Any] | None = None, experts_table: dict[str, Any] | None = None) -> Slice:
+               config: dict[str, Any] | None = None, experts_table: dict[str, Any] | None = None,
+               shapes: dict[str, tuple[int, ...]] | None = None) -> Slice:
     """The slice ``--layers`` / ``--experts`` ask for, from the family's ``[pipeline]`` (and ``[experts]``).
 
     A family that declares no per-layer names is refused: reshard does not guess which
     parameters make a layer. ``experts_table`` is the family's ``[experts]`` table
-    (``match``, ``num_experts``); by default it is read from the rules file.
+    (``match``, ``num_experts``, ``router``, ``stacked``); by default it is read from the rules file.
+    ``shapes``: each parameter's global shape, from which stacked experts are counted.
     """
     params = sorted(params)
     config = dict(config or {})
@@ -280,20 +284,26 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
                          pl.num_layers))
     if experts is not None:
         table = experts_table if experts_table is not None else declared_experts(rules)
-        if not isinstance(table.get("match"), str):
+        stacked = _routers(table.get("stacked", []), rules, what="stacked")
+        if stacked and not isinstance(table.get("match"), str):
+            axes.append(_stacked_axis(stacked, params, shapes or {}, config, table, experts, rules))
+            routers = _routers(table.get("router", []), rules) + stacked
+        elif not isinstance(table.get("match"), str):
             raise BadInput(f"--experts needs the experts of each MoE layer, and model family '{rules.family}' "
                            "declares no [experts] table", where=rules.source,
                            hint="Only families that declare their expert dimension can slice experts: pass "
                                 "--rules FILE with [experts] match = '<regex with (?P<expert>\\d+)>' and "
-                                "num_experts = '<config name>', or drop --experts.")
-        pattern = compile_pattern(table["match"], rules.source, what="[experts] match")
-        if "expert" not in pattern.groupindex:
-            raise BadInput("[experts] match has no named group (?P<expert>\\d+)", where=rules.source)
-        name = table.get("num_experts") if isinstance(table.get("num_experts"), str) else None
-        n = _count("expert", pattern, params, config, name, rules)
-        axes.append(Axis("expert", "--experts", pattern, n,
-                         parse_indices(experts, n, flag="--experts", what="expert"), name))
-        routers = _routers(table.get("router", []), rules)
+                                "num_experts = '<config name>' (or stacked = [{ match = '<parameter regex>', "
+                                "dim = <expert axis> }] for experts stacked in one tensor), or drop --experts.")
+        else:
+            pattern = compile_pattern(table["match"], rules.source, what="[experts] match")
+            if "expert" not in pattern.groupindex:
+                raise BadInput("[experts] match has no named group (?P<expert>\\d+)", where=rules.source)
+            name = table.get("num_experts") if isinstance(table.get("num_experts"), str) else None
+            n = _count("expert", pattern, params, config, name, rules)
+            axes.append(Axis("expert", "--experts", pattern, n,
+                             parse_indices(experts, n, flag="--experts", what="expert"), name))
+            routers = _routers(table.get("router", []), rules) + stacked
     notes = []
     outside = [p for p in params if all(_locate(p, p, a) is None for a in axes)]
     unplaced = [p for p in outside if not any(x.match(p) for x in (*pl.first, *pl.last))]
@@ -303,12 +313,45 @@ def plan_slice(rules: ModelRules, params: Iterable[str], *, layers: str | None, 
     return Slice(rules.family, rules.source, tuple(axes), tuple(pl.first), tuple(pl.last), notes, routers)
 
 
-def _routers(tables: Any, rules: ModelRules) -> tuple[tuple[Pattern, int], ...]:
-    """``router = [{ match = REGEX, dim = N }]``: the parameters with a row per expert along ``dim``."""
+def _routers(tables: Any, rules: ModelRules, what: str = "router") -> tuple[tuple[Pattern, int], ...]:
+    """``router`` / ``stacked = [{ match = REGEX, dim = N }]``: the parameters with a row per expert along ``dim``."""
     out = []
     for t in tables if isinstance(tables, list) else [tables]:
         if not isinstance(t, dict) or not isinstance(t.get("match"), str) or not isinstance(t.get("dim", 0), int):
-            raise BadInput("[experts] router must be a list of { match = '<parameter regex>', dim = <int> }",
+            raise BadInput(f"[experts] {what} must be a list of {{ match = '<parameter regex>', dim = <int> }}",
                            where=rules.source)
-        out.append((compile_pattern(t["match"], rules.source, what="[experts] router match"), int(t.get("dim", 0))))
+        out.append((compile_pattern(t["match"], rules.source, what=f"[experts] {what} match"), int(t.get("dim", 0))))
     return tuple(out)
+
+
+# No parameter name carries an expert index when the experts are stacked: the axis's pattern
+# matches nothing (RE2: an empty character class), so no key is dropped or renamed by name, and
+# the stacked tensors (and routers) keep the rows of the kept experts instead.
+_NO_NAME = r"(?P<expert>[^\s\S])"
+
+
+def _stacked_axis(stacked: tuple[tuple[Pattern, int], ...], params: list[str], shapes: dict[str, tuple[int, ...]],
+                  config: dict[str, Any], table: dict[str, Any], experts: str, rules: ModelRules) -> Axis:
+    """The expert axis of experts stacked in one tensor: counted from those tensors' expert dimension.
+
+    Every stacked parameter must have the same count along its ``dim``, and a ``num_experts``
+    value the config gives must agree; a family whose ``stacked`` matches nothing is refused."""
+    counts = {p: shapes[p][dim] for p in params for pattern, dim in stacked
+              if pattern.match(p) and p in shapes and dim < len(shapes[p])}
+    if not counts:
+        raise BadInput(f"no parameter of this checkpoint matches the [experts] stacked patterns of family "
+                       f"'{rules.family}' ({', '.join(p.pattern for p, _ in stacked)})", where=rules.source,
+                       hint="Check that the family matches the checkpoint (--rules NAME|FILE).")
+    if len(set(counts.values())) != 1:
+        (a, na), (b, nb) = next(iter(counts.items())), next((k, v) for k, v in counts.items()
+                                                             if v != next(iter(counts.values())))
+        raise BadInput(f"stacked expert tensors disagree on the number of experts: '{a}' has {na}, '{b}' has {nb}",
+                       where=rules.source, hint="Check [experts] stacked dim (the expert axis of each tensor).")
+    n = next(iter(counts.values()))
+    name = table.get("num_experts") if isinstance(table.get("num_experts"), str) else None
+    if name and name in config and evaluate(name, config) != n:
+        raise BadInput(f"the model config says {name} = {evaluate(name, config)}, but the stacked expert tensors "
+                       f"hold {n} experts (e.g. {next(iter(counts))})", where=rules.source,
+                       hint=f"Correct --model-config {name}=... (or the manifest's model.config).")
+    return Axis("expert", "--experts", compile_pattern(_NO_NAME, rules.source, what="[experts] stacked"), n,
+                parse_indices(experts, n, flag="--experts", what="expert"), name)

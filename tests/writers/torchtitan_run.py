@@ -211,6 +211,58 @@ class TrainState:
         self.ntokens_seen = state_dict["ntokens_seen"]
 
 
+def materialise(parts: list[nn.Module]) -> None:
+    """Each model part from the meta device to CPU as torchtitan's Trainer does it: ``to_empty``, then
+    ``init_weights`` under seed 0, then train mode; FSDP's reductions as sums (gloo has no PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(0)
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+
+
+def assemble(parts: list[nn.Module], parallel_dims: Any, dump: Path, exclude: list[str], *, steps: int,
+             batch: int, loader: Any = None, last_save_model_only: bool = False, after_optimizers: Any = None,
+             **pp: Any) -> Job:
+    """The rest of the Trainer's build over ``parts``: AdamW (for-loop), the LR schedule, the dataloader
+    on the batch mesh (``loader(dp_rank, dp_world)``, default `TinyTokens` at ``batch``), the train
+    state and ``CheckpointManager``. ``after_optimizers(optimizers)``: a model spec's
+    ``post_optimizer_build_fn``; ``pp``: the pipeline fields of `Job`."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.distributed import utils as dist_utils
+
+    opt_cfg = default_adamw(lr=8e-4)
+    opt_cfg.implementation = "for-loop"
+    optimizers = opt_cfg.build(model_parts=parts)
+    if after_optimizers is not None:
+        after_optimizers(optimizers)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                                 min_lr_factor=0.0).build(optimizers=optimizers,
+                                                                          training_steps=steps)
+    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
+    dataloader = (loader(dp_rank, dp_world) if loader is not None else
+                  ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
+                                          batch_size=batch))
+    train_state = TrainState()
+    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=last_save_model_only,
+                                      keep_latest_k=0, exclude_from_loading=list(exclude))
+    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=parts, optimizers=optimizers,
+                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
+                                sd_adapter=None, base_folder=str(dump))
+    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
+    return Job(parts[0], optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
+               parallel_dims, context, **pp)
+
+
 def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None, seq: int = SEQ, batch: int = BATCH,
           steps: int = TOTAL_STEPS, model_cfg: Any = None, last_save_model_only: bool = False, pp: int = 1) -> Job:
     """The job on this process's ranks: torchtitan's llama3 model, ``parallelize_llama`` (FSDP2 at
@@ -220,9 +272,6 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
     another ``Llama3Model.Config`` than `model_config`'s (tests/writers/torchtitan_tied.py's tied one);
     ``last_save_model_only``: torchtitan's own default (True) for a run's last save, where the writers
     here otherwise keep the full state."""
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
@@ -249,37 +298,9 @@ def build(dump: Path, fuse_qkv: bool, exclude: list[str], *, loader: Any = None,
         model = cfg.build()
     model = parallelize_llama(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                               compile_config=CompileConfig(), ac_config=None, dump_folder=str(dump))
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():  # gloo has no PREMUL_SUM (see the docstring)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-
-    opt_cfg = default_adamw(lr=8e-4)
-    opt_cfg.implementation = "for-loop"
-    optimizers = opt_cfg.build(model_parts=[model])
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                                 min_lr_factor=0.0).build(optimizers=optimizers,
-                                                                          training_steps=steps)
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
-    dataloader = (loader(dp_rank, dp_world) if loader is not None else
-                  ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
-                                          batch_size=batch))
-    train_state = TrainState()
-    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=last_save_model_only,
-                                      keep_latest_k=0, exclude_from_loading=list(exclude))
-    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                sd_adapter=None, base_folder=str(dump))
-    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
-    return Job(model, optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
-               parallel_dims, context)
+    materialise([model])
+    return assemble([model], parallel_dims, dump, exclude, steps=steps, batch=batch, loader=loader,
+                    last_save_model_only=last_save_model_only)
 
 
 def build_pp(dump: Path, fuse_qkv: bool, exclude: list[str], *, pp: int, seq: int, batch: int, steps: int) -> Job:
@@ -287,10 +308,7 @@ def build_pp(dump: Path, fuse_qkv: bool, exclude: list[str], *, pp: int, seq: in
     the whole model on the meta device, ``pipeline_llm`` (its 1F1B schedule and stage split), each
     model part ``to_empty`` + ``init_weights``, the optimizer and checkpointer over ``model_parts``,
     the dataloader at the micro-batch size."""
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.loss import CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -321,36 +339,9 @@ def build_pp(dump: Path, fuse_qkv: bool, exclude: list[str], *, pp: int, seq: in
         compile_config=CompileConfig(), ac_config=None, dump_folder=str(dump), device=torch.device("cpu"),
         model_config=cfg, parallelize_fn=parallelize_llama, loss_fn=loss_fn)
     del model
-    from torch.distributed.fsdp import FSDPModule
-
-    torch.manual_seed(0)
-    for part in parts:
-        for module in part.modules():  # gloo has no PREMUL_SUM (see the docstring)
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(buffer_device=None)
-        part.train()
-    opt_cfg = default_adamw(lr=8e-4)
-    opt_cfg.implementation = "for-loop"
-    optimizers = opt_cfg.build(model_parts=parts)
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                                 min_lr_factor=0.0).build(optimizers=optimizers,
-                                                                          training_steps=steps)
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    dp_world, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
-    dataloader = ParallelAwareDataloader(TinyTokens(dp_rank, dp_world), dp_rank=dp_rank, dp_world_size=dp_world,
-                                         batch_size=parallelism.pipeline_parallel_microbatch_size)
-    train_state = TrainState()
-    ck_cfg = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, last_save_model_only=False,
-                                      keep_latest_k=0, exclude_from_loading=list(exclude))
-    checkpointer = ck_cfg.build(dataloader=dataloader, model_parts=parts, optimizers=optimizers,
-                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
-                                sd_adapter=None, base_folder=str(dump))
-    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
-    return Job(parts[0], optimizers, lr_schedulers, dataloader, checkpointer, train_state, dp_rank, dp_world,
-               parallel_dims, context, pp_schedule=schedule, pp_first=first, pp_last=last, model_parts=parts)
+    materialise(parts)
+    return assemble(parts, parallel_dims, dump, exclude, steps=steps, batch=parallelism.pipeline_parallel_microbatch_size,
+                    pp_schedule=schedule, pp_first=first, pp_last=last, model_parts=parts)
 
 
 def train_pp(job: Job, steps: int, batch: int = BATCH) -> None:
@@ -536,8 +527,11 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
             "differences": [d for part in gathered for d in part]}
 
 
-def main(argv: list[str]) -> int:
-    """``write SPEC`` / ``load SPEC RESULT``: SPEC is a JSON list of jobs, run one after another in this launch."""
+def main(argv: list[str], write_fn: Any = None, load_fn: Any = None) -> int:
+    """``write SPEC`` / ``load SPEC RESULT``: SPEC is a JSON list of jobs, run one after another in this launch.
+
+    ``write_fn`` / ``load_fn``: another writer's jobs (tests/writers/torchtitan_moe_run.py), run the same way."""
+    write_fn, load_fn = write_fn or write, load_fn or load
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["write", "load"])
     ap.add_argument("spec", type=Path)
@@ -550,9 +544,9 @@ def main(argv: list[str]) -> int:
     results = []
     for spec in jobs:
         if a.mode == "write":
-            write(spec)
+            write_fn(spec)
         else:
-            results.append(load(spec))
+            results.append(load_fn(spec))
     if a.mode == "load" and dist.get_rank() == 0 and a.result is not None:
         a.result.write_text(json.dumps({"world_size": dist.get_world_size(), "jobs": results}, indent=1))
     dist.barrier()
@@ -560,8 +554,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
+def run_and_exit(write_fn: Any = None, load_fn: Any = None) -> None:
+    """The script's entry: `main`, then ``os._exit`` (a gloo thread can abort interpreter teardown:
+    "terminate called without an active exception")."""
+    code = main(sys.argv[1:], write_fn, load_fn)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # a gloo thread can abort interpreter teardown ("terminate called without an active exception")
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit()
