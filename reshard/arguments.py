@@ -32,7 +32,7 @@ CONTROLS = ("relaunch", "naive-state", "none")
 
 __all__ = ["is_url", "check_source", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
-           "import_formats", "check_import", "check_slice", "check_restart", "check_conflicts"]
+           "import_formats", "SOURCE_FORMATS", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -164,10 +164,17 @@ def check_export(*, fmt: str, model_config: list[str] | None) -> None:
                        hint="Drop --model-config, or export with --format hf.")
 
 
+SOURCE_FORMATS = {"deepspeed": "a DeepSpeed ZeRO checkpoint folder, or the universal checkpoint folder ds_to_universal "
+                               "made of one (model.*, optim.state.*, optim.param_groups.*)"}
+"""``import --format`` names of a source kind with its own reader (reshard.engine.deepspeed_import), not a
+key convention of formats/hf/: the output keeps reshard's convention."""
+
+
 def import_formats() -> dict[str, str]:
     """``import --format`` names: ``reshard``, every family of ``formats/hf/`` and each family's
     native convention (``torchtitan``), each with what it means. Read from the TOML files
-    themselves, so the check costs no torch import (reshard.semantics.hf needs torch)."""
+    themselves, so the check costs no torch import (reshard.semantics.hf needs torch).
+    `SOURCE_FORMATS` are admitted beside them."""
     names = {"reshard": "reshard's own key names"}
     conventions: dict[str, list[str]] = {}
     for path in sorted((formats_root() / "hf").glob("*.toml")):
@@ -183,7 +190,7 @@ def import_formats() -> dict[str, str]:
 
 def check_import(*, fmt: str) -> None:
     """`import`: an unknown ``--format`` is refused before the source is read."""
-    known = import_formats()
+    known = {**import_formats(), **SOURCE_FORMATS}
     if fmt not in known:
         raise BadInput(f"unknown import format '{fmt}'",
                        hint="Use one of: " + ", ".join(known) + ".")

@@ -416,7 +416,7 @@ def import_(
     dst: Path = typer.Argument(..., help="Output DCP checkpoint (appears atomically)."),
     to: str = typer.Option("dp=1", "--to", help="Target layout, e.g. dp=8."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules, applied in reverse."),
-    fmt: str = typer.Option("reshard", "--format", help="Output key convention: reshard (default), or torchtitan / a family of formats/hf/ (SRC is then a Hugging Face model directory; names, inverse transforms and TP layout from the family's files)."),
+    fmt: str = typer.Option("reshard", "--format", help="Output key convention: reshard (default), or torchtitan / a family of formats/hf/ (SRC is then a Hugging Face model directory; names, inverse transforms and TP layout from the family's files); deepspeed (SRC is a DeepSpeed ZeRO-1/2/3 checkpoint folder, or the universal checkpoint folder ds_to_universal wrote of one: parameters, buffers, Adam moments, step and param groups in torch's get_state_dict layout; tp > 1 by the shipped rules the parameter names match)."),
     experiment_id: Optional[str] = typer.Option(None, "--experiment-id", help="Identity of the new (warm-start) run."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination holding a checkpoint or an earlier reshard output (atomically); anything else is refused."),
     json_out: bool = typer.Option(False, "--json", help="Print the import report as JSON."),

@@ -55,7 +55,7 @@ under both native names, and each parameter's TP dim comes from the family's par
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -287,7 +287,6 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
     the native model holds both. Placements come from the family's partition rules (TP dims).
     """
     from reshard import safefs
-    from reshard.model.layout import Placement
     from reshard.semantics.rules import select
     from reshard.storage.safetensors_format import ExportIndex, is_export
 
@@ -322,26 +321,35 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
     out: list[SourceTensor] = []
     for native, (name, rule) in sorted(by_native.items()):
         e = ex.entries[name]
-        pr = rules.rule_for(native)
-        if pr is None:
-            raise BadInput(f"'{native}' matches no partition rule of '{rules.family}'", where=rules.source)
-        if pr.tp == "fused":
-            raise BadInput(f"'{native}' is fused in the native layout, which this import does not write", where=rules.source)
-        tp_dim = pr.dim if pr.tp == "shard" and topo.tp > 1 else None
-        if tp_dim is not None and tp_dim < len(e.shape) and e.shape[tp_dim] % topo.tp:
-            raise BadInput(f"tp={topo.tp} does not divide dim {tp_dim} of '{native}' ({list(e.shape)})", where=str(src))
+        placement = rule_placement(rules, native, tuple(e.shape), topo, str(src))
 
         def read(box: Box, name=name, rule=rule, native=native) -> torch.Tensor:
             t = cache.get(name, lambda: rule.from_hf(ex.read_tensor(name), values, name))
             return (t[box.slices()] if t.dim() else t).clone()
 
         key = native if mapping.native_convention != "reshard" else "model." + native
-        out.append(SourceTensor(name, key, tuple(e.shape), e.dtype, read,
-                        Placement(dp_shard=bool(e.shape), tp_dim=tp_dim) if e.shape else Placement.replicated()))
+        out.append(SourceTensor(name, key, tuple(e.shape), e.dtype, read, placement))
     ess = {"hf_config": {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool))},
            "hf_mapping": mapping.describe(), "model_family": mapping.family, "hf_values": values,
            "hf_values_unchecked": sized.unchecked}
     return out, ess, [], []
+
+
+def rule_placement(rules, fqn: str, shape: tuple[int, ...], topo: Topology, where: str):
+    """A parameter's target placement by its family's partition rules (``formats/models/``): FSDP ``Shard(0)``
+    over ``dp_shard``, and the rule's TP dim when it shards and ``tp > 1``. A parameter no rule matches,
+    a fused one (this import writes the native split layout), or a dim ``tp`` does not divide is refused."""
+    from reshard.model.layout import Placement
+
+    pr = rules.rule_for(fqn)
+    if pr is None:
+        raise BadInput(f"'{fqn}' matches no partition rule of '{rules.family}'", where=rules.source)
+    if pr.tp == "fused":
+        raise BadInput(f"'{fqn}' is fused in the native layout, which this import does not write", where=rules.source)
+    tp_dim = pr.dim if pr.tp == "shard" and topo.tp > 1 else None
+    if tp_dim is not None and tp_dim < len(shape) and shape[tp_dim] % topo.tp:
+        raise BadInput(f"tp={topo.tp} does not divide dim {tp_dim} of '{fqn}' ({list(shape)})", where=where)
+    return Placement(dp_shard=bool(shape), tp_dim=tp_dim) if shape else Placement.replicated()
 
 
 def _check_config_sizes(cfg: dict[str, Any], mapping, shapes: dict[str, tuple[int, ...]], stored: dict[str, str],
@@ -369,6 +377,8 @@ def _check_config_sizes(cfg: dict[str, Any], mapping, shapes: dict[str, tuple[in
 
 
 def open_source(src: Path, rename):
+    """A consolidated-weights source (safetensors or torch.save); a DeepSpeed folder is opened by
+    `reshard.engine.deepspeed_import` (which builds on this module, not the other way round)."""
     from reshard.storage.hf_dcp import is_hf_dcp
     from reshard.storage.safetensors_format import is_export
 
@@ -392,6 +402,7 @@ class Source:
     essentials: dict[str, Any]    # what an export recorded of the run it came from ({} otherwise)
     tied: list[list[str]]         # groups of stored names that are one tensor
     skipped: list[dict]           # values that are not tensors: reported, not imported
+    objects: dict[str, tuple[tuple, Any]] = field(default_factory=dict)  # key -> (state-dict path, value): written as is
 
     @property
     def with_moments(self) -> bool:

@@ -11,7 +11,9 @@ Layout
 over ``dp_shard`` exactly as reshard's data-parallel plans place them
 (`reshard.model.layout.target_chunks`; 0-d tensors such as step counters are replicated, written
 by rank 0). For the reshard convention ``tp > 1`` or ``pp > 1`` is refused for now: import at ``dp`` and
-run ``reshard convert --to`` (with the model's partition rules) from there.
+run ``reshard convert --to`` (with the model's partition rules) from there. A DeepSpeed import
+(``fmt="deepspeed"``, `reshard.engine.deepspeed_import`) may have ``tp > 1``: its source gives each
+tensor its placement, and its param groups are written as objects (``Source.objects``) beside them.
 
 Hugging Face model directories (``fmt="torchtitan"`` or a family of ``formats/hf/``)
 -------------------------------------------------------------------------------------
@@ -55,6 +57,7 @@ from typing import Any
 
 import torch
 
+from reshard.engine.deepspeed_import import deepspeed_source
 from reshard.engine.import_sources import Source, SourceTensor, hf_source, native_mapping, open_source
 from reshard.engine.space import space_errors
 from reshard.errors import BadInput, Infeasible
@@ -115,7 +118,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     ``force``: go ahead when the destination lacks the space for the output (estimated from
     the planned chunks, `import_preflight`); otherwise refused before anything is written.
     """
-    if fmt != "reshard":
+    if fmt not in ("reshard", "deepspeed"):
         return _import_native(Path(src), Path(dst), to=to, fmt=fmt, rename=rename, overwrite=overwrite,
                               experiment_id=experiment_id, progress=progress, force=force)
     from reshard.planning.export import RenameRules
@@ -126,20 +129,20 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
 
     started = _time.time()
     src, dst = Path(src), Path(dst)
-    topo = _target_topology(to)
+    topo = _target_topology(to, fmt)
     check_destination(src, dst)
     rules = RenameRules.load(rename).inverse() if rename is not None else None
-    source = Source(*open_source(src, rules))
+    source = deepspeed_source(src, rename, topo) if fmt == "deepspeed" else Source(*open_source(src, rules))
     _check_keys(source.tensors, src)
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     estimate = import_preflight(src, dst, planned, force=force, progress=progress)
     with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite) as tmp:
-        checksums = _write_tensors(tmp, planned, progress, to)
+        checksums = _write_tensors(tmp, planned, progress, to, source.objects)
         manifest = _manifest(src, source, rules, topo, output)
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
         mf.write_manifest(tmp, manifest)
-        verification = _verify_import(source.tensors, tmp, progress)
+        verification = _verify_import(source.tensors, tmp, progress, source.objects)
         report = _report(src, dst, tmp, topo, source, output, planned, verification, started, estimate)
         (tmp / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
         _refuse_unequal(verification, dst)
@@ -204,12 +207,13 @@ def _trainer_must(convention: str, dst: Path) -> list[str]:
     return []
 
 
-def _target_topology(to: str) -> Topology:
-    """The target layout; only data-parallel targets are imported (tp/pp placements need the model's rules)."""
+def _target_topology(to: str, fmt: str = "reshard") -> Topology:
+    """The target layout; only data-parallel targets are imported (tp/pp placements need the model's rules),
+    and ``tp`` for a DeepSpeed import, whose source places each parameter by the shipped rules its names match."""
     from reshard.model.topology import parse_spec
 
     topo = parse_spec(to)
-    if topo.tp > 1 or topo.pp > 1:
+    if (topo.tp > 1 and fmt != "deepspeed") or topo.pp > 1:
         raise BadInput(f"import to tp={topo.tp}, pp={topo.pp} is not supported yet",
                        hint=f"Import to dp={topo.dp_shard} first, then `reshard convert DST OUT --to {to}` "
                             "(tensor/pipeline placements come from the model's partition rules).")
@@ -261,8 +265,10 @@ def _state_path(key: str) -> tuple[str, ...] | None:
     return None
 
 
-def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str) -> dict[str, str]:
-    """Write every planned chunk, read box by box from the source; returns the items' checksums."""
+def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str,
+                   objects: dict[str, tuple[tuple, Any]] | None = None) -> dict[str, str]:
+    """Write every planned chunk, read box by box from the source, then the source's objects (an optimizer's
+    param groups, written by rank 0 as DCP writes non-tensor values); returns the items' checksums."""
     from reshard.storage.dcp_writer import DcpWriter
 
     total = sum(_nbytes(p.src) for p in planned)
@@ -278,6 +284,8 @@ def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str) -
                     w.write_chunk(rank, s.key, box.offsets, s.read(box))
                 if bar is not None:
                     bar.update(_nbytes(s))
+        for key, (path, value) in sorted((objects or {}).items()):
+            w.write_object(0, key, value, path=path)
         w.finish()
     finally:
         w.close()
@@ -315,7 +323,7 @@ def _manifest(src: Path, source: Source, rules, topo: Topology, output: _Output)
                 "source_step": ess.get("step"), "source_tokens_seen": ess.get("tokens_seen"),
                 "source_topology": ess.get("topology")}
     return mf.Manifest(
-        experiment_id=output.experiment_id, step=0, tokens_seen=0, samples_seen=0, key_convention="reshard",
+        experiment_id=output.experiment_id, step=_source_step(source), tokens_seen=0, samples_seen=0, key_convention="reshard",
         topology=mtopo,
         batch=mf.Batch(micro_batch=None, grad_accum=None, seq_len=None, global_batch=None),
         accumulation=mf.Accumulation(micro_step=0, in_flight_grads=False),
@@ -324,7 +332,8 @@ def _manifest(src: Path, source: Source, rules, topo: Topology, output: _Output)
         model=mf.ModelInfo(family=str(ess.get("model_family") or "unknown"),
                            config=ess.get("model_config") if isinstance(ess.get("model_config"), dict) else {},
                            tied=source.tied_fqns()),
-        optimizer=mf.OptimizerInfo(name="unknown" if with_moments else "none", config={}),
+        optimizer=mf.OptimizerInfo(name=(str(ess.get("optimizer") or "unknown") if source.format == "deepspeed" else "unknown")
+                                 if with_moments else "none", config={}),
         scheduler=mf.SchedulerInfo(name="none", config={}, unit="steps"),
         data=mf.DataPosition(sampler="none", seed=0, epoch=0, cursor=0, dataset_len=0,
                              order="none: imported weights carry no data position"),
@@ -336,6 +345,13 @@ def _manifest(src: Path, source: Source, rules, topo: Topology, output: _Output)
                                  kind="warm_start", reason=output.reason)],
         writer=mf.Writer(tool=f"reshard {__version__}", torch=str(torch.__version__), time=output.stamp),
     )
+
+
+def _source_step(source: Source) -> int:
+    """The output's step: 0 for weights, the optimizer step a DeepSpeed import carries with its Adam state
+    (its step counters say it, and inspect checks the manifest against them)."""
+    step = source.essentials.get("step")
+    return step if source.format == "deepspeed" and isinstance(step, int) and source.with_moments else 0
 
 
 def _key_report(p: _Planned) -> dict[str, Any]:
@@ -381,8 +397,10 @@ def _refuse_unequal(verification: dict[str, Any], dst: Path) -> None:
                          hint="Nothing was committed. This is a bug in reshard; please report it.")
 
 
-def _verify_import(srcs: list[SourceTensor], out: Path, progress: Any = None) -> dict[str, Any]:
-    """Every written tensor read back through the DCP index (one at a time), bitwise against the source."""
+def _verify_import(srcs: list[SourceTensor], out: Path, progress: Any = None,
+                   objects: dict[str, tuple[tuple, Any]] | None = None) -> dict[str, Any]:
+    """Every written tensor read back through the DCP index (one at a time), bitwise against the source;
+    every object read back equal to its value."""
     from reshard.storage.index import CheckpointIndex
 
     ix = CheckpointIndex.open(out)
@@ -397,4 +415,7 @@ def _verify_import(srcs: list[SourceTensor], out: Path, progress: Any = None) ->
             del a, b
             if bar is not None:
                 bar.update(_nbytes(s))
-    return {"equal": not diffs, "tensors": len(srcs), "differences": diffs}
+    for key, (_path, value) in sorted((objects or {}).items()):
+        if ix.read_object(key) != value:
+            diffs.append(key)
+    return {"equal": not diffs, "tensors": len(srcs), "objects": len(objects or {}), "differences": diffs}
