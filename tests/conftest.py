@@ -75,10 +75,12 @@ def _shared_checkpoints_unchanged():
 # `--dist loadfile` a module runs on one worker, and a long one begun last would leave the
 # other core idle at the end of the run (longest-first scheduling).
 SLOWEST_FIRST = [
-    "test_faults", "test_rehearse", "test_torchtitan_data", "test_hostile_distributed", "test_slice", "test_resume", "test_first_line",
+    "test_faults", "test_rehearse", "test_torchtitan_data", "test_interop_torchtitan_pp", "test_hostile_distributed", "test_slice",
+    "test_resume", "test_first_line", "test_layout_ambiguity", "test_interop_torchtitan_moe",
     "test_progress", "test_convert", "test_tp_pp", "test_reference_pipeline", "test_distributed",
     "test_rehearse_trainer", "test_hf_roundtrip", "test_reference_trainer", "test_preflight", "test_cli_validation",
     "test_fuzz", "test_hostile_errors", "test_interop_accelerate", "test_interop_lightning", "test_data_link",
+    "test_interop_torchtune", "test_interop_deepspeed",
 ]
 
 

@@ -52,12 +52,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchtitan_run import (  # noqa: E402  the llama3 writer's data set, state and comparisons
     BATCH, SEQ, TOTAL_STEPS, Job, assemble, compare, load_on_every_rank, materialise, run_and_exit,
-    snapshot,
+    snapshot, train,
 )
 
 DIM = 64
@@ -123,22 +122,6 @@ def build(dump: Path, ep: int, exclude: list[str], *, n_experts: int = EXPERTS, 
     materialise([model])
     return assemble([model], parallel_dims, dump, exclude, steps=steps, batch=BATCH,
                     after_optimizers=lambda opts: register_moe_load_balancing_hook(opts, [model], parallel_dims))
-
-
-def train(job: Job, steps: int) -> None:
-    """torchtitan's train_step reduced to its state-changing calls (as in torchtitan_run.train)."""
-    it = iter(job.dataloader)
-    for _ in range(steps):
-        job.train_state.step += 1
-        input_dict, labels = next(it)
-        job.optimizers.zero_grad()
-        with job.train_context():
-            logits = job.model(input_dict["input"])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-            loss.backward()
-        job.train_state.ntokens_seen += labels.numel()
-        job.optimizers.step()
-        job.lr_schedulers.step()
 
 
 def layout(job: Job) -> dict[str, Any]:
