@@ -251,23 +251,29 @@ def _topology(ix: Any, mdict: dict[str, Any], keys: list[str], from_spec: str | 
     return topo
 
 
+def chunk_writers(ix: Any, key: str) -> list[int]:
+    """The writer rank of each chunk of tensor ``key``, in chunk order (-1: no storage, or a file named
+    by no rank), from the data file names (``ix.writer_of``); every chunk -1 for an index without them."""
+    e = ix.entries[key]
+    t = ChunkTable.of(e.chunks, len(e.shape))
+    writer_of = getattr(ix, "writer_of", lambda _f: None)
+    by_file = {i: (w if 0 <= i < len(t.files) and (w := writer_of(t.files[i])) is not None else -1)
+               for i in np.unique(t.file).tolist()}
+    return [by_file[int(i)] for i in t.file]
+
+
 def _pipeline_or(topo: topo_mod.Topology, ix: Any, cls: Classification) -> topo_mod.Topology:
     """An inferred layout whose extra writers may be replicas or pipeline stages, read as stages where
     the parameters' and moments' writers show them (`reshard.semantics.pipeline`), else unchanged."""
     candidates = [topo_mod.parse_spec(a) for a in topo.alternatives if a.startswith("pp=")]
     if topo.dp_replicate > 1 and topo.cp == topo.pp == 1:
         candidates.insert(0, topo_mod.Topology(pp=topo.dp_replicate, dp_shard=topo.dp_shard, tp=topo.tp))
-    writer_of = getattr(ix, "writer_of", None)
-    if not candidates or writer_of is None:
+    if not candidates or getattr(ix, "writer_of", None) is None:
         return topo
     writers_of: dict[tuple[str, str], set[int]] = {}
     for key, role in cls.roles.items():
         if role.param and role.role in ("parameter", "optimizer_moment") and ix.entries[key].is_tensor:
-            e = ix.entries[key]
-            t = ChunkTable.of(e.chunks, len(e.shape))
-            files = [t.files[i] if 0 <= i < len(t.files) else None for i in np.unique(t.file).tolist()]
-            ranks = {w if f is not None and (w := writer_of(f)) is not None else -1 for f in files}
-            writers_of.setdefault((role.role, role.param), set()).update(ranks)
+            writers_of.setdefault((role.role, role.param), set()).update(chunk_writers(ix, key))
     params = {name: w for (r, name), w in writers_of.items() if r == "parameter"}
     moments = {name: w for (r, name), w in writers_of.items() if r == "optimizer_moment"}
     for cand in candidates:

@@ -24,6 +24,7 @@ from reshard.model.checkpoint import ChunkTable
 from reshard.model.plan import TensorPlan
 from reshard.semantics import slicing as slicing_mod
 from reshard.patterns import compile_pattern
+from reshard.planning.describe import chunk_writers
 from reshard.semantics.rules import select as select_rules
 
 
@@ -85,15 +86,10 @@ def _holdings(boxes: Sequence[tuple[int, int, int]]) -> tuple[Holding, ...]:
 
 
 def _source_boxes(ix: Any, key: str, dim: int) -> list[tuple[int, int, int]]:
+    """(first expert, count, writer rank) of each stored piece of ``key`` along the expert axis ``dim``."""
     e = ix.entries[key]
     t = ChunkTable.of(e.chunks, len(e.shape))
-    writer_of = getattr(ix, "writer_of", lambda _f: None)
-    out = []
-    for i in range(len(t.offsets)):
-        f = int(t.file[i])
-        w = writer_of(t.files[f]) if 0 <= f < len(t.files) else None
-        out.append((int(t.offsets[i][dim]), int(t.sizes[i][dim]), -1 if w is None else int(w)))
-    return out
+    return [(int(t.offsets[i][dim]), int(t.sizes[i][dim]), w) for i, w in enumerate(chunk_writers(ix, key))]
 
 
 def expert_map(ix: Any, cls: Any, mdict: dict[str, Any], rules_file: str | None,
