@@ -15,20 +15,13 @@ from pathlib import Path
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.semantics.schedule import POLICIES as SCHEDULES
 from reshard.storage import urls
+from reshard.model.kinds import (CONTROLS, DATA_POLICIES, DTYPES, EXPORT_FORMATS, ONLY, RNG_POLICIES, DataMode,
+                                 OutputFormat)
+from reshard.model.kinds import SCHEDULE_POLICIES as SCHEDULES
 
-# reshard.semantics.rng.POLICIES, which imports torch: tests/test_cli_validation.py checks they agree
-RNG_POLICIES = ("carry", "reseed", "drop")
-# reshard.semantics.data.POLICIES, whose module brings pickle, RE2 and safefs (~20 ms of every command's
-# start, a missing path's included: issue 33): tests/test_cli_fast_parse.py checks they agree
-DATA_POLICIES = ("translate", "restart-epoch", "drop")
-DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
-ONLY = ("model", "model+optim")
-OUTPUT_FORMATS = ("dcp", "local")
-DATA_MODES = ("copy", "link")
-EXPORT_FORMATS = ("safetensors", "torch", "hf")
-CONTROLS = ("relaunch", "naive-state", "none")
+OUTPUT_FORMATS = tuple(OutputFormat)
+DATA_MODES = tuple(DataMode)
 
 __all__ = ["is_url", "check_source", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",

@@ -35,11 +35,12 @@ import numpy as np
 
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
+from reshard.model.kinds import DataMode
 from reshard.storage.index import RANK_FILE
 
 __all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
 
-DATA_MODES = ("copy", "link")
+DATA_MODES = tuple(DataMode)
 LINK_PREFIX = "linked"
 SHARED_NOTE = ("data files are shared with the source: a hard link is the same inode (a later in-place write to "
                "the source's file changes this checkpoint too), a reflink is an independent copy-on-write clone; "

@@ -98,8 +98,9 @@ from reshard.errors import BadInput, UnsafeInput
 from reshard.paths import formats_root
 from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
+from reshard.model.kinds import DATA_POLICIES
 
-POLICIES = ("translate", "restart-epoch", "drop")
+POLICIES = DATA_POLICIES
 
 
 @dataclass

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from reshard.errors import BadInput
+from reshard.model.kinds import RNG_POLICIES
 
-POLICIES = ("carry", "reseed", "drop")
+POLICIES = RNG_POLICIES
 
 
 @dataclass

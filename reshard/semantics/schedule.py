@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import BadInput
+from reshard.model.kinds import SCHEDULE_POLICIES
 
-POLICIES = ("steps", "tokens")
+POLICIES = SCHEDULE_POLICIES
 
 
 @dataclass

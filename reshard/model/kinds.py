@@ -1,0 +1,70 @@
+"""The vocabularies every layer shares, declared once: what a plan does with a key, and the
+choices a user may name on the command line.
+
+They sit at the bottom (no torch, no other module of reshard) so that the argument checks,
+which run before any heavy import, the planner, the engine and the renderers all compare
+against the same values: a kind is a member here, never a string spelled again elsewhere
+(`tests/test_typed_seams.py` reads the code for string comparisons of an action). Each enum
+is a `StrEnum`, so its members are the strings that plans, reports and lineages have always
+written: JSON, fingerprints and reports are unchanged.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+
+class Action(StrEnum):
+    """What a plan does with one source key (`reshard.model.plan.KeyAction.action`)."""
+
+    RESHARDED = "resharded"  # a tensor re-cut into the target's chunks
+    CARRIED = "carried"      # written unchanged (an object, a replicated tensor, a per-rank state)
+    REWRITTEN = "rewritten"  # a new value written in its place (a reseeded RNG, a translated loader state)
+    DROPPED = "dropped"      # left out of the output, by a named policy
+    ADDED = "added"          # a key the source lacks, written by the plan
+
+
+EXPECTED_DIFFERENCES = (Action.REWRITTEN, Action.DROPPED, Action.ADDED)
+"""The actions whose key differs from the source on purpose: verification excuses exactly these."""
+
+
+class OutputFormat(StrEnum):
+    """``convert --output-format``: a DCP checkpoint, or one safetensors file per target rank."""
+
+    DCP = "dcp"
+    LOCAL = "local"
+
+
+class DataMode(StrEnum):
+    """``convert --data``: write every byte new, or share the source's data files."""
+
+    COPY = "copy"
+    LINK = "link"
+
+
+SchedulePolicy = Literal["steps", "tokens"]
+SCHEDULE_POLICIES: tuple[str, ...] = ("steps", "tokens")
+"""``--schedule``: what the LR schedule counts when the global batch changes (`reshard.semantics.schedule`)."""
+
+DataPolicy = Literal["translate", "restart-epoch", "drop"]
+DATA_POLICIES: tuple[str, ...] = ("translate", "restart-epoch", "drop")
+"""``--data-policy``: what becomes of per-rank data-loader state (`reshard.semantics.data`)."""
+
+RngPolicy = Literal["carry", "reseed", "drop"]
+RNG_POLICIES: tuple[str, ...] = ("carry", "reseed", "drop")
+"""``--rng-policy``: RNG state carried, reseeded per rank, or dropped (`reshard.semantics.rng`)."""
+
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+"""``--dtype``: the floating types a reduced copy may be cast to."""
+
+ONLY: tuple[str, ...] = ("model", "model+optim")
+"""``--only``: what a reduced copy keeps."""
+
+EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "torch", "hf")
+"""``export --format``."""
+
+CONTROLS: tuple[str, ...] = ("relaunch", "naive-state", "none")
+"""``rehearse --control``: the run a rehearsal's converted run is compared with."""
+
+PROGRESS_MODES: tuple[str, ...] = ("auto", "json", "none")
+"""``--progress``."""
