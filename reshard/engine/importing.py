@@ -311,7 +311,7 @@ def _nbytes(s: SourceTensor) -> int:
 
 def _manifest(src: Path, source: Source, rules, topo: Topology, output: _Output):
     """The output's manifest: step 0 of a new experiment, a warm start, the source recorded in its lineage."""
-    from reshard import __version__
+    from reshard.version import __version__
     from reshard.semantics import manifest as mf
 
     ess = source.essentials

@@ -52,7 +52,7 @@ def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp") -> Resum
     else decides the bytes written."""
     from importlib.metadata import version
 
-    from reshard import __version__
+    from reshard.version import __version__
 
     # torch's version from its installed metadata (what torch.__version__ says) without importing it
     return ResumeKey(plan=plan if isinstance(plan, str) else plan.fingerprint(), source=source_identity(src),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard import __version__
+from reshard.version import __version__
 from reshard.model.layout import Placement
 from reshard.model.topology import Topology
 

@@ -413,7 +413,7 @@ class Writer:
 
     @classmethod
     def current(cls, tool: str | None = None) -> "Writer":
-        from reshard import __version__
+        from reshard.version import __version__
         return cls(tool=tool or f"reshard {__version__}", torch=torch_version())
 
 

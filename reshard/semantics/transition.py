@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from reshard import __version__
+from reshard.version import __version__
 from reshard.semantics import manifest as mf
 from reshard.semantics.rules import shipped
 from reshard.model.plan import Plan
