@@ -31,20 +31,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypedDict, TypeVar, Union
+from typing import Any, Callable, TypedDict, TypeVar, Union
 
 from reshard import arguments as args
 from reshard.errors import BadInput, Incomplete, Infeasible, ReshardError, UnsafeInput, from_os_error
 from reshard.model.inspection import Inspection
 from reshard.model.plan import PLAN_VERSION, SLICE_OPTIONS, Options, Plan
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
+from reshard.render.progress import Progress
 
-    from reshard.render.progress import Progress
+try:  # ``**options: Unpack[PlanOptions]``: keyword options typed by a TypedDict (PEP 692)
+    from typing import Unpack
+except ImportError:  # Python 3.10
+    from typing_extensions import Unpack
 
 __all__ = ["inspect", "plan", "convert", "verify", "export", "import_", "estimate", "Inspection", "Plan", "Options",
            "PlanOptions", "ReshardError", "BadInput", "Incomplete", "UnsafeInput", "Infeasible", "ReshardWarning"]
@@ -104,19 +107,27 @@ _GIVEN_NAMES = {"convention": "conventions", "tie": "ties"}  # flag name -> `Giv
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _reshard_errors(fn: _F) -> _F:
-    """An ``OSError`` nothing below mapped leaves as the `BadInput` the CLI prints for it (exit 2)."""
+def _api_call(fn: _F) -> _F:
+    """An API function as the CLI runs its command: an ``OSError`` nothing below mapped leaves as the
+    `BadInput` the CLI prints for it (exit 2), and the object items ``trust_pickle`` let unpickle
+    with arbitrary classes are named once, as the CLI's last ``warning:`` line names them (a
+    `ReshardWarning` here), whether the call succeeded or not."""
     @functools.wraps(fn)
     def wrapped(*a: Any, **kw: Any) -> Any:
         try:
             return fn(*a, **kw)
         except OSError as exc:
             raise from_os_error(exc) from exc
+        finally:
+            dcp = sys.modules.get("reshard.storage.dcp")  # not imported: nothing was unpickled
+            line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
+            if line:
+                warnings.warn(line.removeprefix("warning: "), ReshardWarning, stacklevel=2)
 
     return wrapped  # type: ignore[return-value]
 
 
-@_reshard_errors
+@_api_call
 def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None, trust_pickle: bool = False,
             convention: PathLike | Iterable[PathLike] = (), tie: str | Iterable[str | tuple[str, str]] = (),
             profile: PathLike | None = None, no_profile: bool = False,
@@ -142,7 +153,7 @@ def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None,
         return run_inspect(root, _plan_options(root, None, given), deep=deep, progress=progress)
 
 
-@_reshard_errors
+@_api_call
 def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """What ``reshard plan PATH --to TO`` decides, without writing anything: the `Plan`.
 
@@ -171,7 +182,7 @@ def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options
             return make_plan(root, opts)
 
 
-@_reshard_errors
+@_api_call
 def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
             plan: Plan | Mapping[str, Any] | PathLike | None = None, output_format: str = "dcp", data: str = "copy",
             threads: int | None = None, buffer_memory: int | None = None, buffered: bool = False,
@@ -246,7 +257,7 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
     return done.report
 
 
-@_reshard_errors
+@_api_call
 def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, trust_pickle: bool = False,
            strict: bool = False, buffered: bool = False, progress: Progress | None = None) -> dict[str, Any]:
     """What ``reshard verify A B`` finds: the two checkpoints compared in global terms, whatever their chunking.
@@ -271,7 +282,7 @@ def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, tr
     return result
 
 
-@_reshard_errors
+@_api_call
 def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: str | int = "5GB", rename: PathLike | None = None,
            model_config: Mapping[str, Any] | Iterable[str] | None = None, profile: PathLike | None = None,
@@ -304,7 +315,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
                           overwrite=overwrite, force=force, progress=progress)
 
 
-@_reshard_errors
+@_api_call
 def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike | None = None,
             format: str = "reshard", experiment_id: str | None = None, overwrite: bool = False, force: bool = False,
             progress: Progress | None = None) -> dict[str, Any]:
@@ -322,7 +333,7 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
                       experiment_id=experiment_id, overwrite=overwrite, force=force, progress=progress)
 
 
-@_reshard_errors
+@_api_call
 def estimate(plan: Plan, dst: PathLike) -> dict[str, Any]:
     """Whether the conversion ``plan`` describes fits at ``dst``, and about how long it takes (``plan --dst``).
 

@@ -185,3 +185,62 @@ def test_the_package_facade():
     assert set(reshard.__all__) <= set(dir(reshard))
     with pytest.raises(AttributeError):
         reshard.no_such_function  # noqa: B018
+
+
+# The CLI's flags that only a terminal has: the output's form (--json, --verbose), progress on stderr,
+# plan's --dst (`reshard.estimate`) and --tensors-out (`Plan.write_tensors`), convert's --workers
+# (it relaunches the command line) and the old name --window.
+CLI_ONLY = {"json", "quiet", "verbose", "progress", "dst", "tensors_out", "workers", "window"}
+
+
+def test_each_verb_takes_the_cli_options_named_as_its_flags():
+    """The API's keywords are the CLI's long flags in snake_case, verb by verb, so a flag added to
+    the CLI without its keyword (or the reverse) fails here. ``plan`` also takes ``dtype`` and
+    ``only``: the plan of a reduced copy, which `convert` would make from those flags."""
+    import inspect as pyinspect
+
+    import typer.main
+
+    from reshard.cli import app
+
+    group = typer.main.get_command(app)
+
+    def flags(verb: str) -> set[str]:
+        out = set()
+        for param in group.commands[verb].params:
+            if param.param_type_name == "option":
+                flag = next(o for o in param.opts if o.startswith("--"))
+                out.add({"--from": "from_spec"}.get(flag, flag[2:].replace("-", "_")))
+        return out - CLI_ONLY
+
+    def keywords(fn) -> set[str]:
+        params = pyinspect.signature(fn).parameters.values()
+        out = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            out |= set(reshard.PlanOptions.__annotations__)
+        return out - {"progress"}
+
+    for verb, fn, extra in (("inspect", reshard.inspect, set()), ("plan", reshard.plan, {"dtype", "only"}),
+                            ("convert", reshard.convert, set()), ("verify", reshard.verify, set()),
+                            ("export", reshard.export, set()), ("import", reshard.import_, set())):
+        assert keywords(fn) == flags(verb) | extra, (verb, keywords(fn) ^ (flags(verb) | extra))
+
+
+def test_the_api_plans_what_the_cli_plans(plain_fsdp2_ckpt, capsys):
+    """The same options given as keywords and as flags make the same plan: `Plan.to_dict()` is
+    `reshard plan --json` (fingerprint included), and the failing options fail alike."""
+    from conftest import run_cli
+
+    flags = ["--micro-batch", "2", "--source-micro-batch", "2", "--source-grad-accum", "2", "--seed", "0",
+             "--rng-policy", "reseed", "--keep", "^nothing$=no such key", "--drop", "^nor$", "--schedule", "steps"]
+    code, out, _ = run_cli(["plan", plain_fsdp2_ckpt, "--to", "dp=2", "--json", *flags], capsys)
+    p = reshard.plan(plain_fsdp2_ckpt, to="dp=2", micro_batch=2, source_micro_batch=2, source_grad_accum=2, seed=0,
+                     rng_policy="reseed", keep="^nothing$=no such key", drop=["^nor$"], schedule="steps")
+    assert code == (0 if p.feasible else 1)
+    assert json.loads(out) == json.loads(json.dumps(p.to_dict(tensors="auto")))
+    assert p.options.seed == 0 and p.options.keep == ["^nothing$"]
+
+    code, _, err = run_cli(["plan", plain_fsdp2_ckpt, "--to", "dp=2,pp=2"], capsys)
+    with pytest.raises(BadInput) as caught:
+        reshard.plan(plain_fsdp2_ckpt, to="dp=2,pp=2")
+    assert code == caught.value.exit_code == 2 and err == f"error: {caught.value}\n"
