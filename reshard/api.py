@@ -40,8 +40,8 @@ from typing import Any, Callable, TypedDict, TypeVar, Union
 from reshard import arguments as args
 from reshard.errors import BadInput, Incomplete, Infeasible, ReshardError, UnsafeInput, from_os_error
 from reshard.model.inspection import Inspection
+from reshard.model.kinds import DataPolicy, RngPolicy, SchedulePolicy
 from reshard.model.plan import PLAN_VERSION, SLICE_OPTIONS, Options, Plan
-
 from reshard.render.progress import Progress
 
 try:  # ``**options: Unpack[PlanOptions]``: keyword options typed by a TypedDict (PEP 692)
@@ -72,9 +72,9 @@ class PlanOptions(TypedDict, total=False):
     source_grad_accum: int              # --source-grad-accum (>= 1)
     source_seq_len: int                 # --source-seq-len (>= 1)
     source_global_batch: int            # --source-global-batch (>= 1)
-    schedule: str                       # --schedule: steps | tokens
-    data_policy: str                    # --data-policy: translate | restart-epoch | drop
-    rng_policy: str                     # --rng-policy: carry | reseed | drop
+    schedule: SchedulePolicy            # --schedule: steps | tokens
+    data_policy: DataPolicy             # --data-policy: translate | restart-epoch | drop
+    rng_policy: RngPolicy               # --rng-policy: carry | reseed | drop
     seed: int                           # --seed (>= 0)
     trust_pickle: bool                  # --trust-pickle
     rules: PathLike                     # --rules: a shipped family or a rules TOML
@@ -340,11 +340,17 @@ def estimate(plan: Plan, dst: PathLike) -> dict[str, Any]:
     Reads metadata only, plus two short probes (a read of the source, a write beside ``dst``,
     removed after). Returns the figures ``plan --dst`` prints: ``needed_bytes``, ``free_bytes``,
     ``enough``, the time estimate, and ``warning`` (one paragraph, or None when there is room).
-    Never refuses: `convert` refuses a destination without room (unless ``force``).
+    Never refuses: `convert` refuses a destination without room (unless ``force``). A source in
+    object storage is listed again (the plan's own staged copy went when `plan` returned).
     """
     from reshard.engine.space import space_check
+    from reshard.planning.options import source_dir
+    from reshard.storage.hf_dcp import open_source
 
-    return space_check(plan, _source_text(dst), probe=True)
+    src = str(plan.source["path"])
+    with source_dir(src) as root:
+        index = open_source(root, trust_pickle=plan.options.trust_pickle) if args.is_url(src) else None
+        return space_check(plan, _source_text(dst), index=index, probe=True)
 
 
 def _plan_options(root: Path, to: str | None, given: Mapping[str, Any]) -> Options:

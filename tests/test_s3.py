@@ -563,3 +563,22 @@ def test_inspect_and_plan_of_a_store_import_no_torch(plain_url):
                        env=os.environ, timeout=300)
     assert "exit inspect 0" in r.stderr and "exit plan 0" in r.stderr, r.stderr
     assert "torch imported: False" in r.stderr, r.stderr
+
+
+def test_the_python_api_reads_and_converts_from_the_store(s3, plain_fsdp2_ckpt, plain_url, local_dp2, tmp_path):
+    """`reshard.inspect`, `plan`, `estimate` and `convert(plan, dst)` (docs/api.md) take the URL as the
+    CLI does: the same plan JSON as `plan URL --json`, the output byte-identical to converting the
+    local copy, and the URL recorded (each call stages the source again; the plan keeps no staged copy)."""
+    import reshard
+
+    ins = reshard.inspect(plain_url)
+    assert ins.exit_code == 0 and ins.report["path"] == plain_url
+    p = reshard.plan(plain_url, to="dp=2")
+    code, out, err = cli(["plan", plain_url, "--to", "dp=2", "--json"])
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(p.to_dict(tensors="auto"))), err
+    assert p.source["path"] == plain_url
+    room = reshard.estimate(p, tmp_path / "out")
+    assert room["enough"] and room["needed_bytes"] > 0
+    report = reshard.convert(p, tmp_path / "out")
+    assert report["source"] == plain_url and report["verification"]["equal"]
+    assert _data_files(tmp_path / "out") == _data_files(local_dp2)
