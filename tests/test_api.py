@@ -58,7 +58,7 @@ def examples(plain_fsdp2_ckpt, tmp_path_factory) -> tuple[dict, str]:
 def test_the_documented_examples_run_and_say_what_the_docs_say(examples, plain_fsdp2_ckpt):
     ns, printed = examples
     work = ns["_work"]
-    assert len(_blocks()) >= 8
+    assert len(_blocks()) >= 9
     # plan: a feasible plan whose verdict and kept state are what `reshard plan --json` prints
     p = ns["p"]
     assert isinstance(p, reshard.Plan) and p.feasible
@@ -73,6 +73,7 @@ def test_the_documented_examples_run_and_say_what_the_docs_say(examples, plain_f
     assert ns["result"]["equal"] is True and ns["result"]["differences"] == []
     # the launcher converted (the source is dp=4) and resumes from its output
     assert ns["resume_from"] == "out/step-200-dp2" and "resume from out/step-200-dp2" in printed
+    assert re.search(r"^resuming out/step-200-dp2: step \d+, 2 ranks \(dp_shard=2\)$", printed, re.M), printed
     # the reviewed plan executed exactly: same fingerprint, dp=3 written
     assert "True" in printed and (work / "out" / "step-200-dp3" / ".metadata").is_file()
     assert json.loads((work / "plan.json").read_text())["fingerprint"] == ns["p"].fingerprint()
