@@ -392,7 +392,7 @@ def test_atomic_overwrite_replaces_entirely(tmp_path, monkeypatch, exchange):
     (dst / "sub").mkdir()
     (dst / "sub" / "deep").write_text("old")
     # an arbitrary temporary tree, not a checkpoint: the caller's rule allows replacing it
-    with atomic_directory(dst, overwrite=True, replaceable=lambda p: True) as tmp:
+    with atomic_directory(dst, overwrite=True, replaceable=lambda p: None) as tmp:
         assert (dst / "old").exists()  # old output stays visible while writing
         (tmp / "new").write_text("new")
     assert sorted(p.name for p in dst.iterdir()) == ["new"]
@@ -400,19 +400,26 @@ def test_atomic_overwrite_replaces_entirely(tmp_path, monkeypatch, exchange):
 
 
 def test_atomic_overwrite_replaces_only_what_its_rule_allows(tmp_path):
-    """By default only a checkpoint (here one DcpWriter wrote) is replaced; a user's file makes it refuse,
-    naming the file, before anything is created; a caller's ``replaceable`` rule is obeyed either way."""
+    """The commands' policy (`why_not_replaceable`) replaces only a checkpoint (here one DcpWriter wrote); a
+    user's file makes it refuse, naming the file, before anything is created; any caller's policy is obeyed
+    and quoted; ``overwrite`` without a policy is a programming error, and deletes nothing."""
+    from reshard.storage.replaceable import why_not_replaceable
+
     dst = tmp_path / "out"
     dst.mkdir()
     _write_sample(dst)
     (dst / "notes.txt").write_text("mine")
-    for rule, words in ((None, "notes.txt"), (lambda p: False, "caller's rule")):
+    for rule, words in ((why_not_replaceable, "notes.txt"), (lambda p: "the caller's rule says no", "caller's rule says no")):
         with pytest.raises(BadInput, match=words):
             with atomic_directory(dst, overwrite=True, replaceable=rule):
                 pytest.fail("must not enter")
         assert (dst / "notes.txt").read_text() == "mine" and _leftovers(tmp_path, "out") == []
+    with pytest.raises(TypeError, match="replaceable="):
+        with atomic_directory(dst, overwrite=True):
+            pytest.fail("must not enter")
+    assert (dst / "notes.txt").read_text() == "mine" and _leftovers(tmp_path, "out") == []
     (dst / "notes.txt").unlink()
-    with atomic_directory(dst, overwrite=True) as tmp:
+    with atomic_directory(dst, overwrite=True, replaceable=why_not_replaceable) as tmp:
         (tmp / "new").write_text("new")
     assert sorted(p.name for p in dst.iterdir()) == ["new"]
 
@@ -422,7 +429,7 @@ def test_atomic_overwrite_failure_keeps_old(tmp_path):
     dst.mkdir()
     (dst / "old").write_text("old")
     with pytest.raises(KeyError):
-        with atomic_directory(dst, overwrite=True, replaceable=lambda p: True) as tmp:
+        with atomic_directory(dst, overwrite=True, replaceable=lambda p: None) as tmp:
             (tmp / "new").write_text("new")
             raise KeyError("x")
     assert sorted(p.name for p in dst.iterdir()) == ["old"]

@@ -68,6 +68,7 @@ from reshard.engine.space import conversion_preflight
 from reshard.storage.integrity import is_space_error, out_of_space
 from reshard.storage.integrity import record as integrity_record
 from reshard.storage.atomic import atomic_directory, check_destination, fault_point
+from reshard.storage.replaceable import why_not_replaceable
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.storage.journal import Journal
 from reshard.engine.resume import resume_key
@@ -158,7 +159,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
     started = _time.time()
     stamp = now_text()
     journal = Journal(resume_key(plan, src), restart=restart)
-    with atomic_directory(dst, overwrite=overwrite, reuse=journal.choose) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable, reuse=journal.choose) as tmp:
         journal.begin(tmp)
         for key, equal_to in plan.checks.items():
             from reshard.storage.index import bitwise_equal
@@ -233,7 +234,7 @@ def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, ove
     from reshard.engine.local_output import write_local
 
     started = _time.time()
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
         with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
             info = write_local(plan, ix, tmp, progress=bar, total_bytes=writing_bytes(plan, ix))
         carried = carry_sidecars(plan, ix, src, tmp)

@@ -221,6 +221,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
     from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest,
                                         verify_output, write_reports)
     from reshard.storage.atomic import atomic_directory, fault_point
+    from reshard.storage.replaceable import why_not_replaceable
     from reshard.storage.integrity import record as integrity_record
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
     from reshard.semantics.manifest import write_manifest
@@ -239,7 +240,7 @@ def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: in
         journal = Journal(resume_key(plan, src), restart=restart)
         if lead:
             try:
-                made = stack.enter_context(atomic_directory(dst, overwrite=overwrite, reuse=journal.choose,
+                made = stack.enter_context(atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable, reuse=journal.choose,
                                                             keep=_peer_lost))
                 journal.begin(made)  # a reused directory is cleaned, a new one gets its key, before anyone writes
                 msg = [{"ok": True, "tmp": str(made), "resumed": journal.resumed, "message": journal.message}]

@@ -131,6 +131,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     """
     from reshard.semantics.conventions import classify, reshard_key
     from reshard.storage.atomic import atomic_directory, check_destination, output_path
+    from reshard.storage.replaceable import why_not_replaceable
     from reshard.storage.local_format import open_any
     from reshard.semantics.manifest import read_manifest
 
@@ -189,7 +190,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
                          sources=[src], force=force, what="the export", progress=progress)
     if kept is not None:
         estimate["read_cache_bytes"] = kept
-    with space_errors(dst, needed, "the export"), atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, needed, "the export"), atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
         source_keys = [it.key for shard in shards for it in shard if it.key in ix.entries]
         with phase_of(progress, "writing", total) as bar, \
                 ix.reading_ahead(source_keys, in_flight=8, memory=256 << 20, label="export"):  # a store: fetched ahead

@@ -124,6 +124,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     from reshard.planning.export import RenameRules
     from reshard.semantics import manifest as mf
     from reshard.storage.atomic import atomic_directory, check_destination
+    from reshard.storage.replaceable import why_not_replaceable
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
     from reshard.storage.integrity import record as integrity_record
 
@@ -137,7 +138,7 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     estimate = import_preflight(src, dst, planned, force=force, progress=progress)
-    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to, source.objects)
         manifest = _manifest(src, source, rules, topo, output)
         manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM)
@@ -157,6 +158,7 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
     from reshard.model.topology import parse_spec
     from reshard.semantics import manifest as mf
     from reshard.storage.atomic import atomic_directory, check_destination
+    from reshard.storage.replaceable import why_not_replaceable
     from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
     from reshard.storage.integrity import record as integrity_record
 
@@ -176,7 +178,7 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
     output = _output(src, source, to, experiment_id)
     planned = _plan_layout(source.tensors, topo)
     estimate = import_preflight(src, dst, planned, force=force, progress=progress)
-    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite) as tmp:
+    with space_errors(dst, estimate["needed_bytes"], "the import"), atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
         checksums = _write_tensors(tmp, planned, progress, to)
         manifest = _manifest(src, source, None, topo, output)
         manifest.key_convention = mapping.native_convention

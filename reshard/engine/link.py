@@ -21,6 +21,7 @@ from reshard.storage.integrity import record as integrity_record
 from reshard.storage.dcp import check_loadable
 from reshard.storage import dcp as dcp_io
 from reshard.storage.atomic import atomic_directory, fault_point
+from reshard.storage.replaceable import why_not_replaceable
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.semantics.manifest import write_manifest
 from reshard.planning import linking
@@ -52,7 +53,7 @@ def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
     if not layout.available:
         raise BadInput("--data link cannot be used for this conversion: " + "; ".join(layout.reasons),
                        where=str(src), hint="Use --data copy (the default), which writes every byte new.")
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
         for key, equal_to in plan.checks.items():
             from reshard.storage.index import bitwise_equal
 

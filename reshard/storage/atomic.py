@@ -10,10 +10,12 @@ Two runs into the same ``dst`` exclude each other with an ``flock`` on a lock fi
 ``.{dst.name}.reshard-lock`` in the parent directory; the second run fails at once with
 `BadInput` instead of waiting.
 
-``overwrite=True`` replaces only a checkpoint or an earlier reshard output
-(`reshard.storage.replaceable`, the rule in ``formats/replaceable.toml``): a folder holding
-anything else is refused naming what would be lost, so ``--overwrite`` never deletes a user's
-files without a word. Replacing a non-empty ``dst`` first tries the Linux
+``overwrite=True`` replaces only what the caller's overwrite policy (``replaceable=``, an
+`OverwritePolicy`) lets it: every command passes `reshard.storage.replaceable.why_not_replaceable`
+(a checkpoint or an earlier reshard output, by ``formats/replaceable.toml``), so a folder holding
+anything else is refused naming what would be lost and ``--overwrite`` never deletes a user's
+files without a word. This module applies the policy it is given and imports none: what may be
+replaced is a rule about a user's files, a directory appearing atomically is a mechanism. Replacing a non-empty ``dst`` first tries the Linux
 ``renameat2(RENAME_EXCHANGE)`` system call, which swaps the two directories in one atomic
 step. Where that is unavailable (other kernels/filesystems, e.g. NFS) it falls back to two
 renames: old ``dst`` to a trash name, then the new directory to ``dst``. In that fallback
@@ -59,10 +61,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from reshard.errors import BadInput
-from reshard.storage.replaceable import survey
 
-__all__ = ["atomic_directory", "check_destination", "output_path", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
+__all__ = ["atomic_directory", "OverwritePolicy", "check_destination", "output_path", "fsync_dir", "fsync_file", "fsync_tree", "fault_point", "journal_dir",
            "reclaimable_bytes", "stale_temporaries", "committed", "forget_commits", "identity", "what_is_left"]
+
+#: What ``--overwrite`` may replace: called with an occupied destination, it returns None when the
+#: destination may be deleted and replaced, else the words saying why not (the refusal quotes them).
+OverwritePolicy = Callable[[Path], str | None]
 
 _TMP_TAG = ".reshard-tmp-"
 _TRASH_TAG = ".reshard-trash-"
@@ -168,18 +173,15 @@ def _refuse(dst: Path) -> BadInput:
     )
 
 
-def _check_replaceable(dst: Path, replaceable: Callable[[Path], bool] | None) -> None:
-    """`BadInput` unless ``--overwrite`` may delete what is at ``dst``: by default a checkpoint or an earlier
-    reshard output (`reshard.storage.replaceable`), naming the first files that would be lost."""
-    if replaceable is not None:
-        if replaceable(dst):
-            return
-        why = "the caller's rule does not let it be replaced"
-    else:
-        found = survey(dst)
-        if found.replaceable:
-            return
-        why = found.describe()
+def _check_replaceable(dst: Path, replaceable: OverwritePolicy | None) -> None:
+    """`BadInput` unless the caller's overwrite policy lets ``--overwrite`` delete what is at ``dst``
+    (the commands': a checkpoint or an earlier reshard output), quoting the policy's reason."""
+    if replaceable is None:  # a programming error, not a user's: --overwrite without a rule deletes nothing
+        raise TypeError("atomic_directory(overwrite=True) needs replaceable=, the policy of what --overwrite may "
+                        "replace (reshard.storage.replaceable.why_not_replaceable)")
+    why = replaceable(dst)
+    if why is None:
+        return
     raise BadInput(
         f"--overwrite will not replace this output: {why}",
         where=str(dst),
@@ -362,15 +364,15 @@ def _clean_stale(parent: Path, name: str, keep: Path | None = None) -> None:
 def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
                      reuse: Callable[[list[Path]], Path | None] | None = None,
                      keep: Callable[[BaseException], bool] | None = None,
-                     replaceable: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+                     replaceable: OverwritePolicy | None = None) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``dst`` when the block succeeds.
 
     - ``dst`` absent or an empty directory: the temporary directory is renamed onto it.
     - ``dst`` non-empty (or a file/symlink): `BadInput` before anything is created, unless
       ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring), but
-      only when ``replaceable(dst)`` says so: by default (None) when it is a checkpoint or an
-      earlier reshard output (`reshard.storage.replaceable.survey`; the refusal names the
-      files that would be lost). Checked before anything is created, under the lock, and again
+      only when the policy ``replaceable(dst)`` returns None (its reason otherwise, quoted in
+      the refusal; the commands pass `reshard.storage.replaceable.why_not_replaceable`, and
+      ``overwrite`` without a policy is a `TypeError`). Checked before anything is created, under the lock, and again
       right before the swap. A ``dst`` that is a symbolic link is replaced as a link: its
       target is never touched, and the new directory stands at ``dst`` itself.
     - An exception in the block deletes the temporary directory and propagates; ``dst``

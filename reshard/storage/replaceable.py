@@ -9,8 +9,10 @@ is anything else. The survey looks at names, file types and at most a few leadin
 the anchor files: it reads nothing else of the destination, follows no link inside it, and
 stops after ``max_entries`` entries (a tree that large is no checkpoint).
 
-This module knows files, not training: it is a storage predicate `reshard.storage.atomic`
-applies by default (its ``replaceable=`` parameter).
+This module knows files, not training: `why_not_replaceable` is the overwrite policy every
+command hands `reshard.storage.atomic.atomic_directory` (its ``replaceable=`` parameter), which
+applies whatever policy it is given and imports none: the rule of what a user's files are is
+this module's, making a directory appear atomically is that one's.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from reshard.errors import BadInput
 from reshard.paths import formats_root
 
-__all__ = ["Rule", "Survey", "rules", "survey", "is_replaceable", "survey_listing", "starts_as"]
+__all__ = ["Rule", "Survey", "rules", "survey", "is_replaceable", "why_not_replaceable", "survey_listing", "starts_as"]
 
 NAMED = 5  # unrecognised files named in a refusal; the rest are counted
 MAGICS = ("pickle", "json", "safetensors", "torch")
@@ -225,5 +227,12 @@ def survey(dst: str | os.PathLike) -> Survey:
 
 
 def is_replaceable(dst: str | os.PathLike) -> bool:
-    """`survey` in one word: the default ``replaceable=`` of `reshard.storage.atomic.atomic_directory`."""
+    """`survey` in one word."""
     return survey(dst).replaceable
+
+
+def why_not_replaceable(dst: str | os.PathLike) -> str | None:
+    """The overwrite policy (`reshard.storage.atomic.OverwritePolicy`) of every command's ``--overwrite``:
+    None when ``dst`` is a checkpoint or an earlier reshard output, else the sentence naming what would be lost."""
+    found = survey(dst)
+    return None if found.replaceable else found.describe()
