@@ -28,20 +28,20 @@ arguments, and the renderers (`reshard.render.report`) print what these function
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, TypedDict, TypeVar, Union
+from typing import Any, Callable, Literal, TypedDict, TypeVar, Union
 
 from reshard import arguments as args
 from reshard.errors import BadInput, Incomplete, Infeasible, ReshardError, UnsafeInput, from_os_error
+from reshard.model import option_table
 from reshard.model.inspection import Inspection
-from reshard.model.kinds import DataPolicy, RngPolicy, SchedulePolicy
-from reshard.model.plan import PLAN_VERSION, SLICE_OPTIONS, Options, Plan
+from reshard.model.option_table import OptionSpec
+from reshard.model.plan import PLAN_VERSION, Options, Plan
 from reshard.render.progress import Progress
 
 try:  # ``**options: Unpack[PlanOptions]``: keyword options typed by a TypedDict (PEP 692)
@@ -61,48 +61,35 @@ class ReshardWarning(UserWarning):
     ``rng_policy="carry"``. Filter it as any warning: ``warnings.simplefilter("error", ReshardWarning)``."""
 
 
-class PlanOptions(TypedDict, total=False):
-    """The plan options of `plan` and `convert`, one per flag of ``reshard plan`` (docs/cli.md says
-    what each does). A list option also takes a single string."""
-
-    from_spec: str                      # --from: the source layout, e.g. "dp_shard=4,tp=2"
-    micro_batch: int                    # --micro-batch (>= 1)
-    grad_accum: int                     # --grad-accum (>= 1)
-    source_micro_batch: int             # --source-micro-batch (>= 1)
-    source_grad_accum: int              # --source-grad-accum (>= 1)
-    source_seq_len: int                 # --source-seq-len (>= 1)
-    source_global_batch: int            # --source-global-batch (>= 1)
-    schedule: SchedulePolicy            # --schedule: steps | tokens
-    data_policy: DataPolicy             # --data-policy: translate | restart-epoch | drop
-    rng_policy: RngPolicy               # --rng-policy: carry | reseed | drop
-    seed: int                           # --seed (>= 0)
-    trust_pickle: bool                  # --trust-pickle
-    rules: PathLike                     # --rules: a shipped family or a rules TOML
-    model_config: Union[Mapping[str, int], list[str]]  # --model-config name=integer
-    pp_stages: str                      # --pp-stages "0-2,3-5"
-    dtype: str                          # --dtype (convert): bf16 | fp16 | fp32 | ...
-    only: str                           # --only (convert): model | model+optim
-    convention: Union[PathLike, list[PathLike]]  # --convention FILE
-    keep: Union[str, list[str]]         # --keep PATTERN[=REASON]
-    drop: Union[str, list[str]]         # --drop PATTERN[=REASON]
-    tie: Union[str, list[str], list[tuple[str, str]]]  # --tie A=B (or ("A", "B"))
-    profile: PathLike                   # --profile FILE
-    no_profile: bool                    # --no-profile
-    trainer_config: PathLike            # --trainer-config FILE
-    layers: str                         # --layers 0-1
-    experts: str                        # --experts 0-3
+_API_TYPES: dict[str, Any] = {
+    "model_config": Union[Mapping[str, int], list[str]],  # name=integer, or a mapping
+    "tie": Union[str, list[str], list[tuple[str, str]]],   # A=B, or ("A", "B")
+}
+"""The keyword options whose Python values go beyond what the flag takes (`_as_list` writes them as the CLI takes them)."""
 
 
-_INSPECT_OPTIONS = ("from_spec", "trust_pickle", "convention", "tie", "profile", "no_profile")
-_LISTS = ("model_config", "convention", "keep", "drop", "tie")
-_PATHS = ("rules", "profile", "trainer_config")
+def _api_type(spec: OptionSpec) -> Any:
+    """The Python type an option of the table takes as a keyword: its choices as a ``Literal``, a path
+    as `PathLike`, a repeatable option as one value or a list."""
+    if spec.name in _API_TYPES:
+        return _API_TYPES[spec.name]
+    one: Any = PathLike if spec.type is Path else Literal[spec.choices] if spec.choices else spec.type
+    return Union[one, list[one]] if spec.repeatable else one
+
+
+PlanOptions = TypedDict("PlanOptions", {spec.name: _api_type(spec) for spec in option_table.PLAN_OPTIONS},  # type: ignore[misc]
+                        total=False)
+PlanOptions.__doc__ = """The plan options of `plan` and `convert`, one per flag of ``reshard plan`` (and ``dtype``,
+``only`` of ``reshard convert``), made from `reshard.model.option_table` (each option's flag, choices
+and lower bound are there; docs/cli.md says what each does). A list option also takes a single string."""
+
+_INSPECT_OPTIONS = tuple(spec.name for spec in option_table.for_verb("inspect") if spec.plan)
+_LISTS = tuple(spec.name for spec in option_table.PLAN_OPTIONS if spec.repeatable)
+_PATHS = tuple(spec.name for spec in option_table.PLAN_OPTIONS if spec.type is Path and not spec.repeatable)
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "schedule": args.SCHEDULES, "data_policy": args.DATA_POLICIES, "rng_policy": args.RNG_POLICIES,
-    "dtype": args.DTYPES, "only": args.ONLY, "output_format": args.OUTPUT_FORMATS, "data": args.DATA_MODES,
-    "format": args.EXPORT_FORMATS}
-_AT_LEAST = {"micro_batch": 1, "grad_accum": 1, "source_micro_batch": 1, "source_grad_accum": 1, "source_seq_len": 1,
-             "source_global_batch": 1, "seed": 0, "threads": 1}
-_GIVEN_NAMES = {"convention": "conventions", "tie": "ties"}  # flag name -> `Given` field, where they differ
+    **{spec.name: spec.choices for spec in option_table.OPTIONS if spec.choices},
+    "data": args.DATA_MODES, "format": args.EXPORT_FORMATS}
+_AT_LEAST = {**{spec.name: spec.min for spec in option_table.OPTIONS if spec.min is not None}, "threads": 1}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -223,7 +210,7 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
     plan_file, planned = (None, None) if plan is None else _given_plan(plan)
     if plan is not None:
         where = str(plan_file) if plan_file is not None else "the plan given"
-        args.check_beside_plan(where, {_flag(name): value for name, value in given.items()})
+        args.check_beside_plan(where, given)
         if planned is not None and to is not None and to != planned["options"].get("to"):
             raise BadInput(f"--to {to} disagrees with the plan's target {planned['options'].get('to')}", where=where)
     else:
@@ -355,14 +342,11 @@ def estimate(plan: Plan, dst: PathLike) -> dict[str, Any]:
 
 def _plan_options(root: Path, to: str | None, given: Mapping[str, Any]) -> Options:
     """The plan options from keyword options (already `_normalised`), completed by a profile and a
-    trainer config: the one place this API turns options into `Options` (the CLI's ``_options``
-    and ``_sliced``), so that one table of options can replace it."""
-    from reshard.planning.options import Given, build_options
+    trainer config: the one place this API turns options into `Options`, as the CLI's ``_options``
+    does (both make the `Given` from the option table: `reshard.planning.options.given_from`)."""
+    from reshard.planning.options import build_options, given_from
 
-    fields = {_GIVEN_NAMES.get(name, name): value for name, value in given.items() if name not in SLICE_OPTIONS}
-    opts = build_options(Given(to=to, **fields), root)
-    sliced = {name: given[name] for name in SLICE_OPTIONS if given.get(name)}
-    return dataclasses.replace(opts, **sliced) if sliced else opts
+    return build_options(given_from(given, to=to), root)
 
 
 def _check_plan_flags(to: str | None, given: Mapping[str, Any]) -> None:
@@ -372,9 +356,7 @@ def _check_plan_flags(to: str | None, given: Mapping[str, Any]) -> None:
     args.check_slice(layers=given.get("layers"), experts=given.get("experts"))
     if to is not None and not isinstance(to, str):
         raise BadInput(f"--to {to!r} is not a layout", hint="Write it as on the command line, e.g. to=\"dp=2\".")
-    for line in args.check_plan_flags(to, pp_stages=given.get("pp_stages"), source_seq_len=given.get("source_seq_len"),
-                                      schedule=given.get("schedule"), seed=given.get("seed"),
-                                      rng_policy=given.get("rng_policy")):
+    for line in args.check_plan_flags(to, **args.plan_flag_values(given)):
         warnings.warn(line, ReshardWarning, stacklevel=4)
 
 
@@ -429,7 +411,9 @@ def _as_list(name: str, value: Any) -> list[str]:
 
 def _flag(name: str) -> str:
     """The CLI flag a keyword option stands for: ``micro_batch`` -> ``--micro-batch``."""
-    return {"from_spec": "--from", "buffer_memory": "--buffer-memory"}.get(name, "--" + name.replace("_", "-"))
+    if name in option_table.BY_NAME:
+        return option_table.flag(name)
+    return "--" + name.replace("_", "-")
 
 
 def _source_text(path: Any) -> str:

@@ -12,10 +12,12 @@ import os
 import re
 import tomllib
 from pathlib import Path
+from typing import Any, Mapping
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
 from reshard.storage import urls
+from reshard.model import option_table
 from reshard.model.kinds import (CONTROLS, DATA_POLICIES, DTYPES, EXPORT_FORMATS, ONLY, RNG_POLICIES, DataMode,
                                  OutputFormat)
 from reshard.model.kinds import SCHEDULE_POLICIES as SCHEDULES
@@ -24,7 +26,7 @@ OUTPUT_FORMATS = tuple(OutputFormat)
 DATA_MODES = tuple(DataMode)
 
 __all__ = ["is_url", "check_source", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
-           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "check_beside_plan", "check_rehearse", "check_export",
+           "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "plan_flag_values", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "SOURCE_FORMATS", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
 _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -125,12 +127,19 @@ def check_plan_flags(to: str | None, *, pp_stages: str | None = None, source_seq
     return warnings
 
 
-def check_beside_plan(plan_file: str, given: dict[str, object]) -> None:
+def plan_flag_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values `check_plan_flags` weighs, taken from all of a command's options (by option name)."""
+    return {name: values.get(name) for name in ("pp_stages", "source_seq_len", "schedule", "seed", "rng_policy")}
+
+
+def check_beside_plan(plan_file: str, values: Mapping[str, Any]) -> None:
     """`convert --plan P.json`: the plan fixes the recipe and policies, so a flag that would change them is an error.
 
-    ``given`` maps each flag (``--grad-accum``) to its value, None/False/empty when not given.
+    ``values`` maps option names (``grad_accum``) to their values, None/False/empty when not
+    given; every plan option of `reshard.model.option_table` given is named, in ``--help`` order
+    (0 is a value: ``--seed 0`` is refused too).
     """
-    named = [flag for flag, value in given.items() if value not in (None, False, [], ())]
+    named = [spec.flag for spec in option_table.PLAN_OPTIONS if spec.given(values.get(spec.name))]
     if named:
         flags = ", ".join(named)
         raise BadInput(f"{flags} {'has' if len(named) == 1 else 'have'} no effect beside --plan: the plan already "
@@ -195,7 +204,8 @@ def check_slice(*, layers: str | None, experts: str | None) -> None:
     The parser is imported only when one is given: it brings the partition rules (~15 ms), which a
     plan without a slice never reads.
     """
-    for flag, what, spec in (("--layers", "layer", layers), ("--experts", "expert", experts)):
+    for flag, what, spec in ((option_table.flag("layers"), "layer", layers),
+                             (option_table.flag("experts"), "expert", experts)):
         if spec is not None:
             from reshard.semantics.slicing import parse_indices
 

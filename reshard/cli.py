@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -12,6 +11,8 @@ import typer
 from typer.exceptions import TyperException
 
 from reshard import arguments as args
+from reshard import cli_parse
+from reshard.cli_parse import FLAGS, choice, takes_options
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -19,16 +20,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Move distributed-training checkpoints between parallel layouts without changing what the run means.")
 
 _state = {"debug": False}
-
-
-def _choice(choices: tuple[str, ...]) -> dict:
-    """An option's ``parser`` and ``metavar`` for a fixed set of values: checked by typer, listed in --help."""
-    def parse(value: str) -> str:
-        if value not in choices:
-            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
-        return value
-
-    return {"parser": parse, "metavar": "[" + "|".join(choices) + "]"}
 
 
 def _show_version(value: bool) -> None:
@@ -68,33 +59,27 @@ def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = Tru
 
 
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr (it is shown only on a terminal, and never with --json).")
-_PROGRESS = typer.Option("auto", "--progress", **_choice(("auto", "json", "none")), help="auto: bars on a terminal only; json: one JSON event per line on stderr (phase, bytes_done, bytes_total, rate, eta_s), for schedulers; none: nothing (as --quiet).")
+_PROGRESS = typer.Option("auto", "--progress", **choice(("auto", "json", "none")), help="auto: bars on a terminal only; json: one JSON event per line on stderr (phase, bytes_done, bytes_total, rate, eta_s), for schedulers; none: nothing (as --quiet).")
 _FORCE = typer.Option(False, "--force", help="Go ahead even when the destination's file system has less free space than the output needs (checked before anything is written; a full disk then stops the run with nothing committed).")
-
-
-_PROFILE = typer.Option(None, "--profile", help="A profile TOML saying what this trainer's checkpoints mean (default: ./reshard.toml, else reshard.toml beside the checkpoint).")
-_NOPROF = typer.Option(False, "--no-profile", help="Read no reshard.toml found in the working directory or beside the checkpoint.")
-_TIE = typer.Option(None, "--tie", help="A=B: parameters A and B are one tensor saved under two names (repeatable), checked equal like a manifest's model.tied.")
-_TCFG = typer.Option(None, "--trainer-config", help="The trainer's own config (torchtitan's saved config JSON or job TOML): the source recipe and head counts.")
-_CONV = typer.Option(None, "--convention", help="A key convention TOML of your own (the format of formats/conventions/*.toml), repeatable: its rules win for the keys they match; recorded by name and sha256.")
+_TRUST, _PROFILE, _NOPROF, _MB, _GA = (cli_parse.named_option(name) for name in (
+    "trust_pickle", "profile", "no_profile", "micro_batch", "grad_accum"))  # verbs beyond the table take these too
+_TABLE: dict = {}  # where a verb's options of the table stand (`cli_parse.takes_options`)
 
 
 @app.command()
+@takes_options("inspect")
 def inspect(
     ckpt: str = typer.Argument(..., help="DCP checkpoint directory, or its URL (s3://bucket/prefix: the s3 extra)."),
     json_out: bool = typer.Option(False, "--json", help="Print the stable JSON shape (see README)."),
     deep: bool = typer.Option(False, "--deep", help="Also load every item and report the ones that fail."),
-    from_spec: Optional[str] = typer.Option(None, "--from", help="Override the writer topology, e.g. dp_shard=4,tp=2."),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr."),
-    convention: Optional[list[Path]] = _CONV, tie: Optional[list[str]] = _TIE,
-    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, quiet: bool = _QUIET,
+    flags: dict = _TABLE, quiet: bool = _QUIET,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also how an inferred topology was read from the chunks."),
 ) -> None:
     """Is a checkpoint complete, what does it hold, and which topology wrote it.
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
-    args.check_conflicts(profile=profile, no_profile=no_profile)
+    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
     args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
     from reshard.commands.inspect import inspect as run_inspect
@@ -103,66 +88,24 @@ def inspect(
     from reshard.planning.options import source_dir
 
     with source_dir(ckpt) as root:
-        opts = _options(root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
-                        profile=profile, no_profile=no_profile)
+        opts = _options(root, flags)
         result = run_inspect(root, opts, deep=deep, progress=progress)
     _echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
 
-def _options(ckpt: Path, to: Optional[str], **given) -> object:
+def _options(ckpt: Path, flags: dict) -> object:
     """The plan options: these flags, completed by a profile and a trainer config (reshard.planning.options)."""
-    from reshard.planning.options import Given, build_options
+    from reshard.planning.options import build_options, given_from
 
-    for name in ("conventions", "model_config", "keep", "drop", "ties"):
-        given[name] = [str(v) for v in given.get(name) or []]
-    for name in ("rules", "profile", "trainer_config"):
-        if given.get(name) is not None:
-            given[name] = str(given[name])
-    return build_options(Given(to=to, **given), ckpt)
-
-
-_TO = typer.Option(..., "--to", help="Target layout, e.g. dp=32 or dp_shard=16,dp_replicate=2.")
-_FROM = typer.Option(None, "--from", help="Override the source topology.")
-_MB = typer.Option(None, "--micro-batch", min=1, help="Target micro-batch (default: the source's).")
-_GA = typer.Option(None, "--grad-accum", min=1, help="Target accumulation (default: what keeps the global batch).")
-_SMB = typer.Option(None, "--source-micro-batch", min=1, help="The source run's micro-batch, when no manifest records it.")
-_SGA = typer.Option(None, "--source-grad-accum", min=1, help="The source run's accumulation, when no manifest records it.")
-_SSL = typer.Option(None, "--source-seq-len", min=1, help="The source run's tokens per sample (for --schedule tokens from a token counter).")
-_SCHED = typer.Option(None, "--schedule", **_choice(args.SCHEDULES), help="How the LR schedule maps when the global batch changes.")
-_DATA = typer.Option(None, "--data-policy", **_choice(args.DATA_POLICIES), help="What becomes of per-rank data-loader state.")
-_RNG = typer.Option(None, "--rng-policy", **_choice(args.RNG_POLICIES), help="RNG state (default: carry when every rank keeps its position, else reseed).")
-_SEED = typer.Option(None, "--seed", min=0, help="Seed for reseeding RNG (default: the manifest's).")
-_TRUST = typer.Option(False, "--trust-pickle", help="Allow object items (never tensor items) to unpickle arbitrary classes, which can run code: only for sources you trust; the items unpickled are named on stderr.")
-_RULES = typer.Option(None, "--rules", help="Partition rules for TP/PP changes: a shipped family (llama-torchtitan, llama-fused, megatron-gpt, reference-gpt) or a rules TOML file.")
-_MCFG = typer.Option(None, "--model-config", help="Model size for the rules, name=integer (repeatable), e.g. n_heads=8.")
-_SGB = typer.Option(None, "--source-global-batch", min=1, help="The source run's global batch, when no manifest records it (the accumulation follows from the dp degree).")
-_KEEP = typer.Option(None, "--keep", help="PATTERN[=REASON]: carry unknown keys matching this regex (on the flat key) unchanged, role other (repeatable).")
-_DROP = typer.Option(None, "--drop", help="PATTERN[=REASON]: leave unknown keys matching this regex (on the flat key) out of the output (repeatable); the reason is recorded.")
-_STAGES = typer.Option(None, "--pp-stages", help="Explicit layers per target pipeline stage, inclusive ranges: 0-2,3-5.")
-_LAYERS = typer.Option(None, "--layers", help="A slice of the model: keep these layers (0-1, or 0,5,79), renumbered densely, with their optimizer state (the family's [pipeline] says what a layer is).")
-_EXPERTS = typer.Option(None, "--experts", help="A slice of each MoE layer: keep these experts, renumbered densely (only for a family that declares [experts]).")
-
-
-def _sliced(opts, layers: Optional[str], experts: Optional[str]):
-    """The plan options with the slice asked for (``--layers`` / ``--experts``: reshard.semantics.slicing)."""
-    import dataclasses
-
-    return dataclasses.replace(opts, layers=layers, experts=experts) if layers or experts else opts
+    return build_options(given_from(flags), ckpt)
 
 
 @app.command()
+@takes_options("plan")
 def plan(
     ckpt: str = typer.Argument(..., help="Source DCP checkpoint, or its URL (s3://bucket/prefix: the s3 extra)."),
-    to: str = _TO, from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
-    source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
-    schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
-    seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
-    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
-    convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
-    tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
-    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
-    layers: Optional[str] = _LAYERS, experts: Optional[str] = _EXPERTS,
+    flags: dict = _TABLE,
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (the input of convert --plan)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also the per-tensor placement table, per-rank memory and what each rank would read after --data link."),
     dst: Optional[Path] = typer.Option(None, "--dst", help="Where convert would write: warn now if it lacks the space."),
@@ -173,10 +116,10 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
-    args.check_conflicts(profile=profile, no_profile=no_profile)
-    args.check_slice(layers=layers, experts=experts)
-    _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
-                                seed=seed, rng_policy=rng_policy))
+    to = flags["to"]
+    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
+    args.check_slice(layers=flags["layers"], experts=flags["experts"])
+    _warn(args.check_plan_flags(to, **args.plan_flag_values(flags)))
     args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
     from reshard.commands.plan import plan as run_plan
@@ -185,14 +128,8 @@ def plan(
     from reshard.planning.options import source_dir
 
     with source_dir(ckpt) as root:
-        p, d = run_plan(root, _sliced(_options(
-            root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-            data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-            model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
-            source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
-            conventions=convention, keep=keep, drop=drop, ties=tie, profile=profile, no_profile=no_profile,
-            trainer_config=trainer_config), layers, experts), verbose=verbose, json_out=json_out, dst=dst,
-            tensors_out=tensors_out, progress=progress)
+        p, d = run_plan(root, _options(root, flags), verbose=verbose, json_out=json_out, dst=dst,
+                        tensors_out=tensors_out, progress=progress)
     _echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         _echo(f"warning: {d['space']['warning']}", err=True)
@@ -200,22 +137,11 @@ def plan(
 
 
 @app.command()
+@takes_options("convert")
 def convert(
     src: str = typer.Argument(..., help="Source DCP checkpoint (never modified): a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: str = typer.Argument(..., help="Destination directory (appears atomically), or s3://bucket/prefix (published with .metadata last)."),
-    to: Optional[str] = typer.Option(None, "--to", help="Target layout (or give --plan)."),
-    from_spec: Optional[str] = _FROM, micro_batch: Optional[int] = _MB, grad_accum: Optional[int] = _GA,
-    source_micro_batch: Optional[int] = _SMB, source_grad_accum: Optional[int] = _SGA, source_seq_len: Optional[int] = _SSL,
-    schedule: Optional[str] = _SCHED, data_policy: Optional[str] = _DATA, rng_policy: Optional[str] = _RNG,
-    seed: Optional[int] = _SEED, trust_pickle: bool = _TRUST,
-    rules: Optional[Path] = _RULES, model_config: Optional[list[str]] = _MCFG, pp_stages: Optional[str] = _STAGES,
-    convention: Optional[list[Path]] = _CONV, keep: Optional[list[str]] = _KEEP, drop: Optional[list[str]] = _DROP,
-    tie: Optional[list[str]] = _TIE, source_global_batch: Optional[int] = _SGB,
-    profile: Optional[Path] = _PROFILE, no_profile: bool = _NOPROF, trainer_config: Optional[Path] = _TCFG,
-    layers: Optional[str] = _LAYERS, experts: Optional[str] = _EXPERTS,
-    output_format: str = typer.Option("dcp", "--output-format", **_choice(args.OUTPUT_FORMATS), help="dcp (a DCP checkpoint) or local (one safetensors file per target rank)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Reduced copy for testing: cast parameters and moments (bf16, fp16, fp32)."),
-    only: Optional[str] = typer.Option(None, "--only", **_choice(args.ONLY), help="Reduced copy for testing: model (drop optimizer state) or model+optim."),
+    flags: dict = _TABLE,
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Execute exactly this plan (from `plan --json`)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a destination holding a checkpoint or an earlier reshard output (atomically); anything else is refused."),
     json_out: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
@@ -224,7 +150,7 @@ def convert(
     window: Optional[str] = typer.Option(None, "--buffer-memory", help="Memory for copy buffers per process, e.g. 256MiB (default: 1/16 of available memory, 64 MiB-1 GiB)."),
     old_window: Optional[str] = typer.Option(None, "--window", hidden=True, help="Renamed --buffer-memory."),
     buffered: bool = typer.Option(False, "--buffered", help="Copy through the page cache (copy_file_range) and read every copied item back, instead of direct I/O checked against the source's CRC-32 records."),
-    data: str = typer.Option("copy", "--data", **_choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
+    data: str = typer.Option("copy", "--data", **choice(args.DATA_MODES), help="copy (write every tensor byte new) or link (share the source's data files by reflink, else hard link, and write only what changes; DST on the source's file system)."),
     restart: bool = typer.Option(False, "--restart", help="Discard what an interrupted conversion into DST left (by default a rerun keeps every item its journal records whose bytes still match their CRC-32)."),
     quiet: bool = _QUIET, force: bool = _FORCE, progress_mode: str = _PROGRESS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also the full note on data files shared with the source (--data link)."),
@@ -237,29 +163,21 @@ def convert(
     Exit 0 converted and verified equal, 1 the verification found a difference or the plan is
     infeasible, 2 bad input (options, plan file, source, destination).
     """
-    args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode,
+    to, output_format = flags["to"], flags["output_format"]
+    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"], quiet=quiet, progress=progress_mode,
                          buffered=buffered, data=data)
     _state["output"] = dst if args.is_url(dst) else Path(dst)  # what the last line of a Ctrl-C speaks of (_interrupted)
     if plan_file is not None:
-        args.check_beside_plan(str(plan_file), {
-            "--from": from_spec, "--micro-batch": micro_batch, "--grad-accum": grad_accum,
-            "--source-micro-batch": source_micro_batch, "--source-grad-accum": source_grad_accum,
-            "--source-seq-len": source_seq_len, "--source-global-batch": source_global_batch, "--schedule": schedule,
-            "--data-policy": data_policy, "--rng-policy": rng_policy, "--seed": seed, "--rules": rules,
-            "--model-config": model_config, "--pp-stages": pp_stages, "--convention": convention, "--keep": keep,
-            "--drop": drop, "--tie": tie, "--profile": profile, "--no-profile": no_profile,
-            "--trainer-config": trainer_config, "--dtype": dtype, "--only": only, "--trust-pickle": trust_pickle,
-            "--layers": layers, "--experts": experts})
+        args.check_beside_plan(str(plan_file), flags)
     else:
-        _warn(args.check_plan_flags(to, pp_stages=pp_stages, source_seq_len=source_seq_len, schedule=schedule,
-                                    seed=seed, rng_policy=rng_policy))
+        _warn(args.check_plan_flags(to, **args.plan_flag_values(flags)))
     if old_window is not None:  # rehearse's --window counts steps: one name must not mean two units
         from reshard.errors import BadInput
 
         raise BadInput("convert --window is now called --buffer-memory (rehearse's --window counts steps)",
                        hint=f"Write --buffer-memory {old_window}.")
     window_bytes = _size(window, "--buffer-memory")
-    args.check_slice(layers=layers, experts=experts)
+    args.check_slice(layers=flags["layers"], experts=flags["experts"])
     args.check_restart(restart=restart, output_format=output_format, data=data)
     args.check_remote_source(src, data=data, workers=workers)
     args.check_remote_destination(dst, data=data, workers=workers, output_format=output_format)
@@ -289,13 +207,7 @@ def convert(
     with source_dir(src) as root:
         opts = None
         if plan_file is None and to is not None:
-            opts = _sliced(_options(
-                root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
-                data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
-                model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
-                source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
-                source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
-                profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
+            opts = _options(root, flags)
         done = run_convert(root, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
                            workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
                            restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
@@ -373,9 +285,9 @@ def verify(
 def export(
     src: str = typer.Argument(..., help="Source DCP checkpoint: a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: str = typer.Argument(..., help="Output directory (appears atomically), or s3://bucket/prefix (made locally, then uploaded; the s3 extra)."),
-    fmt: str = typer.Option("safetensors", "--format", **_choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", **_choice(args.DTYPES), help="Cast floating tensors."),
-    only: str = typer.Option("model", "--only", **_choice(args.ONLY), help="What to export."),
+    fmt: str = typer.Option("safetensors", "--format", **choice(args.EXPORT_FORMATS), help="safetensors (reshard's names, HF file layout), torch, or hf (a directory transformers' from_pretrained loads: names, transforms and config.json from formats/hf/)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", **choice(args.DTYPES), help="Cast floating tensors."),
+    only: str = typer.Option("model", "--only", **choice(args.ONLY), help="What to export."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file, e.g. 5GB or 256MB."),
     rename: Optional[Path] = typer.Option(None, "--rename", help="Key renaming rules (formats/renames/*.toml)."),
     model_config: Optional[list[str]] = typer.Option(None, "--model-config", help="--format hf: a config value the checkpoint cannot hold, name=value (repeatable), e.g. n_heads=32, rms_norm_eps=1e-5, rope_theta=500000."),
@@ -464,7 +376,7 @@ def rehearse(
         None, "--source-grad-accum", help="The source run's accumulation (default: picked so both layouts divide "
         "the global batch)."),
     control: Optional[str] = typer.Option(
-        None, "--control", **_choice(args.CONTROLS), help="The naive control: relaunch (default with --trainer), naive-state (reference "
+        None, "--control", **choice(args.CONTROLS), help="The naive control: relaunch (default with --trainer), naive-state (reference "
         "default) or none."),
     dataset_len: Optional[int] = typer.Option(None, "--dataset-len", min=1, help="Samples asked of the trainer's data."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seed of the weights and the data order ({seed})."),
@@ -568,7 +480,7 @@ def _main(argv: list[str] | None = None) -> None:
     line = _normalise(list(argv) if argv is not None else sys.argv[1:])
     _state["argv"] = line
     try:
-        code = _click_command(line)(args=line, prog_name="reshard", standalone_mode=False)
+        code = cli_parse.click_command(app, line)(args=line, prog_name="reshard", standalone_mode=False)
         if code == 130:  # typer's own return for a KeyboardInterrupt in a command (typer.core); no command exits 130
             raise KeyboardInterrupt
     except (KeyboardInterrupt, typer.Abort):
@@ -587,137 +499,6 @@ def _main(argv: list[str] | None = None) -> None:
     finally:
         _warn_trusted()
     sys.exit(code if isinstance(code, int) else 0)
-
-
-def _click_command(line: list[str]):
-    """The click command typer builds from ``app``, built for this line only, with cheap coercion.
-
-    The same parse as ``app(...)`` (which is ``typer.main.get_command(app)(...)`` with typer's
-    exception hook, a no-op here since pretty exceptions are off), minus two costs that a
-    missing path or a typo used to pay before its one-line answer (issue 33: under 0.3 s):
-
-    * when the line names a command right away (``[--debug] CMD ...``), the group holds that
-      command only: typer builds every command's parameters from its signature otherwise, and
-      nothing else of them is read on such a line (``-h`` or ``--version`` before the command,
-      or no command, gets the whole group);
-    * each parameter coerces its value by `_coercion` below, which answers as typer does for
-      the values whose outcome is plain and hands every other value to typer's own coercion
-      (pydantic, imported and built only then).
-    """
-    import copy
-
-    from typer.main import get_command
-
-    view = app
-    head = line[1:] if line[:1] == ["--debug"] else line
-    if head and not head[0].startswith("-"):
-        named = [c for c in app.registered_commands
-                 if (c.name or (c.callback.__name__ if c.callback else "")).replace("_", "-") == head[0]]
-        if len(named) == 1:
-            view = copy.copy(app)  # the same settings and callback, one command
-            view.registered_commands = named
-    command = get_command(view)
-    if view is not app and head[0] not in getattr(command, "commands", {}):
-        command = get_command(app)  # typer named it otherwise: the whole group, as before
-    for cmd in [command, *getattr(command, "commands", {}).values()]:
-        for param in cmd.params:
-            _coerce_cheaply(param)
-        if callable(getattr(cmd, "get_help_option", None)):  # made on first use, coerced like the others
-            cmd.get_help_option = _with_cheap_coercion(cmd.get_help_option)
-    return command
-
-
-def _with_cheap_coercion(get_help_option):
-    def wrapped(ctx):
-        option = get_help_option(ctx)
-        _coerce_cheaply(option)
-        return option
-
-    return wrapped
-
-
-def _coerce_cheaply(param) -> None:
-    """Give a typer parameter `_coercion` (nothing for another kind of parameter, or a typer without it)."""
-    if (hasattr(param, "type_descriptor") and callable(getattr(type(param), "get_runtime_param", None))
-            and "get_runtime_param" not in vars(param)):
-        param.get_runtime_param = _coercion(param)
-
-
-_DIGITS = re.compile(r"[0-9]{1,15}")
-_DECIMAL = re.compile(r"[0-9]{1,15}(\.[0-9]{1,15})?")
-_TYPER_DECIDES = object()  # a value `_coercion` leaves to typer's own coercion
-
-
-def _coercion(param):
-    """``param``'s value coercion (typer's ``get_runtime_param``): the same result as typer's for the
-    values whose outcome is plain, typer's own coercion (a pydantic adapter, ~0.1 s to import and
-    build) for every other value and for every error, so each message stays typer's.
-
-    Plain: None; a str for str; digits for int and float (at or above ``min=``); a value one of
-    ``_choice``'s parsers accepts; a path that does not exist or is readable; a list of those.
-    tests/test_cli_fast_parse.py checks the results against typer's own for every parameter.
-    """
-    from types import SimpleNamespace
-
-    real = []
-
-    def typer_coercion():
-        if not real:
-            real.append(type(param).get_runtime_param(param))
-        return real[0]
-
-    info = param.type_descriptor.parameter_info
-    annotation = param.type_descriptor.annotation
-    multi = param.multiple or param.nargs == -1
-    item_type = annotation
-    if multi:
-        item_type = getattr(annotation, "__args__", (None,))[0] if getattr(annotation, "__origin__", None) is list else None
-
-    def item(value):
-        """The coerced value, or `_TYPER_DECIDES` when it is not plain."""
-        if info.parser is not None:
-            try:
-                return info.parser(value)
-            except Exception:  # noqa: BLE001 - typer's coercion raises it as typer does
-                return _TYPER_DECIDES
-        if type(value) is str and item_type is str:
-            return value
-        if item_type in (int, float) and info.max is None and not info.clamp:
-            if type(value) is str and (_DIGITS if item_type is int else _DECIMAL).fullmatch(value):
-                value = item_type(value)
-            if type(value) is item_type and (info.min is None or value >= info.min):
-                return value
-            return _TYPER_DECIDES
-        if item_type is Path and info.path_type is None and not (info.exists or info.resolve_path or info.writable
-                                                                 or info.allow_dash or not info.file_okay
-                                                                 or not info.dir_okay):
-            if type(value) is str and value:
-                value = Path(value)
-            if isinstance(value, Path):
-                try:
-                    os.stat(value)
-                except OSError:
-                    return value
-                except Exception:  # noqa: BLE001 - e.g. a NUL byte: typer decides
-                    return _TYPER_DECIDES
-                if not info.readable or os.access(value, os.R_OK):
-                    return value
-        return _TYPER_DECIDES
-
-    def coerce(value, param, ctx):  # typer's RuntimeParam.coerce, keywords and all
-        if value is None:
-            return () if multi else None
-        if not multi:
-            out = item(value)
-            return out if out is not _TYPER_DECIDES else typer_coercion().coerce(value, param=param, ctx=ctx)
-        if isinstance(value, (list, tuple)) and item_type is not None:
-            out = [item(v) for v in value]
-            if not any(v is _TYPER_DECIDES for v in out):
-                return out
-        return typer_coercion().coerce(value, param=param, ctx=ctx)
-
-    fast = SimpleNamespace(coerce=coerce)
-    return lambda: fast
 
 
 def _interrupted() -> int:

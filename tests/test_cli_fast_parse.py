@@ -1,7 +1,7 @@
 """Issue 33: the command line is parsed without the costs typer 0.29 pays on every line, and says the same.
 
-`reshard.cli._click_command` builds the group with only the command a line names, and gives every
-parameter `reshard.cli._coercion`, which answers plain values itself and hands the rest to typer's
+`reshard.cli_parse.click_command` builds the group with only the command a line names, and gives every
+parameter `reshard.cli_parse.coercion`, which answers plain values itself and hands the rest to typer's
 own coercion (a pydantic adapter per parameter, ~0.1 s to import and build). Checked here:
 
 * for every parameter of every command (the help options too) and values plain and not, the cheap
@@ -28,6 +28,7 @@ from hypothesis import given, settings, strategies as st
 from typer.main import get_command
 
 import reshard.cli as cli
+import reshard.cli_parse as cli_parse
 from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def _params() -> list[tuple[str, object, typer.Context]]:
 
 def _both(param, ctx, value):
     """(cheap, typer's) outcomes for ``value``."""
-    cheap = cli._coercion(param)()
+    cheap = cli_parse.coercion(param)()
     theirs = type(param).get_runtime_param(param)
     return (_outcome(lambda: cheap.coerce(value, param=param, ctx=ctx)),
             _outcome(lambda: theirs.coerce(value, param=param, ctx=ctx)))
@@ -101,16 +102,16 @@ def test_cheap_coercion_of_numbers_and_choices_agrees_with_typer(value):
 
 
 def test_the_command_named_is_the_only_one_built():
-    assert list(cli._click_command(["plan", "x", "--to", "dp=2"]).commands) == ["plan"]
-    assert list(cli._click_command(["--debug", "import", "x", "y"]).commands) == ["import"]
+    assert list(cli_parse.click_command(cli.app, ["plan", "x", "--to", "dp=2"]).commands) == ["plan"]
+    assert list(cli_parse.click_command(cli.app, ["--debug", "import", "x", "y"]).commands) == ["import"]
     whole = sorted(get_command(cli.app).commands)
     for line in ([], ["-h"], ["--version"], ["--debug"], ["inspekt", "x"], ["--", "inspect", "x"], ["--json"]):
-        assert sorted(cli._click_command(line).commands) == whole, line
+        assert sorted(cli_parse.click_command(cli.app, line).commands) == whole, line
 
 
 def _as_before(monkeypatch):
     """`main` as it was: the whole group, typer's own coercion (``app(...)`` builds exactly this)."""
-    monkeypatch.setattr(cli, "_click_command", lambda line: get_command(cli.app))
+    monkeypatch.setattr(cli_parse, "click_command", lambda app, line: get_command(app))
 
 
 LINES = [

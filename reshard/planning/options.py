@@ -14,45 +14,62 @@ recomputes a plan from the recorded values without reading the files again.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import field, make_dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from reshard.errors import BadInput
+from reshard.model import option_table
 from reshard.model.plan import PLAN_VERSION, Options, Plan
 from reshard.semantics import profile as profile_mod
 from reshard.semantics.conventions import Convention, load_user_convention
 
 
-@dataclass
-class Given:
-    """The command line's values (None / empty: not given)."""
+def _given_fields() -> list[tuple[str, Any, Any]]:
+    """`Given`'s fields, one per option of the table that has one, as the command line hands them on:
+    a repeatable flag as a list of strings, a path as a string."""
+    out: list[tuple[str, Any, Any]] = []
+    for spec in option_table.OPTIONS:
+        if spec.field is None:
+            continue
+        if spec.repeatable:
+            out.append((spec.field, list[str], field(default_factory=list)))
+        elif spec.type is bool:
+            out.append((spec.field, bool, field(default=False)))
+        else:
+            kind = str if spec.type is Path else spec.type
+            out.append((spec.field, Optional[kind], field(default=None)))
+    return out
 
-    to: str | None = None
-    from_spec: str | None = None
-    micro_batch: int | None = None
-    grad_accum: int | None = None
-    schedule: str | None = None
-    data_policy: str | None = None
-    rng_policy: str | None = None
-    seed: int | None = None
-    trust_pickle: bool = False
-    rules: str | None = None
-    model_config: list[str] = field(default_factory=list)
-    pp_stages: str | None = None
-    dtype: str | None = None
-    only: str | None = None
-    source_micro_batch: int | None = None
-    source_grad_accum: int | None = None
-    source_seq_len: int | None = None
-    source_global_batch: int | None = None
-    conventions: list[str] = field(default_factory=list)
-    keep: list[str] = field(default_factory=list)
-    drop: list[str] = field(default_factory=list)
-    ties: list[str] = field(default_factory=list)
-    profile: str | None = None
-    no_profile: bool = False
-    trainer_config: str | None = None
+
+Given = make_dataclass("Given", _given_fields())
+Given.__module__ = __name__
+Given.__doc__ = """The command line's values (None / empty: not given), one field per option of
+`reshard.model.option_table` that has one: made from the table, so a new flag needs no field here."""
+
+
+def given_from(values: Mapping[str, Any], *, to: str | None = None) -> Any:
+    """The `Given` of a command's options, by option name (``convention``, ``tie``: the table says
+    which `Given` field each fills), as the CLI's parser or the API hands them: lists of strings,
+    paths as strings. Options missing from ``values`` are not given; ``to`` where the caller has it apart."""
+    fields: dict[str, Any] = {}
+    for spec in option_table.OPTIONS:
+        if spec.field is None or spec.name not in values:
+            continue
+        value = values[spec.name]
+        if spec.repeatable:
+            value = [str(v) for v in value or []]
+        elif spec.type is Path and value is not None:
+            value = str(value)
+        fields[spec.field] = value
+    if to is not None:
+        fields["to"] = to
+    return Given(**fields)
+
+
+COPIED = tuple(spec.field for spec in option_table.PLAN_OPTIONS if spec.copied)
+"""The `Options` fields `build_options` takes from the command line as given (the others a profile
+or a trainer config may complete)."""
 
 
 def parse_model_config(items: list[str]) -> dict[str, int]:
@@ -69,7 +86,7 @@ def parse_model_config(items: list[str]) -> dict[str, int]:
     return config
 
 
-def build_options(g: Given, ckpt: str | Path | None) -> Options:
+def build_options(g: Any, ckpt: str | Path | None) -> Options:
     """The plan options: the command line, completed by the profile and the trainer config."""
     path = profile_mod.find_profile(ckpt, g.profile, enabled=not g.no_profile)
     prof = profile_mod.load_profile(path) if path is not None else None
@@ -116,15 +133,13 @@ def build_options(g: Given, ckpt: str | Path | None) -> Options:
         stated_by_config = None
     return Options(
         to=g.to or "", from_spec=pick("from_spec", g.from_spec, prof.from_spec if prof else None, stated_by_config),
-        micro_batch=g.micro_batch, grad_accum=g.grad_accum, schedule=g.schedule, data_policy=g.data_policy,
-        rng_policy=g.rng_policy, seed=g.seed, trust_pickle=g.trust_pickle,
         rules=pick("rules", g.rules, prof.rules if prof else None), model_config=config or None,
-        pp_stages=g.pp_stages, dtype=g.dtype, only=g.only, conventions=conventions or None,
+        conventions=conventions or None,
         keep=[c.pattern for c in keep] or None, drop=[c.pattern for c in drop] or None,
         key_reasons=reasons or None, ties=ties or None,
         profile=_record(prof.file, prof.sha256, from_prof, name=prof.name) if prof else None,
         trainer_config=_record(tc.file, tc.sha256, from_tc, kind=tc.kind, notes=list(tc.notes) or None) if tc else None,
-        **source)
+        **{name: getattr(g, name) for name in COPIED}, **source)
 
 
 def _manifest_records_topology(ckpt: str | Path | None) -> bool:
