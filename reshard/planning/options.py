@@ -116,8 +116,8 @@ def build_options(g: Any, ckpt: str | Path | None) -> Options:
         conventions += prof.convention_records()
         from_prof.append("conventions")
     _no_duplicate_names(conventions)
-    keep = [profile_mod.parse_choice(k, "--keep") for k in g.keep]
-    drop = [profile_mod.parse_choice(d, "--drop") for d in g.drop]
+    keep = [profile_mod.parse_choice(k, option_table.flag("keep")) for k in g.keep]
+    drop = [profile_mod.parse_choice(d, option_table.flag("drop")) for d in g.drop]
     if prof is not None:
         for name, mine, theirs in (("keep", keep, prof.keep), ("drop", drop, prof.drop)):
             if theirs:
