@@ -1,7 +1,8 @@
 """Options checked before any work, and before torch is imported (a typo must cost milliseconds, not 3 s).
 
-Ranges and choices are click types on the options themselves (`cli.py`: ``min=``,
-``click.Choice`` of the tuples below, so ``--help`` lists them); this module holds the
+Ranges and choices are declared with the options themselves (`reshard.model.option_table` for
+``plan``, ``convert`` and ``inspect``, `cli.py` for the other verbs: ``min=`` and the choices of
+`reshard.model.kinds`, checked by typer and listed by ``--help``); this module holds the
 choices and the checks that need more than one option: a flag that has no effect where it
 is given is an error (the user believes it did something) or, where a profile may still
 make it matter, a warning. Nothing here imports torch or reads a checkpoint.

@@ -12,7 +12,7 @@ from typer.exceptions import TyperException
 
 from reshard import arguments as args
 from reshard import cli_parse
-from reshard.cli_parse import FLAGS, choice, takes_options
+from reshard.cli_parse import choice, takes_options
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
