@@ -5,7 +5,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from typer.exceptions import TyperException
@@ -58,6 +58,14 @@ def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = Tru
     return progress
 
 
+def _render(data: object, *, json_out: bool, text: Callable[[], str]) -> None:
+    """A verb's result on stdout: the JSON ``--json`` prints (reshard.render.report), else ``text()``,
+    the verb's own rendering of it: each verb is parse, call, then this."""
+    from reshard.render.report import to_json
+
+    _echo(to_json(data) if json_out else text())
+
+
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress on stderr (it is shown only on a terminal, and never with --json).")
 _PROGRESS = typer.Option("auto", "--progress", **choice(("auto", "json", "none")), help="auto: bars on a terminal only; json: one JSON event per line on stderr (phase, bytes_done, bytes_total, rate, eta_s), for schedulers; none: nothing (as --quiet).")
 _FORCE = typer.Option(False, "--force", help="Go ahead even when the destination's file system has less free space than the output needs (checked before anything is written; a full disk then stops the run with nothing committed).")
@@ -66,7 +74,6 @@ _TRUST, _PROFILE, _NOPROF, _MB, _GA = (cli_parse.named_option(name) for name in 
 _TABLE: dict = {}  # where a verb's options of the table stand (`cli_parse.takes_options`)
 
 
-@app.command()
 @takes_options("inspect")
 def inspect(
     ckpt: str = typer.Argument(..., help="DCP checkpoint directory, or its URL (s3://bucket/prefix: the s3 extra)."),
@@ -83,14 +90,14 @@ def inspect(
     args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
     from reshard.commands.inspect import inspect as run_inspect
-    from reshard.render.report import render_inspect, to_json
+    from reshard.render.report import render_inspect
 
     from reshard.planning.options import source_dir
 
     with source_dir(ckpt) as root:
         opts = _options(root, flags)
         result = run_inspect(root, opts, deep=deep, progress=progress)
-    _echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
+    _render(result.report, json_out=json_out, text=lambda: render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
 
@@ -101,7 +108,6 @@ def _options(ckpt: Path, flags: dict) -> object:
     return build_options(given_from(flags), ckpt)
 
 
-@app.command()
 @takes_options("plan")
 def plan(
     ckpt: str = typer.Argument(..., help="Source DCP checkpoint, or its URL (s3://bucket/prefix: the s3 extra)."),
@@ -123,20 +129,19 @@ def plan(
     args.check_source(ckpt)
     progress = _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
     from reshard.commands.plan import plan as run_plan
-    from reshard.render.report import render_plan, to_json
+    from reshard.render.report import render_plan
 
     from reshard.planning.options import source_dir
 
     with source_dir(ckpt) as root:
         p, d = run_plan(root, _options(root, flags), verbose=verbose, json_out=json_out, dst=dst,
                         tensors_out=tensors_out, progress=progress)
-    _echo(to_json(d) if json_out else render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
+    _render(d, json_out=json_out, text=lambda: render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         _echo(f"warning: {d['space']['warning']}", err=True)
     raise typer.Exit(0 if p.feasible else 1)
 
 
-@app.command()
 @takes_options("convert")
 def convert(
     src: str = typer.Argument(..., help="Source DCP checkpoint (never modified): a directory, or s3://bucket/prefix (the s3 extra)."),
@@ -198,7 +203,7 @@ def convert(
     progress = _progress("" if in_torchrun() and os.environ.get(ERRORS_ENV) else f"reading {src} …",
                          json_out=json_out, quiet=quiet, shown=lead, mode=progress_mode)
     from reshard.commands.convert import run_convert
-    from reshard.render.report import render_convert, to_json
+    from reshard.render.report import render_convert
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: _echo(_estimate_text(figures).lstrip("\n"))
@@ -215,7 +220,7 @@ def convert(
     report = done.report
     if report is None:  # the workers it launched printed theirs, or a torchrun worker other than 0
         raise typer.Exit(done.exit_code)
-    _echo(to_json(report) if json_out else render_convert(report, verbose=verbose))
+    _render(report, json_out=json_out, text=lambda: render_convert(report, verbose=verbose))
     if done.resume_note:  # kept K of N items, or started over and why
         _echo(done.resume_note, err=True)
     raise typer.Exit(done.exit_code)
@@ -252,7 +257,6 @@ def _size(text: Optional[str], flag: str) -> Optional[int]:
     return int(value * _UNITS[unit])
 
 
-@app.command()
 def verify(
     a: str = typer.Argument(..., help="First checkpoint (a directory, or s3://bucket/prefix: the s3 extra)."),
     b: str = typer.Argument(..., help="Second checkpoint (likewise)."),
@@ -269,7 +273,6 @@ def verify(
     args.check_source(a, b)
     progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.verify import verify as run_verify
-    from reshard.render.report import to_json
     from reshard.render.verify import render_verify
 
     from reshard.planning.options import source_dir
@@ -277,11 +280,10 @@ def verify(
     with source_dir(a) as root_a, source_dir(b) as root_b:
         r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
                              buffered=buffered, progress=progress)
-    _echo(to_json(r) if json_out else render_verify(r))
+    _render(r, json_out=json_out, text=lambda: render_verify(r))
     raise typer.Exit(code)
 
 
-@app.command()
 def export(
     src: str = typer.Argument(..., help="Source DCP checkpoint: a directory, or s3://bucket/prefix (the s3 extra)."),
     dst: str = typer.Argument(..., help="Output directory (appears atomically), or s3://bucket/prefix (made locally, then uploaded; the s3 extra)."),
@@ -311,7 +313,6 @@ def export(
     args.check_source(src)
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.export import export as run_export
-    from reshard.render.report import to_json
 
     from reshard.planning.options import source_dir
 
@@ -319,10 +320,9 @@ def export(
         r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
                        model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
                        force=force, progress=progress)
-    _echo(to_json(r) if json_out else _summary_line("exported", r, dst))
+    _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, dst))
 
 
-@app.command(name="import")
 def import_(
     src: Path = typer.Argument(..., help="safetensors file or directory (HF shards), or a torch.save file."),
     dst: Path = typer.Argument(..., help="Output DCP checkpoint (appears atomically)."),
@@ -343,11 +343,10 @@ def import_(
     _state["output"] = dst
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.importer import import_ as run_import
-    from reshard.render.report import to_json
 
     r = run_import(src, dst, to=to, rename=rename, fmt=fmt, experiment_id=experiment_id, overwrite=overwrite,
                    force=force, progress=progress)
-    _echo(to_json(r) if json_out else _summary_line("imported", r, dst))
+    _render(r, json_out=json_out, text=lambda: _summary_line("imported", r, dst))
 
 
 def _summary_line(verb: str, r: dict, dst: Path | str) -> str:
@@ -358,7 +357,6 @@ def _summary_line(verb: str, r: dict, dst: Path | str) -> str:
     return "\n".join([f"{verb}    {dst} ({n} keys accounted for; report in {dst})", *store_lines(r)])
 
 
-@app.command()
 def rehearse(
     from_spec: str = typer.Option(..., "--from", help="Source layout of the rehearsal, e.g. dp=4."),
     to: str = typer.Option(..., "--to", help="Target layout, e.g. dp=2."),
@@ -398,17 +396,15 @@ def rehearse(
                          json_out=json_out, quiet=quiet)
     from reshard.commands.rehearse import rehearse as run_rehearse
     from reshard.render.rehearsal import render_rehearsal
-    from reshard.render.report import to_json
 
     r = run_rehearse(from_spec=from_spec, to=to, trainer=trainer, steps=steps, switch_at=switch_at, window=window,
                      micro_batch=micro_batch, grad_accum=grad_accum, source_micro_batch=source_micro_batch,
                      source_grad_accum=source_grad_accum, control=control, dataset_len=dataset_len, seed=seed,
                      reuse_baseline=reuse_baseline, like=like, out=out, timeout=timeout, progress=progress)
-    _echo(to_json(r) if json_out else render_rehearsal(r))
+    _render(r, json_out=json_out, text=lambda: render_rehearsal(r))
     raise typer.Exit(int(r["exit_code"]))
 
 
-@app.command()
 def window(
     before: Path = typer.Argument(..., help="Step log (JSON lines) before the transition."),
     after: Path = typer.Argument(..., help="Step log after the transition."),
@@ -422,16 +418,14 @@ def window(
     Exit 0 within tolerances, 1 outside them, 2 bad input (unreadable logs or manifest).
     """
     _progress(f"reading the step logs {before} and {after} …", json_out=json_out, quiet=quiet)
-    from reshard.render.report import to_json
     from reshard.commands.window import judge
     from reshard.render.window import render_window
 
     r = judge(before, after, manifest=manifest, out=out)
-    _echo(to_json(r) if json_out else render_window(r))
+    _render(r, json_out=json_out, text=lambda: render_window(r))
     raise typer.Exit(int(r["exit_code"]))
 
 
-@app.command()
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Where the demo writes its checkpoints."),
     steps: int = typer.Option(6, "--steps", min=1, help="Optimizer steps the reference trainer runs."),
@@ -447,6 +441,15 @@ def demo(
     from reshard.commands.demo import run_demo
 
     raise typer.Exit(run_demo(out, steps=steps, progress=progress))
+
+
+VERBS = (("inspect", inspect), ("plan", plan), ("convert", convert), ("verify", verify), ("export", export),
+         ("import", import_), ("rehearse", rehearse), ("window", window), ("demo", demo))
+"""The verbs, in the order ``reshard --help`` lists them: each function parses (its signature is
+its options), calls its command (reshard.commands) and renders (`_render`)."""
+for _name, _verb in VERBS:
+    app.command(name=_name)(_verb)
+del _name, _verb
 
 
 def main(argv: list[str] | None = None) -> None:
