@@ -22,6 +22,7 @@ from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
 from reshard.model.topology import Topology
+from reshard.model.kinds import Action
 
 
 def plan_verdict(r: dict[str, Any], bdec: batch_mod.BatchDecision, sdec: schedule_mod.ScheduleDecision | None,
@@ -51,8 +52,8 @@ def reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction]
     if options.only == "model":
         dropped = 0
         for a in actions:
-            if a.role in OPTIMIZER_ROLES and a.action != "dropped":
-                a.action, a.reason, a.rank = "dropped", "--only model: a reduced copy without optimizer state", None
+            if a.role in OPTIMIZER_ROLES and a.action != Action.DROPPED:
+                a.action, a.reason, a.rank = Action.DROPPED, "--only model: a reduced copy without optimizer state", None
                 dropped += 1
         tensors[:] = [t for t in tensors if t.role not in OPTIMIZER_ROLES]
         reasons.append(f"reduced copy: optimizer state dropped ({dropped} keys, --only model)")

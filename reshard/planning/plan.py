@@ -21,6 +21,7 @@ from reshard.gc_pause import paused_gc
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
 from reshard.model.inspection import Inspection
+from reshard.model.kinds import Action
 from reshard.model.plan import Options, Plan
 from reshard.planning import decisions
 from reshard.planning.keys import key_actions, per_rank_prefix
@@ -150,7 +151,7 @@ def _key_choices(options: Options) -> tuple[list[tuple[str, Pattern]], list[tupl
     return out[0], out[1]
 
 
-def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification, dict[str, tuple[str, str]]]:
+def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification, dict[str, tuple[Action, str]]]:
     """Apply ``--keep``/``--drop`` to the keys no convention explains.
 
     They decide only unknown keys: a key a convention explains keeps the convention's role (a
@@ -162,7 +163,7 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
     if not keep and not drop:
         return cls, {}
     roles = dict(cls.roles)
-    chosen: dict[str, tuple[str, str]] = {}
+    chosen: dict[str, tuple[Action, str]] = {}
     for key in cls.unknown:
         k = next((p for p, rx in keep if rx.search(key)), None)
         d = next((p for p, rx in drop if rx.search(key)), None)
@@ -172,9 +173,9 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
         why = options.key_reasons or {}
         if k is not None:
             roles[key] = KeyRole(key, "other")
-            chosen[key] = ("carried", f"--keep {k}" + (f": {why[k]}" if why.get(k) else ""))
+            chosen[key] = (Action.CARRIED, f"--keep {k}" + (f": {why[k]}" if why.get(k) else ""))
         elif d is not None:
-            chosen[key] = ("dropped", f"--drop {d}" + (f": {why[d]}" if why.get(d) else ""))
+            chosen[key] = (Action.DROPPED, f"--drop {d}" + (f": {why[d]}" if why.get(d) else ""))
     return dataclasses.replace(cls, roles=roles), chosen
 
 
