@@ -544,9 +544,9 @@ def _source_tp(src: Path) -> int:
     """The TP degree the source was written at (a fused TP layout's global view depends on it), as inspect finds it."""
     from reshard.planning.describe import inspect_checkpoint
 
-    topo = inspect_checkpoint(src).report.get("topology") or {}
-    tp = topo.get("tp")
-    if not isinstance(tp, int) or tp < 1 or topo.get("ambiguous"):
+    topo = inspect_checkpoint(src).topology
+    tp = topo.tp
+    if not isinstance(tp, int) or tp < 1 or topo.ambiguous:
         raise BadInput("the source's TP degree is not known, and its fused tensors are laid out per TP rank",
                        where=str(src), hint="Record the topology in the manifest (reshard convert writes one).")
     return tp

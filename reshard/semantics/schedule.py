@@ -15,7 +15,6 @@ from reshard.errors import BadInput
 from reshard.model.kinds import SCHEDULE_POLICIES
 
 
-
 @dataclass
 class ScheduleDecision:
     policy: str  # "unchanged" | "steps" | "tokens" | "unknown"
