@@ -15,6 +15,7 @@ import numpy as np
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import DType
+from reshard.model.kinds import EntryKind
 from reshard.model.geometry import Box, whole
 
 __all__ = ["Chunk", "ChunkTable", "Entry", "EntryQueries", "Finding", "ItemLocation", "checked_box"]
@@ -131,7 +132,7 @@ class Entry:
     """One flat key of the checkpoint."""
 
     key: str
-    kind: str  # "tensor" | "object"
+    kind: EntryKind
     shape: tuple[int, ...] | None = None
     dtype: DType | None = None
     chunks: list[Chunk] | ChunkTable = field(default_factory=list)

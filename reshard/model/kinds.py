@@ -40,6 +40,10 @@ class ExportAction(StrEnum):
     DROPPED = "dropped"      # trainer state or, with ``--only model``, the optimizer: not exported
 
 
+EntryKind = Literal["tensor", "object"]
+"""What one flat key of a checkpoint holds (`reshard.model.checkpoint.Entry.kind`)."""
+
+
 class SliceFate(StrEnum):
     """What a slice of layers or experts does with one key (`reshard.semantics.slicing.Fate.kind`)."""
 
@@ -75,17 +79,22 @@ RngPolicy = Literal["carry", "reseed", "drop"]
 RNG_POLICIES: tuple[str, ...] = get_args(RngPolicy)  # the one spelling is the Literal's
 """``--rng-policy``: RNG state carried, reseeded per rank, or dropped (`reshard.semantics.rng`)."""
 
-DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+DTypeName = Literal["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+DTYPES: tuple[str, ...] = get_args(DTypeName)
 """``--dtype``: the floating types a reduced copy may be cast to."""
 
-ONLY: tuple[str, ...] = ("model", "model+optim")
+Only = Literal["model", "model+optim"]
+ONLY: tuple[str, ...] = get_args(Only)
 """``--only``: what a reduced copy keeps."""
 
-EXPORT_FORMATS: tuple[str, ...] = ("safetensors", "torch", "hf")
+ExportFormat = Literal["safetensors", "torch", "hf"]
+EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 """``export --format``."""
 
-CONTROLS: tuple[str, ...] = ("relaunch", "naive-state", "none")
+Control = Literal["relaunch", "naive-state", "none"]
+CONTROLS: tuple[str, ...] = get_args(Control)
 """``rehearse --control``: the run a rehearsal's converted run is compared with."""
 
-PROGRESS_MODES: tuple[str, ...] = ("auto", "json", "none")
+ProgressMode = Literal["auto", "json", "none"]
+PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 """``--progress``."""
