@@ -129,3 +129,34 @@ def test_every_reader_declares_and_implements_the_protocol(module, name):
                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         assert not extra, f"{name}.{method} needs parameters the Protocol does not pass: {extra}"
     assert isinstance(vars(CheckpointReader)["complete"], property)
+
+
+def _protocol_members(proto: type) -> set[str]:
+    names = set(getattr(proto, "__annotations__", {}))
+    names |= {n for n, v in vars(proto).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return names
+
+
+PROTOCOLS = [  # (the model's Protocol, the class of a layer above that a Plan or an Inspection holds)
+    ("reshard.model.plan_sections", "RecipeView", "reshard.semantics.batch", "Recipe"),
+    ("reshard.model.plan_sections", "BatchSection", "reshard.semantics.batch", "BatchDecision"),
+    ("reshard.model.plan_sections", "ScheduleSection", "reshard.semantics.schedule", "ScheduleDecision"),
+    ("reshard.model.plan_sections", "DataSection", "reshard.semantics.data", "DataDecision"),
+    ("reshard.model.plan_sections", "RngSection", "reshard.semantics.rng", "RngDecision"),
+    ("reshard.model.inspection", "KeyClassification", "reshard.semantics.conventions", "Classification"),
+    ("reshard.model.inspection", "KeyRoleView", "reshard.semantics.conventions", "KeyRole"),
+    ("reshard.model.inspection", "ConventionView", "reshard.semantics.conventions", "Convention"),
+    ("reshard.model.inspection", "ManifestView", "reshard.semantics.manifest", "Manifest"),
+]
+
+
+@pytest.mark.parametrize("pmod,pname,cmod,cname", PROTOCOLS)
+def test_the_classes_above_have_what_the_models_protocols_name(pmod, pname, cmod, cname):
+    """The model types what it holds by Protocols; the classes semantics makes must offer every member."""
+    import importlib
+
+    proto = getattr(importlib.import_module(pmod), pname)
+    klass = getattr(importlib.import_module(cmod), cname)
+    fields = {f.name for f in dataclasses.fields(klass)} if dataclasses.is_dataclass(klass) else set()
+    missing = sorted(n for n in _protocol_members(proto) if n not in fields and not hasattr(klass, n))
+    assert not missing, f"{cname} lacks {missing}, which {pname} names"

@@ -20,7 +20,7 @@ from typing import Any
 from reshard.gc_pause import paused_gc
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
-from reshard.model.inspection import Inspection
+from reshard.model.inspection import Inspection, ManifestView
 from reshard.model.kinds import Action
 from reshard.model.json_types import JsonDict
 from reshard.model.plan import Options, Plan
@@ -182,7 +182,7 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
     return dataclasses.replace(cls, roles=roles), chosen
 
 
-def _check_recorded_conventions(manifest: Any, options: Options, src: str | Path) -> None:
+def _check_recorded_conventions(manifest: ManifestView | None, options: Options, src: str | Path) -> None:
     """A ``--convention`` whose name the source's lineage records must be the file recorded there.
 
     The manifest may name a user convention (`reshard.semantics.manifest.key_conventions`)
@@ -233,8 +233,8 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
 
 # ---------------------------------------------------------------------------- topology and placements
 
-def _placements(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
-                reasons: list[str]) -> placement_mod.Geometry:
+def _placements(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], source_topo: Topology,
+                target: Topology, options: Options, reasons: list[str]) -> placement_mod.Geometry:
     """Where every tensor goes on the target, and the layout changes reshard cannot execute (context parallel)."""
     if source_topo.cp != target.cp:
         reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
@@ -385,8 +385,8 @@ def _schedule(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], 
                                position_keys=sched_keys)
 
 
-def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology,
-                   options: Options) -> data_mod.DataDecision:
+def _data_position(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], source_topo: Topology,
+                   target: Topology, options: Options) -> data_mod.DataDecision:
     """Where each target rank's data loader resumes, from per-rank loader states or a shared cursor.
 
     Per-rank states are read only when the policy must translate them to a new dp degree.
