@@ -15,7 +15,7 @@ import numpy as np
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import DType
-from reshard.model.kinds import EntryKind
+from reshard.model.kinds import EntryKind, Severity
 from reshard.model.geometry import Box, whole
 
 __all__ = ["Chunk", "ChunkTable", "Entry", "EntryQueries", "Finding", "ItemLocation", "checked_box"]
@@ -173,7 +173,7 @@ class Entry:
 class Finding:
     """Something wrong (or notable) about the checkpoint, with enough to act on it."""
 
-    severity: str  # "error" (incomplete/unreadable) | "inconsistent" | "warning" | "info"
+    severity: Severity
     code: str
     message: str
     file: str | None = None

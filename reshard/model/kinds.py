@@ -40,6 +40,10 @@ class ExportAction(StrEnum):
     DROPPED = "dropped"      # trainer state or, with ``--only model``, the optimizer: not exported
 
 
+Severity = Literal["error", "inconsistent", "warning", "info"]
+"""How bad a finding is (`reshard.model.checkpoint.Finding`): an error makes a checkpoint incomplete
+(exit 2), an inconsistency inconsistent (exit 1); a warning and a note change no exit code."""
+
 EntryKind = Literal["tensor", "object"]
 """What one flat key of a checkpoint holds (`reshard.model.checkpoint.Entry.kind`)."""
 

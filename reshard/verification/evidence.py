@@ -39,14 +39,14 @@ def open_checkpoint(path: Path, trust_pickle: bool, known: Inspection | None = N
     ``known``: this run's inspection of the same checkpoint (`reshard.planning.plan.source_inspection`),
     taken instead of reading it again."""
     insp = known if known is not None else inspect_checkpoint(path, trust_pickle=trust_pickle)
-    errors = [p for p in insp.report["problems"] if p["severity"] == "error"]
+    errors = insp.errors
     if errors:
         first = errors[0]
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         index_codes = {"missing_file", "truncated_file", "no_storage"}
-        cls = Incomplete if first["code"] in index_codes or first["code"].startswith("chunk_") else BadInput
-        where = str(path / first["file"]) if first.get("file") else str(path)
-        raise cls(first["message"].rstrip(".") + more + ".", where=where,
+        cls = Incomplete if first.code in index_codes or first.code.startswith("chunk_") else BadInput
+        where = str(path / first.file) if first.file else str(path)
+        raise cls(first.message.rstrip(".") + more + ".", where=where,
                   hint="Run `reshard inspect` on it for the full list; verify needs two complete checkpoints.")
     return insp
 
