@@ -188,11 +188,3 @@ def test_a_missing_path_is_refused_without_pydantic_or_torch(tmp_path):
     assert said == ["error: /no/such: no such checkpoint directory. Check the path (a checkpoint is the directory "
                     "that holds `.metadata`)."] * len(lines), said
     assert json.loads(p.stdout.splitlines()[0])["code"] == "bad_input"
-
-
-def test_data_choices_agree_with_the_data_policies():
-    """`arguments` states --data-policy's choices so that no command's start imports `semantics.data`."""
-    from reshard.arguments import DATA_POLICIES
-    from reshard.semantics.data import POLICIES
-
-    assert tuple(DATA_POLICIES) == tuple(POLICIES)

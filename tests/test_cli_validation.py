@@ -212,13 +212,6 @@ def test_a_micro_batch_the_plan_changes_is_in_the_change_list(reference_ckpt, ca
                     "(activation memory per rank x2)"], p["verdict"]["changes"]
 
 
-def test_rng_choices_agree_with_the_rng_policies():
-    from reshard.arguments import RNG_POLICIES
-    from reshard.semantics.rng import POLICIES
-
-    assert tuple(RNG_POLICIES) == tuple(POLICIES)
-
-
 def test_import_format_names_agree_with_the_importer():
     """The early check reads formats/hf/ itself (no torch): every name it admits is one the importer maps."""
     from reshard.arguments import import_formats

@@ -27,6 +27,7 @@ from reshard.storage.atomic import reclaimable_bytes
 from reshard.storage.hf_dcp import open_source  # a DCP source, or torch's safetensors-backed DCP
 from reshard.storage.integrity import nearest_existing
 from reshard.units import human_bytes
+from reshard.model.kinds import Action
 
 
 SAVE_OVERHEAD = 1513
@@ -66,10 +67,10 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
             items += 1
     tensor_keys = {t.key for t in plan.tensors}
     for a in plan.keys:
-        if a.key in tensor_keys or a.action == "dropped":
+        if a.key in tensor_keys or a.action == Action.DROPPED:
             continue
         items += 1
-        if a.action in ("rewritten", "added") and a.key in plan.new_values:
+        if a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
             v = plan.new_values[a.key]
             try:
                 total += len(pickle.dumps(v, protocol=2)) + over
@@ -112,7 +113,7 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
     """The source bytes a conversion reads: the logical bytes of every key the plan keeps (what
     convert's "writing" phase counts, `reshard.engine.copy.writing_bytes`)."""
-    dropped = {a.key for a in plan.keys if a.action == "dropped"}
+    dropped = {a.key for a in plan.keys if a.action == Action.DROPPED}
     return sum(e.nbytes for key, e in ix.entries.items() if key not in dropped)
 
 

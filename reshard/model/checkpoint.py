@@ -15,9 +15,10 @@ import numpy as np
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import DType
-from reshard.model.geometry import Box
+from reshard.model.kinds import EntryKind, Severity
+from reshard.model.geometry import Box, whole
 
-__all__ = ["Chunk", "ChunkTable", "Entry", "EntryQueries", "Finding", "ItemLocation"]
+__all__ = ["Chunk", "ChunkTable", "Entry", "EntryQueries", "Finding", "ItemLocation", "checked_box"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class Entry:
     """One flat key of the checkpoint."""
 
     key: str
-    kind: str  # "tensor" | "object"
+    kind: EntryKind
     shape: tuple[int, ...] | None = None
     dtype: DType | None = None
     chunks: list[Chunk] | ChunkTable = field(default_factory=list)
@@ -172,7 +173,7 @@ class Entry:
 class Finding:
     """Something wrong (or notable) about the checkpoint, with enough to act on it."""
 
-    severity: str  # "error" (incomplete/unreadable) | "inconsistent" | "warning" | "info"
+    severity: Severity
     code: str
     message: str
     file: str | None = None
@@ -181,6 +182,24 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return {"severity": self.severity, "code": self.code, "message": self.message,
                 "file": self.file, "keys": list(self.keys)}
+
+
+def checked_box(entry: Entry, box: Box, *, where: str) -> Entry:
+    """``entry`` when ``box`` is a box of its tensor, else BadInput: the one bounds check of every
+    reader's ``read_box`` (`reshard.model.reader.CheckpointReader`).
+
+    Why one: a box comes from a plan or from a hostile file's chunk records, and a reader that
+    trusted it would read or write outside the tensor; four copies of the check drifted in the
+    order of their tests (one asked for containment before comparing the ranks, and so raised
+    ValueError instead of BadInput for a box of another rank).
+    """
+    if not entry.is_tensor:
+        raise BadInput(f"'{entry.key}' is an object, not a tensor", where=where)
+    shape = entry.shape or ()
+    if len(box.sizes) != len(shape) or not whole(shape).contains(box):
+        raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{entry.key}' of shape {list(shape)}",
+                       where=where)
+    return entry
 
 
 class EntryQueries:

@@ -4,7 +4,9 @@ the decisions on trainer state, with a fingerprint of everything the executor ac
 The planner (`reshard.planning.plan`) makes one; `reshard plan` prints it, the engine executes
 it, `verify` recomputes it from a lineage entry. It lives here, at the bottom, because every
 layer above passes it around. The decisions on trainer state (batch, schedule, data, RNG) are
-`reshard.semantics` objects that only need ``to_dict()`` here, so they are typed ``Any``.
+`reshard.semantics` objects, typed by the Protocols of `reshard.model.plan_sections` (the model
+may not import the layer that makes them); the JSON sections are `TypedDict`s there, or `JsonDict`
+where a section's keys are open.
 """
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.version import __version__
+from reshard.model.inspection import Inspection
+from reshard.model.json_types import JsonDict
+from reshard.model.kinds import Action
+from reshard.model.plan_sections import (AccumulationSection, BatchSection, DataSection, MemorySection, NewValues,
+                                         RngSection, ScheduleSection, SourceSummary, Verdict)
 from reshard.model.layout import Placement
 from reshard.model.topology import Topology
 
@@ -43,7 +50,7 @@ class Options:
     seed: int | None = None
     trust_pickle: bool = False
     rules: str | None = None
-    model_config: dict[str, Any] | None = None
+    model_config: JsonDict | None = None
     pp_stages: str | None = None
     dtype: str | None = None  # reduced copies: cast floating tensors (bf16, fp16, fp32)
     only: str | None = None   # reduced copies: "model" or "model+optim" (default: everything)
@@ -56,8 +63,8 @@ class Options:
     source_global_batch: int | None = None  # a trainer config's global batch: the accumulation follows from the dp degree
     ties: list[list[str]] | None = None  # --tie A=B: two parameter names of one tensor (like a manifest's model.tied)
     # What a profile / a trainer config contributed: {"file", "sha256", "contributed": [option names], ...}
-    profile: dict[str, Any] | None = None
-    trainer_config: dict[str, Any] | None = None
+    profile: JsonDict | None = None
+    trainer_config: JsonDict | None = None
     # A slice of the model (`reshard.semantics.slicing`): --layers 0-1 / 0,5,79, --experts RANGE
     layers: str | None = None
     experts: str | None = None
@@ -79,7 +86,7 @@ SLICE_OPTIONS = ("layers", "experts")
 class KeyAction:
     key: str
     role: str
-    action: str  # "resharded" | "carried" | "rewritten" | "dropped" | "added"
+    action: Action
     reason: str = ""
     rank: int | None = None  # target file for carried/rewritten/added objects
 
@@ -98,7 +105,7 @@ class TensorPlan:
     dtype: str
     placement: Placement
     chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # (writer rank, offsets, sizes)
-    transform: dict[str, Any] | None = None  # reinterleave / repad (TP-dependent global layouts)
+    transform: JsonDict | None = None  # reinterleave / repad (TP-dependent global layouts)
     copy_from: str | None = None  # tied copies: the source key whose values this key takes
     local: dict[int, tuple[int, ...]] = field(default_factory=dict)  # every holding rank -> its local shape
 
@@ -120,28 +127,28 @@ class TensorPlan:
 
 @dataclass
 class Plan:
-    source: dict[str, Any]
+    source: SourceSummary
     target: Topology
     options: Options
     feasible: bool
     reasons: list[str]
-    batch: Any  # reshard.semantics.batch.BatchDecision
-    schedule: Any  # reshard.semantics.schedule.ScheduleDecision | None
-    data: Any  # reshard.semantics.data.DataDecision | None
-    rng: Any  # reshard.semantics.rng.RngDecision | None
-    accumulation: dict[str, Any]
-    memory: dict[str, Any]
+    batch: BatchSection  # reshard.semantics.batch.BatchDecision
+    schedule: ScheduleSection | None  # reshard.semantics.schedule.ScheduleDecision
+    data: DataSection | None  # reshard.semantics.data.DataDecision
+    rng: RngSection | None  # reshard.semantics.rng.RngDecision
+    accumulation: AccumulationSection
+    memory: MemorySection
     tensors: list[TensorPlan]
     keys: list[KeyAction]
-    verdict: dict[str, Any]
-    new_values: dict[str, Any] = field(default_factory=dict)  # key -> value written by a rewrite (not in JSON)
-    stage_map: dict[str, Any] | None = None
+    verdict: Verdict
+    new_values: NewValues = field(default_factory=dict)  # key -> value written by a rewrite (not in JSON)
+    stage_map: JsonDict | None = None
     rules: str | None = None
     checks: dict[str, str] = field(default_factory=dict)  # key -> equal-to key, checked on convert (tied copies)
-    data_link: dict[str, Any] | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
-    slice: dict[str, Any] | None = None  # --layers / --experts: what the slice keeps, renames and drops (`reshard.planning.slice`)
-    experts: dict[str, Any] | None = None  # MoE experts stacked in one tensor: which ranks hold which (`reshard.planning.experts`)
-    inspection: Any = field(default=None, repr=False, compare=False)  # the source's Inspection this run made (not in JSON)
+    data_link: JsonDict | None = None  # convert --data link: available or why not, what each rank reads (commands.linking)
+    slice: JsonDict | None = None  # --layers / --experts: what the slice keeps, renames and drops (`reshard.planning.slice`)
+    experts: JsonDict | None = None  # MoE experts stacked in one tensor: which ranks hold which (`reshard.planning.experts`)
+    inspection: Inspection | None = field(default=None, repr=False, compare=False)  # the source's Inspection this run made (not in JSON)
 
     def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
         """The plan as JSON data; ``tensors``: True (every tensor with its chunks), False, or

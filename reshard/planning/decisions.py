@@ -22,13 +22,16 @@ from reshard.semantics import data as data_mod
 from reshard.semantics import rng as rng_mod
 from reshard.semantics import schedule as schedule_mod
 from reshard.model.topology import Topology
+from reshard.model.inspection import OptimizerHealth
+from reshard.model.plan_sections import KeptFacet, MemorySection, Verdict
+from reshard.model.kinds import Action
 
 
-def plan_verdict(r: dict[str, Any], bdec: batch_mod.BatchDecision, sdec: schedule_mod.ScheduleDecision | None,
+def plan_verdict(optimizer: OptimizerHealth, bdec: batch_mod.BatchDecision, sdec: schedule_mod.ScheduleDecision | None,
                  ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision, reasons: list[str], same_positions: bool,
-                 numerics: list[str], reduced: list[str]) -> dict[str, Any]:
+                 numerics: list[str], reduced: list[str]) -> Verdict:
     """The verdict on the decisions, plus the placements' numeric changes; a reduced copy is a warm start."""
-    verdict = _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions)
+    verdict = _verdict(optimizer, bdec, sdec, ddec, rdec, reasons, same_positions)
     verdict["changes"].extend(numerics)
     if reduced and not reasons:
         verdict["warm_start_reasons"].extend(reduced)
@@ -51,8 +54,8 @@ def reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction]
     if options.only == "model":
         dropped = 0
         for a in actions:
-            if a.role in OPTIMIZER_ROLES and a.action != "dropped":
-                a.action, a.reason, a.rank = "dropped", "--only model: a reduced copy without optimizer state", None
+            if a.role in OPTIMIZER_ROLES and a.action != Action.DROPPED:
+                a.action, a.reason, a.rank = Action.DROPPED, "--only model: a reduced copy without optimizer state", None
                 dropped += 1
         tensors[:] = [t for t in tensors if t.role not in OPTIMIZER_ROLES]
         reasons.append(f"reduced copy: optimizer state dropped ({dropped} keys, --only model)")
@@ -76,7 +79,7 @@ def reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction]
 
 
 def memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storage: set[str] = frozenset(),
-           extra_trainable: set[str] = frozenset(), renamed: dict[str, str] | None = None) -> dict[str, Any]:
+           extra_trainable: set[str] = frozenset(), renamed: dict[str, str] | None = None) -> MemorySection:
     """Bytes each target rank holds: parameters, gradients (trainable parameters), optimizer state.
 
     A tied copy that shares storage with its tie on the target is counted once. Computed per
@@ -123,17 +126,17 @@ def memory(tensors: list[TensorPlan], ix, cls, target: Topology, *, same_storage
 WARM_FACETS = ("optimizer_state", "data_position")
 
 
-def kept(r: dict[str, Any], cls: Any, sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision,
-         rdec: rng_mod.RngDecision, acc_out: dict[str, Any], reduced: list[str]) -> dict[str, dict[str, str]]:
+def kept(optimizer: OptimizerHealth, cls: Any, sdec: schedule_mod.ScheduleDecision | None, ddec: data_mod.DataDecision,
+         rdec: rng_mod.RngDecision, acc_out: dict[str, Any], reduced: list[str]) -> dict[str, KeptFacet]:
     """For each part of the training state: carried, rewritten, lost, or absent from the source, and why.
 
     This is the verdict's detail: "warm start" alone does not say that every Adam moment was
     carried bitwise and only the data order is new, and that difference matters to the user.
     """
-    def rec(status: str, note: str) -> dict[str, str]:
+    def rec(status: str, note: str) -> KeptFacet:
         return {"status": status, "note": note}
 
-    opt = r["optimizer"]
+    opt = optimizer
     if reduced and any("optim" in x for x in reduced):
         optimizer = rec("lost", "; ".join(reduced))
     elif opt["moment_names"]:
@@ -169,10 +172,10 @@ def kept(r: dict[str, Any], cls: Any, sdec: schedule_mod.ScheduleDecision | None
 SUM_ORDER = "gradients are summed in another order"
 
 
-def _verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions) -> dict[str, Any]:
+def _verdict(optimizer: OptimizerHealth, bdec, sdec, ddec, rdec, reasons, same_positions) -> Verdict:
     warm: list[str] = []
     changes: list[str] = []
-    if not r["optimizer"]["moment_names"]:
+    if not optimizer["moment_names"]:
         warm.append("no optimizer moments in the source: fresh Adam state")
     if ddec is not None and not ddec.continuity:
         warm.append("data continuity lost: " + ddec.note)

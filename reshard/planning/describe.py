@@ -91,11 +91,18 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     _check_accumulation(mdict.get("accumulation"), findings)
     _check_unknown_keys(cls, findings)
 
-    report = _report(root, ix, cls, manifest, mdict, topo, deep=deep, step=step, step_source=step_source,
-                     by_role=by_role, counters=counters, opt=opt, per_rank=per_rank, findings=findings)
-    report["sidecars"] = side
-    return Inspection(ix, cls, manifest, topo, report,
-                      as_found=from_spec is None and not conventions and not ties and not deep)
+    complete, _, _ = _exit_code(findings)
+    ins = Inspection(ix, cls, manifest, topo, {}, as_found=from_spec is None and not conventions and not ties and not deep,
+                     path=remote.display_path(root), complete=complete, findings=findings, step=step,
+                     tokens_seen=mdict.get("tokens_seen", counters.get("tokens_seen")),
+                     experiment_id=mdict.get("experiment_id"), batch=mdict.get("batch"),
+                     accumulation=mdict.get("accumulation"), entries=len(ix.entries),
+                     bytes=sum(ix.file_sizes.values()), has_manifest=manifest is not None, optimizer=opt, sidecars=side)
+    # the report prints the typed fields: the planner reads them, and both say the same by construction
+    ins.report = _report(root, ins, mdict, deep=deep, step_source=step_source, by_role=by_role, counters=counters,
+                         per_rank=per_rank)
+    ins.report["sidecars"] = side
+    return ins
 
 
 HF_CONFIG = "config.json"
@@ -823,40 +830,40 @@ def _exit_code(findings: list[Finding]) -> tuple[bool, bool, int]:
     return complete, consistent, 0 if complete and consistent else (2 if not complete else 1)
 
 
-def _report(root: Path, ix: Any, cls: Classification, manifest: Any, mdict: dict[str, Any], topo: topo_mod.Topology, *,
-            deep: bool, step: Any, step_source: str | None, by_role: dict[str, Any], counters: dict[str, Any],
-            opt: dict[str, Any], per_rank: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
+def _report(root: Path, ins: Inspection, mdict: dict[str, Any], *, deep: bool, step_source: str | None,
+            by_role: dict[str, Any], counters: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
     """The `--json` shape (documented in the README): its key order is what the JSON prints."""
+    ix, cls, topo, findings = ins.index, ins.classification, ins.topology, ins.findings
     complete, consistent, exit_code = _exit_code(findings)
     store = remote.store_reads(root)
     return {
         "json_version": JSON_VERSION,
         **({"store": store} if store is not None else {}),  # a remote checkpoint: what describing it fetched
-        "path": remote.display_path(root),  # the URL of a remote checkpoint (reshard.storage.remote)
-        "complete": complete,
+        "path": ins.path,  # the URL of a remote checkpoint (reshard.storage.remote)
+        "complete": ins.complete,
         "consistent": consistent,
         "exit_code": exit_code,
-        "experiment_id": mdict.get("experiment_id"),
-        "step": step,
+        "experiment_id": ins.experiment_id,
+        "step": ins.step,
         "step_source": step_source,
-        "tokens_seen": mdict.get("tokens_seen", counters.get("tokens_seen")),
+        "tokens_seen": ins.tokens_seen,
         "topology": topo.to_dict(),
         "writer_ranks": len(ix.writer_ranks()),
-        "batch": mdict.get("batch"),
-        "accumulation": mdict.get("accumulation"),
+        "batch": ins.batch,
+        "accumulation": ins.accumulation,
         "continuity": mdict.get("continuity"),
         "lineage": mdict.get("lineage", []),
-        "manifest": manifest is not None,
+        "manifest": ins.has_manifest,
         "dcp_version": ix.version,
         "convention": {"name": cls.convention.name, "composed": cls.conventions_used(),
                        "candidates": [{"name": n, "unknown": u} for n, u in cls.candidates]},
-        "entries": len(ix.entries),
+        "entries": ins.entries,
         "items": ix.item_count(),
         "files": len(ix.file_sizes),
-        "bytes": sum(ix.file_sizes.values()),
+        "bytes": ins.bytes,
         "by_role": by_role,
         "counters": counters,
-        "optimizer": opt,
+        "optimizer": ins.optimizer,
         "per_rank_state": per_rank,
         "unknown_keys": cls.unknown,
         "deep": deep,

@@ -56,6 +56,7 @@ from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
 from reshard.model.dtypes import DTYPES as BY_NAME, DType
+from reshard.model.kinds import ExportAction
 from reshard.model.plan import NOT_CAST
 from reshard.storage import remote
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
@@ -324,20 +325,20 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
         rec: dict[str, Any] = {"key": key, "role": r.role}
         name = None
         if not e.is_tensor:
-            rec.update(action="dropped", reason=f"{r.role} object: trainer state is not exported")
+            rec.update(action=ExportAction.DROPPED, reason=f"{r.role} object: trainer state is not exported")
         elif r.role == "parameter" and r.param:
             if r.param in copy_of:
                 p.copies[rename(r.param)] = (key, rename(copy_of[r.param]))
-                rec.update(action="tied_copy", name=rename(r.param), reason=_copy_reason(copy_of[r.param], rename))
+                rec.update(action=ExportAction.TIED_COPY, name=rename(r.param), reason=_copy_reason(copy_of[r.param], rename))
             else:
                 name = rename(r.param)
         elif r.role in ("optimizer_moment", "optimizer_step") and r.param:
             if only != "model+optim":
-                rec.update(action="dropped", reason=f"{r.role.replace('_', ' ')} (--only model)")
+                rec.update(action=ExportAction.DROPPED, reason=f"{r.role.replace('_', ' ')} (--only model)")
             else:
                 name = f"optim.{rename(r.param)}.{r.name or 'step'}"
         else:
-            rec.update(action="dropped", reason=f"{r.role} tensor: trainer state is not exported")
+            rec.update(action=ExportAction.DROPPED, reason=f"{r.role} tensor: trainer state is not exported")
         if name is not None:
             if name in seen:
                 raise BadInput(f"'{key}' and '{seen[name]}' would both be exported as '{name}'",
@@ -348,7 +349,7 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
                     and e.dtype not in UNCASTABLE:
                 out_dtype = dtype
             p.items.append(ExportItem(key, name, r.role, tuple(e.shape), e.dtype, out_dtype))
-            rec.update(action="exported", name=name, dtype=str(e.dtype).removeprefix("torch."),
+            rec.update(action=ExportAction.EXPORTED, name=name, dtype=str(e.dtype).removeprefix("torch."),
                        exported_dtype=str(out_dtype).removeprefix("torch."),
                        cast=out_dtype != e.dtype, shape=list(e.shape))
         p.keys.append(rec)
@@ -387,7 +388,7 @@ def _store_instead(plan: ExportPlan, params: dict[str, str], k: int, keep: str) 
     recs = {rec["key"]: i for i, rec in enumerate(plan.keys)}
     was = plan.keys[recs[params[old]]]
     plan.keys[recs[params[keep]]] = {**was, "key": params[keep], "role": plan.keys[recs[params[keep]]]["role"]}
-    plan.keys[recs[params[old]]] = {"key": params[old], "role": was["role"], "action": "tied_copy", "name": old,
+    plan.keys[recs[params[old]]] = {"key": params[old], "role": was["role"], "action": ExportAction.TIED_COPY, "name": old,
                                     "reason": _copy_reason(keep)}
     for n in group[1:]:
         if n != keep:
@@ -543,9 +544,9 @@ def _source_tp(src: Path) -> int:
     """The TP degree the source was written at (a fused TP layout's global view depends on it), as inspect finds it."""
     from reshard.planning.describe import inspect_checkpoint
 
-    topo = inspect_checkpoint(src).report.get("topology") or {}
-    tp = topo.get("tp")
-    if not isinstance(tp, int) or tp < 1 or topo.get("ambiguous"):
+    topo = inspect_checkpoint(src).topology
+    tp = topo.tp
+    if not isinstance(tp, int) or tp < 1 or topo.ambiguous:
         raise BadInput("the source's TP degree is not known, and its fused tensors are laid out per TP rank",
                        where=str(src), hint="Record the topology in the manifest (reshard convert writes one).")
     return tp
@@ -633,13 +634,13 @@ def hf_plan(src: Path, ix, cls, mdict: dict[str, Any], plan: ExportPlan, model_c
     stored_of = {n: g[0] for g in plan.tied_fqns for n in g[1:]}
     for rec in plan.keys:
         r = cls.roles[rec["key"]]
-        if rec.get("action") == "tied_copy" and r.param in stored_of:
+        if rec.get("action") == ExportAction.TIED_COPY and r.param in stored_of:
             rec["reason"] = _copy_reason(stored_of[r.param], mapping.hf_name)
         if rec.get("name") and r.param:
             rec["name"] = mapping.hf_name(r.param)
             if rec["name"] in transforms:
                 rec["transform"] = transforms[rec["name"]]
-            if rec.get("action") == "exported":
+            if rec.get("action") == ExportAction.EXPORTED:
                 rec["exported_shape"] = [list(i.shape) for i in plan.items if i.key == rec["key"]]
                 if len(rec["exported_shape"]) == 1:
                     rec["exported_shape"] = rec["exported_shape"][0]

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from reshard.model.dtypes import dtype_named, is_torch_tensor
+from reshard.model.kinds import Action
 from reshard.model.plan import KeyAction, TensorPlan
 from reshard.model.layout import Placement, rank_sizes, target_chunks_cached
 from reshard.semantics import placement as placement_mod
@@ -44,8 +45,8 @@ def key_actions(ix: Any, cls: Any, mdict: dict[str, Any], geo: placement_mod.Geo
     keys = Keys()
     rewrites = _rewrites(ix, sdec, ddec, rdec)
     chosen = chosen or {}
-    dropped = {**ddec.dropped, **rdec.dropped, **{k: why for k, (a, why) in chosen.items() if a == "dropped"}}
-    kept = {k: why for k, (a, why) in chosen.items() if a == "carried"}
+    dropped = {**ddec.dropped, **rdec.dropped, **{k: why for k, (a, why) in chosen.items() if a == Action.DROPPED}}
+    kept = {k: why for k, (a, why) in chosen.items() if a == Action.CARRIED}
     for key, e in ix.entries.items():
         _plan_source_key(key, e, keys, cls=cls, geo=geo, target=target, rewrites=rewrites, dropped=dropped,
                          reasons=reasons, kept=kept)
@@ -82,12 +83,12 @@ def _plan_source_key(key: str, e: Any, keys: Keys, *, cls: Any, geo: placement_m
     """
     role = cls.roles[key].role
     if key in dropped:
-        keys.actions.append(KeyAction(key, role, "dropped", dropped[key]))
+        keys.actions.append(KeyAction(key, role, Action.DROPPED, dropped[key]))
         return
     if key in rewrites:
         why, value = rewrites[key]
         keys.new_values[key] = value
-        keys.actions.append(KeyAction(key, role, "rewritten", why, rank=_owner_rank(key, cls, target)))
+        keys.actions.append(KeyAction(key, role, Action.REWRITTEN, why, rank=_owner_rank(key, cls, target)))
         if e.is_tensor:
             keys.tensors.append(_replicated(key, role, value, _owner_rank(key, cls, target)))
         return
@@ -96,11 +97,11 @@ def _plan_source_key(key: str, e: Any, keys: Keys, *, cls: Any, geo: placement_m
                        "what it means; give it a role with --convention FILE (a convention TOML whose rule matches "
                        f"it), carry it unchanged with --keep PATTERN, or leave it out with --drop PATTERN "
                        f"(e.g. --keep '^{re.escape(key)}$')")
-        keys.actions.append(KeyAction(key, role, "dropped", "unknown key: refused"))
+        keys.actions.append(KeyAction(key, role, Action.DROPPED, "unknown key: refused"))
         return
-    if key in geo.tied_actions and geo.tied_actions[key][0] == "dropped":
+    if key in geo.tied_actions and geo.tied_actions[key][0] == Action.DROPPED:
         _, why, equal_to = geo.tied_actions[key]
-        keys.actions.append(KeyAction(key, role, "dropped", why))
+        keys.actions.append(KeyAction(key, role, Action.DROPPED, why))
         if equal_to:
             keys.checks[key] = equal_to
         return
@@ -112,7 +113,7 @@ def _plan_source_key(key: str, e: Any, keys: Keys, *, cls: Any, geo: placement_m
         keys.tensors.append(tensor)
         keys.actions.append(action)
     else:
-        keys.actions.append(KeyAction(key, role, "carried", why_kept or "object, unchanged",
+        keys.actions.append(KeyAction(key, role, Action.CARRIED, why_kept or "object, unchanged",
                                       rank=_owner_rank(key, cls, target)))
 
 
@@ -128,7 +129,7 @@ def _placed_tensor(key: str, role: str, e: Any, tg: placement_mod.TensorGeometry
     why = placement.describe()
     if tg.transform:
         why += "; " + _describe_transform(tg.transform)
-    action = KeyAction(key, role, "resharded" if placement.kind == "shard" else "carried",
+    action = KeyAction(key, role, Action.RESHARDED if placement.kind == "shard" else Action.CARRIED,
                        why if placement.kind == "shard" or tg.transform else why + ", unchanged",
                        rank=None if placement.kind == "shard" else chunks[0][0] if chunks else owner)
     return tensor, action
@@ -146,20 +147,20 @@ def _tied_checks(cls: Any, mdict: dict[str, Any], geo: placement_mod.Geometry, c
 def _add_tied_copies(ix: Any, cls: Any, geo: placement_mod.Geometry, target: Topology, keys: Keys) -> None:
     """Tied copies the target needs but the source did not save (e.g. the output head on the last stage)."""
     for key, (action, why, src_key) in geo.tied_actions.items():
-        if action != "added" or src_key is None:
+        if action != Action.ADDED or src_key is None:
             continue
         se = ix.entries[src_key]
         role = cls.roles[src_key].role
         if not se.is_tensor:
             keys.new_values[key] = ix.read_object(src_key)
-            keys.actions.append(KeyAction(key, role, "added", why, rank=0))
+            keys.actions.append(KeyAction(key, role, Action.ADDED, why, rank=0))
             continue
         src_geo = geo.by_key[src_key]
         pl = Placement(dp_shard=src_geo.placement.dp_shard, tp_dim=src_geo.placement.tp_dim, stage=target.pp - 1)
         chunks = list(target_chunks_cached(tuple(src_geo.target_shape), pl, target))
         keys.tensors.append(TensorPlan(key, role, src_geo.target_shape, se.dtype_name or "", pl,
                                        chunks, src_geo.transform, copy_from=src_key))
-        keys.actions.append(KeyAction(key, role, "added", why))
+        keys.actions.append(KeyAction(key, role, Action.ADDED, why))
 
 
 def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngDecision, keys: Keys) -> None:
@@ -171,7 +172,7 @@ def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngD
         rank = _rank_from_key(k)
         why = (f"new rank {rank}: " if rank is not None else "") + ("data position " + ddec.policy if role == "data" else rdec.per_rank.get(rank, "RNG"))
         keys.new_values[k] = v
-        keys.actions.append(KeyAction(k, role, "added", why, rank=rank if rank is not None else 0))
+        keys.actions.append(KeyAction(k, role, Action.ADDED, why, rank=rank if rank is not None else 0))
         if is_torch_tensor(v):
             keys.tensors.append(_replicated(k, role, v, rank or 0))
 

@@ -20,8 +20,12 @@ from typing import Any
 from reshard.gc_pause import paused_gc
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
-from reshard.model.inspection import Inspection
+from reshard.model.inspection import Inspection, ManifestView
+from reshard.model.kinds import Action
+from reshard.model.json_types import JsonDict
 from reshard.model.plan import Options, Plan
+from reshard.model.plan_sections import AccumulationSection, SourceSummary
+from reshard.model.reader import CheckpointReader
 from reshard.planning import decisions
 from reshard.planning.keys import key_actions, per_rank_prefix
 from reshard.planning.options import from_origin, user_conventions
@@ -49,7 +53,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     this order, which is the order the plan lists them.
     """
     ins = _complete_inspection(src, options, inspection)
-    r, ix = ins.report, ins.index
+    ix = ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
     stated = sizes.stated_by_files(options)  # a profile's or trainer config's sizes, against the tensors first
@@ -61,24 +65,24 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     reasons: list[str] = []
 
     geo = _placements(ix, cls, mdict, source_topo, target, options, reasons)
-    acc_out = _accumulation(r, reasons)
-    bdec = _batch_recipe(r, source_topo, target, options, reasons)
-    sdec = _schedule(ix, cls, mdict, r, bdec, options)
+    acc_out = _accumulation(ins.accumulation, reasons)
+    bdec = _batch_recipe(ins, source_topo, target, options, reasons)
+    sdec = _schedule(ix, cls, mdict, ins, bdec, options)
     ddec = _data_position(ix, cls, mdict, source_topo, target, options)
-    rdec = _rng(cls, mdict, r, source_topo, target, options, same_positions)
+    rdec = _rng(cls, mdict, ins, source_topo, target, options, same_positions)
     keys = key_actions(ix, cls, mdict, geo, target, sdec, ddec, rdec, reasons, chosen)
     sliced = apply_slice(ix, cls, mdict, options, keys, target)
     reduced = decisions.reduce(options, keys.tensors, keys.actions, ix)
     memory = decisions.memory(keys.tensors, ix, cls, target, same_storage=geo.same_storage,
                               extra_trainable=geo.extra_trainable, renamed=sliced.renamed if sliced else None)
-    verdict = decisions.plan_verdict(r, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
-    verdict["kept"] = decisions.kept(r, cls, sdec, ddec, rdec, acc_out, reduced)
+    verdict = decisions.plan_verdict(ins.optimizer, bdec, sdec, ddec, rdec, reasons, same_positions, geo.numerics, reduced)
+    verdict["kept"] = decisions.kept(ins.optimizer, cls, sdec, ddec, rdec, acc_out, reduced)
     verdict["warm_start_of"] = [facet for facet, v in verdict["kept"].items()
                                 if v["status"] in ("lost", "absent") and facet in decisions.WARM_FACETS]
     if sliced is not None:
         slice_verdict(verdict, sliced, reasons)
 
-    plan = Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
+    plan = Plan(_source_summary(src, ins, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
     from reshard.planning.linking import link_summary  # `convert --data link`: whether it applies (not fingerprinted)
@@ -150,7 +154,7 @@ def _key_choices(options: Options) -> tuple[list[tuple[str, Pattern]], list[tupl
     return out[0], out[1]
 
 
-def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification, dict[str, tuple[str, str]]]:
+def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification, dict[str, tuple[Action, str]]]:
     """Apply ``--keep``/``--drop`` to the keys no convention explains.
 
     They decide only unknown keys: a key a convention explains keeps the convention's role (a
@@ -162,7 +166,7 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
     if not keep and not drop:
         return cls, {}
     roles = dict(cls.roles)
-    chosen: dict[str, tuple[str, str]] = {}
+    chosen: dict[str, tuple[Action, str]] = {}
     for key in cls.unknown:
         k = next((p for p, rx in keep if rx.search(key)), None)
         d = next((p for p, rx in drop if rx.search(key)), None)
@@ -172,13 +176,13 @@ def _chosen_roles(cls: Classification, options: Options) -> tuple[Classification
         why = options.key_reasons or {}
         if k is not None:
             roles[key] = KeyRole(key, "other")
-            chosen[key] = ("carried", f"--keep {k}" + (f": {why[k]}" if why.get(k) else ""))
+            chosen[key] = (Action.CARRIED, f"--keep {k}" + (f": {why[k]}" if why.get(k) else ""))
         elif d is not None:
-            chosen[key] = ("dropped", f"--drop {d}" + (f": {why[d]}" if why.get(d) else ""))
+            chosen[key] = (Action.DROPPED, f"--drop {d}" + (f": {why[d]}" if why.get(d) else ""))
     return dataclasses.replace(cls, roles=roles), chosen
 
 
-def _check_recorded_conventions(manifest: Any, options: Options, src: str | Path) -> None:
+def _check_recorded_conventions(manifest: ManifestView | None, options: Options, src: str | Path) -> None:
     """A ``--convention`` whose name the source's lineage records must be the file recorded there.
 
     The manifest may name a user convention (`reshard.semantics.manifest.key_conventions`)
@@ -215,10 +219,9 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
     if isinstance(ins.index, ExportIndex):  # full tensors: `reshard import` lays them out, plan and convert refuse alike
         raise export_refusal(src, options.to)
     _check_recorded_conventions(ins.manifest, options, src)
-    r = ins.report
-    if not r["complete"]:
-        first = next((p for p in r["problems"] if p["severity"] == "error"), {"message": "incomplete", "file": None})
-        raise BadInput(f"the source checkpoint is incomplete: {first['message']}", where=str(src),
+    if not ins.complete:
+        first = ins.errors[0].message if ins.errors else "incomplete"
+        raise BadInput(f"the source checkpoint is incomplete: {first}", where=str(src),
                        hint="Run `reshard inspect` for the full list; convert only a complete checkpoint.")
     if ins.topology.ambiguous:
         alts = ins.topology.alternatives
@@ -230,8 +233,8 @@ def _complete_inspection(src: str | Path, options: Options, inspection: Inspecti
 
 # ---------------------------------------------------------------------------- topology and placements
 
-def _placements(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
-                reasons: list[str]) -> placement_mod.Geometry:
+def _placements(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], source_topo: Topology,
+                target: Topology, options: Options, reasons: list[str]) -> placement_mod.Geometry:
     """Where every tensor goes on the target, and the layout changes reshard cannot execute (context parallel)."""
     if source_topo.cp != target.cp:
         reasons.append(f"context-parallel changes are not supported (source cp={source_topo.cp}, target cp={target.cp})")
@@ -243,10 +246,11 @@ def _placements(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology,
 
 # ---------------------------------------------------------------------------- trainer state
 
-def _accumulation(r: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
-    """The accumulation phase: only a checkpoint taken at an optimizer-step boundary can be resharded."""
-    acc = r.get("accumulation") or {}
-    acc_out = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
+def _accumulation(recorded: JsonDict | None, reasons: list[str]) -> AccumulationSection:
+    """The accumulation phase (the manifest's ``accumulation``): only a checkpoint taken at an
+    optimizer-step boundary can be resharded."""
+    acc = recorded or {}
+    acc_out: AccumulationSection = {"micro_step": acc.get("micro_step", 0) if acc else None, "in_flight_grads": acc.get("in_flight_grads") if acc else None,
                "ok": True, "note": "at an optimizer-step boundary" if acc else "unknown (no manifest): assumed to be at an optimizer-step boundary"}
     if acc and acc.get("micro_step"):
         acc_out["ok"] = False
@@ -257,7 +261,7 @@ def _accumulation(r: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
     return acc_out
 
 
-def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, options: Options,
+def _batch_recipe(ins: Inspection, source_topo: Topology, target: Topology, options: Options,
                   reasons: list[str]) -> batch_mod.BatchDecision:
     """The target's micro-batch and accumulation, chosen to keep the global batch (when the source's is known).
 
@@ -265,11 +269,11 @@ def _batch_recipe(r: dict[str, Any], source_topo: Topology, target: Topology, op
     (`_source_recipe`); with neither, the global batch cannot be checked.
     """
     before = None
-    b = _source_recipe(r, options, dp=source_topo.dp)
+    b = _source_recipe(ins, options, dp=source_topo.dp)
     if b.get("micro_batch") and b.get("grad_accum"):
         before = batch_mod.Recipe(int(b["micro_batch"]), int(b["grad_accum"]), source_topo.dp)
     bdec = batch_mod.keep_global_batch(before, target.dp, micro_batch=options.micro_batch, grad_accum=options.grad_accum)
-    recorded = r.get("batch") or {}
+    recorded = ins.batch or {}
     filled = {origin: v for f, (v, origin) in _recipe_given(options).items() if recorded.get(f) is None}
     if before is not None and not bdec.note and filled:
         bdec.note = "source recipe from " + _origins(filled) + " (no manifest records it)"
@@ -317,7 +321,7 @@ def _from_file(origin: str) -> bool:
     return not origin.startswith("--")
 
 
-def _source_recipe(r: dict[str, Any], options: Options, *, dp: int | None = None) -> dict[str, Any]:
+def _source_recipe(ins: Inspection, options: Options, *, dp: int | None = None) -> dict[str, Any]:
     """The source's batch recipe: the manifest's fields, completed by what the user gave.
 
     The flags say what a manifest would; they never overrule one. A flag that disagrees with
@@ -328,7 +332,7 @@ def _source_recipe(r: dict[str, Any], options: Options, *, dp: int | None = None
     batch). A global batch (a trainer config's) gives the accumulation with the source's dp
     degree: global = micro-batch x accumulation x dp.
     """
-    recorded = dict(r.get("batch") or {})
+    recorded = dict(ins.batch or {})
     out = dict(recorded)
     given = _recipe_given(options)
     for f, (value, origin) in given.items():
@@ -338,7 +342,7 @@ def _source_recipe(r: dict[str, Any], options: Options, *, dp: int | None = None
             if _from_file(origin):
                 continue
             raise BadInput(f"{origin} {value} disagrees with the source manifest's batch.{f} {recorded[f]}",
-                           where=str(Path(r["path"]) / "manifest.json"),
+                           where=str(Path(ins.path) / "manifest.json"),
                            hint=f"Drop {origin} (the manifest's value is used), or correct the manifest if it is wrong.")
         if recorded.get(f) is None:
             out[f] = value
@@ -346,23 +350,23 @@ def _source_recipe(r: dict[str, Any], options: Options, *, dp: int | None = None
         gb, mb = int(out["global_batch"]), int(out["micro_batch"])
         if gb % (mb * dp):
             raise BadInput(f"the source's global batch {gb} is not micro-batch {mb} x dp {dp} x a whole accumulation",
-                           where=given.get("global_batch", (0, str(r["path"])))[1],
+                           where=given.get("global_batch", (0, ins.path))[1],
                            hint="Check the recipe: global batch = micro-batch x accumulation x dp.")
         ga = gb // (mb * dp)
         if out.get("grad_accum") is not None and int(out["grad_accum"]) != ga:
             raise BadInput(f"the source's accumulation {out['grad_accum']} disagrees with its global batch {gb} = "
-                           f"micro-batch {mb} x dp {dp} x {ga}", where=str(r["path"]),
+                           f"micro-batch {mb} x dp {dp} x {ga}", where=ins.path,
                            hint="Give the global batch or the accumulation, not two that disagree.")
         out["grad_accum"] = ga
     if given and bool(out.get("micro_batch")) != bool(out.get("grad_accum") or out.get("global_batch")):
         missing = "--source-grad-accum" if out.get("micro_batch") else "--source-micro-batch"
         raise BadInput(f"half a source batch recipe: {missing} is not given and the source does not record it",
-                       where=str(r["path"]),
+                       where=ins.path,
                        hint=f"Pass {missing} too: the global batch is micro-batch x accumulation x dp.")
     return out
 
 
-def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec: batch_mod.BatchDecision,
+def _schedule(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], ins: Inspection, bdec: batch_mod.BatchDecision,
               options: Options) -> schedule_mod.ScheduleDecision | None:
     """The LR scheduler's position on the target; undecided (None) when the batch recipe is infeasible."""
     sched_keys = {}
@@ -372,17 +376,17 @@ def _schedule(ix: Any, cls: Any, mdict: dict[str, Any], r: dict[str, Any], bdec:
     if not bdec.feasible:
         return None
     samples_seen = mdict.get("samples_seen")
-    seq_len = _source_recipe(r, options).get("seq_len")
-    if samples_seen is None and r.get("tokens_seen") is not None and seq_len:
-        samples_seen = int(r["tokens_seen"]) // int(seq_len)  # a token counter and --source-seq-len: samples
-    return schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=r.get("step"),
+    seq_len = _source_recipe(ins, options).get("seq_len")
+    if samples_seen is None and ins.tokens_seen is not None and seq_len:
+        samples_seen = int(ins.tokens_seen) // int(seq_len)  # a token counter and --source-seq-len: samples
+    return schedule_mod.decide(batch_kept=bdec.kept, policy=options.schedule, step=ins.step,
                                samples_seen=samples_seen,
                                new_global_batch=bdec.after.global_batch if bdec.after else None,
                                position_keys=sched_keys)
 
 
-def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topology, target: Topology,
-                   options: Options) -> data_mod.DataDecision:
+def _data_position(ix: CheckpointReader, cls: Classification, mdict: dict[str, Any], source_topo: Topology,
+                   target: Topology, options: Options) -> data_mod.DataDecision:
     """Where each target rank's data loader resumes, from per-rank loader states or a shared cursor.
 
     Per-rank states are read only when the policy must translate them to a new dp degree.
@@ -409,22 +413,25 @@ def _data_position(ix: Any, cls: Any, mdict: dict[str, Any], source_topo: Topolo
                            trust_pickle=options.trust_pickle)
 
 
-def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topology, target: Topology,
+def _rng(cls: Classification, mdict: dict[str, Any], ins: Inspection, source_topo: Topology, target: Topology,
          options: Options, same_positions: bool) -> rng_mod.RngDecision:
     """Each target rank's RNG streams: kept where every rank keeps its position, else reseeded by policy."""
     rng_ranks = {rank: [x.key for x in held] for rank, held in cls.ranked("rng").items()}
     seed = options.seed if options.seed is not None else int((mdict.get("rng") or {}).get("seed", 0))
     return rng_mod.decide(rng_ranks, source_world=source_topo.world_size, target_world=target.world_size,
                           same_positions=same_positions, policy=options.rng_policy, seed=seed,
-                          step=int(r.get("step") or 0), prefix_for_rank=lambda k: f"rng.rank_{k}")
+                          step=int(ins.step or 0), prefix_for_rank=lambda k: f"rng.rank_{k}")
 
 
 # ---------------------------------------------------------------------------- source
 
-def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
+def _source_summary(src: str | Path, ins: Inspection, source_topo: Topology, cls: Classification) -> SourceSummary:
     """What the plan read from its source; part of the fingerprint, so its content must not drift."""
-    return {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": r.get("step"),
-            "tokens_seen": r.get("tokens_seen"),
-            "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
-            "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"],
-            **sidecars.plan_source(r)}  # the files carried beside the DCP part (reshard.storage.sidecars)
+    out: SourceSummary = {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": ins.step,
+                          "tokens_seen": ins.tokens_seen,
+                          "experiment_id": ins.experiment_id, "convention": cls.convention.name,
+                          "entries": ins.entries, "bytes": ins.bytes, "manifest": ins.has_manifest}
+    carried = sidecars.plan_entries(ins.sidecars)  # the files carried beside the DCP part (reshard.storage.sidecars)
+    if carried:  # only when there are any, so plans of checkpoints without sidecars keep their fingerprints
+        out["sidecars"] = carried
+    return out

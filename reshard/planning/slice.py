@@ -23,6 +23,7 @@ from reshard.semantics import slicing as slicing_mod
 from reshard.semantics.rules import select as select_rules
 from reshard.units import human_bytes
 from reshard.model.topology import Topology
+from reshard.model.kinds import Action, SliceFate
 
 
 @dataclass
@@ -66,12 +67,12 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
     fates: dict[str, slicing_mod.Fate] = {}
     for a in keys.actions:
         role = cls.roles.get(a.key)
-        if role is not None and role.role in slicing_mod.LAYERED_ROLES and a.action not in ("dropped", "added"):
+        if role is not None and role.role in slicing_mod.LAYERED_ROLES and a.action not in (Action.DROPPED, Action.ADDED):
             fates[a.key] = sl.fate(a.key, role.param)
     # target name -> the source key whose values it takes. A renumbered layer takes the names of
     # a source layer (layer 3 of the source is layer 1 of the slice): that source key's one
     # action becomes "rewritten", its tensor copied from the renamed key (`TensorPlan.copy_from`).
-    renamed = {f.new_key: k for k, f in fates.items() if f.kind == "renamed" and f.new_key}
+    renamed = {f.new_key: k for k, f in fates.items() if f.kind == SliceFate.RENAMED and f.new_key}
     lists = {"rewritten": 0, "fqns_dropped": 0, "fqns_renamed": 0}
     dropped: dict[str, dict[str, int]] = {}
     tensors: dict[str, TensorPlan | None] = {}  # source key -> its tensor on the target (None: none)
@@ -82,20 +83,20 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
         if fate is None:
             continue
         role = cls.roles[a.key].role
-        if fate.kind in ("dropped", "renamed") and a.key not in renamed:
-            if fate.kind == "dropped":
+        if fate.kind in (SliceFate.DROPPED, SliceFate.RENAMED) and a.key not in renamed:
+            if fate.kind == SliceFate.DROPPED:
                 d = dropped.setdefault(fate.reason, {"keys": 0, "bytes": 0})
                 d["keys"] += 1
                 d["bytes"] += ix.entries[a.key].nbytes if ix.entries[a.key].is_tensor else 0
-            a.action, a.rank = "dropped", None
-            a.reason = fate.reason if fate.kind == "dropped" else f"renamed: {fate.reason}"
+            a.action, a.rank = Action.DROPPED, None
+            a.reason = fate.reason if fate.kind == SliceFate.DROPPED else f"renamed: {fate.reason}"
             keys.new_values.pop(a.key, None)
             tensors[a.key] = None
-        elif fate.kind in ("kept", "outside"):
+        elif fate.kind in (SliceFate.KEPT, SliceFate.OUTSIDE):
             value = _sliced_fqn_list(ix, sl, a.key, role, keys, lists)
             if value is not None:
                 keys.new_values[a.key] = value
-                a.action = "rewritten"
+                a.action = Action.REWRITTEN
                 a.reason = "the slice's parameter list (FQNs of the parameters left out removed, kept ones renumbered)"
     for new, old in renamed.items():
         fate, src_action = fates[old], by_key[old]
@@ -105,8 +106,8 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
             t = dataclasses.replace(t, key=new, copy_from=None if old in keys.new_values else old)
         own = fates.get(new)
         why = f"renamed: {fate.reason}" + (
-            f" (the source's own values under this name: {own.reason if own.kind == 'dropped' else 'renamed too'})"
-            if own is not None and own.kind != "kept" else "")
+            f" (the source's own values under this name: {own.reason if own.kind == SliceFate.DROPPED else 'renamed too'})"
+            if own is not None and own.kind != SliceFate.KEPT else "")
         if old in keys.new_values:
             keys.new_values[new] = keys.new_values[old]
         elif t is not None:
@@ -114,19 +115,19 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
         else:
             value = _sliced_fqn_list(ix, sl, old, cls.roles[old].role, keys, lists)
             keys.new_values[new] = value if value is not None else ix.read_object(old)
-        if own is not None and own.kind == "dropped":
+        if own is not None and own.kind == SliceFate.DROPPED:
             d = dropped.setdefault(own.reason, {"keys": 0, "bytes": 0})
             d["keys"] += 1
             d["bytes"] += ix.entries[new].nbytes if ix.entries[new].is_tensor else 0
         if target_action is not None:  # a source key of that name: one action, now "rewritten"
-            target_action.action, target_action.reason = "rewritten", why
+            target_action.action, target_action.reason = Action.REWRITTEN, why
             target_action.rank = src_action.rank if t is None or src_action.rank is not None else None
         else:
-            added.append(KeyAction(new, src_action.role, "added", why,
+            added.append(KeyAction(new, src_action.role, Action.ADDED, why,
                                    rank=src_action.rank if t is None or src_action.rank is not None else None))
         tensors[new] = t
         if old not in renamed:
-            src_action.action, src_action.reason, src_action.rank = "dropped", f"renamed: {fate.reason}", None
+            src_action.action, src_action.reason, src_action.rank = Action.DROPPED, f"renamed: {fate.reason}", None
             tensors.setdefault(old, None)
     for old in renamed.values():
         if old not in renamed:
@@ -140,9 +141,9 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
     size = sum(int(np.prod(t.shape, dtype=np.int64)) * dtype_size(t.dtype) for t in keys.tensors if t.dtype)
     moments = {cls.roles[t.copy_from or t.key].param for t in keys.tensors
                if t.role == "optimizer_moment" and (t.copy_from or t.key) in cls.roles}
-    outside = [p for p in params if sl.fate(p, p).kind == "outside"]
+    outside = [p for p in params if sl.fate(p, p).kind == SliceFate.OUTSIDE]
     summary = {**sl.to_dict(),
-               "kept": {"keys": sum(1 for a in keys.actions if a.action != "dropped"), "tensors": len(keys.tensors),
+               "kept": {"keys": sum(1 for a in keys.actions if a.action != Action.DROPPED), "tensors": len(keys.tensors),
                         "bytes": size, "outside_layers": outside},
                "renamed": {"keys": len(renamed), "from_to": [[v, k] for k, v in renamed.items()]},
                "dropped": {"keys": sum(d["keys"] for d in dropped.values()),
@@ -158,7 +159,7 @@ def _select_router_rows(sl: slicing_mod.Slice, cls: Any, keys: Keys, target: Top
     The tensor is read whole, its rows picked and re-cut, like a TP-dependent layout
     (`reshard.semantics.transforms.write_transformed`); convert proves it against the source's rows.
     """
-    by_key = {a.key: a for a in keys.actions if a.action != "dropped"}
+    by_key = {a.key: a for a in keys.actions if a.action != Action.DROPPED}
     changed = []
     for t in keys.tensors:
         src = t.copy_from or t.key

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from reshard.units import human_bytes
+from reshard.model.kinds import Action
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -213,7 +214,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     out.append(f"keys        {summ}")
     groups: dict[tuple[str, str], list[str]] = {}
     for k in p["keys"]:
-        if k["action"] in ("dropped", "added") or (verbose and k["action"] == "rewritten"):
+        if k["action"] in (Action.DROPPED, Action.ADDED) or (verbose and k["action"] == Action.REWRITTEN):
             groups.setdefault((k["action"], k["reason"]), []).append(k["key"])
     for (action, reason), keys in groups.items():
         more = f" (+{len(keys) - 1} keys)" if len(keys) > 1 else ""

@@ -100,7 +100,6 @@ from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
 from reshard.model.kinds import DATA_POLICIES
 
-POLICIES = DATA_POLICIES
 
 
 @dataclass
@@ -310,7 +309,7 @@ def decide(per_rank: dict[int, tuple[str, Any]], shared: dict[str, Any], *, sour
             "states of vanished ranks would be lost",
             hint="Choose --data-policy translate (use a known elastic form of the state), restart-epoch (start the epoch "
             "over: samples already seen this epoch are seen again) or drop (no data position: a warm start for data).")
-    if policy not in POLICIES:
+    if policy not in DATA_POLICIES:
         raise BadInput(f"unknown --data-policy '{policy}'", hint="Use translate, restart-epoch or drop.")
     world_keys = {k: v for k, v in shared.items()}
     if policy == "drop":

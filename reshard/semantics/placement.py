@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import BadInput
+from reshard.model.kinds import Action
 from reshard.model.layout import Placement
 from reshard.semantics.rules import ConfigShape, ModelRules, evaluate, even_stages, names_in, nearest_degrees, padded_vocab, parse_stages, select, stage_of
 from reshard.model.topology import Topology
@@ -32,7 +33,7 @@ class Geometry:
     reasons: list[str] = field(default_factory=list)        # infeasible
     numerics: list[str] = field(default_factory=list)       # what changes numerically
     stage_map: dict[str, Any] | None = None
-    tied_actions: dict[str, tuple[str, str, str | None]] = field(default_factory=dict)  # key -> (action, reason, copy-from key)
+    tied_actions: dict[str, tuple[Action, str, str | None]] = field(default_factory=dict)  # key -> (action, reason, copy-from key)
     tied_params: list[tuple[str, str]] = field(default_factory=list)  # declared tied model keys: must be equal
     same_storage: set[str] = field(default_factory=set)  # model keys that share storage with their tie on the target
     extra_trainable: set[str] = field(default_factory=set)  # params that become trainable copies on the target
@@ -409,9 +410,9 @@ def _tie_copies(g: Geometry, rules: ModelRules, cls, params: dict[str, str], tie
         g.tied_actions.update(_tied_actions(a, b, cls, moments_of, target.pp))
 
 
-def _tied_actions(a: str, b: str, cls, moments_of: dict[str, list[str]], pp: int) -> dict[str, tuple[str, str, str | None]]:
+def _tied_actions(a: str, b: str, cls, moments_of: dict[str, list[str]], pp: int) -> dict[str, tuple[Action, str, str | None]]:
     """The copy ``b`` of ``a``: on separate stages its state is added (a copy of ``a``'s), on one stage dropped."""
-    actions: dict[str, tuple[str, str, str | None]] = {}
+    actions: dict[str, tuple[Action, str, str | None]] = {}
     ma, mb = sorted(moments_of.get(a, [])), sorted(moments_of.get(b, []))
     # Flattened per-parameter param groups (`...param_groups.<fqn>.<hyper>`) follow the state.
     ga = sorted(k for k, r in cls.roles.items() if r.role == "param_group" and f".{a}." in k)
@@ -419,17 +420,17 @@ def _tied_actions(a: str, b: str, cls, moments_of: dict[str, list[str]], pp: int
     if pp > 1 and ma and not mb:
         for key in ma:
             new = key.replace(a, b, 1)
-            actions[new] = ("added", f"tied copy of {a} on the last stage: its optimizer state is a copy of {a}'s", key)
+            actions[new] = (Action.ADDED, f"tied copy of {a} on the last stage: its optimizer state is a copy of {a}'s", key)
         if not gb:
             for key in ga:
                 actions[key.replace(f".{a}.", f".{b}.", 1)] = (
-                    "added", f"tied copy of {a} on the last stage: its param group is a copy of {a}'s", key)
+                    Action.ADDED, f"tied copy of {a} on the last stage: its param group is a copy of {a}'s", key)
     elif pp == 1 and ma and mb:
         for key in mb:
-            actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, its state equals {a}'s (checked on convert)",
+            actions[key] = (Action.DROPPED, f"tied copy of {a}: one tensor on a single stage, its state equals {a}'s (checked on convert)",
                             key.replace(b, a, 1))
         for key in gb:
-            actions[key] = ("dropped", f"tied copy of {a}: one tensor on a single stage, one param group", None)
+            actions[key] = (Action.DROPPED, f"tied copy of {a}: one tensor on a single stage, one param group", None)
     return actions
 
 

@@ -19,7 +19,6 @@ import numpy as np
 from reshard.errors import BadInput
 from reshard.model.kinds import RNG_POLICIES
 
-POLICIES = RNG_POLICIES
 
 
 @dataclass
@@ -88,7 +87,7 @@ def decide(per_rank: dict[int, list[str]], *, source_world: int, target_world: i
         auto = True
     else:
         auto = False
-    if policy not in POLICIES:
+    if policy not in RNG_POLICIES:
         raise BadInput(f"unknown --rng-policy '{policy}'", hint="Use carry, reseed or drop.")
     d = RngDecision(policy, seed=seed, step=step)
     if policy == "drop":

@@ -14,8 +14,6 @@ from typing import Any
 from reshard.errors import BadInput
 from reshard.model.kinds import SCHEDULE_POLICIES
 
-POLICIES = SCHEDULE_POLICIES
-
 
 @dataclass
 class ScheduleDecision:
@@ -46,7 +44,7 @@ def decide(*, batch_kept: bool | None, policy: str | None, step: int | None, sam
         raise BadInput("the global batch changes, so the LR schedule position changes meaning",
                        hint="Choose --schedule steps (keep the step position) or --schedule tokens "
                        "(move the position so consumed data maps to the same point).")
-    if policy not in POLICIES:
+    if policy not in SCHEDULE_POLICIES:
         raise BadInput(f"unknown --schedule '{policy}'", hint="Use steps or tokens.")
     if policy == "steps":
         return ScheduleDecision("steps", pos, pos, note="position kept in optimizer steps; each step now consumes a different number of samples")

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from reshard.model.kinds import SliceFate
 from reshard.errors import BadInput
 from reshard.patterns import Pattern, compile_pattern
 from reshard.safefs import loads_toml
@@ -68,7 +69,7 @@ class Axis:
 class Fate:
     """What becomes of one key: ``outside`` (no layer: kept), ``kept`` (same name), ``renamed`` or ``dropped``."""
 
-    kind: str
+    kind: SliceFate
     new_key: str | None = None
     reason: str = ""
 
@@ -112,15 +113,15 @@ class Slice:
             index, start, end = found
             ni = axis.new_index(index)
             if ni is None:
-                return Fate("dropped", reason=f"{axis.what} {index} not in the slice ({axis.flag})")
+                return Fate(SliceFate.DROPPED, reason=f"{axis.what} {index} not in the slice ({axis.flag})")
             if ni != index:
                 new_key = new_key[:start] + str(ni) + new_key[end:]
                 if param is not None:
                     param = _renamed_param(param, axis, ni)
                 changes.append(f"{axis.what} {index} is {axis.what} {ni} of the slice")
         if not changes:
-            return Fate("outside" if not any(_locate(key, param, a) for a in self.axes) else "kept")
-        return Fate("renamed", new_key, "; ".join(changes))
+            return Fate(SliceFate.OUTSIDE if not any(_locate(key, param, a) for a in self.axes) else SliceFate.KEPT)
+        return Fate(SliceFate.RENAMED, new_key, "; ".join(changes))
 
     def rename_fqns(self, fqns: list[Any]) -> tuple[list[Any], int, int] | None:
         """A list of parameter FQNs (an optimizer group's ``params``) for the slice: (new list, dropped, renamed).
@@ -133,9 +134,9 @@ class Slice:
         out, dropped, renamed = [], 0, 0
         for fqn in fqns:
             f = self.fate(fqn, fqn)
-            if f.kind == "dropped":
+            if f.kind == SliceFate.DROPPED:
                 dropped += 1
-            elif f.kind == "renamed":
+            elif f.kind == SliceFate.RENAMED:
                 renamed += 1
                 out.append(f.new_key)
             else:

@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete
-from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
+from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
+from reshard.model.reader import CheckpointReader
 from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.storage import remote
 from reshard.storage.index import CheckpointIndex
@@ -133,7 +134,7 @@ def consolidated_shards(path: str | Path) -> Path | None:
         return None
 
 
-class HfDcpIndex(EntryQueries):
+class HfDcpIndex(EntryQueries, CheckpointReader):
     """The read-only global view of torch's safetensors-backed DCP (the CheckpointIndex interface)."""
 
     def __init__(self, root: str | Path, *, trust_pickle: bool = False):
@@ -345,10 +346,7 @@ class HfDcpIndex(EntryQueries):
         """One box of a tensor from the chunks it meets, reading only the rows of each that it spans."""
         import torch
 
-        e = self.entry(key)
-        if len(box.sizes) != len(e.shape) or not whole(e.shape).contains(box):
-            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
-                           where=str(self.root))
+        e = checked_box(self.entry(key), box, where=str(self.root))
         if not e.shape:
             return self._read_rows(e, e.chunks[0], 0, 1)
         out = torch.empty(box.sizes, dtype=e.dtype.torch)

@@ -21,7 +21,8 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.geometry import Box, coverage_problems, tiles_exactly_arrays, whole
 from reshard import safefs
 from reshard.gc_pause import paused_gc
-from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation
+from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation, checked_box
+from reshard.model.reader import CheckpointReader
 from reshard.storage import dcp, remote
 from reshard.storage.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
 from reshard.storage.fastread import check_item_crcs
@@ -37,7 +38,7 @@ def _missing(name: str) -> int:
     raise FileNotFoundError(name)
 
 
-class CheckpointIndex(EntryQueries):
+class CheckpointIndex(EntryQueries, CheckpointReader):
     """The global view of one DCP checkpoint directory (read-only)."""
 
     def __init__(self, root: Path, cols: MetadataColumns, *, trust_pickle: bool = False):
@@ -349,12 +350,7 @@ class CheckpointIndex(EntryQueries):
         and `verify`, which compares what this returns bit for bit, sees the byte the file holds."""
         import torch  # tensor bytes are decoded here, and only here of this module
 
-        e = self.entry(key)
-        if not e.is_tensor:
-            raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
-        if not whole(e.shape).contains(box) or len(box.sizes) != len(e.shape):
-            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
-                           where=str(self.root))
+        e = checked_box(self.entry(key), box, where=str(self.root))
         out = torch.empty(box.sizes, dtype=e.dtype.torch)
         filled = 0
         for c in e.chunks:

@@ -88,7 +88,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, coverage_problems, whole
-from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
+from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
+from reshard.model.reader import CheckpointReader
 from reshard.storage.index import CheckpointIndex
 from reshard.model.dtypes import DType, lookup
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_DTYPES, torch_shape
@@ -145,7 +146,7 @@ def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, Any], 
     return header, 8 + n
 
 
-class LocalIndex(EntryQueries):
+class LocalIndex(EntryQueries, CheckpointReader):
     """The global, read-only view of a ``reshard-local`` directory (the CheckpointIndex interface)."""
 
     def __init__(self, root: Path, *, trust_pickle: bool = False):
@@ -340,12 +341,7 @@ class LocalIndex(EntryQueries):
     def read_box(self, key: str, box: Box) -> "torch.Tensor":
         import torch
 
-        e = self.entry(key)
-        if not e.is_tensor:
-            raise BadInput(f"'{key}' is an object, not a tensor", where=str(self.root))
-        if len(box.sizes) != len(e.shape) or not whole(e.shape).contains(box):
-            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
-                           where=str(self.root))
+        e = checked_box(self.entry(key), box, where=str(self.root))
         if not e.shape:
             c = e.chunks[0]
             return self._handle(c.location.file).get_tensor(key)

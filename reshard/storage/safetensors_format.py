@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, whole
-from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation
+from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
+from reshard.model.reader import CheckpointReader
 from reshard.model.dtypes import DTYPES, DType, from_torch
 from reshard.storage.fileio import ShortRead, read_exact
 from reshard import safefs
@@ -291,7 +292,7 @@ def read_span(fd: int, start: int, n: int, *, name: str, path: Path, hint: str |
     return buf
 
 
-class ExportIndex(EntryQueries):
+class ExportIndex(EntryQueries, CheckpointReader):
     """The read-only global view of a safetensors export (the CheckpointIndex interface)."""
 
     def __init__(self, path: str | Path, *, keys: str = "source", rename: Any = None, trust_pickle: bool = False,
@@ -546,10 +547,7 @@ class ExportIndex(EntryQueries):
         return self.read_box(key, whole(self.entry(key).shape))
 
     def read_box(self, key: str, box: Box) -> "torch.Tensor":
-        e = self.entry(key)
-        if len(box.sizes) != len(e.shape) or not whole(e.shape).contains(box):
-            raise BadInput(f"box {list(box.offsets)}+{list(box.sizes)} lies outside '{key}' of shape {list(e.shape)}",
-                           where=str(self.path))
+        e = checked_box(self.entry(key), box, where=str(self.path))
         if not e.shape:
             return self._read_rows(key, 0, 1)
         t = self._read_rows(key, box.offsets[0], box.sizes[0])

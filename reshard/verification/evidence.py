@@ -29,6 +29,7 @@ from reshard.planning.plan import source_index
 from reshard.storage import remote
 from reshard.model.plan import Options, Plan
 from reshard.verification.objects import identical, short_repr
+from reshard.model.kinds import Action, ExportAction
 
 
 # ---------------------------------------------------------------------------------- opening
@@ -38,14 +39,14 @@ def open_checkpoint(path: Path, trust_pickle: bool, known: Inspection | None = N
     ``known``: this run's inspection of the same checkpoint (`reshard.planning.plan.source_inspection`),
     taken instead of reading it again."""
     insp = known if known is not None else inspect_checkpoint(path, trust_pickle=trust_pickle)
-    errors = [p for p in insp.report["problems"] if p["severity"] == "error"]
+    errors = insp.errors
     if errors:
         first = errors[0]
         more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         index_codes = {"missing_file", "truncated_file", "no_storage"}
-        cls = Incomplete if first["code"] in index_codes or first["code"].startswith("chunk_") else BadInput
-        where = str(path / first["file"]) if first.get("file") else str(path)
-        raise cls(first["message"].rstrip(".") + more + ".", where=where,
+        cls = Incomplete if first.code in index_codes or first.code.startswith("chunk_") else BadInput
+        where = str(path / first.file) if first.file else str(path)
+        raise cls(first.message.rstrip(".") + more + ".", where=where,
                   hint="Run `reshard inspect` on it for the full list; verify needs two complete checkpoints.")
     return insp
 
@@ -112,9 +113,9 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, s
 
     ev = Evidence(source, what)
     for a in plan.keys:
-        if a.action == "dropped":
+        if a.action == Action.DROPPED:
             ev.dropped[a.key] = f"dropped: {a.reason}"
-        elif a.action in ("rewritten", "added") and a.key in plan.new_values:
+        elif a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
             ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
     candidates: dict[str, str] = {}
     for t in plan.tensors if transforms else ():
@@ -365,7 +366,7 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
     given = so.index.source_essentials().get("ties_given")  # the export's option (a profile's tie), checked again
     for rec in key_actions(si.index, si.classification, mdict, only=only, found=tied_groups(si.report),
                            given=given if isinstance(given, list) else []):
-        if rec.get("action") in ("dropped", "tied_copy"):
+        if rec.get("action") in (ExportAction.DROPPED, ExportAction.TIED_COPY):
             ev.dropped[rec["key"]] = f"not exported (--only {only}): {rec.get('reason', '')}"
     ev.what += f" (--only {only})"
     return ev, []
