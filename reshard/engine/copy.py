@@ -182,7 +182,7 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
         if rc is not None else contextlib.nullcontext()
     try:
         with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.remote)
-            yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
+            yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct)
     finally:
         if locator is not None:
             locator.close()
@@ -218,39 +218,65 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
                 yield tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])
 
 
-def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
-                    locator: Any, checked: set[str], direct: bool = True):
+def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, locator: Any, checked: set[str],
+                    direct: bool = True):
     from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
 
+    for e, a, t in kept_items(plan, ix, w, progress):
+        if t is not None:
+            if t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+                write_transformed(ix, w, t, source_key=t.copy_from)
+            else:
+                yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,
+                                        direct)
+        else:
+            w.write_object_bytes(a.rank or 0, e.key, checked_object(plan, ix, e), path=e.path or None)
+    write_added(plan, ix, w)
+
+
+def kept_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any):
+    """The source keys the plan keeps, in the source's order, as ``(entry, action, tensor plan or
+    None for an object)``: each tensor declared in ``w`` and each rewritten value written here first,
+    so a caller (a copy, a link) decides only how a kept item's bytes reach the output. ``progress``
+    advances by each key's bytes once the caller is done with it (`writing_bytes` is the total)."""
+    planned = {t.key: t for t in plan.tensors}
+    actions = {a.key: a for a in plan.keys}
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action == Action.DROPPED:
             continue
-        if e.is_tensor:
-            t = planned[key]
+        t = planned[key] if e.is_tensor else None
+        if t is not None:
             w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-            if a.action == Action.REWRITTEN and not t.copy_from:
-                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            elif t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
-                write_transformed(ix, w, t, source_key=t.copy_from)
-            else:
-                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
-                                        direct)
+        if a.action == Action.REWRITTEN and t is None:
+            w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
+        elif a.action == Action.REWRITTEN and not t.copy_from:
+            w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
         else:
-            rank = a.rank or 0
-            if a.action == Action.REWRITTEN:
-                w.write_object(rank, key, plan.new_values[key], path=e.path or None)
-            else:
-                raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)  # CorruptItem, exit 2
-                check_loadable(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
-                w.write_object_bytes(rank, key, raw, path=e.path or None)
-        if progress is not None:  # by bytes (`writing_bytes` is the total)
+            yield e, a, t
+        if progress is not None:
             progress.update(e.nbytes)
+
+
+def checked_object(plan: Plan, ix: CheckpointIndex, e: Any) -> bytes:
+    """An object item's bytes as the source holds them, checked first: the CRC-32s of its zip
+    (`CorruptItem`, exit 2) and the safe loader (nothing in it outside the allow-list unless trusted)."""
+    raw = dcp_io.checked_item_bytes(ix.root, e.location, key=e.key)
+    check_loadable(raw, key=e.key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+    return raw
+
+
+def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
+    """The keys the plan adds, after every source key: a slice's renumbered tensor cut from its
+    source key, any other value written as the plan holds it."""
+    planned = {t.key: t for t in plan.tensors}
     for a in plan.keys:
         if a.action != Action.ADDED:
             continue
         t = planned.get(a.key)
         if t is not None and t.copy_from:
+            from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
+
             w.declare_tensor(a.key, t.shape, dtype_named(t.dtype))
             write_transformed(ix, w, t, source_key=t.copy_from)
             continue

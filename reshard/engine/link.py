@@ -14,15 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from reshard.errors import BadInput
-from reshard.model.dtypes import dtype_named, is_torch_tensor
-from reshard.model.kinds import Action
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.dcp import check_loadable
-from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.planning import linking
 from reshard.model.plan import Plan
 from reshard.render.progress import phase_of
+from reshard.engine.copy import checked_object, kept_items, write_added
 from reshard.engine.pipeline import Output, Run, writing_bytes
 
 if TYPE_CHECKING:
@@ -117,42 +114,18 @@ def _share_files(src: Path, dst: Path, tmp: Path, files: list[str]) -> list:
 
 
 def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, str], progress: Any) -> None:
-    """Every key of the plan through the writer, in the source's order: linked items declared
-    where they lie (their file renamed as shared), rewritten and added keys written new."""
+    """Every key of the plan through the writer, in the source's order (`reshard.engine.copy.kept_items`):
+    linked items declared where they lie (their file renamed as shared), rewritten and added keys written new."""
     from dataclasses import replace
 
-    planned = {t.key: t for t in plan.tensors}
-    actions = {a.key: a for a in plan.keys}
-    for key, e in ix.entries.items():
-        a = actions[key]
-        if a.action == Action.DROPPED:
-            continue
-        if e.is_tensor:
-            t = planned[key]
-            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-            if a.action == Action.REWRITTEN:
-                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            else:
-                for c in e.chunks:
-                    w.link_chunk(key, c.box.offsets, c.box.sizes, replace(c.location, file=names[c.location.file]))
-        elif a.action == Action.REWRITTEN:
-            w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
+    for e, _a, t in kept_items(plan, ix, w, progress):
+        if t is not None:
+            for c in e.chunks:
+                w.link_chunk(e.key, c.box.offsets, c.box.sizes, replace(c.location, file=names[c.location.file]))
         else:  # checked as a copy checks it (CRC-32s of its zip, the safe loader), then shared as it is
-            where = str(ix.root / e.location.file)
-            raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)
-            check_loadable(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
-            w.link_object(key, replace(e.location, file=names[e.location.file]), path=e.path or None)
-        if progress is not None:  # by bytes (`writing_bytes` is the total)
-            progress.update(e.nbytes)
-    for a in plan.keys:
-        if a.action != Action.ADDED:
-            continue
-        v = plan.new_values[a.key]
-        if is_torch_tensor(v):
-            w.declare_tensor(a.key, tuple(v.shape), v.dtype)
-            w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
-        else:
-            w.write_object(a.rank or 0, a.key, v)
+            checked_object(plan, ix, e)
+            w.link_object(e.key, replace(e.location, file=names[e.location.file]), path=e.path or None)
+    write_added(plan, ix, w)
 
 
 def _linked_checksums(w: DcpWriter, src_manifest: dict[str, Any] | None,
