@@ -9,20 +9,24 @@ among the workers (file of target rank ``r`` -> worker ``r mod W``); each worker
 only its files, and only it reads the source bytes they need.
 
 Protocol (collectives over the default ``torch.distributed`` group; gloo is enough, no
-tensor crosses the network, only short Python objects):
+tensor crosses the network, only short Python objects). Each worker runs
+`reshard.engine.pipeline.run_conversion` with a `DistributedOutput`, so the steps and their order
+are a single process's; every step taken together goes through one `Collective` (run on each
+worker or on worker 0 alone, every outcome gathered, the first failure raised on every worker):
 
-1. worker 0 takes the destination's lock and creates the hidden temporary directory
-   beside ``dst`` (`reshard.storage.atomic.atomic_directory`) and broadcasts its path (the
-   directory must be on a file system every worker sees, as DCP itself requires);
-2. each worker writes and fsyncs its files, then reports ``(ok, checksums, split)`` or its
+1. worker 0 checks the destination's space and takes the destination's lock, creating the
+   hidden temporary directory beside ``dst`` (`reshard.storage.atomic.atomic_directory`), and
+   broadcasts its path (the directory must be on a file system every worker sees, as DCP
+   itself requires); worker 0 checks the tied copies;
+2. each worker writes and fsyncs its files, then reports ``(checksums, split)`` or its
    error, where ``split`` lists the source storages it read only in part, each with the
    CRC-32s of its pieces (`reshard.engine.copy.PieceLedger`);
 3. if any worker failed, every worker raises that error and worker 0 deletes the temporary
    directory: nothing is committed. Otherwise worker 0 checks every split source storage
    once against its writer's record (`check_split_storages`: the workers' pieces combined,
    what no piece covered read once; a contradiction is the `CorruptItem` a single process
-   raises, and nothing is committed), then writes ``.metadata`` and ``manifest.json``
-   (inside the still-hidden directory);
+   raises, and nothing is committed), then writes ``.metadata``, carries the sidecars and
+   writes ``manifest.json`` (inside the still-hidden directory);
 4. each worker verifies its own files against the source in global terms
    (`reshard.verification.checkpoints.verify_checkpoints` restricted to its files) and reports the result;
 5. only when every part verified does worker 0 write the reports and rename the

@@ -3,7 +3,10 @@
 Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
 committed local output, the checksums checked before that output is taken again, and the
 upload's own record, is execution, the same for any caller (`reshard convert`, a script).
-The bytes of the upload itself are `reshard.storage.upload.publish`'s.
+The bytes of the upload itself are `reshard.storage.upload.publish`'s. A conversion's is a
+`StoreOutput`, which wraps the output that makes it (`reshard.engine.pipeline.Output.around`),
+so the conversion runs once, in the stage, and is published after it: the command does not
+call itself for a local destination.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwr
     """``run(local)``, an export into the local output of the destination's `upload.Stage`, then
     its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
     after a killed upload exports again (an export keeps no journal) and sends only the objects
-    whose bytes the store does not hold as recorded. ``overwrite`` as for `convert_into_store`."""
+    whose bytes the store does not hold as recorded. ``overwrite`` as for `StoreOutput`."""
     with upload.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
         report = run(stage.out)
