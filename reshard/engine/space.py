@@ -111,7 +111,7 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
 
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
     """The source bytes a conversion reads: the logical bytes of every key the plan keeps (what
-    convert's "writing" phase counts, `reshard.engine.pipeline.writing_bytes`)."""
+    convert's "writing" phase counts, `reshard.engine.copy.writing_bytes`)."""
     dropped = {a.key for a in plan.keys if a.action == "dropped"}
     return sum(e.nbytes for key, e in ix.entries.items() if key not in dropped)
 
