@@ -225,17 +225,17 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
 
     if not in_torchrun():  # a worker's errors go through its launcher, as under the CLI
         args.check_source(src_text)
-    from reshard.commands.convert import run_convert
-    from reshard.planning.options import source_dir
+    from reshard.commands.convert import opened_source, run_convert
 
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
-    with source_dir(src_text) as root:
+    with opened_source(src_text) as source:  # the Source the conversion reads (a URL: staged)
+        root = source.root
         opts = None
         if planned is not None:
             opts = _checked_plan(root, planned)
         elif plan_file is None and to is not None:
             opts = _plan_options(root, to, given)
-        done = run_convert(root, target, opts, to=to if planned is None else opts.to, plan_file=plan_file,
+        done = run_convert(source, target, opts, to=to if planned is None else opts.to, plan_file=plan_file,
                            output_format=output_format, data=data, threads=threads, window=buffer_memory,
                            buffered=buffered, overwrite=overwrite, restart=restart, force=force, progress=progress)
     if done.report is not None and done.exit_code != 0:  # every output kind refuses a difference itself; kept for safety

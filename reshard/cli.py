@@ -207,13 +207,14 @@ def convert(
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: _echo(_estimate_text(figures).lstrip("\n"))
-    from reshard.planning.options import source_dir
+    from reshard.commands.convert import opened_source
 
-    with source_dir(src) as root:
+    with opened_source(src) as source:  # the Source the conversion reads (a URL: staged)
+        root = source.root
         opts = None
         if plan_file is None and to is not None:
             opts = _options(root, flags)
-        done = run_convert(root, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+        done = run_convert(source, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
                            workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
                            restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
                            debug=_state["debug"])

@@ -329,13 +329,17 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
     """The conversion's reads of a remote source go through a prefetch: several ranged requests at
     once but never more than ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead
     and not yet used, and the output the same bytes as with no prefetch at all."""
-    from reshard.storage.remote import remote_of, staged
+    from reshard.engine.conversion import convert
+    from reshard.engine.copy import IOOptions
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
+    from reshard.storage.source import opened
 
-    with staged(plain_url) as root:
-        code, _out, err = cli(["convert", root, tmp_path / "out", "--to", "dp=2", "--quiet", "--threads", "3",
-                               "--buffer-memory", "16KiB"])
-        counters = remote_of(root).counters.to_dict()
-    assert code == 0, err
+    with opened(plain_url) as source:  # the conversion reads its source's store (`Source.remote`), counted there
+        report = convert(make_plan(source.root, Options(to="dp=2")), source, tmp_path / "out",
+                         io=IOOptions(threads=3, window=16 << 10))
+        counters = source.remote.counters.to_dict()
+    assert report["verification"]["equal"]
     (copy,) = [p for p in counters["prefetches"] if p["label"] == "copy"]
     assert 2 <= copy["peak_in_flight"] <= 3, counters
     assert 0 < copy["peak_buffered"] <= 16 << 10, counters

@@ -1,29 +1,33 @@
 """`reshard convert`: execute a plan, reshard tensors, rewrite trainer state, verify, commit atomically.
 
-The conversion itself is `reshard.engine.conversion.convert` (the rehearsal and the demo run
-the same function); this command adds what only the command line decides: the options from
+The conversion itself is `reshard.engine.pipeline.run_conversion` (the rehearsal and the demo
+run it through `reshard.engine.conversion.convert`); this command chooses its output and adds
+what only the command line decides: the options from
 a plan file (``--plan``, checked against the plan made again from the source) or from the
 flags, ``--workers M`` (torchrun started on this machine, `reshard.engine.distributed`),
 the I/O options (``--threads``, ``--buffer-memory``, ``--buffered``), and under torchrun the
-worker's part of a distributed conversion, whose space is checked once, by worker 0, before
-any worker writes.
+worker's part of a distributed conversion (`reshard.engine.distributed.DistributedOutput`), and
+a destination in a store (`reshard.engine.publishing.StoreOutput`, wrapping the output).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 from reshard.errors import BadInput
 from reshard.model.plan import Options
-from reshard.engine.conversion import check_data_mode, convert
+from reshard.engine.conversion import check_data_mode, output_for
 from reshard.engine.copy import IOOptions
-from reshard.engine.distributed import convert_distributed, in_torchrun, launch_workers
-from reshard.engine.publishing import convert_into_store
+from reshard.engine.distributed import DistributedOutput, in_torchrun, launch_workers
+from reshard.engine.pipeline import Output, run_conversion
+from reshard.engine.publishing import StoreOutput
 from reshard.planning.options import check_plan_matches, options_from_plan
-from reshard.planning.plan import make_plan, source_index
+from reshard.planning.plan import make_plan
 from reshard.render.progress import waiting
+from reshard.storage.sidecars import fetched_to_describe
+from reshard.storage.source import Source, opened
+from reshard.storage.urls import looks_like_url
 
 
 @dataclass
@@ -42,35 +46,28 @@ class Converted:
         return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
 
 
-def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
+def opened_source(text: str | Path) -> ContextManager[Source]:
+    """The `Source` a conversion reads, opened once for the whole command (a URL staged with the
+    sidecars a description needs): the interface builds the plan options from its ``root`` (a
+    profile beside the checkpoint) and hands it to `run_convert`."""
+    return opened(text, fetch=fetched_to_describe)
+
+
+def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
                 plan_file: Optional[Path] = None, output_format: str = "dcp", data: str = "copy",
                 workers: Optional[int] = None, threads: Optional[int] = None, window: Optional[int] = None,
                 buffered: bool = False, overwrite: bool = False, restart: bool = False, force: bool = False,
                 progress: Any = None, argv: Optional[list[str]] = None, debug: bool = False) -> Converted:
-    """The conversion of ``src`` into ``dst`` the command line asks for.
+    """The conversion of ``source`` (the `Source` the interface opened, `reshard.storage.source.opened`)
+    into ``dst`` the command line asks for.
 
     ``opts``: the plan options from the flags (`reshard.planning.options.build_options`), or None
     with ``plan_file`` (the options are the plan's) or without ``to`` (refused). ``window``: the
     copy buffers' memory in bytes (``--buffer-memory``). ``argv``: the command line, which
     ``--workers`` hands to each worker without ``--workers``. ``dst`` a URL (s3://bucket/prefix):
     the output is made and verified in a local directory, then published in DCP's commit order
-    (`reshard.engine.publishing.convert_into_store`).
+    (`reshard.engine.publishing.StoreOutput`).
     """
-    from reshard.storage import remote
-
-    if isinstance(dst, str) and remote.is_url(dst):
-        def plan_now() -> Any:
-            return make_plan(src, options_from_plan(_plan_file(plan_file)) if plan_file is not None else opts)
-
-        def run_locally(local: Path) -> tuple[Optional[dict[str, Any]], int]:
-            done = run_convert(src, local, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
-                               workers=workers, threads=threads, window=window, buffered=buffered, overwrite=False,
-                               restart=restart, force=force, progress=progress, argv=argv, debug=debug)
-            return done.report, done.exit_code
-
-        return Converted(*convert_into_store(dst, run_locally, src=src, plan_now=plan_now, restart=restart,
-                                             overwrite=overwrite, progress=progress))
-    dst = Path(dst)
     given = None
     if plan_file is not None:
         given = _plan_file(plan_file)
@@ -88,41 +85,29 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
         if output_format != "dcp":
             raise BadInput("--workers writes DCP output only", hint="Drop --workers for --output-format local.")
         return Converted(None, launch_workers(workers, _without_workers(argv or []), debug=debug))
+    if distributed and output_format != "dcp":
+        raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
     io = IOOptions(direct=not buffered,
                    **{k: v for k, v in (("threads", threads), ("window", window)) if v is not None})
+    url = str(dst) if looks_like_url(str(dst)) else None  # a destination in a store, by its URL
+    local = Path(dst) if url is None else Path(".")  # a store's output is made where its stage says (StoreOutput)
+    if distributed:
+        output: Output = DistributedOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,
+                                           restart=restart)
+    else:
+        output = output_for(local, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
+                            data=data, force=force, restart=restart)
+    if url is not None:
+        output = StoreOutput(url, overwrite=overwrite, progress=progress, inner=output, restart=restart)
     if progress is not None:
         progress.say(f"planning the conversion to {opts.to} …")
     with waiting(progress):  # planning, the torch import, the index: seconds with no bytes to count
-        return _planned_and_run(src, dst, opts, given, output_format=output_format, data=data, io=io,
-                                overwrite=overwrite, restart=restart, force=force, progress=progress,
-                                distributed=distributed)
-
-
-def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict], *, output_format: str, data: str,
-                     io: IOOptions, overwrite: bool, restart: bool, force: bool, progress: Any,
-                     distributed: bool) -> Converted:
-    """Plan (checked against ``given``, the plan file's) and convert, in this process or as a torchrun worker."""
-    p = make_plan(src, opts)
-    if given is not None:
-        check_plan_matches(given, p)
-    if distributed:
-        if output_format != "dcp":
-            raise BadInput("a distributed conversion writes DCP output only", hint="Run --output-format local in one process.")
-        estimate = None
-        if os.environ.get("RANK", "0") == "0":  # checked once, before any worker writes: a refusal here stops every worker (torchrun)
-            from reshard.engine.space import conversion_preflight
-            from reshard.storage.hf_dcp import open_source
-
-            estimate = conversion_preflight(p, source_index(p, src) or open_source(src, trust_pickle=p.options.trust_pickle), dst,
-                                            force=force, progress=progress)
-        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
-        if report is None:
-            return Converted(None, 0)
-        if estimate is not None:  # the figures the single-process report carries too
-            report["estimate"] = estimate
-    else:
-        report = convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
-                         restart=restart, data=data, force=force)
+        p = make_plan(source.root, opts)
+        if given is not None:
+            check_plan_matches(given, p)
+        report = run_conversion(p, source, output)
+    if report is None:  # a torchrun worker other than 0: worker 0 reports
+        return Converted(None, 0)
     return Converted(report, 0 if report["verification"]["equal"] else 1)
 
 
@@ -169,10 +154,10 @@ def interruption(dst: Path, before: Optional[tuple[int, int]] = None) -> tuple[s
     happened, after the verification) the output is complete: exit 0, so a script does not take
     a finished conversion for a failed one. ``before``: `watch_output` of a ``--workers`` launcher.
     """
-    from reshard.storage import remote, upload
+    from reshard.storage import upload
     from reshard.storage.atomic import what_is_left
 
-    if remote.is_url(str(dst)):  # an output bound for a store: committed once `.metadata` is uploaded
+    if looks_like_url(str(dst)):  # an output bound for a store: committed once `.metadata` is uploaded
         try:
             if upload.committed_at(str(dst)):
                 return f"interrupted after the commit: {dst} is complete", 0

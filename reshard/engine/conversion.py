@@ -5,12 +5,13 @@ rehearsal and the demo alike: it refuses an infeasible plan, a destination overl
 source, a ``--data`` mode the output cannot take and a destination lacking the space
 (`reshard.engine.space`), then writes the output into a temporary directory beside the
 destination, verifies it against the source in global terms, and only then renames it into
-place; an interrupted run leaves nothing that looks like a checkpoint. The items are
-written by `reshard.engine.copy` (a DCP output), `reshard.engine.local_output` (one
-safetensors file per target rank) or shared by `reshard.engine.link` (``--data link``);
-every run ends as `reshard.engine.outcome` says (verification, reports, refusal). A
-distributed run (`reshard.engine.distributed`) shares this module's preparation and resume
-key and divides the copy among its workers.
+place; an interrupted run leaves nothing that looks like a checkpoint. This module chooses
+the output (`reshard.engine.copy.CopyOutput`, a DCP output; `reshard.engine.local_output.LocalOutput`,
+one safetensors file per target rank; `reshard.engine.link.LinkOutput`, ``--data link``) and
+hands it to `reshard.engine.pipeline.run_conversion`, the one order every conversion follows
+(space check, staging, items, sidecars, manifest, verification, reports, refusal, commit). A
+distributed run (`reshard.engine.distributed.DistributedOutput`) follows the same order, its
+steps divided among the workers.
 
 Faults
 ------
@@ -52,88 +53,55 @@ Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
 """
 from __future__ import annotations
 
-import threading
-import time as _time
 from pathlib import Path
 from typing import Any
 
-
-from reshard.errors import BadInput, Infeasible
-from reshard.units import now_text
-from reshard.planning.plan import source_index
-from reshard.storage import remote
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.hf_dcp import open_source
-from reshard.engine.space import conversion_preflight
-from reshard.storage.integrity import is_space_error, out_of_space
-from reshard.storage.integrity import record as integrity_record
-from reshard.storage.atomic import atomic_directory, check_destination, fault_point
-from reshard.storage.replaceable import why_not_replaceable
-from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.storage.journal import Journal
-from reshard.engine.resume import resume_key
-from reshard.semantics.manifest import write_manifest
-from reshard.planning import linking
+from reshard.errors import BadInput
+from reshard.model.kinds import DataMode, OutputFormat
 from reshard.model.plan import Plan
-from reshard.semantics.transition import output_manifest
-from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
-from reshard.engine.copy import IOOptions, WriteChecks, write_items, writing_bytes
-from reshard.engine.link import convert_link
-from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest, verify_output,
-                                    write_reports)
+from reshard.planning import linking
+from reshard.storage.source import Source
+from reshard.engine.copy import CopyOutput, IOOptions
+from reshard.engine.link import LinkOutput
+from reshard.engine.pipeline import Output, run_conversion
 
 
-def prepare_conversion(plan: Plan, src: Path, dst: Path) -> tuple[Path, Path, CheckpointIndex]:
-    """Refuse infeasible plans and destinations that overlap the source; open the source."""
-    if not plan.feasible:
-        raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(src),
-                         hint="Run `reshard plan` to see the choices.")
-    src, dst = Path(src), Path(dst)
-    check_destination(src, dst)
-    # a DCP checkpoint, or torch's safetensors-backed DCP (HuggingFaceStorageWriter): the output is DCP either way
-    return src, dst, source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)
-
-
-def convert(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
+def convert(plan: Plan, src: Path | Source, dst: Path, *, overwrite: bool = False, progress: Any = None,
             output_format: str = "dcp", io: IOOptions | None = None, data: str = "copy",
             force: bool = False, restart: bool = False) -> dict[str, Any]:
     """Write the plan's checkpoint to ``dst``; returns the conversion report.
 
+    ``src``: the `Source` a command opened, or a checkpoint directory on this machine.
     A DCP copy is resumable (`reshard.storage.journal`): a run into ``dst`` that was killed
     leaves its journaled items, and this run keeps the ones still right (``report["resume"]``)
     unless the resume key differs or ``restart``.
 
     ``data``: ``"copy"`` writes every tensor byte new; ``"link"`` shares the source's data
-    files with the output (`convert_link`) and writes only what changes.
+    files with the output (`LinkOutput`) and writes only what changes.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by bytes.
     ``force``: go ahead when the destination lacks the space (`reshard.engine.space.preflight`
     refuses before anything is written otherwise; its figures are the report's ``estimate``).
     """
+    output = output_for(dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io, data=data,
+                        force=force, restart=restart)
+    source = src if isinstance(src, Source) else Source.local(src, trust_pickle=plan.options.trust_pickle)
+    return run_conversion(plan, source, output)
+
+
+def output_for(dst: Path, *, overwrite: bool = False, progress: Any = None, output_format: str = "dcp",
+               io: IOOptions | None = None, data: str = "copy", force: bool = False,
+               restart: bool = False) -> Output:
+    """The output a single process writes for these options (refused first when they cannot go together)."""
     check_data_mode(data, output_format=output_format)
-    src, dst, ix = prepare_conversion(plan, src, dst)
-    say_converting(progress, plan, ix)
-    if data == "link":
-        return convert_link(plan, src, dst, ix, overwrite=overwrite, progress=progress)
-    estimate = conversion_preflight(plan, ix, dst, force=force, progress=progress)
-    needed = estimate["needed_bytes"]
-    try:
-        if output_format == "local":
-            return _convert_local(plan, src, dst, ix, overwrite=overwrite, progress=progress, estimate=estimate)
-        return _convert_dcp(plan, src, dst, ix, overwrite=overwrite, progress=progress, io=io or IOOptions(),
-                            estimate=estimate, restart=restart)
-    except OSError as exc:
-        if is_space_error(exc):
-            raise out_of_space(dst, needed, exc) from None
-        raise
+    if data == DataMode.LINK:
+        return LinkOutput(Path(dst), overwrite=overwrite, progress=progress)
+    if output_format == OutputFormat.LOCAL:
+        from reshard.engine.local_output import LocalOutput  # imports torch: only when asked for
 
-
-def say_converting(progress: Any, plan: Plan, ix: CheckpointIndex) -> None:
-    """The first line once the source is read: how much is converted, into what."""
-    if progress is not None:
-        kept = {a.key for a in plan.keys if a.action != "dropped"}
-        n = sum(1 for key, e in ix.entries.items() if e.is_tensor and key in kept)
-        progress.say(f"converting {describe_bytes(writing_bytes(plan, ix), n, 'tensor')} to {plan.options.to} …")
+        return LocalOutput(Path(dst), overwrite=overwrite, force=force, progress=progress)
+    return CopyOutput(Path(dst), overwrite=overwrite, force=force, progress=progress, io=io or IOOptions(),
+                      restart=restart)
 
 
 def check_data_mode(data: str, *, output_format: str = "dcp", workers: int | None = None,
@@ -142,9 +110,9 @@ def check_data_mode(data: str, *, output_format: str = "dcp", workers: int | Non
     if data not in linking.DATA_MODES:
         raise BadInput(f"unknown --data '{data}'", hint="Use copy (write every byte new, the default) or link "
                                                         "(share the source's tensor files by reflink or hard link).")
-    if data != "link":
+    if data != DataMode.LINK:
         return
-    if output_format != "dcp":
+    if output_format != OutputFormat.DCP:
         raise BadInput(f"--data link writes a DCP checkpoint whose items are the source's; --output-format "
                        f"{output_format} is another format, whose files hold new bytes",
                        hint="Use --data copy with --output-format local.")
@@ -153,106 +121,3 @@ def check_data_mode(data: str, *, output_format: str = "dcp", workers: int | Non
                        "there is nothing to divide among workers",
                        hint="Drop --workers (or run it without torchrun), or use --data copy to divide a copy.")
 
-
-def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
-                 io: IOOptions, estimate: dict[str, Any] | None = None, restart: bool = False) -> dict[str, Any]:
-    started = _time.time()
-    stamp = now_text()
-    journal = Journal(resume_key(plan, src), restart=restart)
-    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable, reuse=journal.choose) as tmp:
-        journal.begin(tmp)
-        for key, equal_to in plan.checks.items():
-            from reshard.storage.index import bitwise_equal
-
-            if not bitwise_equal(ix, key, equal_to):
-                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
-                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
-        w = DcpWriter(tmp, journal=journal)
-        try:
-            checked = WriteChecks()
-            with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
-                write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
-            w.finish(sync_data=False)
-        finally:
-            w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
-        carried = carry_sidecars(plan, ix, src, tmp)
-        # The disk writes the data back while the output is verified (both in the page
-        # cache); the commit waits for it and then fsyncs the whole directory anyway.
-        syncer = _Syncer(sorted(tmp.glob("*.distcp")))
-        try:
-            src_manifest = source_manifest(src)
-            manifest = output_manifest(plan, src_manifest, time=stamp)
-            manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
-            write_manifest(tmp, manifest)
-            fault_point("manifest")
-            verification = verify_output(src, tmp, plan, checked=checked, progress=progress)
-        finally:
-            syncer.join()
-        verification["b"] = remote.output_name(dst) or str(dst)  # what was verified is what appears at dst (its URL)
-        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
-        report["sidecars"] = carried
-        report["estimate"] = estimate
-        report["resume"] = journal.summary()
-        write_reports(tmp, report)
-        refuse_if_different(verification, dst, "the converted checkpoint")
-        remote.check_unchanged(src)  # a source in a store: what was read is still what is listed
-        commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
-    end_commit(progress, commit)
-    return report
-
-
-class _Syncer:
-    """fsync files in a background thread; `join` waits and re-raises its error."""
-
-    def __init__(self, paths: list[Path]):
-        self.error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, args=(paths,), name="reshard-fsync", daemon=True)
-        self._t.start()
-
-    def _run(self, paths: list[Path]) -> None:
-        from reshard.storage.atomic import fsync_file
-
-        try:
-            for p in paths:
-                fsync_file(p)
-        except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
-            self.error = exc
-
-    def join(self) -> None:
-        self._t.join()
-        if self.error is not None:
-            raise self.error
-
-
-def convert_local(plan: Plan, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None) -> dict[str, Any]:
-    """`--output-format local`: one safetensors file per target rank with exactly its local tensors."""
-    return convert(plan, src, dst, overwrite=overwrite, progress=progress, output_format="local")
-
-
-def _convert_local(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool, progress: Any,
-                   estimate: dict[str, Any] | None = None) -> dict[str, Any]:
-    from reshard.engine.local_output import write_local
-
-    started = _time.time()
-    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
-        with phase_of(progress, "writing", writing_bytes(plan, ix)) as bar:
-            info = write_local(plan, ix, tmp, progress=bar, total_bytes=writing_bytes(plan, ix))
-        carried = carry_sidecars(plan, ix, src, tmp)
-        manifest = output_manifest(plan, source_manifest(src), time=now_text())
-        write_manifest(tmp, manifest)
-        fault_point("manifest")
-        verification = verify_output(src, tmp, plan, progress=progress)
-        verification["b"] = remote.output_name(dst) or str(dst)
-        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), {}, _time.time() - started)
-        report["output_format"] = "local"
-        report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.suffix == ".safetensors"}
-        report["bytes_written"] = sum(report["files"].values())
-        report["local"] = info
-        report["sidecars"] = carried
-        report["estimate"] = estimate
-        write_reports(tmp, report)
-        refuse_if_different(verification, dst, "the local output")
-        remote.check_unchanged(src)
-        commit = start_commit(progress, tmp)
-    end_commit(progress, commit)
-    return report

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
 from reshard.storage.index import CheckpointIndex
-from reshard.storage import archive, remote
+from reshard.storage import archive
 from reshard.engine import bands, splice
 from reshard.storage import dcp as dcp_io
 from reshard.storage.dcp import check_loadable
@@ -40,7 +41,14 @@ from reshard.storage.dcp_writer import DcpWriter
 from reshard.storage.fileio import ALIGN, FdCache
 from reshard.engine.resume import Resumed, prove_spliced, whole_storages
 from reshard.engine.splice import run_jobs
+from reshard.engine.pipeline import Output, Run, writing_bytes
+from reshard.model.kinds import Action
 from reshard.model.plan import Plan
+
+if TYPE_CHECKING:
+    from reshard.semantics.manifest import Manifest
+    from reshard.storage.journal import Journal
+    from reshard.storage.remote import RemoteCheckpoint
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,6 @@ class IOOptions:
     window: int = field(default_factory=splice.default_window)
     splice: bool = True
     direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
-
-
-def writing_bytes(plan: Plan, ix: CheckpointIndex) -> int:
-    """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
-    actions = {a.key: a.action for a in plan.keys}
-    return sum(e.nbytes for key, e in ix.entries.items() if actions.get(key) != "dropped")
 
 
 class PieceLedger(splice.SourceLedger):
@@ -130,9 +132,12 @@ class WriteChecks(set):
                 "items_compared_after_writing": self.after_writing}
 
 
-def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, io: IOOptions | None = None,
-                 commit: bool = True, checked: set[str] | None = None) -> None:
+def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, remote: Optional[RemoteCheckpoint],
+                io: IOOptions | None = None, commit: bool = True, checked: set[str] | None = None) -> None:
     """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
+
+    ``remote``: the source's store (`reshard.storage.source.Source.remote`), whose items are
+    fetched by range ahead of their use; None for a source on this machine, whose bytes are spliced.
 
     Re-cut tensors are spliced as bytes on a bounded pool (`reshard.engine.splice`); the rest
     (rewritten, transformed or cast tensors, objects) are written by this thread in
@@ -154,7 +159,7 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
         else:
             w.filled(tok, result)
 
-    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
+    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set(), remote),
              threads=io.threads, window=io.window, on_done=done)
     if isinstance(checked, WriteChecks):
         checked.finalize()
@@ -162,20 +167,22 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
         w.finish()
 
 
-def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str]):
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str],
+           rc: Optional[RemoteCheckpoint]):
     """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
     # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.remote`)
+    if not isinstance(ix, CheckpointIndex):
+        rc = None
     locator = splice.Locator(ix.root, ix.entries.values()) \
-        if io.splice and isinstance(ix, CheckpointIndex) and remote.remote_of(ix.root) is None else None
-    rc = remote.remote_of(ix.root) if isinstance(ix, CheckpointIndex) else None
+        if io.splice and isinstance(ix, CheckpointIndex) and rc is None else None
     ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window, label="copy") \
         if rc is not None else contextlib.nullcontext()
     try:
         with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.remote)
-            yield from _items_in_order(plan, ix, w, progress, planned, actions, locator, checked, io.direct)
+            yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct)
     finally:
         if locator is not None:
             locator.close()
@@ -187,7 +194,7 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
     reads (the prefetch's order; a range read otherwise is fetched when it is read)."""
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.action in ("dropped", "rewritten"):
+        if a.action in (Action.DROPPED, Action.REWRITTEN):
             continue
         if not e.is_tensor:
             if e.location is not None:
@@ -211,39 +218,65 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
                 yield tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])
 
 
-def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, planned: dict, actions: dict,
-                    locator: Any, checked: set[str], direct: bool = True):
+def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, locator: Any, checked: set[str],
+                    direct: bool = True):
     from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
 
-    for key, e in ix.entries.items():
-        a = actions[key]
-        if a.action == "dropped":
-            continue
-        if e.is_tensor:
-            t = planned[key]
-            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-            if a.action == "rewritten" and not t.copy_from:
-                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            elif t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+    for e, a, t in kept_items(plan, ix, w, progress):
+        if t is not None:
+            if t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
                 write_transformed(ix, w, t, source_key=t.copy_from)
             else:
-                yield from _copy_tensor(ix, w, e, t, locator.get(key) if locator is not None else None, checked,
+                yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,
                                         direct)
         else:
-            rank = a.rank or 0
-            if a.action == "rewritten":
-                w.write_object(rank, key, plan.new_values[key], path=e.path or None)
-            else:
-                raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)  # CorruptItem, exit 2
-                check_loadable(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
-                w.write_object_bytes(rank, key, raw, path=e.path or None)
-        if progress is not None:  # by bytes (`writing_bytes` is the total)
+            w.write_object_bytes(a.rank or 0, e.key, checked_object(plan, ix, e), path=e.path or None)
+    write_added(plan, ix, w)
+
+
+def kept_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any):
+    """The source keys the plan keeps, in the source's order, as ``(entry, action, tensor plan or
+    None for an object)``: each tensor declared in ``w`` and each rewritten value written here first,
+    so a caller (a copy, a link) decides only how a kept item's bytes reach the output. ``progress``
+    advances by each key's bytes once the caller is done with it (`writing_bytes` is the total)."""
+    planned = {t.key: t for t in plan.tensors}
+    actions = {a.key: a for a in plan.keys}
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.action == Action.DROPPED:
+            continue
+        t = planned[key] if e.is_tensor else None
+        if t is not None:
+            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
+        if a.action == Action.REWRITTEN and t is None:
+            w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
+        elif a.action == Action.REWRITTEN and not t.copy_from:
+            w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
+        else:
+            yield e, a, t
+        if progress is not None:
             progress.update(e.nbytes)
+
+
+def checked_object(plan: Plan, ix: CheckpointIndex, e: Any) -> bytes:
+    """An object item's bytes as the source holds them, checked first: the CRC-32s of its zip
+    (`CorruptItem`, exit 2) and the safe loader (nothing in it outside the allow-list unless trusted)."""
+    raw = dcp_io.checked_item_bytes(ix.root, e.location, key=e.key)
+    check_loadable(raw, key=e.key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
+    return raw
+
+
+def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
+    """The keys the plan adds, after every source key: a slice's renumbered tensor cut from its
+    source key, any other value written as the plan holds it."""
+    planned = {t.key: t for t in plan.tensors}
     for a in plan.keys:
-        if a.action != "added":
+        if a.action != Action.ADDED:
             continue
         t = planned.get(a.key)
         if t is not None and t.copy_from:
+            from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
+
             w.declare_tensor(a.key, t.shape, dtype_named(t.dtype))
             write_transformed(ix, w, t, source_key=t.copy_from)
             continue
@@ -397,3 +430,93 @@ def _count_kept(job: splice.SpliceJob, checked: set[str], key: str, storage_at: 
         checked.defer(key, meeting)
     else:
         checked.count(by_source_crc=False)
+
+
+@dataclass
+class CopyOutput(Output):
+    """A DCP checkpoint written new by this process (`write_items`), resumable: a run into ``dst``
+    that was killed leaves its journaled items, and this one keeps those still right
+    (`reshard.storage.journal`) unless the resume key differs or ``restart``."""
+
+    io: IOOptions = field(default_factory=IOOptions)
+    restart: bool = False
+    _journal: Optional[Journal] = field(default=None, init=False, repr=False)
+    _writer: Optional[DcpWriter] = field(default=None, init=False, repr=False)
+    _checked: WriteChecks = field(default_factory=WriteChecks, init=False, repr=False)
+    _syncer: Optional[Syncer] = field(default=None, init=False, repr=False)
+
+    def staging(self, run: Run) -> ContextManager[Path]:
+        from reshard.engine.resume import resume_key
+        from reshard.storage.atomic import atomic_directory
+        from reshard.storage.journal import Journal
+        from reshard.storage.replaceable import why_not_replaceable
+
+        self._journal = Journal(resume_key(run.plan, run.source.root), restart=self.restart)
+
+        @contextlib.contextmanager
+        def journaled():
+            with atomic_directory(self.dst, overwrite=self.overwrite, replaceable=why_not_replaceable,
+                                  reuse=self._journal.choose) as tmp:
+                self._journal.begin(tmp)
+                yield tmp
+
+        return journaled()
+
+    def write(self, run: Run) -> None:
+        from reshard.render.progress import phase_of
+
+        self._writer = w = DcpWriter(run.tmp, journal=self._journal)
+        try:
+            with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
+                write_items(run.plan, run.ix, w, bar, remote=run.source.remote, io=self.io, commit=False,
+                            checked=self._checked)
+            w.finish(sync_data=False)
+        finally:
+            w.close()  # idempotent; after an error it drops buffered bytes (no flush at GC time)
+        # The disk writes the data back while the output is verified (both in the page cache);
+        # the commit waits for it (`verify`) and then fsyncs the whole directory anyway.
+        self._syncer = Syncer(sorted(run.tmp.glob("*.distcp")))
+
+    def manifest(self, run: Run, manifest: Manifest) -> None:
+        from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
+        from reshard.storage.integrity import record
+
+        manifest.integrity = record(self._writer.checksums(), algorithm=CHECKSUM_ALGORITHM)
+
+    def verify(self, run: Run) -> dict[str, Any]:
+        from reshard.engine.outcome import verify_output
+
+        try:
+            return verify_output(run.source.root, run.tmp, run.plan, checked=self._checked, progress=run.progress,
+                                 write_checks=self._checked.summary())
+        finally:
+            self._syncer.join()
+
+    def checksums(self, run: Run) -> dict[str, str]:
+        return self._writer.checksums()
+
+    def resume(self, run: Run) -> dict[str, Any]:
+        return self._journal.summary()
+
+
+class Syncer:
+    """fsync files in a background thread; `join` waits and re-raises its error."""
+
+    def __init__(self, paths: list[Path]):
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(paths,), name="reshard-fsync", daemon=True)
+        self._t.start()
+
+    def _run(self, paths: list[Path]) -> None:
+        from reshard.storage.atomic import fsync_file
+
+        try:
+            for p in paths:
+                fsync_file(p)
+        except BaseException as exc:  # noqa: BLE001 - handed to the joining thread
+            self.error = exc
+
+    def join(self) -> None:
+        self._t.join()
+        if self.error is not None:
+            raise self.error

@@ -9,20 +9,24 @@ among the workers (file of target rank ``r`` -> worker ``r mod W``); each worker
 only its files, and only it reads the source bytes they need.
 
 Protocol (collectives over the default ``torch.distributed`` group; gloo is enough, no
-tensor crosses the network, only short Python objects):
+tensor crosses the network, only short Python objects). Each worker runs
+`reshard.engine.pipeline.run_conversion` with a `DistributedOutput`, so the steps and their order
+are a single process's; every step taken together goes through one `Collective` (run on each
+worker or on worker 0 alone, every outcome gathered, the first failure raised on every worker):
 
-1. worker 0 takes the destination's lock and creates the hidden temporary directory
-   beside ``dst`` (`reshard.storage.atomic.atomic_directory`) and broadcasts its path (the
-   directory must be on a file system every worker sees, as DCP itself requires);
-2. each worker writes and fsyncs its files, then reports ``(ok, checksums, split)`` or its
+1. worker 0 checks the destination's space and takes the destination's lock, creating the
+   hidden temporary directory beside ``dst`` (`reshard.storage.atomic.atomic_directory`), and
+   broadcasts its path (the directory must be on a file system every worker sees, as DCP
+   itself requires); worker 0 checks the tied copies;
+2. each worker writes and fsyncs its files, then reports ``(checksums, split)`` or its
    error, where ``split`` lists the source storages it read only in part, each with the
    CRC-32s of its pieces (`reshard.engine.copy.PieceLedger`);
 3. if any worker failed, every worker raises that error and worker 0 deletes the temporary
    directory: nothing is committed. Otherwise worker 0 checks every split source storage
    once against its writer's record (`check_split_storages`: the workers' pieces combined,
    what no piece covered read once; a contradiction is the `CorruptItem` a single process
-   raises, and nothing is committed), then writes ``.metadata`` and ``manifest.json``
-   (inside the still-hidden directory);
+   raises, and nothing is committed), then writes ``.metadata``, carries the sidecars and
+   writes ``manifest.json`` (inside the still-hidden directory);
 4. each worker verifies its own files against the source in global terms
    (`reshard.verification.checkpoints.verify_checkpoints` restricted to its files) and reports the result;
 5. only when every part verified does worker 0 write the reports and rename the
@@ -71,12 +75,17 @@ import signal
 import sys
 import tempfile
 import time as _time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from reshard.errors import BadInput, Infeasible, ReshardError, render_error
+from reshard.errors import BadInput, ReshardError, render_error
+from reshard.engine.pipeline import Output, Run
 
-__all__ = ["ERRORS_ENV", "LAUNCHER_ENV", "WorkerFailed", "bind_to_launcher", "launcher_alive", "in_torchrun", "check_split_storages", "convert_distributed", "launch_workers",
+if TYPE_CHECKING:
+    from reshard.storage.source import Source
+
+__all__ = ["ERRORS_ENV", "LAUNCHER_ENV", "Collective", "DistributedOutput", "WorkerFailed", "bind_to_launcher", "launcher_alive", "in_torchrun", "check_split_storages", "convert_distributed", "launch_workers",
            "pass_on_trusted", "report_worker_error"]
 
 ERRORS_ENV = "RESHARD_WORKER_ERRORS"  # private directory where the workers of `launch_workers` leave their errors
@@ -128,6 +137,10 @@ def _init() -> tuple[Any, int, int]:
     return dist, dist.get_rank(), dist.get_world_size()
 
 
+def _same(exc: BaseException) -> BaseException:
+    return exc
+
+
 class WorkerFailed(ReshardError):
     """Another worker's error (or the loss of a worker), raised where the error did not arise.
 
@@ -144,29 +157,81 @@ class WorkerFailed(ReshardError):
         return self.paragraph
 
 
-def _collective(stage: str, world: int, fn: Any, *args: Any) -> None:
-    """One collective; a peer that died (its connection closed) becomes one paragraph, not a gloo trace."""
-    try:
-        fn(*args)
-    except RuntimeError as exc:  # gloo's DistBackendError and friends
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise WorkerFailed(BadInput(
-            f"one of the {world} workers stopped while {stage} (its connection closed: {detail})",
-            hint="Nothing was committed; the same command run again resumes from what this one left beside the "
-                 "destination (--restart discards it).",
-        ).render(), exit_code=2) from None
+class Collective:
+    """The protocol of every step a distributed conversion takes together, written once (modelled on
+    DCP's ``_DistWrapper``): a function run on each worker (`run`) or on worker 0 alone
+    (`from_lead`), every worker told every outcome, and the first failure raised on all of them.
+
+    The worker where an error arose raises it unchanged (a single process's paragraph and exit
+    code); every other worker raises `WorkerFailed` carrying that worker's paragraph and code. A
+    collective that fails because a peer died (its connection closed) becomes one paragraph, not
+    a gloo trace. Only short Python objects cross the network.
+    """
+
+    def __init__(self, dist: Any, rank: int, world: int):
+        self.dist, self.rank, self.world = dist, rank, world
+
+    @classmethod
+    def joined(cls) -> Collective:
+        """This worker in the default process group (started here when it is not yet)."""
+        dist, rank, world = _init()
+        return cls(dist, rank, world)
+
+    @property
+    def lead(self) -> bool:
+        """Worker 0: it holds the lock, writes what exists once, reports and commits."""
+        return self.rank == 0
+
+    def run(self, stage: str, fn: Callable[[], Any], *, own: Callable[[BaseException], BaseException] = _same) -> list[Any]:
+        """``fn()`` on every worker; every worker's result, by rank. ``own`` words this worker's error
+        as a single process would (a full disk names the destination)."""
+        failure: BaseException | None = None
+        try:
+            status: dict[str, Any] = {"ok": True, "value": fn()}
+        except Exception as exc:  # reported to every worker, then raised everywhere
+            failure = own(exc)
+            status = _error_status(failure)
+        statuses = self.gather(status, stage)
+        _raise_first(statuses, failure)
+        return [s["value"] for s in statuses]
+
+    def from_lead(self, stage: str, fn: Callable[[], Any], *,
+                  own: Callable[[BaseException], BaseException] = _same) -> Any:
+        """``fn()`` on worker 0 alone; its result on every worker (or its error, raised on every worker)."""
+        failure: BaseException | None = None
+        msg: list[Any] = [None]
+        if self.lead:
+            try:
+                msg = [{"ok": True, "value": fn()}]
+            except Exception as exc:
+                failure = own(exc)
+                msg = [_error_status(failure)]
+        self._call(stage, self.dist.broadcast_object_list, msg, 0)
+        _raise_first(msg, failure)
+        return msg[0]["value"]
+
+    def gather(self, obj: Any, stage: str) -> list[Any]:
+        """Every worker's ``obj``, by rank."""
+        out: list[Any] = [None] * self.world
+        self._call(stage, self.dist.all_gather_object, out, obj)
+        return out
+
+    def _call(self, stage: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except RuntimeError as exc:  # gloo's DistBackendError and friends
+            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise WorkerFailed(BadInput(
+                f"one of the {self.world} workers stopped while {stage} (its connection closed: {detail})",
+                hint="Nothing was committed; the same command run again resumes from what this one left beside the "
+                     "destination (--restart discards it).",
+            ).render(), exit_code=2) from None
 
 
 def _peer_lost(exc: BaseException) -> bool:
     """A worker vanished (killed, its connection closed): the run is kept for the next one to resume,
     as a single process's temporary directory is after a SIGKILL."""
     return isinstance(exc, WorkerFailed) and exc.worker is None
-
-
-def _gather(dist: Any, obj: Any, world: int, stage: str) -> list[Any]:
-    out: list[Any] = [None] * world
-    _collective(stage, world, dist.all_gather_object, out, obj)
-    return out
 
 
 def _error_status(exc: BaseException) -> dict[str, Any]:
@@ -183,157 +248,172 @@ def _raise_first(statuses: list[dict[str, Any]], own: BaseException | None = Non
             raise WorkerFailed(s["error"], exit_code=int(s.get("exit_code", 2)), worker=worker)
 
 
-def convert_distributed(plan: Any, src: Path, dst: Path, *, overwrite: bool = False, progress: Any = None,
-                        io: Any = None, restart: bool = False) -> dict[str, Any] | None:
+def convert_distributed(plan: Any, source: Source, dst: Path, *, overwrite: bool = False, progress: Any = None,
+                        io: Any = None, restart: bool = False, force: bool = False) -> dict[str, Any] | None:
     """This worker's part of a distributed conversion; the report on worker 0, None elsewhere.
 
     Resumable as a single process is (`reshard.storage.journal`): worker 0 decides, holding the
     lock, whether to continue an interrupted run's temporary directory (``restart``: never) and
     tells every worker with the directory's path; each worker keeps or writes its own files."""
-    from reshard.engine.conversion import prepare_conversion, say_converting
     from reshard.engine.copy import IOOptions
-    from reshard.engine.space import estimate_output_bytes
-    from reshard.storage.integrity import is_space_error, out_of_space
+    from reshard.engine.pipeline import run_conversion
 
-    dist, rank, world = _init()
-    src, dst, ix = prepare_conversion(plan, src, dst)
-    say_converting(progress if rank == 0 else None, plan, ix)
-    needed = estimate_output_bytes(plan, ix)
-
-    def own(exc: BaseException) -> BaseException:
-        """This worker's error as a single process reports it (a full disk names the destination and bytes)."""
-        return out_of_space(dst, needed, exc) if is_space_error(exc) else exc
-
-    try:
-        return _convert_steps(plan, src, dst, ix, dist, rank, world, own, overwrite=overwrite, progress=progress,
-                              io=io or IOOptions(), restart=restart)
-    except OSError as exc:  # e.g. the commit itself (fsync, rename) on a full disk
-        if is_space_error(exc):
-            raise out_of_space(dst, needed, exc) from None
-        raise
+    output = DistributedOutput(Path(dst), overwrite=overwrite, force=force, progress=progress, io=io or IOOptions(),
+                               restart=restart)
+    return run_conversion(plan, source, output)
 
 
-def _convert_steps(plan: Any, src: Path, dst: Path, ix: Any, dist: Any, rank: int, world: int, own: Any, *,
-                   overwrite: bool, progress: Any, io: Any, restart: bool = False) -> dict[str, Any] | None:
-    """Steps 1-5 of the protocol (module docstring); every failure reaches every worker before anyone raises."""
-    from reshard.engine.resume import resume_key
-    from reshard.engine.copy import WriteChecks, write_items, writing_bytes
-    from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest,
-                                        verify_output, write_reports)
-    from reshard.storage.atomic import atomic_directory, fault_point
-    from reshard.storage.replaceable import why_not_replaceable
-    from reshard.storage.integrity import record as integrity_record
-    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-    from reshard.semantics.manifest import write_manifest
-    from reshard.semantics.transition import output_manifest
-    from reshard.render.progress import phase_of
-    from reshard.units import now_text
-    from reshard.storage.journal import Journal, merge_summaries
+LEAD_STEPS = {"preflight": "checking the destination's space", "tied copies": "checking the tied copies",
+              "sidecars": "carrying the sidecars", "manifest": "writing the manifest"}
+"""The steps of `reshard.engine.pipeline.run_conversion` worker 0 takes alone, every worker told the
+outcome; by what a worker was doing when a peer was lost. Writing and verifying are every worker's
+(`DistributedOutput.write`, `DistributedOutput.verify`); after the verification only worker 0 goes on."""
 
-    started = _time.time()
-    stamp = now_text()
-    lead = rank == 0
-    with contextlib.ExitStack() as stack:
-        # 1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)
-        msg: list[Any] = [None]
-        failure: BaseException | None = None
-        journal = Journal(resume_key(plan, src), restart=restart)
-        if lead:
-            try:
-                made = stack.enter_context(atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable, reuse=journal.choose,
+
+@dataclass
+class DistributedOutput(Output):
+    """One torchrun worker's part of a DCP copy (steps 1-5 of the module docstring): worker 0 makes
+    the hidden directory, every worker writes and verifies the files it owns, worker 0 writes
+    ``.metadata``, the manifest and the reports and commits. ``collective``: the process group
+    (joined on first use)."""
+
+    io: Any = None
+    restart: bool = False
+    collective: Optional[Collective] = None
+    _journal: Any = field(default=None, init=False, repr=False)
+    _writer: Any = field(default=None, init=False, repr=False)
+    _checked: Any = field(default=None, init=False, repr=False)
+    _resume: Any = field(default=None, init=False, repr=False)
+    _split_checked: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from reshard.engine.copy import IOOptions, WriteChecks
+
+        if self.collective is None:
+            self.collective = Collective.joined()
+        self.io = self.io or IOOptions()
+        self._checked = WriteChecks()
+
+    @property
+    def commits(self) -> bool:
+        return self.collective.lead
+
+    @property
+    def shown(self) -> Any:
+        return self.progress if self.collective.lead else None
+
+    def step(self, run: Run, name: str, fn: Callable[[], Any]) -> Any:
+        """Worker 0 alone for `LEAD_STEPS`; the commit only while the command that started us lives."""
+        if name in LEAD_STEPS:
+            return self.collective.from_lead(LEAD_STEPS[name], fn, own=run.own)
+        if name == "commit" and not launcher_alive():  # nobody is there to report a commit
+            raise ReshardError("the command that started these workers has died; nothing was committed",
+                               where=str(self.dst), hint="Run the conversion again.")
+        return fn()
+
+    def _owns(self, file_rank: int) -> bool:
+        """The data files of target rank ``r`` are worker ``r mod W``'s."""
+        return file_rank % self.collective.world == self.collective.rank
+
+    @contextlib.contextmanager
+    def staging(self, run: Run) -> Iterator[Path]:
+        """1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)."""
+        from reshard.engine.resume import resume_key
+        from reshard.storage.atomic import atomic_directory
+        from reshard.storage.journal import Journal
+        from reshard.storage.replaceable import why_not_replaceable
+
+        c = self.collective
+        self._journal = journal = Journal(resume_key(run.plan, run.source.root), restart=self.restart)
+        with contextlib.ExitStack() as stack:
+            def make() -> dict[str, Any]:
+                made = stack.enter_context(atomic_directory(self.dst, overwrite=self.overwrite,
+                                                            replaceable=why_not_replaceable, reuse=journal.choose,
                                                             keep=_peer_lost))
                 journal.begin(made)  # a reused directory is cleaned, a new one gets its key, before anyone writes
-                msg = [{"ok": True, "tmp": str(made), "resumed": journal.resumed, "message": journal.message}]
-            except Exception as exc:
-                failure = own(exc)
-                msg = [_error_status(failure)]
-        _collective("preparing the destination", world, dist.broadcast_object_list, msg, 0)
-        _raise_first(msg, failure)
-        tmp = Path(msg[0]["tmp"])
-        if not lead:  # worker 0's decision, the same on every worker
-            journal.resumed, journal.message = msg[0]["resumed"], msg[0]["message"]
-            journal.begin(tmp, lead=False)
+                return {"tmp": str(made), "resumed": journal.resumed, "message": journal.message}
 
-        def owns(file_rank: int) -> bool:
-            return file_rank % world == rank
+            made = c.from_lead("preparing the destination", make, own=run.own)
+            if not c.lead:  # worker 0's decision, the same on every worker
+                journal.resumed, journal.message = made["resumed"], made["message"]
+                journal.begin(Path(made["tmp"]), lead=False)
+            yield Path(made["tmp"])
 
-        # 2. write this worker's files
-        w = DcpWriter(tmp, owned=owns, journal=journal)
-        try:
-            if lead:
-                for key, equal_to in plan.checks.items():
-                    from reshard.storage.index import bitwise_equal
+    def write(self, run: Run) -> None:
+        """2. each worker writes its files; 3. worker 0 checks the source storages split between
+        workers and writes ``.metadata``."""
+        from reshard.engine.copy import write_items
+        from reshard.engine.pipeline import writing_bytes
+        from reshard.render.progress import phase_of
+        from reshard.storage.dcp_writer import DcpWriter
+        from reshard.storage.journal import merge_summaries
 
-                    if not bitwise_equal(ix, key, equal_to):
-                        raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of "
-                                         "them silently", where=str(src),
-                                         hint="Inspect the source: tied weights and their optimizer state must be equal.")
-            checked = WriteChecks()
-            with phase_of(progress if lead else None, "writing", writing_bytes(plan, ix)) as bar:
-                write_items(plan, ix, w, bar, io=io, commit=False, checked=checked)
-            w.sync_files()
-            status: dict[str, Any] = {"ok": True, "checksums": w.checksums(), "split": checked.ledger.partial(),
-                                      "resume": journal.summary()}
-        except Exception as exc:  # reported to every worker, then raised everywhere
-            w.close()
-            failure = own(exc)
-            status = _error_status(failure)
-        statuses = _gather(dist, status, world, "writing its files")
-        _raise_first(statuses, failure)
-        written = statuses
+        c = self.collective
+        self._writer = w = DcpWriter(run.tmp, owned=self._owns, journal=self._journal)
 
-        # 3. worker 0 checks the source storages split between workers, then writes .metadata
-        status = {"ok": True}
-        split_checked = 0
-        if lead:
+        def own_files() -> dict[str, Any]:
             try:
-                split_checked = check_split_storages([s["split"] for s in statuses])
-                merged: dict[str, str] = {}
-                for s in statuses:
-                    merged.update(s["checksums"])
-                w.adopt(merged)
-                w.finish()
-                carried = carry_sidecars(plan, ix, src, tmp)
-                manifest = output_manifest(plan, source_manifest(src), time=stamp)
-                manifest.integrity = integrity_record(w.checksums(), algorithm=CHECKSUM_ALGORITHM)
-                write_manifest(tmp, manifest)  # verification reads the step and cursor from it
-                fault_point("manifest")
-            except Exception as exc:
-                failure = own(exc)
-                status = _error_status(failure)
-        else:
+                with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
+                    write_items(run.plan, run.ix, w, bar, remote=run.source.remote, io=self.io, commit=False,
+                                checked=self._checked)
+                w.sync_files()
+            except BaseException:
+                w.close()
+                raise
+            return {"checksums": w.checksums(), "split": self._checked.ledger.partial(),
+                    "resume": self._journal.summary()}
+
+        written = c.run("writing its files", own_files, own=run.own)
+        self._resume = merge_summaries([p["resume"] for p in written])
+
+        def metadata() -> int:
+            checked = check_split_storages([p["split"] for p in written])
+            merged: dict[str, str] = {}
+            for p in written:
+                merged.update(p["checksums"])
+            w.adopt(merged)
+            w.finish()
+            return checked
+
+        if not c.lead:
             w.close()
-        _raise_first(_gather(dist, status, world, "writing .metadata and the manifest"), failure)
+        self._split_checked = c.from_lead("writing .metadata", metadata, own=run.own)
 
-        # 4. each worker verifies its own files
-        files = sorted({loc.file for loc in w.locations().values() if owns(_file_rank(loc.file))})
-        try:
-            part = verify_output(src, tmp, plan, b_files=set(files), checked=checked, progress=progress if lead else None)
-            status = {"ok": True, "verification": part, "files": files}
-        except Exception as exc:
-            failure = own(exc)
-            status = _error_status(failure)
-        statuses = _gather(dist, status, world, "verifying its files")
-        _raise_first(statuses, failure)
-        if not lead:
+    def manifest(self, run: Run, manifest: Any) -> None:
+        from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
+        from reshard.storage.integrity import record
+
+        manifest.integrity = record(self._writer.checksums(), algorithm=CHECKSUM_ALGORITHM)
+
+    def verify(self, run: Run) -> dict[str, Any] | None:
+        """4. each worker verifies its own files; worker 0 merges the parts (None elsewhere)."""
+        from reshard.engine.outcome import verify_output
+
+        c = self.collective
+        files = sorted({loc.file for loc in self._writer.locations().values() if self._owns(_file_rank(loc.file))})
+
+        def own_part() -> dict[str, Any]:
+            part = verify_output(run.source.root, run.tmp, run.plan, b_files=set(files), checked=self._checked,
+                                 progress=run.progress, write_checks=self._checked.summary())
+            return {"verification": part, "files": files}
+
+        parts = c.run("verifying its files", own_part, own=run.own)
+        if not c.lead:
             return None
+        verification = _merge([p["verification"] for p in parts])
+        verification["workers"] = [{"worker": i, "files": p["files"]} for i, p in enumerate(parts)]
+        if self._split_checked:  # absent when every source storage was read whole by one worker
+            verification["storages_checked_across_workers"] = self._split_checked
+        return verification
 
-        # 5. worker 0 commits
-        verification = _merge([s["verification"] for s in statuses])
-        verification["b"] = str(dst)
-        verification["workers"] = [{"worker": i, "files": s["files"]} for i, s in enumerate(statuses)]
-        if split_checked:  # absent when every source storage was read whole by one worker
-            verification["storages_checked_across_workers"] = split_checked
-        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
-        report["workers"] = world
-        report["sidecars"] = carried
-        report["resume"] = merge_summaries([s["resume"] for s in written])
-        write_reports(tmp, report)
-        refuse_if_different(verification, dst, "the converted checkpoint")
-        if not launcher_alive():  # the command that started the workers died: nobody is there to report a commit
-            raise ReshardError("the command that started these workers has died; nothing was committed",
-                               where=str(dst), hint="Run the conversion again.")
-    return report
+    def checksums(self, run: Run) -> dict[str, str]:
+        return self._writer.checksums()
+
+    def describe(self, run: Run, report: dict[str, Any]) -> None:
+        report["workers"] = self.collective.world
+
+    def resume(self, run: Run) -> dict[str, Any]:
+        return self._resume
 
 
 def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]]]) -> int:
@@ -474,7 +554,8 @@ def _gather_trusted(items: list[tuple[str, str]]) -> list[list[tuple[str, str]]]
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        return _gather(dist, items, dist.get_world_size(), "naming the items --trust-pickle unpickled")
+        return Collective(dist, dist.get_rank(), dist.get_world_size()).gather(
+            items, "naming the items --trust-pickle unpickled")
     except WorkerFailed:
         return None
 

@@ -3,92 +3,98 @@
 Whether a plan can be linked, and which files and items are shared, is decided on the plan
 alone (`reshard.planning.linking.link_layout`); this module executes it: the source's data
 files shared into the output by reflink or hard link (`reshard.storage.linkfs`), the linked
-items declared where they lie, the keys the plan rewrites or adds written new, and the
-output ended as a copy is (`reshard.engine.outcome`: verified, reported, refused when it
-differs). The item checksums of the shared items are the source manifest's own records.
+items declared where they lie, the keys the plan rewrites or adds written new: a `LinkOutput`,
+whose steps `reshard.engine.pipeline.run_conversion` runs in the order every output follows
+(verified, reported, refused when it differs, committed). The item checksums of the shared items are the source manifest's own records.
 """
 from __future__ import annotations
 
-import time as _time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
-from reshard.errors import BadInput, Infeasible
-from reshard.model.dtypes import dtype_named, is_torch_tensor
-from reshard.units import now_text
+from reshard.errors import BadInput
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.integrity import record as integrity_record
-from reshard.storage.dcp import check_loadable
-from reshard.storage import dcp as dcp_io
-from reshard.storage.atomic import atomic_directory, fault_point
-from reshard.storage.replaceable import why_not_replaceable
 from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
-from reshard.semantics.manifest import write_manifest
 from reshard.planning import linking
 from reshard.model.plan import Plan
-from reshard.semantics.transition import output_manifest
 from reshard.render.progress import phase_of
-from reshard.engine.copy import writing_bytes
-from reshard.engine.outcome import (build_report, carry_sidecars, refuse_if_different, source_manifest, verify_output,
-                                    write_reports)
+from reshard.engine.copy import checked_object, kept_items, write_added
+from reshard.engine.pipeline import Output, Run, writing_bytes
+
+if TYPE_CHECKING:
+    from reshard.semantics.manifest import Manifest
 
 
-def convert_link(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overwrite: bool = False,
-                 progress: Any = None) -> dict[str, Any]:
+@dataclass
+class LinkOutput(Output):
     """``--data link``: the output's tensor items stay in the source's data files, shared into
     the output by reflink or hard link (`reshard.storage.linkfs`); ``.metadata``, the keys the
     plan rewrites or adds, the manifest and the reports are written new (`reshard.planning.linking`).
 
     Refused (`BadInput`, nothing written) when a tensor needs new bytes, or when the files
     cannot be shared with the destination (another file system, ...), each with its reason and
-    ``--data copy`` as the way out. The output is built in the atomic temporary directory and
-    verified against the source as a copy is (keys, shapes, dtypes, objects, rewritten state,
-    semantics, the source's recorded checksums); the linked tensors' values are not read again:
-    their items are the source's bytes at the source's offsets (one inode, or a clone the file
-    system made), which the report and the lineage record.
+    ``--data copy`` as the way out. The output is verified against the source as a copy is
+    (keys, shapes, dtypes, objects, rewritten state, semantics, the source's recorded
+    checksums); the linked tensors' values are not read again: their items are the source's
+    bytes at the source's offsets (one inode, or a clone the file system made), which the
+    report and the lineage record.
     """
-    started = _time.time()
-    stamp = now_text()
-    layout = linking.link_layout(plan, ix)
-    if not layout.available:
-        raise BadInput("--data link cannot be used for this conversion: " + "; ".join(layout.reasons),
-                       where=str(src), hint="Use --data copy (the default), which writes every byte new.")
-    with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
-        for key, equal_to in plan.checks.items():
-            from reshard.storage.index import bitwise_equal
 
-            if not bitwise_equal(ix, key, equal_to):
-                raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ: the target would keep one of them silently",
-                                 where=str(src), hint="Inspect the source: tied weights and their optimizer state must be equal.")
-        shared = _share_files(src, dst, tmp, layout.files)
-        names = {s.source.name: s.path.name for s in shared}
-        w = DcpWriter(tmp, file_name=linking.new_file_namer(set(names.values())))
+    phase = "linking"
+    _layout: Optional[linking.LinkLayout] = field(default=None, init=False, repr=False)
+    _names: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # source file -> shared file
+    _shared: list = field(default_factory=list, init=False, repr=False)
+    _writer: Optional[DcpWriter] = field(default=None, init=False, repr=False)
+    _data: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def preflight(self, run: Run) -> None:
+        """No space check (the output is metadata and the keys that change): whether it can be linked at all."""
+        self._layout = linking.link_layout(run.plan, run.ix)
+        if not self._layout.available:
+            raise BadInput("--data link cannot be used for this conversion: " + "; ".join(self._layout.reasons),
+                           where=str(run.source.root),
+                           hint="Use --data copy (the default), which writes every byte new.")
+        return None
+
+    def write(self, run: Run) -> None:
+        self._shared = _share_files(run.source.root, self.dst, run.tmp, self._layout.files)
+        self._names = {s.source.name: s.path.name for s in self._shared}
+        self._writer = w = DcpWriter(run.tmp, file_name=linking.new_file_namer(set(self._names.values())))
         try:
-            with phase_of(progress, "linking", writing_bytes(plan, ix)) as bar:
-                _link_items(plan, ix, w, names, bar)
+            with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
+                _link_items(run.plan, run.ix, w, self._names, bar)
             w.finish()
         finally:
             w.close()
-        carried = carry_sidecars(plan, ix, src, tmp)
-        src_manifest = source_manifest(src)
-        manifest = output_manifest(plan, src_manifest, time=stamp)
-        checksums, carried_records = _linked_checksums(w, src_manifest, names)
-        manifest.integrity = integrity_record(checksums, algorithm=CHECKSUM_ALGORITHM) if checksums is not None else None
-        data = _data_record(shared, names, layout, carried_records, w)
-        manifest.lineage[-1].policies["data_files"] = {k: data[k] for k in ("mode", "method", "shared", "note")}
-        write_manifest(tmp, manifest)
-        fault_point("manifest")
-        verification = verify_output(src, tmp, plan, checked=set(layout.linked_tensors), progress=progress)
-        verification["linked_tensors_by_identity"] = len(layout.linked_tensors)
-        verification["b"] = str(dst)
-        report = build_report(plan, src, dst, tmp, verification, manifest.to_dict(), w.checksums(), _time.time() - started)
-        report["files"] = {n: sz for n, sz in report["files"].items() if n not in set(names.values())}
+
+    def manifest(self, run: Run, manifest: Manifest) -> None:
+        """The shared items' checksums are the source manifest's; the lineage says how the files are shared."""
+        from reshard.engine.outcome import source_manifest
+        from reshard.storage.integrity import record
+
+        checksums, carried_records = _linked_checksums(self._writer, source_manifest(run.source.root), self._names)
+        manifest.integrity = record(checksums, algorithm=CHECKSUM_ALGORITHM) if checksums is not None else None
+        self._data = _data_record(self._shared, self._names, self._layout, carried_records, self._writer)
+        manifest.lineage[-1].policies["data_files"] = {k: self._data[k] for k in ("mode", "method", "shared", "note")}
+
+    def verify(self, run: Run) -> dict[str, Any]:
+        from reshard.engine.outcome import verify_output
+
+        verification = verify_output(run.source.root, run.tmp, run.plan, checked=set(self._layout.linked_tensors),
+                                     progress=run.progress)
+        verification["linked_tensors_by_identity"] = len(self._layout.linked_tensors)
+        return verification
+
+    def checksums(self, run: Run) -> dict[str, str]:
+        return self._writer.checksums()
+
+    def describe(self, run: Run, report: dict[str, Any]) -> None:
+        """The files the output wrote (not the shared ones) and how the shared ones are shared."""
+        shared = set(self._names.values())
+        report["files"] = {n: sz for n, sz in report["files"].items() if n not in shared}
         report["bytes_written"] = sum(report["files"].values())
-        report["data"] = data
-        report["sidecars"] = carried
-        write_reports(tmp, report)
-        refuse_if_different(verification, dst, "the linked checkpoint")
-    return report
+        report["data"] = self._data
 
 
 def _share_files(src: Path, dst: Path, tmp: Path, files: list[str]) -> list:
@@ -108,42 +114,18 @@ def _share_files(src: Path, dst: Path, tmp: Path, files: list[str]) -> list:
 
 
 def _link_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, names: dict[str, str], progress: Any) -> None:
-    """Every key of the plan through the writer, in the source's order: linked items declared
-    where they lie (their file renamed as shared), rewritten and added keys written new."""
+    """Every key of the plan through the writer, in the source's order (`reshard.engine.copy.kept_items`):
+    linked items declared where they lie (their file renamed as shared), rewritten and added keys written new."""
     from dataclasses import replace
 
-    planned = {t.key: t for t in plan.tensors}
-    actions = {a.key: a for a in plan.keys}
-    for key, e in ix.entries.items():
-        a = actions[key]
-        if a.action == "dropped":
-            continue
-        if e.is_tensor:
-            t = planned[key]
-            w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-            if a.action == "rewritten":
-                w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
-            else:
-                for c in e.chunks:
-                    w.link_chunk(key, c.box.offsets, c.box.sizes, replace(c.location, file=names[c.location.file]))
-        elif a.action == "rewritten":
-            w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
+    for e, _a, t in kept_items(plan, ix, w, progress):
+        if t is not None:
+            for c in e.chunks:
+                w.link_chunk(e.key, c.box.offsets, c.box.sizes, replace(c.location, file=names[c.location.file]))
         else:  # checked as a copy checks it (CRC-32s of its zip, the safe loader), then shared as it is
-            where = str(ix.root / e.location.file)
-            raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)
-            check_loadable(raw, key=key, where=where, trust_pickle=plan.options.trust_pickle)
-            w.link_object(key, replace(e.location, file=names[e.location.file]), path=e.path or None)
-        if progress is not None:  # by bytes (`writing_bytes` is the total)
-            progress.update(e.nbytes)
-    for a in plan.keys:
-        if a.action != "added":
-            continue
-        v = plan.new_values[a.key]
-        if is_torch_tensor(v):
-            w.declare_tensor(a.key, tuple(v.shape), v.dtype)
-            w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
-        else:
-            w.write_object(a.rank or 0, a.key, v)
+            checked_object(plan, ix, e)
+            w.link_object(e.key, replace(e.location, file=names[e.location.file]), path=e.path or None)
+    write_added(plan, ix, w)
 
 
 def _linked_checksums(w: DcpWriter, src_manifest: dict[str, Any] | None,

@@ -2,20 +2,23 @@
 
 The format (one safetensors file per target rank, its objects files and ``local-index.json``)
 is described, and read back, in `reshard.storage.local_format`; this module knows the plan
-(which rank holds which box, which keys are per-rank state) and writes those files.
+(which rank holds which box, which keys are per-rank state) and writes those files, as the
+`LocalOutput` step of `reshard.engine.pipeline.run_conversion`.
 """
 from __future__ import annotations
 
 import io
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from reshard.model.kinds import Action
 from reshard.model.plan import KeyAction, Plan, TensorPlan
+from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
@@ -144,7 +147,6 @@ def write_local(plan: "Plan", ix: CheckpointIndex, directory: str | Path, *, pro
     world = plan.target.world_size
     tensors, index_tensors = _held_tensors(plan)
     _check_storable(tensors, ix)
-    _check_tied_drops(plan, ix)
     objects = _held_objects(plan, {h.plan.key for h in tensors})
     pieces = _Pieces(plan, ix, tensors)
     ranks: dict[str, Any] = {}
@@ -184,16 +186,6 @@ def _check_storable(tensors: list[_HeldTensor], ix: CheckpointIndex) -> None:
                        hint="Convert to DCP (the default --output-format dcp stores every dtype); nothing was written.")
 
 
-def _check_tied_drops(plan: "Plan", ix: CheckpointIndex) -> None:
-    """Tied copies that the plan drops must really be equal (as the DCP writer checks)."""
-    from reshard.storage.index import bitwise_equal
-
-    for key, equal_to in plan.checks.items():
-        if not bitwise_equal(ix, key, equal_to):
-            raise Infeasible(f"tied copies '{key}' and '{equal_to}' differ, so dropping one would lose state",
-                             where=str(ix.root), hint="Inspect the source: tied weights and their optimizer state must be equal.")
-
-
 def _held_tensors(plan: "Plan") -> tuple[list[_HeldTensor], dict[str, Any]]:
     """Every tensor the plan keeps, with its holders, and its entry of the index (in the plan's order)."""
     actions = {a.key: a for a in plan.keys}
@@ -201,7 +193,7 @@ def _held_tensors(plan: "Plan") -> tuple[list[_HeldTensor], dict[str, Any]]:
     index: dict[str, Any] = {}
     for t in plan.tensors:
         a = actions.get(t.key)
-        if a is not None and a.action == "dropped":
+        if a is not None and a.action == Action.DROPPED:
             continue
         holders = _checked_holders(t, a, plan.target)
         held.append(_HeldTensor(t, holders))
@@ -233,7 +225,7 @@ def _held_objects(plan: "Plan", tensor_keys: set[str]) -> list[_HeldObject]:
     world = plan.target.world_size
     objects: list[_HeldObject] = []
     for a in plan.keys:
-        if a.action == "dropped" or a.key in tensor_keys:
+        if a.action == Action.DROPPED or a.key in tensor_keys:
             continue
         holders = _per_rank_holders(a.key, a.role, a.rank, plan.target)
         if holders is not None and not holders:  # per-rank state of no target rank: keep it with its owner
@@ -385,7 +377,7 @@ def _chmod_like_umask(path: Path) -> None:
 
 
 def _object_value(plan: "Plan", ix: CheckpointIndex, a) -> Any:
-    if a.action in ("rewritten", "added"):
+    if a.action in (Action.REWRITTEN, Action.ADDED):
         return plan.new_values[a.key]
     return ix.read_object(a.key)
 
@@ -402,3 +394,25 @@ def _save_objects(path: Path, objs: dict[str, Any]) -> int:
                        where=str(path), hint="The local format only holds safely loadable objects.") from None
     path.write_bytes(data)
     return len(data)
+
+
+@dataclass
+class LocalOutput(Output):
+    """``--output-format local``: one safetensors file per target rank with exactly its local tensors
+    (`write_local`), verified against the source as a DCP output is."""
+
+    _info: dict[str, Any] | None = field(default=None, init=False, repr=False)
+
+    def write(self, run: Run) -> None:
+        from reshard.render.progress import phase_of
+
+        total = writing_bytes(run.plan, run.ix)
+        with phase_of(run.progress, self.phase, total) as bar:
+            self._info = write_local(run.plan, run.ix, run.tmp, progress=bar, total_bytes=total)
+
+    def describe(self, run: Run, report: dict[str, Any]) -> None:
+        """The rank files written in place of DCP's, and the local format's summary."""
+        report["output_format"] = "local"
+        report["files"] = {p.name: p.stat().st_size for p in sorted(run.tmp.iterdir()) if p.suffix == ".safetensors"}
+        report["bytes_written"] = sum(report["files"].values())
+        report["local"] = self._info

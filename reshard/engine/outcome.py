@@ -1,15 +1,13 @@
-"""What every conversion does between writing its items and committing: carry the sidecars,
-verify the output against the source, write the reports, refuse a difference.
+"""The helpers of a conversion's end: carry the sidecars, verify the output against the source,
+build and write the reports, refuse a difference.
 
-The single-process copy and local output (`reshard.engine.conversion`), the ``--data link``
-conversion (`reshard.engine.link`) and each worker of a distributed run
-(`reshard.engine.distributed`) end the same way, inside the atomic temporary directory and
-before its rename: the same verification (`verify_output`), the same report
-(`build_report`) written as JSON and Markdown (`write_reports`, two write events of the
-fault hook, see `reshard.engine.conversion`), and the same refusal when the output differs
-from the source (`refuse_if_different`: nothing is committed). It is a module of its own so
-that the run (`conversion`), which chooses between a copy and a link, and the link, which
-ends as a copy does, both import it without importing each other.
+Every output kind ends the same way, inside the atomic temporary directory and before its
+rename, in the order `reshard.engine.pipeline.run_conversion` alone decides: the same
+verification (`verify_output`), the same report (`build_report`) written as JSON and Markdown
+(`write_reports`, two write events of the fault hook, see `reshard.engine.conversion`), and the
+same refusal when the output differs from the source (`refuse_if_different`: nothing is
+committed). The helpers sit apart from the order so that an output kind may use one (a
+distributed worker verifies its own files with `verify_output`) without importing the pipeline.
 """
 from __future__ import annotations
 
@@ -25,7 +23,8 @@ from reshard.storage.hf_dcp import open_source
 from reshard.render.redaction import redact
 from reshard.storage import remote, sidecars
 from reshard.storage.atomic import fault_point, output_path
-from reshard.engine.copy import WriteChecks
+from reshard.storage.source import Source
+from reshard.model.kinds import EXPECTED_DIFFERENCES
 from reshard.model.plan import Plan
 from reshard.render.conversion import conversion_markdown
 
@@ -33,9 +32,10 @@ REPORT_JSON = "reshard-report.json"
 REPORT_MD = "reshard-report.md"
 
 
-def refuse_if_different(verification: dict[str, Any], dst: Path, what: str) -> None:
+def refuse_if_different(verification: dict[str, Any], dst: Path) -> None:
+    """Nothing is committed when the output differs from the source (exit 3 names the first differences)."""
     if not verification["equal"]:
-        raise Infeasible(f"{what} does not match the source: "
+        raise Infeasible("the converted checkpoint does not match the source: "
                          + "; ".join(f"{d['key']}: {d['detail']}" for d in verification["differences"][:5]),
                          where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
 
@@ -69,17 +69,19 @@ def source_manifest(src: Path) -> dict[str, Any] | None:
 
 
 def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
-            checked: set[str] | None = None, progress: Any = None) -> dict[str, Any]:
+                  checked: set[str] | None = None, progress: Any = None,
+                  write_checks: dict[str, int] | None = None) -> dict[str, Any]:
     """The post-write verification: the output against the source, in global terms.
 
     ``checked``: keys whose every written chunk was already checked against the source while
     the copy ran (`reshard.engine.splice`: CRC-32 against the source items' records, or read
     back and compared bitwise); their values are not compared a second time (keys, shapes,
-    dtypes, objects and semantics still are).
+    dtypes, objects and semantics still are). ``write_checks``: how many items each kind of
+    check covered while writing (`reshard.engine.copy.WriteChecks.summary`), recorded as such.
     """
     from reshard.verification.checkpoints import check_transforms, verify_checkpoints
 
-    expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in ("rewritten", "dropped", "added")}
+    expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in EXPECTED_DIFFERENCES}
     src_ix = source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)
     src_dtypes = {k: e.dtype_name for k, e in src_ix.entries.items() if e.is_tensor}
     for t in plan.tensors:
@@ -95,8 +97,8 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
                                 check_integrity="a", values_checked=checked, progress=progress,
                                 a_inspection=source_inspection(plan, src, trust_pickle=plan.options.trust_pickle), **extra)
     result["checked_while_writing"] = len(checked or ())
-    if isinstance(checked, WriteChecks):
-        result["write_checks"] = checked.summary()
+    if write_checks is not None:
+        result["write_checks"] = write_checks
     bad = check_transforms(src, out, plan, b_files=b_files)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
     for k in bad:
@@ -105,13 +107,14 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     return result
 
 
-def build_report(plan: Plan, src: Path, dst: Path, tmp: Path, verification: dict[str, Any], manifest: dict[str, Any],
-            checksums: dict[str, str], seconds: float) -> dict[str, Any]:
+def build_report(plan: Plan, source: Source, dst: Path, tmp: Path, verification: dict[str, Any],
+                 manifest: dict[str, Any], checksums: dict[str, str], seconds: float) -> dict[str, Any]:
+    """The fields every conversion report has; an output adds its own after them."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
     return {
         "report_version": 1,
-        "source": remote.source_name(src),  # a remote source by its URL
-        **({"source_store": remote.store_reads(src)} if remote.remote_of(src) is not None else {}),  # what it fetched
+        "source": source.name,  # a remote source by its URL
+        **({"source_store": source.store_reads()} if source.remote is not None else {}),  # what it fetched
         "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,

@@ -3,13 +3,18 @@
 Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
 committed local output, the checksums checked before that output is taken again, and the
 upload's own record, is execution, the same for any caller (`reshard convert`, a script).
-The bytes of the upload itself are `reshard.storage.upload.publish`'s.
+The bytes of the upload itself are `reshard.storage.upload.publish`'s. A conversion's is a
+`StoreOutput`, which wraps the output that makes it (`reshard.engine.pipeline.Output.around`),
+so the conversion runs once, in the stage, and is published after it: the command does not
+call itself for a local destination.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from reshard.engine.pipeline import Output
 from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
@@ -17,39 +22,47 @@ from reshard.storage import upload
 from reshard.storage.atomic import fault_point
 from reshard.storage.integrity import check_items, item_bytes
 
-__all__ = ["convert_into_store", "export_into_store"]
+if TYPE_CHECKING:
+    from reshard.model.plan import Plan
+    from reshard.storage.source import Source
+
+__all__ = ["StoreOutput", "export_into_store"]
 
 
-def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, Any]], int]], *, src: Path,
-                       plan_now: Callable[[], Any], restart: bool = False, overwrite: bool = False,
-                       progress: Any = None) -> tuple[Optional[dict[str, Any]], int]:
-    """``run(local)``, a conversion into the local output of the destination's `upload.Stage`,
-    then, once it has committed (verified equal), its upload to the store: data objects first,
-    `.metadata` last (`reshard.storage.upload.publish`). A kill before the last upload leaves
-    no `.metadata` there, so no loader takes the output.
+@dataclass
+class StoreOutput(Output):
+    """A conversion bound for object storage: ``inner`` (any output) made in the local folder of the
+    destination's `upload.Stage`, then, once it has committed (verified equal), uploaded to ``url``
+    (this output's ``dst``): data objects first, `.metadata` last (`reshard.storage.upload.publish`).
+    A kill before the last upload leaves no `.metadata` there, so no loader takes the output. It
+    wraps the whole run (`around`) and takes none of its steps: those are ``inner``'s.
 
-    Resuming, as beside a local destination: a conversion killed before its local commit left
-    its journal in the stage (``run`` resumes from it); one killed during the upload left its
-    committed local output, which a rerun whose resume key (``plan_now()``'s plan, the source's
-    identity) is the same takes again instead of converting anew, after checking its files
-    against the checksums its manifest records, and uploads what the store does not hold yet.
-    ``overwrite``: a checkpoint or an earlier reshard output at ``url`` is replaced (`upload.staged_output`).
+    Resuming, as beside a local destination: a conversion killed before its local commit left its
+    journal in the stage (``inner`` resumes from it); one killed during the upload left its
+    committed local output, which a rerun whose resume key (the plan, the source's identity) is
+    the same takes again instead of converting anew, after checking its files against the
+    checksums its manifest records, and uploads what the store does not hold yet. ``overwrite``:
+    a checkpoint or an earlier reshard output at the URL is replaced (`upload.staged_output`).
     """
-    with upload.staged_output(url, overwrite=overwrite) as stage:
-        earlier = None if restart else stage.converted()
-        if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
-            earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
-        report = _taken_again(stage, earlier["report"], progress) if earlier is not None else None
-        if report is not None:
-            code = 0
-        else:
-            stage.discard_output()
-            report, code = run(stage.out)
-            if report is None or code != 0 or not (stage.out / ".metadata").exists():
-                return report, code
-            stage.record_converted(resume_key(report["plan"]["fingerprint"], src).to_dict(), report)
-        _upload(stage, report, progress)
-    return report, code
+
+    inner: Optional[Output] = None
+    restart: bool = False
+
+    def around(self, plan: Plan, source: Source,
+               convert: Callable[[Output], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+        with upload.staged_output(str(self.dst), overwrite=self.overwrite) as stage:
+            earlier = None if self.restart else stage.converted()
+            if earlier is not None and earlier["key"] != resume_key(plan, source.root).to_dict():
+                earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
+            report = _taken_again(stage, earlier["report"], self.progress) if earlier is not None else None
+            if report is None:
+                stage.discard_output()
+                report = replace(self.inner, dst=stage.out, overwrite=False).around(plan, source, convert)
+                if report is None or not (stage.out / ".metadata").exists():
+                    return report  # a worker that does not commit: worker 0 uploads
+                stage.record_converted(resume_key(plan, source.root).to_dict(), report)
+            _upload(stage, report, self.progress)
+        return report
 
 
 def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwrite: bool = False,
@@ -57,7 +70,7 @@ def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwr
     """``run(local)``, an export into the local output of the destination's `upload.Stage`, then
     its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
     after a killed upload exports again (an export keeps no journal) and sends only the objects
-    whose bytes the store does not hold as recorded. ``overwrite`` as for `convert_into_store`."""
+    whose bytes the store does not hold as recorded. ``overwrite`` as for `StoreOutput`."""
     with upload.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
         report = run(stage.out)
