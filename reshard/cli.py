@@ -100,12 +100,12 @@ def inspect(
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect, to_json
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(ckpt) as root:
-        opts = _options(root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
+    with opened_source(ckpt) as source:
+        opts = _options(source.root, None, from_spec=from_spec, trust_pickle=trust_pickle, conventions=convention, ties=tie,
                         profile=profile, no_profile=no_profile)
-        result = run_inspect(root, opts, deep=deep, progress=progress)
+        result = run_inspect(source, opts, deep=deep, progress=progress)
     _echo(to_json(result.report) if json_out else render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
@@ -182,11 +182,11 @@ def plan(
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan, to_json
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(ckpt) as root:
-        p, d = run_plan(root, _sliced(_options(
-            root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+    with opened_source(ckpt) as source:
+        p, d = run_plan(source, _sliced(_options(
+            source.root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
             data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
             model_config=model_config, pp_stages=pp_stages, source_micro_batch=source_micro_batch,
             source_grad_accum=source_grad_accum, source_seq_len=source_seq_len, source_global_batch=source_global_batch,
@@ -284,19 +284,19 @@ def convert(
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: _echo(_estimate_text(figures).lstrip("\n"))
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(src) as root:
+    with opened_source(src) as source:
         opts = None
         if plan_file is None and to is not None:
             opts = _sliced(_options(
-                root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
+                source.root, to, from_spec=from_spec, micro_batch=micro_batch, grad_accum=grad_accum, schedule=schedule,
                 data_policy=data_policy, rng_policy=rng_policy, seed=seed, trust_pickle=trust_pickle, rules=rules,
                 model_config=model_config, pp_stages=pp_stages, dtype=dtype, only=only,
                 source_micro_batch=source_micro_batch, source_grad_accum=source_grad_accum, source_seq_len=source_seq_len,
                 source_global_batch=source_global_batch, conventions=convention, keep=keep, drop=drop, ties=tie,
                 profile=profile, no_profile=no_profile, trainer_config=trainer_config), layers, experts)
-        done = run_convert(root, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
+        done = run_convert(source, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
                            workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
                            restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
                            debug=_state["debug"])
@@ -360,10 +360,10 @@ def verify(
     from reshard.render.report import to_json
     from reshard.render.verify import render_verify
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(a) as root_a, source_dir(b) as root_b:
-        r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
+    with opened_source(a) as source_a, opened_source(b) as source_b:
+        r, code = run_verify(source_a, source_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
                              buffered=buffered, progress=progress)
     _echo(to_json(r) if json_out else render_verify(r))
     raise typer.Exit(code)
@@ -401,10 +401,10 @@ def export(
     from reshard.commands.export import export as run_export
     from reshard.render.report import to_json
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(src) as root:
-        r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+    with opened_source(src) as source:
+        r = run_export(source, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
                        model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
                        force=force, progress=progress)
     _echo(to_json(r) if json_out else _summary_line("exported", r, dst))

@@ -127,15 +127,15 @@ def test_inspect_and_plan_match_a_local_copy(argv, plain_fsdp2_ckpt, plain_url):
 
 def test_only_metadata_sidecars_and_small_items_are_requested(s3, plain_fsdp2_ckpt, plain_url):
     from reshard.planning.describe import inspect_checkpoint
-    from reshard.storage.remote import remote_of, staged
+    from reshard.storage.source import opened
 
-    with staged(plain_url) as root:
-        rc = remote_of(root)
+    with opened(plain_url) as source:
+        root, rc = source.root, source.remote
         staged_names = sorted(p.name for p in root.iterdir())
-        ins = inspect_checkpoint(root)
+        ins = inspect_checkpoint(source)
         counters = rc.counters.to_dict()
     assert ins.report["complete"] and ins.report["path"] == plain_url
-    assert remote_of(root) is None and not root.exists()  # the private directory is gone with the block
+    assert not root.exists()  # the private directory is gone with the block
     assert counters["listings"] == 1
     assert ".metadata" in staged_names and not any(n.endswith(".distcp") for n in staged_names)
     sizes = s3.keys("plain")
@@ -329,13 +329,15 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
     """The conversion's reads of a remote source go through a prefetch: several ranged requests at
     once but never more than ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead
     and not yet used, and the output the same bytes as with no prefetch at all."""
-    from reshard.storage.remote import remote_of, staged
+    from reshard.commands.convert import run_convert
+    from reshard.planning.options import Given, build_options
+    from reshard.storage.source import opened
 
-    with staged(plain_url) as root:
-        code, _out, err = cli(["convert", root, tmp_path / "out", "--to", "dp=2", "--quiet", "--threads", "3",
-                               "--buffer-memory", "16KiB"])
-        counters = remote_of(root).counters.to_dict()
-    assert code == 0, err
+    with opened(plain_url) as source:  # the command's own Source: its store handle counts what it fetched
+        done = run_convert(source, tmp_path / "out", build_options(Given(to="dp=2"), source.root), to="dp=2",
+                           threads=3, window=16 << 10)
+        counters = source.remote.counters.to_dict()
+    assert done.exit_code == 0, done.report
     (copy,) = [p for p in counters["prefetches"] if p["label"] == "copy"]
     assert 2 <= copy["peak_in_flight"] <= 3, counters
     assert 0 < copy["peak_buffered"] <= 16 << 10, counters

@@ -24,6 +24,7 @@ from reshard.engine.publishing import convert_into_store
 from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan, source_index
 from reshard.render.progress import waiting
+from reshard.storage.source import Source
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Converted:
         return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
 
 
-def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
+def run_convert(src: Source, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
                 plan_file: Optional[Path] = None, output_format: str = "dcp", data: str = "copy",
                 workers: Optional[int] = None, threads: Optional[int] = None, window: Optional[int] = None,
                 buffered: bool = False, overwrite: bool = False, restart: bool = False, force: bool = False,
@@ -68,7 +69,7 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
                                restart=restart, force=force, progress=progress, argv=argv, debug=debug)
             return done.report, done.exit_code
 
-        return Converted(*convert_into_store(dst, run_locally, src=src, plan_now=plan_now, restart=restart,
+        return Converted(*convert_into_store(dst, run_locally, src=src.root, plan_now=plan_now, restart=restart,
                                              overwrite=overwrite, progress=progress))
     dst = Path(dst)
     given = None
@@ -98,7 +99,7 @@ def run_convert(src: Path, dst: Path | str, opts: Optional[Options], *, to: Opti
                                 distributed=distributed)
 
 
-def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict], *, output_format: str, data: str,
+def _planned_and_run(src: Source, dst: Path, opts: Options, given: Optional[dict], *, output_format: str, data: str,
                      io: IOOptions, overwrite: bool, restart: bool, force: bool, progress: Any,
                      distributed: bool) -> Converted:
     """Plan (checked against ``given``, the plan file's) and convert, in this process or as a torchrun worker."""
@@ -113,15 +114,15 @@ def _planned_and_run(src: Path, dst: Path, opts: Options, given: Optional[dict],
             from reshard.engine.space import conversion_preflight
             from reshard.storage.hf_dcp import open_source
 
-            estimate = conversion_preflight(p, source_index(p, src) or open_source(src, trust_pickle=p.options.trust_pickle), dst,
+            estimate = conversion_preflight(p, source_index(p, src.root) or open_source(src.root, trust_pickle=p.options.trust_pickle), dst,
                                             force=force, progress=progress)
-        report = convert_distributed(p, src, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
+        report = convert_distributed(p, src.root, dst, overwrite=overwrite, progress=progress, io=io, restart=restart)
         if report is None:
             return Converted(None, 0)
         if estimate is not None:  # the figures the single-process report carries too
             report["estimate"] = estimate
     else:
-        report = convert(p, src, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
+        report = convert(p, src.root, dst, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
                          restart=restart, data=data, force=force)
     return Converted(report, 0 if report["verification"]["equal"] else 1)
 

@@ -158,7 +158,7 @@ def _convert_dcp(plan: Plan, src: Path, dst: Path, ix: CheckpointIndex, *, overw
                  io: IOOptions, estimate: dict[str, Any] | None = None, restart: bool = False) -> dict[str, Any]:
     started = _time.time()
     stamp = now_text()
-    journal = Journal(resume_key(plan, src), restart=restart)
+    journal = Journal(resume_key(plan, src, rc=getattr(ix, "remote", None)), restart=restart)
     with atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable, reuse=journal.choose) as tmp:
         journal.begin(tmp)
         for key, equal_to in plan.checks.items():

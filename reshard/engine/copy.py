@@ -234,7 +234,7 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             if a.action == "rewritten":
                 w.write_object(rank, key, plan.new_values[key], path=e.path or None)
             else:
-                raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key)  # CorruptItem, exit 2
+                raw = dcp_io.checked_item_bytes(ix.root, e.location, key=key, rc=getattr(ix, "remote", None))  # CorruptItem, exit 2
                 check_loadable(raw, key=key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
                 w.write_object_bytes(rank, key, raw, path=e.path or None)
         if progress is not None:  # by bytes (`writing_bytes` is the total)

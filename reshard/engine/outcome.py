@@ -46,7 +46,7 @@ def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> lis
     A trainer's own files beside the DCP part (Lightning's `meta.pt`, ...) are data: dropping
     them would leave an output the trainer cannot load (`reshard.storage.sidecars`).
     """
-    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"))
+    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"), getattr(ix, "remote", None))
 
 
 def write_reports(tmp: Path, report: dict[str, Any]) -> None:
@@ -91,7 +91,10 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     # The output's item checksums were composed while writing (tests check them against a
     # full recomputation); here its bytes are compared with the source, and the source's own
     # checksums (if it records any) are checked.
-    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
+    from reshard.storage.source import Source  # the source as the verification reads it: a store's by its URL
+
+    rc = remote.remote_of(src)
+    result = verify_checkpoints(Source(Path(src), url=rc.url, remote=rc) if rc is not None else src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
                                 check_integrity="a", values_checked=checked, progress=progress,
                                 a_inspection=source_inspection(plan, src, trust_pickle=plan.options.trust_pickle), **extra)
     result["checked_while_writing"] = len(checked or ())

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
-from reshard.storage import upload
+from reshard.storage import remote, upload
 from reshard.storage.atomic import fault_point
 from reshard.storage.integrity import check_items, item_bytes
 
@@ -37,7 +37,7 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
     """
     with upload.staged_output(url, overwrite=overwrite) as stage:
         earlier = None if restart else stage.converted()
-        if earlier is not None and earlier["key"] != resume_key(plan_now(), src).to_dict():
+        if earlier is not None and earlier["key"] != resume_key(plan_now(), src, rc=remote.remote_of(src)).to_dict():
             earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
         report = _taken_again(stage, earlier["report"], progress) if earlier is not None else None
         if report is not None:
@@ -47,7 +47,7 @@ def convert_into_store(url: str, run: Callable[[Path], tuple[Optional[dict[str, 
             report, code = run(stage.out)
             if report is None or code != 0 or not (stage.out / ".metadata").exists():
                 return report, code
-            stage.record_converted(resume_key(report["plan"]["fingerprint"], src).to_dict(), report)
+            stage.record_converted(resume_key(report["plan"]["fingerprint"], src, rc=remote.remote_of(src)).to_dict(), report)
         _upload(stage, report, progress)
     return report, code
 

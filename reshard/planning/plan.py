@@ -36,19 +36,26 @@ from reshard.semantics import schedule as schedule_mod
 from reshard.semantics import sizes
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
-from reshard.storage import remote, sidecars
+from reshard.storage import sidecars
 from reshard.storage.hf_dcp import export_refusal
 from reshard.storage.safetensors_format import ExportIndex
+from reshard.storage.source import Source
 
 
 @paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
-def make_plan(src: str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
+def make_plan(source: Source | str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
     """Build the plan, or raise BadInput when the user must choose a policy first.
+
+    ``source``: the checkpoint as its command opened it (`reshard.storage.source.opened`), or a
+    local checkpoint's path. Its inspection is kept on it and on the plan (not in the plan's JSON):
+    the steps after planning read through the same reader (`plan_reader`).
 
     Each step decides one thing; those that make the plan infeasible add to ``reasons``, in
     this order, which is the order the plan lists them.
     """
-    ins = _complete_inspection(src, options, inspection)
+    source = Source.of(source)
+    src = source.root
+    ins = _complete_inspection(source, options, inspection)
     r, ix = ins.report, ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
@@ -78,7 +85,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     if sliced is not None:
         slice_verdict(verdict, sliced, reasons)
 
-    plan = Plan(_source_summary(src, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
+    plan = Plan(_source_summary(source, r, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
     from reshard.planning.linking import link_summary  # `convert --data link`: whether it applies (not fingerprinted)
@@ -88,8 +95,17 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         plan.slice = sliced.summary
     experts = expert_map(ix, cls, mdict, options.rules, keys.tensors)  # MoE: which rank holds which experts
     plan.experts = experts.to_dict() | {"text": experts.describe()} if experts is not None else None
-    plan.inspection = ins  # one inspection per run: convert and verify take it (`source_index`)
+    plan.inspection = source.inspection = ins  # one inspection per run: convert and verify take it (`plan_reader`)
     return plan
+
+
+def plan_reader(plan: Plan, source: Source) -> Any:
+    """The reader a run reads ``source`` through after planning it: the plan's own (the inspection's,
+    opened once) when ``source`` is what the plan was made from with the same ``trust_pickle``, else
+    ``source``'s, opened now (a store's handed its `RemoteCheckpoint`, `Source.reader`)."""
+    if source.inspection is None and plan.inspection is not None and Path(plan.inspection.index.root) == source.root:
+        source.inspection = plan.inspection
+    return source.reader(trust_pickle=plan.options.trust_pickle)
 
 
 def source_index(plan: Plan, src: str | Path, *, trust_pickle: bool | None = None) -> Any:
@@ -98,6 +114,7 @@ def source_index(plan: Plan, src: str | Path, *, trust_pickle: bool | None = Non
 
     Opening a checkpoint parses its whole ``.metadata`` (seconds at a thousand ranks): a run opens
     its source once, and every later step (preflight, copy, verification) asks here first.
+    For the conversion engine until it takes a `Source` (then `plan_reader` replaces it).
     """
     from reshard.storage.hf_dcp import HfDcpIndex
     from reshard.storage.index import CheckpointIndex
@@ -201,19 +218,20 @@ def _check_recorded_conventions(manifest: Any, options: Options, src: str | Path
                            hint="Give the convention file the earlier conversion used, or give yours another name.")
 
 
-def _complete_inspection(src: str | Path, options: Options, inspection: Inspection | None) -> Inspection:
+def _complete_inspection(source: Source, options: Options, inspection: Inspection | None) -> Inspection:
     """The source's inspection (given, or made now); a plan of an incomplete checkpoint would lose data.
 
     A given inspection classified the keys with the shipped conventions only: with
     ``--convention`` files the source is inspected again, so that their rules decide.
     """
+    src = source.root
     user = user_conventions(options)
     if user or options.ties:
         inspection = None
-    ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
+    ins = inspection or inspect_checkpoint(source, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
                                            conventions=user, ties=options.ties, from_origin=from_origin(options))
     if isinstance(ins.index, ExportIndex):  # full tensors: `reshard import` lays them out, plan and convert refuse alike
-        raise export_refusal(src, options.to)
+        raise export_refusal(src, options.to, source.url)
     _check_recorded_conventions(ins.manifest, options, src)
     r = ins.report
     if not r["complete"]:
@@ -421,9 +439,9 @@ def _rng(cls: Any, mdict: dict[str, Any], r: dict[str, Any], source_topo: Topolo
 
 # ---------------------------------------------------------------------------- source
 
-def _source_summary(src: str | Path, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
+def _source_summary(source: Source, r: dict[str, Any], source_topo: Topology, cls: Any) -> dict[str, Any]:
     """What the plan read from its source; part of the fingerprint, so its content must not drift."""
-    return {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": r.get("step"),
+    return {"path": source.name, "topology": source_topo.to_dict(), "step": r.get("step"),
             "tokens_seen": r.get("tokens_seen"),
             "experiment_id": r.get("experiment_id"), "convention": cls.convention.name,
             "entries": r["entries"], "bytes": r["bytes"], "manifest": r["manifest"],
