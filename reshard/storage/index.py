@@ -535,7 +535,7 @@ def same_stored_bytes(ix: CheckpointIndex, ea: Entry, eb: Entry) -> bool | None:
 
     if [c.box for c in ea.chunks] != [c.box for c in eb.chunks]:
         return None
-    if ix.remote is not None:
+    if getattr(ix, "remote", None) is not None:  # readers of other formats read local files only
         return None  # no data file here to read in place: each box is read by range and decoded instead
     for ca, cb in zip(ea.chunks, eb.chunks):
         if ca.box.is_empty():
