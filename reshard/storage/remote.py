@@ -52,7 +52,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage import urls
 
-__all__ = ["is_url", "StoreLimits", "open_store", "store_error", "check_unchanged", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
+__all__ = ["is_url", "StoreLimits", "open_store", "store_error", "check_unchanged", "RemoteCheckpoint", "Counters", "staged", "remote_of", "source_name", "open_remote",
            "output_name", "register_output", "unregister_output", "store_reads", "version_tag", "ReadCache", "Prefetch",
            "check_key_tail", "no_fsspec", "METADATA_FILE", "DATA_SUFFIX"]
 
@@ -695,8 +695,8 @@ def open_remote(url: str) -> RemoteCheckpoint:
 # Until the conversion engine takes a `Source` (the `pipeline` rewrite of engine/conversion, copy, link,
 # local_output, distributed, outcome, publishing and commands/convert), those files still find a staged
 # directory's `RemoteCheckpoint` by its path here. Nothing else may (tests/test_source.py): everything
-# else is handed it by its `Source`. `_STAGED`, `remote_of`, `check_unchanged`, `display_path`,
-# `source_name` and `store_reads` go once they do.
+# else is handed it by its `Source`. `_STAGED`, `remote_of`, `check_unchanged`, `source_name`
+# and `store_reads` go once they do.
 
 def check_unchanged(root: str | os.PathLike) -> None:
     """`RemoteCheckpoint.check_unchanged` of the checkpoint staged at ``root`` (a no-op for a local one)."""
@@ -715,14 +715,6 @@ def remote_of(root: str | os.PathLike) -> RemoteCheckpoint | None:
     if not _STAGED:
         return None
     return _STAGED.get(str(root)) or _STAGED.get(os.path.realpath(os.fspath(root)))
-
-
-def display_path(root: str | os.PathLike) -> str:
-    """What a report names as the checkpoint: the URL of a staged directory, else the path."""
-    rc = remote_of(root)
-    if rc is not None:
-        return rc.url
-    return output_name(root) or str(root)
 
 
 def source_name(root: str | os.PathLike) -> str:

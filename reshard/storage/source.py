@@ -106,14 +106,14 @@ class Source:
         trust setting is the same. A store's reader is handed its `RemoteCheckpoint`."""
         trust = self.trust_pickle if trust_pickle is None else trust_pickle
         if trust not in self._readers:
-            ins = self.inspection
-            index = getattr(ins, "index", None) if ins is not None else None
-            if type(index).__name__ in ("CheckpointIndex", "HfDcpIndex") and getattr(index, "trust_pickle", None) == trust \
-                    and Path(index.root) == self.root:
+            from reshard.storage.hf_dcp import HfDcpIndex, open_source
+            from reshard.storage.index import CheckpointIndex
+
+            index = self.inspection.index if self.inspection is not None else None
+            if type(index) in (CheckpointIndex, HfDcpIndex) and index.trust_pickle == trust \
+                    and Path(index.root) == self.root:  # what describing it opened (not an export's reader)
                 self._readers[trust] = index
             else:
-                from reshard.storage.hf_dcp import open_source
-
                 self._readers[trust] = open_source(self.root, trust_pickle=trust, remote=self.remote)
         return self._readers[trust]
 
