@@ -134,10 +134,10 @@ def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None,
     text = _source_text(path)
     args.check_source(text)
     from reshard.commands.inspect import inspect as run_inspect
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(text) as root:
-        return run_inspect(root, _plan_options(root, None, given), deep=deep, progress=progress)
+    with opened_source(text) as source:
+        return run_inspect(source, _plan_options(source.root, None, given), deep=deep, progress=progress)
 
 
 @_api_call
@@ -160,13 +160,13 @@ def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options
     text = _source_text(path)
     args.check_source(text)
     from reshard.planning.plan import make_plan
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
     from reshard.render.progress import waiting
 
-    with source_dir(text) as root:
-        opts = _plan_options(root, to, given)
+    with opened_source(text) as source:
+        opts = _plan_options(source.root, to, given)
         with waiting(progress):
-            return make_plan(root, opts)
+            return make_plan(source, opts)
 
 
 @_api_call
@@ -225,16 +225,16 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
 
     if not in_torchrun():  # a worker's errors go through its launcher, as under the CLI
         args.check_source(src_text)
-    from reshard.commands.convert import opened_source, run_convert
+    from reshard.commands.convert import run_convert
+    from reshard.planning.options import opened_source
 
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
-    with opened_source(src_text) as source:  # the Source the conversion reads (a URL: staged)
-        root = source.root
+    with opened_source(src_text) as source:
         opts = None
         if planned is not None:
-            opts = _checked_plan(root, planned)
+            opts = _checked_plan(source, planned)
         elif plan_file is None and to is not None:
-            opts = _plan_options(root, to, given)
+            opts = _plan_options(source.root, to, given)
         done = run_convert(source, target, opts, to=to if planned is None else opts.to, plan_file=plan_file,
                            output_format=output_format, data=data, threads=threads, window=buffer_memory,
                            buffered=buffered, overwrite=overwrite, restart=restart, force=force, progress=progress)
@@ -261,10 +261,10 @@ def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, tr
     a_text, b_text = _source_text(a), _source_text(b)
     args.check_source(a_text, b_text)
     from reshard.commands.verify import verify as run_verify
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(a_text) as root_a, source_dir(b_text) as root_b:
-        result, _ = run_verify(root_a, root_b, rtol=float(rtol), atol=float(atol), trust_pickle=trust_pickle,
+    with opened_source(a_text) as source_a, opened_source(b_text) as source_b:
+        result, _ = run_verify(source_a, source_b, rtol=float(rtol), atol=float(atol), trust_pickle=trust_pickle,
                                strict=strict, buffered=buffered, progress=progress)
     return result
 
@@ -293,10 +293,10 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
     args.check_source(src_text)
     from reshard.commands.export import export as run_export
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(src_text) as root:
-        return run_export(root, target, fmt=format, dtype=dtype, only=only, max_shard_size=max_shard_size,
+    with opened_source(src_text) as source:
+        return run_export(source, target, fmt=format, dtype=dtype, only=only, max_shard_size=max_shard_size,
                           rename=Path(rename) if rename is not None else None, model_config=configs or None,
                           profile=Path(profile) if profile is not None else None, no_profile=no_profile,
                           overwrite=overwrite, force=force, progress=progress)
@@ -331,13 +331,11 @@ def estimate(plan: Plan, dst: PathLike) -> dict[str, Any]:
     object storage is listed again (the plan's own staged copy went when `plan` returned).
     """
     from reshard.engine.space import space_check
-    from reshard.planning.options import source_dir
-    from reshard.storage.hf_dcp import open_source
+    from reshard.planning.options import opened_source
+    from reshard.planning.plan import plan_reader
 
-    src = str(plan.source["path"])
-    with source_dir(src) as root:
-        index = open_source(root, trust_pickle=plan.options.trust_pickle) if args.is_url(src) else None
-        return space_check(plan, _source_text(dst), index=index, probe=True)
+    with opened_source(str(plan.source["path"])) as source:
+        return space_check(plan, _source_text(dst), index=plan_reader(plan, source), probe=True)
 
 
 def _plan_options(root: Path, to: str | None, given: Mapping[str, Any]) -> Options:
@@ -434,7 +432,7 @@ def _given_plan(plan: Plan | Mapping[str, Any] | PathLike) -> tuple[Path | None,
     return Path(_source_text(plan)), None
 
 
-def _checked_plan(root: Path, given: dict[str, Any]) -> Options:
+def _checked_plan(root: Any, given: dict[str, Any]) -> Options:
     """The options of a plan given as data, once the plan made again from ``root`` is that plan
     (the fingerprint check of ``convert --plan``)."""
     from reshard.planning.options import check_plan_matches, options_from_plan

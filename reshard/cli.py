@@ -92,11 +92,11 @@ def inspect(
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.render.report import render_inspect
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(ckpt) as root:
-        opts = _options(root, flags)
-        result = run_inspect(root, opts, deep=deep, progress=progress)
+    with opened_source(ckpt) as source:
+        opts = _options(source.root, flags)
+        result = run_inspect(source, opts, deep=deep, progress=progress)
     _render(result.report, json_out=json_out, text=lambda: render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
@@ -131,10 +131,10 @@ def plan(
     from reshard.commands.plan import plan as run_plan
     from reshard.render.report import render_plan
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(ckpt) as root:
-        p, d = run_plan(root, _options(root, flags), verbose=verbose, json_out=json_out, dst=dst,
+    with opened_source(ckpt) as source:
+        p, d = run_plan(source, _options(source.root, flags), verbose=verbose, json_out=json_out, dst=dst,
                         tensors_out=tensors_out, progress=progress)
     _render(d, json_out=json_out, text=lambda: render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
@@ -207,13 +207,12 @@ def convert(
 
     if not json_out:  # the estimate on stdout before the work, even on a pipe (not after the result)
         progress.on_estimate = lambda figures: _echo(_estimate_text(figures).lstrip("\n"))
-    from reshard.commands.convert import opened_source
+    from reshard.planning.options import opened_source
 
     with opened_source(src) as source:  # the Source the conversion reads (a URL: staged)
-        root = source.root
         opts = None
         if plan_file is None and to is not None:
-            opts = _options(root, flags)
+            opts = _options(source.root, flags)
         done = run_convert(source, dst, opts, to=to, plan_file=plan_file, output_format=output_format, data=data,
                            workers=workers, threads=threads, window=window_bytes, buffered=buffered, overwrite=overwrite,
                            restart=restart, force=force, progress=progress, argv=_state.get("argv") or sys.argv[1:],
@@ -276,10 +275,10 @@ def verify(
     from reshard.commands.verify import verify as run_verify
     from reshard.render.verify import render_verify
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(a) as root_a, source_dir(b) as root_b:
-        r, code = run_verify(root_a, root_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
+    with opened_source(a) as source_a, opened_source(b) as source_b:
+        r, code = run_verify(source_a, source_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
                              buffered=buffered, progress=progress)
     _render(r, json_out=json_out, text=lambda: render_verify(r))
     raise typer.Exit(code)
@@ -315,10 +314,10 @@ def export(
     progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
     from reshard.commands.export import export as run_export
 
-    from reshard.planning.options import source_dir
+    from reshard.planning.options import opened_source
 
-    with source_dir(src) as root:
-        r = run_export(root, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+    with opened_source(src) as source:
+        r = run_export(source, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
                        model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
                        force=force, progress=progress)
     _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, dst))

@@ -127,15 +127,15 @@ def test_inspect_and_plan_match_a_local_copy(argv, plain_fsdp2_ckpt, plain_url):
 
 def test_only_metadata_sidecars_and_small_items_are_requested(s3, plain_fsdp2_ckpt, plain_url):
     from reshard.planning.describe import inspect_checkpoint
-    from reshard.storage.remote import remote_of, staged
+    from reshard.storage.source import opened
 
-    with staged(plain_url) as root:
-        rc = remote_of(root)
+    with opened(plain_url) as source:
+        root, rc = source.root, source.remote
         staged_names = sorted(p.name for p in root.iterdir())
-        ins = inspect_checkpoint(root)
+        ins = inspect_checkpoint(source)
         counters = rc.counters.to_dict()
     assert ins.report["complete"] and ins.report["path"] == plain_url
-    assert remote_of(root) is None and not root.exists()  # the private directory is gone with the block
+    assert not root.exists()  # the private directory is gone with the block
     assert counters["listings"] == 1
     assert ".metadata" in staged_names and not any(n.endswith(".distcp") for n in staged_names)
     sizes = s3.keys("plain")
@@ -336,7 +336,7 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
     from reshard.storage.source import opened
 
     with opened(plain_url) as source:  # the conversion reads its source's store (`Source.remote`), counted there
-        report = convert(make_plan(source.root, Options(to="dp=2")), source, tmp_path / "out",
+        report = convert(make_plan(source, Options(to="dp=2")), source, tmp_path / "out",
                          io=IOOptions(threads=3, window=16 << 10))
         counters = source.remote.counters.to_dict()
     assert report["verification"]["equal"]

@@ -274,7 +274,8 @@ def test_a_stalled_store_fails_within_the_bound_it_states(s3):
 def test_a_huge_listing_is_bounded_and_opaque_files_cost_no_request(s3, plain_fsdp2_ckpt, tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from reshard.planning.options import source_dir
+    from reshard.commands.inspect import inspect as run_inspect
+    from reshard.planning.options import Given, build_options, opened_source
     from reshard.storage import remote
 
     url = s3.upload(plain_fsdp2_ckpt, "many")
@@ -290,11 +291,11 @@ def test_a_huge_listing_is_bounded_and_opaque_files_cost_no_request(s3, plain_fs
     assert code == 2 and "300 objects besides the data objects, more than the 200" in err, err
     monkeypatch.undo()
 
-    with source_dir(url) as root:
-        code, out, err = cli(["inspect", root, "--json"])
-        counters = remote.remote_of(root).counters.to_dict()
-    assert code == 0, err
-    report = json.loads(out)
+    with opened_source(url) as source:  # the command's own Source: its store handle counts what it fetched
+        result = run_inspect(source, build_options(Given(), source.root))
+        counters = source.remote.counters.to_dict()
+    assert result.exit_code == 0, result.report
+    report = json.loads(json.dumps(result.report))
     assert not any(k.startswith("logs/") for k in counters["by_file"]), counters["by_file"]  # not one request for a log
     listed = {s["name"]: s for s in report["sidecars"]}
     assert set(logs) - {f"many/{n}" for n in listed} == set()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager, Optional
+from typing import Any, Optional
 
 from reshard.errors import BadInput
 from reshard.model.plan import Options
@@ -25,8 +25,7 @@ from reshard.engine.publishing import StoreOutput
 from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan
 from reshard.render.progress import waiting
-from reshard.storage.sidecars import fetched_to_describe
-from reshard.storage.source import Source, opened
+from reshard.storage.source import Source
 from reshard.storage.urls import looks_like_url
 
 
@@ -44,13 +43,6 @@ class Converted:
         from reshard.storage.journal import describe
 
         return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
-
-
-def opened_source(text: str | Path) -> ContextManager[Source]:
-    """The `Source` a conversion reads, opened once for the whole command (a URL staged with the
-    sidecars a description needs): the interface builds the plan options from its ``root`` (a
-    profile beside the checkpoint) and hands it to `run_convert`."""
-    return opened(text, fetch=fetched_to_describe)
 
 
 def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to: Optional[str] = None,
@@ -102,7 +94,7 @@ def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to:
     if progress is not None:
         progress.say(f"planning the conversion to {opts.to} …")
     with waiting(progress):  # planning, the torch import, the index: seconds with no bytes to count
-        p = make_plan(source.root, opts)
+        p = make_plan(source, opts)
         if given is not None:
             check_plan_matches(given, p)
         report = run_conversion(p, source, output)

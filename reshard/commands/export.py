@@ -17,10 +17,11 @@ from reshard.engine.export import export as run_export
 from reshard.engine.publishing import export_into_store
 from reshard.semantics.hf import parse_values
 from reshard.semantics.profile import find_profile, load_profile
+from reshard.storage.source import Source
 from reshard.units import parse_size
 
 
-def export(src: Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str, max_shard_size: str,
+def export(src: Source | Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str, max_shard_size: str,
            rename: Path | None, model_config: list[str] | None, profile: Path | None, no_profile: bool,
            overwrite: bool, force: bool, progress: Any = None) -> dict[str, Any]:
     """Export ``src`` into ``dst`` with the options as the command line gives them; returns the export report.
@@ -29,11 +30,13 @@ def export(src: Path, dst: Path | str, *, fmt: str, dtype: str | None, only: str
     directory or beside the checkpoint unless ``no_profile``: with ``--format hf`` its model
     values fill what ``model_config`` does not give, its ``tie`` pairs are written once (any
     format; checked bitwise equal, refused when they differ), and the report names it.
+    ``src``: as `reshard.storage.source.opened` made it (a store read through its own handle).
     """
+    src = Source.of(src)
     values = parse_values(model_config)
     record = None
     ties: list[list[str]] = []
-    found = find_profile(src, profile, enabled=not no_profile)
+    found = find_profile(src.root, profile, enabled=not no_profile)
     if found is not None:
         prof = load_profile(found)
         used = sorted(k for k in prof.model_config if k not in values) if fmt == "hf" else []

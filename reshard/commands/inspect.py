@@ -16,11 +16,14 @@ from reshard.model.plan import Options
 from reshard.planning.describe import inspect_checkpoint
 from reshard.planning.options import from_origin, user_conventions
 from reshard.render.progress import waiting
+from reshard.storage.source import Source
 
 
-def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = None) -> Inspection:
+def inspect(source: Source | Path, opts: Options, *, deep: bool = False, progress: Any = None) -> Inspection:
     """The inspection of ``ckpt`` under the user's options (conventions, ties, ``--from``); its
-    ``report`` is what `reshard.render.report.render_inspect` prints and its ``exit_code`` the command's."""
+    ``report`` is what `reshard.render.report.render_inspect` prints and its ``exit_code`` the command's.
+    ``source``: as `reshard.storage.source.opened` made it (a store read through its own handle)."""
+    source = Source.of(source)
     with contextlib.ExitStack() as stack:
         stack.enter_context(waiting(progress))  # the index, the object items: seconds with no bytes to count
         bar = None
@@ -28,8 +31,8 @@ def inspect(ckpt: Path, opts: Options, *, deep: bool = False, progress: Any = No
             from reshard.storage.local_format import open_any  # whichever format inspect reads
 
             bar = stack.enter_context(progress.phase(
-                "checking items", sum(e.nbytes for e in open_any(ckpt).entries.values())))
-        result = inspect_checkpoint(ckpt, deep=deep, from_spec=opts.from_spec, trust_pickle=opts.trust_pickle,
+                "checking items", sum(e.nbytes for e in open_any(source.root, remote=source.remote).entries.values())))
+        result = inspect_checkpoint(source, deep=deep, from_spec=opts.from_spec, trust_pickle=opts.trust_pickle,
                                     progress=bar, conventions=user_conventions(opts), ties=opts.ties,
                                     from_origin=from_origin(opts))
     if opts.profile is not None:

@@ -12,22 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from reshard.model.plan import Options, Plan
-from reshard.planning.plan import make_plan
+from reshard.planning.plan import make_plan, plan_reader
 from reshard.render.progress import waiting
+from reshard.storage.source import Source
 
 
-def plan(ckpt: Path, opts: Options, *, verbose: bool = False, json_out: bool = False, dst: Path | None = None,
+def plan(source: Source | Path, opts: Options, *, verbose: bool = False, json_out: bool = False, dst: Path | None = None,
          tensors_out: Path | None = None, progress: Any = None) -> tuple[Plan, dict]:
     """The plan and what the command prints of it: every tensor when ``verbose``, under ``--json``
     the full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`).
-    ``progress``: its waiting row ticks on a terminal while the plan is made."""
+    ``progress``: its waiting row ticks on a terminal while the plan is made. ``source``: as
+    `reshard.storage.source.opened` made it; the space check reads through the plan's reader."""
+    source = Source.of(source)
     with waiting(progress):
-        p = make_plan(ckpt, opts)
+        p = make_plan(source, opts)
     d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
     if tensors_out is not None:
         d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
     if dst is not None:
         from reshard.engine.space import space_check
 
-        d["space"] = space_check(p, dst, probe=True)  # the figures convert checks and reports (size, free, time)
+        d["space"] = space_check(p, dst, index=plan_reader(p, source), probe=True)  # the figures convert checks and reports (size, free, time)
     return p, d

@@ -261,7 +261,7 @@ def kept_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any):
 def checked_object(plan: Plan, ix: CheckpointIndex, e: Any) -> bytes:
     """An object item's bytes as the source holds them, checked first: the CRC-32s of its zip
     (`CorruptItem`, exit 2) and the safe loader (nothing in it outside the allow-list unless trusted)."""
-    raw = dcp_io.checked_item_bytes(ix.root, e.location, key=e.key)
+    raw = dcp_io.checked_item_bytes(ix.root, e.location, key=e.key, rc=getattr(ix, "remote", None))
     check_loadable(raw, key=e.key, where=str(ix.root / e.location.file), trust_pickle=plan.options.trust_pickle)
     return raw
 
@@ -451,7 +451,7 @@ class CopyOutput(Output):
         from reshard.storage.journal import Journal
         from reshard.storage.replaceable import why_not_replaceable
 
-        self._journal = Journal(resume_key(run.plan, run.source.root), restart=self.restart)
+        self._journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
 
         @contextlib.contextmanager
         def journaled():
@@ -487,7 +487,7 @@ class CopyOutput(Output):
         from reshard.engine.outcome import verify_output
 
         try:
-            return verify_output(run.source.root, run.tmp, run.plan, checked=self._checked, progress=run.progress,
+            return verify_output(run.source, run.tmp, run.plan, checked=self._checked, progress=run.progress,
                                  write_checks=self._checked.summary())
         finally:
             self._syncer.join()

@@ -324,7 +324,7 @@ class DistributedOutput(Output):
         from reshard.storage.replaceable import why_not_replaceable
 
         c = self.collective
-        self._journal = journal = Journal(resume_key(run.plan, run.source.root), restart=self.restart)
+        self._journal = journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
         with contextlib.ExitStack() as stack:
             def make() -> dict[str, Any]:
                 made = stack.enter_context(atomic_directory(self.dst, overwrite=self.overwrite,
@@ -393,7 +393,7 @@ class DistributedOutput(Output):
         files = sorted({loc.file for loc in self._writer.locations().values() if self._owns(_file_rank(loc.file))})
 
         def own_part() -> dict[str, Any]:
-            part = verify_output(run.source.root, run.tmp, run.plan, b_files=set(files), checked=self._checked,
+            part = verify_output(run.source, run.tmp, run.plan, b_files=set(files), checked=self._checked,
                                  progress=run.progress, write_checks=self._checked.summary())
             return {"verification": part, "files": files}
 

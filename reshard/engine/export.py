@@ -57,6 +57,7 @@ from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, Expo
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export, source_report, tied_groups)
 from reshard.storage import remote
+from reshard.storage.source import Source
 from reshard.render.redaction import redact
 from reshard.storage.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
@@ -108,7 +109,7 @@ def _write_torch_shard(ix, path: Path, shard: list[ExportItem], progress: Any) -
         torch.save(d, f)
 
 
-def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
+def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype: str | None = None,
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
            overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None,
            profile: dict[str, Any] | None = None, force: bool = False,
@@ -136,7 +137,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     from reshard.semantics.manifest import read_manifest
 
     started = _time.time()
-    src, dst = Path(src), Path(dst)
+    source = Source.of(src)  # a store's reader is handed its own `RemoteCheckpoint`
+    src, dst = source.root, Path(dst)
     if fmt not in ("safetensors", "torch", "hf"):
         raise BadInput(f"unknown export format '{fmt}'", hint="Use safetensors, torch or hf.")
     if only not in ("model", "model+optim"):
@@ -154,7 +156,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     rules = RenameRules.load(rename) if rename is not None else None
     check_destination(src, dst)
 
-    ix = open_any(src, source_key=reshard_key)
+    ix = open_any(src, source_key=reshard_key, remote=source.remote)
     errors = [f for f in ix.findings if f.severity == "error"]
     if errors:
         raise Incomplete(f"the source checkpoint is incomplete: {errors[0].message}", where=str(src),
@@ -162,7 +164,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     m = read_manifest(src)
     mdict = m.to_dict() if m is not None else {}
     cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"))
-    inspected = source_report(src)  # the step, lineage and the ties inspect proves (equal bytes, known pairs)
+    inspected = source_report(source)  # the step, lineage and the ties inspect proves (equal bytes, known pairs)
     given = [list(t) for t in ties or []]
     plan = plan_export(ix, cls, mdict, only=only, dtype=out_dtype, rules=rules,
                        fmt="torch" if fmt == "torch" else "safetensors",  # a dtype the format cannot store: refused here
@@ -173,10 +175,10 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
     hf = hf_plan(src, ix, cls, mdict, plan, model_config or {}, out_dtype) if fmt == "hf" else None
     ext = "pt" if fmt == "torch" else "safetensors"
     shards = assign_shards(plan.items, max_shard, ext)
-    ess = export_essentials(src, mdict, cls.convention.name, dtype=out_dtype, only=only, rules=rules, tied=plan.tied, fmt=fmt)
+    ess = export_essentials(source, mdict, cls.convention.name, dtype=out_dtype, only=only, rules=rules, tied=plan.tied, fmt=fmt)
     if given:
         ess["ties_given"] = given  # an option, as --dtype: verify re-derives the export with it
-    ess.update(export_identity(src, mdict, inspected))
+    ess.update(export_identity(source, mdict, inspected))
     if hf is not None:
         ess.update(hf_mapping=hf.mapping.describe(), hf_values=hf.values)
     total = sum(it.nbytes for it in plan.items)
@@ -184,10 +186,11 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         progress.say(f"exporting {describe_bytes(total, len(plan.items), 'tensor')} as {fmt} …")
 
     needed = _estimate_bytes(shards, "safetensors" if fmt == "hf" else fmt, lambda s: header_metadata(ess, s, plan.copies))
-    kept = keep_remote_reads(src, dst, needed)  # a source in a store: its verification reads what the export fetched, here
+    kept = keep_remote_reads(source.remote, dst, needed)  # a source in a store: its verification reads what the export fetched, here
     estimate = preflight(dst, needed=needed, read_bytes=sum(ix.entries[it.key].nbytes for it in plan.items
                                                              if it.key in ix.entries) or total,
-                         sources=[src], force=force, what="the export", progress=progress)
+                         sources=[src], force=force, what="the export", progress=progress,
+                         stores=[source.remote] if source.remote is not None else [])
     if kept is not None:
         estimate["read_cache_bytes"] = kept
     with space_errors(dst, needed, "the export"), atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
@@ -219,8 +222,8 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         report = {
             "report_version": 1,
-            "source": remote.source_name(src),  # a remote source by its URL
-            **({"source_store": remote.store_reads(src)} if remote.remote_of(src) is not None else {}),
+            "source": source.name,  # a remote source by its URL
+            **({"source_store": source.store_reads()} if source.remote is not None else {}),
             "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
             "format": fmt,
             "dtype": ess["dtype"],
@@ -253,7 +256,7 @@ def export(src: str | Path, dst: str | Path, *, fmt: str = "safetensors", dtype:
         if not verification["equal"]:
             raise Infeasible("the export does not read back as the source: " + "; ".join(verification["differences"][:5]),
                              where=str(dst), hint="Nothing was committed. This is a bug in reshard; please report it.")
-        remote.check_unchanged(src)  # a source in a store: what was read is still what is listed
+        source.check_unchanged()  # a source in a store: what was read is still what is listed
         commit = start_commit(progress, tmp)  # the fsync and rename as the block exits
     end_commit(progress, commit)
     return report

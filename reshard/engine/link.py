@@ -81,7 +81,7 @@ class LinkOutput(Output):
     def verify(self, run: Run) -> dict[str, Any]:
         from reshard.engine.outcome import verify_output
 
-        verification = verify_output(run.source.root, run.tmp, run.plan, checked=set(self._layout.linked_tensors),
+        verification = verify_output(run.source, run.tmp, run.plan, checked=set(self._layout.linked_tensors),
                                      progress=run.progress)
         verification["linked_tensors_by_identity"] = len(self._layout.linked_tensors)
         return verification

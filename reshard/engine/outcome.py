@@ -17,9 +17,8 @@ from typing import Any
 
 from reshard.errors import Infeasible
 from reshard.units import reproducible
-from reshard.planning.plan import source_index, source_inspection
+from reshard.planning.plan import plan_reader, source_inspection
 from reshard.storage.index import CheckpointIndex
-from reshard.storage.hf_dcp import open_source
 from reshard.render.redaction import redact
 from reshard.storage import remote, sidecars
 from reshard.storage.atomic import fault_point, output_path
@@ -46,7 +45,7 @@ def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> lis
     A trainer's own files beside the DCP part (Lightning's `meta.pt`, ...) are data: dropping
     them would leave an output the trainer cannot load (`reshard.storage.sidecars`).
     """
-    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"))
+    return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"), getattr(ix, "remote", None))
 
 
 def write_reports(tmp: Path, report: dict[str, Any]) -> None:
@@ -68,7 +67,7 @@ def source_manifest(src: Path) -> dict[str, Any] | None:
     return m.to_dict() if m is not None else None
 
 
-def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None,
+def verify_output(source: Source, out: Path, plan: Plan, b_files: set[str] | None = None,
                   checked: set[str] | None = None, progress: Any = None,
                   write_checks: dict[str, int] | None = None) -> dict[str, Any]:
     """The post-write verification: the output against the source, in global terms.
@@ -82,7 +81,7 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     from reshard.verification.checkpoints import check_transforms, verify_checkpoints
 
     expected = {a.key: f"{a.action}: {a.reason}" for a in plan.keys if a.action in EXPECTED_DIFFERENCES}
-    src_ix = source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)
+    src_ix = plan_reader(plan, source)
     src_dtypes = {k: e.dtype_name for k, e in src_ix.entries.items() if e.is_tensor}
     for t in plan.tensors:
         if t.transform:
@@ -93,13 +92,13 @@ def verify_output(src: Path, out: Path, plan: Plan, b_files: set[str] | None = N
     # The output's item checksums were composed while writing (tests check them against a
     # full recomputation); here its bytes are compared with the source, and the source's own
     # checksums (if it records any) are checked.
-    result = verify_checkpoints(src, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
+    result = verify_checkpoints(source, out, expected_rewrites=expected, trust_pickle=plan.options.trust_pickle,
                                 check_integrity="a", values_checked=checked, progress=progress,
-                                a_inspection=source_inspection(plan, src, trust_pickle=plan.options.trust_pickle), **extra)
+                                a_inspection=source_inspection(plan, source), **extra)
     result["checked_while_writing"] = len(checked or ())
     if write_checks is not None:
         result["write_checks"] = write_checks
-    bad = check_transforms(src, out, plan, b_files=b_files)
+    bad = check_transforms(source, out, plan, b_files=b_files)
     result["transforms_checked"] = sum(1 for t in plan.tensors if t.transform or t.copy_from)
     for k in bad:
         result["differences"].append({"key": k, "kind": "value", "detail": "canonical form differs from the source"})

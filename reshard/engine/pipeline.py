@@ -151,7 +151,7 @@ class Output:
         """The output compared with the source (`reshard.engine.outcome.verify_output`)."""
         from reshard.engine.outcome import verify_output
 
-        return verify_output(run.source.root, run.tmp, run.plan, progress=run.progress)
+        return verify_output(run.source, run.tmp, run.plan, progress=run.progress)
 
     def checksums(self, run: Run) -> dict[str, str]:
         """The item checksums this output computed while writing (the report counts them)."""
@@ -175,7 +175,7 @@ def run_conversion(plan: Plan, source: Source, output: Output) -> Optional[dict[
 
 def _converted(plan: Plan, source: Source, output: Output) -> Optional[dict[str, Any]]:
     from reshard.errors import Infeasible
-    from reshard.planning.plan import source_index
+    from reshard.planning.plan import plan_reader
     from reshard.storage.atomic import check_destination
     from reshard.units import now_text
 
@@ -183,7 +183,7 @@ def _converted(plan: Plan, source: Source, output: Output) -> Optional[dict[str,
         raise Infeasible("the plan is infeasible: " + "; ".join(plan.reasons), where=str(source.root),
                          hint="Run `reshard plan` to see the choices.")
     check_destination(source.root, output.dst)
-    ix = source_index(plan, source.root) or source.reader(trust_pickle=plan.options.trust_pickle)
+    ix = plan_reader(plan, source)
     run = Run(plan, source, Path(output.dst), ix, progress=output.shown, stamp=now_text())
     say_converting(run)
     try:

@@ -46,7 +46,7 @@ from reshard.storage.journal import ResumeKey, source_identity
 __all__ = ["Proof", "Resumed", "prove_spliced", "resume_key", "whole_storages"]
 
 
-def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp") -> ResumeKey:
+def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp", rc: Any = None) -> ResumeKey:
     """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.journal`):
     the plan (or its fingerprint, as a report records it), the source files as they are on disk, and what
     else decides the bytes written."""
@@ -55,7 +55,7 @@ def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp") -> Resum
     from reshard.version import __version__
 
     # torch's version from its installed metadata (what torch.__version__ says) without importing it
-    return ResumeKey(plan=plan if isinstance(plan, str) else plan.fingerprint(), source=source_identity(src),
+    return ResumeKey(plan=plan if isinstance(plan, str) else plan.fingerprint(), source=source_identity(src, rc),
                      options={"output_format": output_format, "reshard": __version__, "torch": version("torch")})
 
 

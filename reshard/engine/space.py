@@ -24,7 +24,6 @@ from reshard.model.dtypes import dtype_named
 from reshard.render.space import space_line
 from reshard.storage import dcp_writer, remote, upload
 from reshard.storage.atomic import reclaimable_bytes
-from reshard.storage.hf_dcp import open_source  # a DCP source, or torch's safetensors-backed DCP
 from reshard.storage.integrity import nearest_existing
 from reshard.units import human_bytes
 from reshard.model.kinds import Action
@@ -43,6 +42,15 @@ def _numel(sizes: Iterable[int]) -> int:
     return n
 
 
+def _reader(plan: Any) -> Any:
+    """The reader of the plan's source when the caller hands none: the plan's own, else its checkpoint
+    on this machine opened now (a source in a store is read through the reader its command opened)."""
+    from reshard.planning.plan import plan_reader
+    from reshard.storage.source import Source
+
+    return plan_reader(plan, Source.local(plan.source["path"]))
+
+
 def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     """Bytes a conversion of ``plan`` writes: an estimate, usually within a few percent.
 
@@ -55,7 +63,7 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
     """
     import pickle
 
-    ix = index if index is not None else open_source(plan.source["path"], trust_pickle=plan.options.trust_pickle)
+    ix = index if index is not None else _reader(plan)
     over = SAVE_OVERHEAD
     total = items = 0
     for t in plan.tensors:
@@ -97,10 +105,10 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
     ..., warning``); ``warning`` is one paragraph, or None when there is enough space. Never
     refuses: `reshard plan --dst` warns, `convert` refuses (`conversion_preflight`).
     """
-    ix = index if index is not None else open_source(plan.source["path"], trust_pickle=plan.options.trust_pickle)
+    ix = index if index is not None else _reader(plan)
     need = estimate_output_bytes(plan, ix) if needed is None else int(needed)
     figures = preflight(dst, needed=need, read_bytes=conversion_read_bytes(plan, ix), sources=[ix.root], force=True,
-                        probe=probe)
+                        probe=probe, stores=_stores(ix))
     if not figures["enough"]:
         figures["warning"] = (
             f"{figures['destination']}: the destination's file system has {human_bytes(figures['free_bytes'])} "
@@ -125,25 +133,31 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     room the output leaves: the verification after the copy then reads the source's bytes from
     this machine instead of fetching them a second time."""
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
-    kept = keep_remote_reads(ix.root, dst, needed)  # before the probe, whose read is then kept too
-    figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress)
+    kept = keep_remote_reads(getattr(ix, "remote", None), dst, needed)  # before the probe, whose read is then kept too
+    figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress,
+                        stores=_stores(ix))
     if kept is not None:
         figures["read_cache_bytes"] = kept
     return figures
 
 
+def _stores(ix: Any) -> list[Any]:
+    """The store a reader reads (its `RemoteCheckpoint`, handed to it when its source was opened), as `preflight` takes it."""
+    rc = getattr(ix, "remote", None)
+    return [rc] if rc is not None else []
+
+
 READ_CACHE_ENV = "RESHARD_READ_CACHE"  # at most this much of a remote source kept locally in a conversion (0: none)
 
 
-def keep_remote_reads(src: str | os.PathLike, dst: str | os.PathLike, needed: int) -> int | None:
-    """For a source in object storage (None for a local one): turn on its local copy of what the run
+def keep_remote_reads(rc: remote.RemoteCheckpoint | None, dst: str | os.PathLike, needed: int) -> int | None:
+    """For a source in object storage (``rc``, its `RemoteCheckpoint`; None for a local one): turn on its local copy of what the run
     fetches (`RemoteCheckpoint.keep_reads`) with a budget: the bytes of its data objects, within half
     the space its folder's file system has left once the output (``needed`` bytes at ``dst``, when on
     the same file system) and 1 GiB are set aside, and within ``$RESHARD_READ_CACHE`` when set.
     Returns the budget (0: nothing kept)."""
     from reshard.units import parse_size
 
-    rc = remote.remote_of(src)
     if rc is None:
         return None
     folder = rc.cache_folder
@@ -344,8 +358,10 @@ def _refuse_read_only(dst: Path, checked: Path) -> None:
 
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
-              probe: bool = True) -> dict[str, Any]:
+              probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = ()) -> dict[str, Any]:
     """Before the first byte: will the output fit at ``dst``, and about how long will it take?
+
+    ``stores``: the sources in object storage (their `RemoteCheckpoint`), whose read is probed instead of a file's.
 
     Refuses (`BadInput`, exit 2) when the destination's file system has less free space than
     the output ``needed``, naming both figures, unless ``force``: nothing has been written
@@ -384,7 +400,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
         figures["warning"] = short + "; going ahead (--force)"
     exact_seconds: float | None = None
     if probe:
-        stores = [rc for rc in map(remote.remote_of, sources) if rc is not None]
+        stores = list(stores)
         r = store_probe(stores[0]) if stores else read_probe(largest_file(sources))
         w = write_probe(checked, min(PROBE_BYTES, free // 8)) if free // 8 >= 64 << 10 else \
             Rate(f"write to {checked}", error="too little free space to probe")

@@ -26,9 +26,10 @@ from reshard.model.dtypes import is_torch_tensor
 from reshard.model.inspection import JSON_VERSION, Inspection
 from reshard.storage.index import CheckpointIndex, bitwise_equal
 from reshard import safefs
-from reshard.storage import remote, sidecars
+from reshard.storage import sidecars
 from reshard.storage.plain_items import PlainTensor
 from reshard.storage.local_format import open_any
+from reshard.storage.source import Source
 
 
 def _load_manifest(root: Path) -> Any:
@@ -45,7 +46,7 @@ def _scalar(v: Any) -> Any:
 
 
 @paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
-def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str | None = None,
+def inspect_checkpoint(source: Source | str | Path, *, deep: bool = False, from_spec: str | None = None,
                        trust_pickle: bool = False, progress: Any = None,
                        conventions: Sequence[Convention] = (), ties: Sequence[Sequence[str]] | None = None,
                        from_origin: str = "--from") -> Inspection:
@@ -56,14 +57,18 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
     where ``from_spec`` was stated (`reshard.planning.options.from_origin`), for the message that
     refuses a stated layout the checkpoint contradicts.
 
+    ``source``: the checkpoint as its command opened it (`reshard.storage.source.opened`: a store's
+    reader is handed its `RemoteCheckpoint`), or a local checkpoint's path.
+
     The order of the steps is the order of the problems in the report, so it stays fixed.
     """
-    root = Path(path)
+    source = Source.of(source)
+    root = source.root
     hf_folder = _hf_model_folder(root)
     if hf_folder is not None and hf_folder[1].startswith("pytorch_model") \
             and not any(f.suffix in (".safetensors", ".distcp") for f in root.iterdir()):
         raise _not_dcp(root, hf_folder)  # torch.save weights beside config.json: nothing here reads them as a checkpoint
-    ix = open_any(root, trust_pickle=trust_pickle, source_key=reshard_key)  # DCP, or reshard's local format (local-index.json)
+    ix = open_any(root, trust_pickle=trust_pickle, source_key=reshard_key, remote=source.remote)  # DCP, or reshard's local format (local-index.json)
     if hf_folder is not None and str(ix.version or "").startswith("safetensors-export") and not _exported_by_reshard(ix):
         raise _not_dcp(root, hf_folder)  # read as a consolidated export, but save_pretrained wrote it, not reshard
     findings: list[Finding] = ix.findings  # the index's own findings come first, then ours
@@ -93,13 +98,13 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, from_spec: str |
 
     complete, _, _ = _exit_code(findings)
     ins = Inspection(ix, cls, manifest, topo, {}, as_found=from_spec is None and not conventions and not ties and not deep,
-                     path=remote.display_path(root), complete=complete, findings=findings, step=step,
+                     path=source.display, complete=complete, findings=findings, step=step,
                      tokens_seen=mdict.get("tokens_seen", counters.get("tokens_seen")),
                      experiment_id=mdict.get("experiment_id"), batch=mdict.get("batch"),
                      accumulation=mdict.get("accumulation"), entries=len(ix.entries),
                      bytes=sum(ix.file_sizes.values()), has_manifest=manifest is not None, optimizer=opt, sidecars=side)
     # the report prints the typed fields: the planner reads them, and both say the same by construction
-    ins.report = _report(root, ins, mdict, deep=deep, step_source=step_source, by_role=by_role, counters=counters,
+    ins.report = _report(source, ins, mdict, deep=deep, step_source=step_source, by_role=by_role, counters=counters,
                          per_rank=per_rank)
     ins.report["sidecars"] = side
     return ins
@@ -830,12 +835,12 @@ def _exit_code(findings: list[Finding]) -> tuple[bool, bool, int]:
     return complete, consistent, 0 if complete and consistent else (2 if not complete else 1)
 
 
-def _report(root: Path, ins: Inspection, mdict: dict[str, Any], *, deep: bool, step_source: str | None,
+def _report(source: Source, ins: Inspection, mdict: dict[str, Any], *, deep: bool, step_source: str | None,
             by_role: dict[str, Any], counters: dict[str, Any], per_rank: dict[str, Any]) -> dict[str, Any]:
     """The `--json` shape (documented in the README): its key order is what the JSON prints."""
     ix, cls, topo, findings = ins.index, ins.classification, ins.topology, ins.findings
     complete, consistent, exit_code = _exit_code(findings)
-    store = remote.store_reads(root)
+    store = source.store_reads()
     return {
         "json_version": JSON_VERSION,
         **({"store": store} if store is not None else {}),  # a remote checkpoint: what describing it fetched

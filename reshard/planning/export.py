@@ -58,7 +58,7 @@ from reshard.safefs import loads_toml
 from reshard.model.dtypes import DTYPES as BY_NAME, DType
 from reshard.model.kinds import ExportAction
 from reshard.model.plan import NOT_CAST
-from reshard.storage import remote
+from reshard.storage.source import Source
 from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
 
 EXPORT_FORMAT_VERSION = "1"
@@ -446,7 +446,7 @@ def assign_shards(items: list[ExportItem], max_shard_size: int, ext: str) -> lis
     return shards
 
 
-def export_essentials(src: Path, mdict: dict[str, Any], convention: str, *, dtype: DType | None, only: str,
+def export_essentials(src: Source | Path, mdict: dict[str, Any], convention: str, *, dtype: DType | None, only: str,
                       rules: RenameRules | None, tied: list[list[str]], fmt: str) -> dict[str, Any]:
     return {
         "reshard_export": EXPORT_FORMAT_VERSION,
@@ -457,7 +457,7 @@ def export_essentials(src: Path, mdict: dict[str, Any], convention: str, *, dtyp
         "continuity": mdict.get("continuity"),
         "model_family": (mdict.get("model") or {}).get("family"),
         "model_config": (mdict.get("model") or {}).get("config"),
-        "source": remote.source_name(src),  # a remote source by its URL
+        "source": Source.of(src).name,  # a remote source by its URL
         "source_convention": convention,
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "as stored",
         "only": only,
@@ -485,9 +485,10 @@ def header_metadata(ess: dict[str, Any], shard: list[ExportItem], copies: dict[s
     return meta
 
 
-def source_report(src: Path) -> dict[str, Any]:
+def source_report(src: Source | Path) -> dict[str, Any]:
     """`reshard inspect`'s report of ``src`` as found (empty when it cannot describe it): the step,
-    lineage and proven ties an export takes from it, so that the export and ``verify`` agree with inspect."""
+    lineage and proven ties an export takes from it, so that the export and ``verify`` agree with inspect.
+    ``src``: as its command opened it (a store read through its own handle), or a local path."""
     from reshard.planning.describe import inspect_checkpoint
     from reshard.errors import ReshardError
 
@@ -497,7 +498,7 @@ def source_report(src: Path) -> dict[str, Any]:
         return {}
 
 
-def export_identity(src: Path, mdict: dict[str, Any], report: dict[str, Any] | None = None) -> dict[str, Any]:
+def export_identity(src: Source | Path, mdict: dict[str, Any], report: dict[str, Any] | None = None) -> dict[str, Any]:
     """Step and lineage as `reshard inspect` finds them (a checkpoint without a manifest still has a step).
 
     The step comes from inspect's rules (manifest, counter or optimizer step counters), so an

@@ -16,13 +16,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import field, make_dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
 
 from reshard.errors import BadInput
 from reshard.model import option_table
 from reshard.model.plan import PLAN_VERSION, Options, Plan
 from reshard.semantics import profile as profile_mod
 from reshard.semantics.conventions import Convention, load_user_convention
+
+if TYPE_CHECKING:  # opened below, on first use (importing the options imports no storage module)
+    from reshard.storage.source import Source
 
 
 def _given_fields() -> list[tuple[str, Any, Any]]:
@@ -261,16 +264,12 @@ def options_from_plan(given: dict[str, Any]) -> Options:
 
 
 @contextmanager
-def source_dir(text: str) -> Iterator[Path]:
-    """The checkpoint directory a source argument names, for as long as the command runs: the
-    path itself, or for a URL (``s3://bucket/prefix``: `reshard.storage.urls`) a private directory that
-    stands for it (`reshard.storage.remote.staged`: `.metadata` and the sidecars fetched, the data
-    read by byte range), so that a profile beside the checkpoint is found either way."""
-    from reshard.storage import remote
-    from reshard.storage.sidecars import fetched_to_describe
+def opened_source(text: str) -> Iterator[Source]:
+    """The checkpoint a source argument names, opened once for the command
+    (`reshard.storage.source.opened`: a path, or a store URL staged for as long as the block runs).
+    The CLI and the API build the options beside it (a profile next to the checkpoint is found
+    either way) and hand it to the command, whose steps all read it through its own reader."""
+    from reshard.storage.source import opened
 
-    if remote.is_url(text):
-        with remote.staged(text, fetch=fetched_to_describe) as root:
-            yield root
-    else:
-        yield Path(text)
+    with opened(text) as source:
+        yield source

@@ -40,19 +40,26 @@ from reshard.semantics import schedule as schedule_mod
 from reshard.semantics import sizes
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
-from reshard.storage import remote, sidecars
+from reshard.storage import sidecars
 from reshard.storage.hf_dcp import export_refusal
 from reshard.storage.safetensors_format import ExportIndex
+from reshard.storage.source import Source
 
 
 @paused_gc()  # the metadata path builds millions of small objects: reshard.gc_pause
-def make_plan(src: str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
+def make_plan(source: Source | str | Path, options: Options, *, inspection: Inspection | None = None) -> Plan:
     """Build the plan, or raise BadInput when the user must choose a policy first.
+
+    ``source``: the checkpoint as its command opened it (`reshard.storage.source.opened`), or a
+    local checkpoint's path. Its inspection is kept on it and on the plan (not in the plan's JSON):
+    the steps after planning read through the same reader (`plan_reader`).
 
     Each step decides one thing; those that make the plan infeasible add to ``reasons``, in
     this order, which is the order the plan lists them.
     """
-    ins = _complete_inspection(src, options, inspection)
+    source = Source.of(source)
+    src = source.root
+    ins = _complete_inspection(source, options, inspection)
     ix = ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
@@ -82,7 +89,7 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
     if sliced is not None:
         slice_verdict(verdict, sliced, reasons)
 
-    plan = Plan(_source_summary(src, ins, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
+    plan = Plan(_source_summary(source, ins, source_topo, cls), target.with_source("given"), options, not reasons, reasons,
                 bdec, sdec, ddec, rdec, acc_out, memory, keys.tensors, keys.actions, verdict, keys.new_values,
                 geo.stage_map, geo.rules.family if geo.rules else None, keys.checks)
     from reshard.planning.linking import link_summary  # `convert --data link`: whether it applies (not fingerprinted)
@@ -92,31 +99,22 @@ def make_plan(src: str | Path, options: Options, *, inspection: Inspection | Non
         plan.slice = sliced.summary
     experts = expert_map(ix, cls, mdict, options.rules, keys.tensors)  # MoE: which rank holds which experts
     plan.experts = experts.to_dict() | {"text": experts.describe()} if experts is not None else None
-    plan.inspection = ins  # one inspection per run: convert and verify take it (`source_index`)
+    plan.inspection = source.inspection = ins  # one inspection per run: convert and verify take it (`plan_reader`)
     return plan
 
 
-def source_index(plan: Plan, src: str | Path, *, trust_pickle: bool | None = None) -> Any:
-    """The opened source this run's plan was made from, when it is what a conversion reads at ``src``
-    (a DCP checkpoint or torch's safetensors-backed DCP, opened with the same ``trust_pickle``), else None.
-
-    Opening a checkpoint parses its whole ``.metadata`` (seconds at a thousand ranks): a run opens
-    its source once, and every later step (preflight, copy, verification) asks here first.
-    """
-    from reshard.storage.hf_dcp import HfDcpIndex
-    from reshard.storage.index import CheckpointIndex
-
-    ins = plan.inspection
-    trust = plan.options.trust_pickle if trust_pickle is None else trust_pickle
-    if ins is None or type(ins.index) not in (CheckpointIndex, HfDcpIndex):
-        return None
-    if getattr(ins.index, "trust_pickle", None) != trust or Path(ins.index.root) != Path(src):
-        return None
-    return ins.index
+def plan_reader(plan: Plan, source: Source) -> Any:
+    """The reader a run reads ``source`` through after planning it: the plan's own (the inspection's,
+    opened once) when ``source`` is what the plan was made from with the same ``trust_pickle``, else
+    ``source``'s, opened now (a store's handed its `RemoteCheckpoint`, `Source.reader`)."""
+    if source.inspection is None and plan.inspection is not None and Path(plan.inspection.index.root) == source.root:
+        source.inspection = plan.inspection
+    return source.reader(trust_pickle=plan.options.trust_pickle)
 
 
-def source_inspection(plan: Plan, src: str | Path, *, trust_pickle: bool) -> Inspection | None:
-    """This run's inspection of the source, when a comparison may take it as its own (`source_index`),
+def source_inspection(plan: Plan, source: Source) -> Inspection | None:
+    """This run's inspection of the source, when a comparison may take it as its own (the source read
+    through the plan's own reader, `plan_reader`),
     else None: described from the checkpoint alone (`Inspection.as_found`), or with only the source
     layout stated (``--from``, a profile's ``from`` or a trainer config's degrees).
 
@@ -125,9 +123,9 @@ def source_inspection(plan: Plan, src: str | Path, *, trust_pickle: bool) -> Ins
     a replica expects a data-loader state per stage). User conventions and ties classify keys
     differently from a fresh inspection of the output, so with them the source is inspected again.
     """
-    if source_index(plan, src, trust_pickle=trust_pickle) is None:
-        return None
     ins = plan.inspection
+    if ins is None or plan_reader(plan, source) is not ins.index:
+        return None
     if ins.as_found or not (plan.options.conventions or plan.options.ties):
         return ins
     return None
@@ -205,19 +203,20 @@ def _check_recorded_conventions(manifest: ManifestView | None, options: Options,
                            hint="Give the convention file the earlier conversion used, or give yours another name.")
 
 
-def _complete_inspection(src: str | Path, options: Options, inspection: Inspection | None) -> Inspection:
+def _complete_inspection(source: Source, options: Options, inspection: Inspection | None) -> Inspection:
     """The source's inspection (given, or made now); a plan of an incomplete checkpoint would lose data.
 
     A given inspection classified the keys with the shipped conventions only: with
     ``--convention`` files the source is inspected again, so that their rules decide.
     """
+    src = source.root
     user = user_conventions(options)
     if user or options.ties:
         inspection = None
-    ins = inspection or inspect_checkpoint(src, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
+    ins = inspection or inspect_checkpoint(source, from_spec=options.from_spec, trust_pickle=options.trust_pickle,
                                            conventions=user, ties=options.ties, from_origin=from_origin(options))
     if isinstance(ins.index, ExportIndex):  # full tensors: `reshard import` lays them out, plan and convert refuse alike
-        raise export_refusal(src, options.to)
+        raise export_refusal(src, options.to, source.url)
     _check_recorded_conventions(ins.manifest, options, src)
     if not ins.complete:
         first = ins.errors[0].message if ins.errors else "incomplete"
@@ -425,9 +424,9 @@ def _rng(cls: Classification, mdict: dict[str, Any], ins: Inspection, source_top
 
 # ---------------------------------------------------------------------------- source
 
-def _source_summary(src: str | Path, ins: Inspection, source_topo: Topology, cls: Classification) -> SourceSummary:
+def _source_summary(source: Source, ins: Inspection, source_topo: Topology, cls: Classification) -> SourceSummary:
     """What the plan read from its source; part of the fingerprint, so its content must not drift."""
-    out: SourceSummary = {"path": remote.source_name(src), "topology": source_topo.to_dict(), "step": ins.step,
+    out: SourceSummary = {"path": source.name, "topology": source_topo.to_dict(), "step": ins.step,
                           "tokens_seen": ins.tokens_seen,
                           "experiment_id": ins.experiment_id, "convention": cls.convention.name,
                           "entries": ins.entries, "bytes": ins.bytes, "manifest": ins.has_manifest}

@@ -21,15 +21,18 @@ import pickle
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DType, unstorable_reason
-from reshard.storage import remote, save_plans
+from reshard.storage import save_plans
 from reshard.storage.plain_items import NotPlain, decode_item, item_pickle
 from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
+
+if TYPE_CHECKING:  # handed in by the caller that opened the checkpoint (`reshard.storage.source.Source`)
+    from reshard.storage.remote import RemoteCheckpoint
 
 METADATA_FILE = ".metadata"
 MIN_METADATA_CAP = 256 << 20
@@ -62,24 +65,24 @@ class RawMetadata:
     local_plans: Any = None
 
 
-def read_raw_metadata(ckpt: Path) -> RawMetadata:
+def read_raw_metadata(ckpt: Path, rc: RemoteCheckpoint | None = None) -> RawMetadata:
     """Read and validate `.metadata` with the safe unpickler; raise Incomplete when the
     checkpoint was never committed.
 
     `.metadata` is opened through `reshard.safefs`: a symlink out of the checkpoint, a
     device or a FIFO is refused by name, and a file larger than `metadata_cap` is refused.
     """
-    path = committed_metadata(ckpt)
+    path = committed_metadata(ckpt, rc)
     where = str(path)
     try:
-        data = safefs.read_bounded(path, limit=metadata_cap(ckpt), root=ckpt, what=".metadata")
+        data = safefs.read_bounded(path, limit=metadata_cap(ckpt, rc), root=ckpt, what=".metadata")
     except FileNotFoundError:  # a dangling symlink
         raise BadInput(".metadata is a symbolic link to a file that does not exist", where=where) from None
     md = load_metadata_pickle(data, where)
     return _decode(md, where)
 
 
-def committed_metadata(ckpt: Path) -> Path:
+def committed_metadata(ckpt: Path, rc: RemoteCheckpoint | None = None) -> Path:
     """The path of ``ckpt``'s `.metadata`, or why there is none: no such directory, not a
     checkpoint (with the nearest one below as a hint), or a checkpoint never committed."""
     path = ckpt / METADATA_FILE
@@ -88,7 +91,7 @@ def committed_metadata(ckpt: Path) -> Path:
     if not ckpt.is_dir():
         raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(ckpt))
     if not os.path.lexists(path):
-        if not _looks_like_dcp(ckpt):
+        if not _looks_like_dcp(ckpt, rc):
             near = nearest_checkpoint(ckpt)
             raise BadInput("not a DCP checkpoint: the directory has no .metadata and no .distcp data files",
                            where=str(ckpt),
@@ -115,13 +118,13 @@ def check_relative_path(rel: str, *, where: str, key: str | None) -> None:
                                 hint="Refusing to read files outside the checkpoint directory.")
 
 
-def _looks_like_dcp(ckpt: Path) -> bool:
+def _looks_like_dcp(ckpt: Path, rc: RemoteCheckpoint | None = None) -> bool:
     """Whether a directory without `.metadata` is a DCP checkpoint whose commit never happened.
 
     Only data files (``*.distcp``) or a half-written ``.metadata.tmp`` say a writer was here;
-    an empty directory, a folder of notes or a run directory is no checkpoint at all.
+    an empty directory, a folder of notes or a run directory is no checkpoint at all. ``rc``: the
+    store ``ckpt`` stands for, when it is a staged directory.
     """
-    rc = remote.remote_of(ckpt)
     if rc is not None:  # a remote checkpoint's data objects are in its listing, not in the directory
         return bool(rc.data_files()) or ".metadata.tmp" in rc.sizes
     try:
@@ -167,16 +170,16 @@ def _natural(name: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
-def metadata_cap(ckpt: Path) -> int:
+def metadata_cap(ckpt: Path, rc: RemoteCheckpoint | None = None) -> int:
     """How large a `.metadata` reshard reads: `MIN_METADATA_CAP`, or the bytes of the data beside it.
 
     Not a constant: a 16,384-rank checkpoint of a 405B model has 22 M storage entries and a
     `.metadata` of about 9 GB, which a constant cap sized for today's files would refuse.
     Every entry names an item of at least a torch.save header in a data file, so a real
     `.metadata` is far smaller than its data (0.15% at 8B x 1,024 ranks); one larger than all
-    the other files of its directory together describes bytes that are not there.
+    the other files of its directory together describes bytes that are not there. ``rc``: the
+    store ``ckpt`` stands for (its data objects are in its listing, not in the directory).
     """
-    rc = remote.remote_of(ckpt)
     if rc is not None:  # a remote checkpoint's data objects, from its one listing
         return max(MIN_METADATA_CAP, rc.data_bytes())
     total = 0
@@ -324,10 +327,10 @@ def _decode(md: Any, where: str) -> RawMetadata:
 
 # ---------------------------------------------------------------------------- item bytes
 
-def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str) -> bytes:
-    """The raw (still transformed) bytes of one item, checked for length (from its object store's
-    byte range when ``ckpt`` stands for a remote checkpoint: `reshard.storage.remote`)."""
-    rc = remote.remote_of(ckpt)
+def read_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str, rc: RemoteCheckpoint | None = None) -> bytes:
+    """The raw (still transformed) bytes of one item, checked for length. ``rc``: the store
+    ``ckpt`` stands for, handed down by whoever opened it (`reshard.storage.source.Source`): the
+    item's byte range is fetched from it, since a staged directory holds no data file."""
     if rc is not None:
         return rc.read_range(loc.file, loc.offset, loc.length, key=key)
     path = ckpt / loc.file
@@ -544,22 +547,23 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
     return obj
 
 
-def checked_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str, limit: int | None = None) -> bytes:
+def checked_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str, limit: int | None = None,
+                       rc: RemoteCheckpoint | None = None) -> bytes:
     """One item's bytes as ``torch.load`` reads them: read from its byte range, its stream
     transforms undone (bounded by ``limit``, `untransform`), every member checked against its
     writer's CRC-32 (`CorruptItem`, exit 2). What every reader of an item starts from."""
     from reshard.storage.fastread import check_item_crcs
 
     where = str(ckpt / loc.file)
-    data = untransform(read_item_bytes(ckpt, loc, key=key), loc.transforms, key=key, where=where, limit=limit)
+    data = untransform(read_item_bytes(ckpt, loc, key=key, rc=rc), loc.transforms, key=key, where=where, limit=limit)
     check_item_crcs(data, key=key, where=where)
     return data
 
 
 def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = False, limit: int | None = None,
-              tensor: bool = False) -> Any:
+              tensor: bool = False, rc: RemoteCheckpoint | None = None) -> Any:
     """Read one item (a tensor chunk, ``tensor=True``, or an object) from its byte range (`torch_load_item`)."""
-    data = checked_item_bytes(ckpt, loc, key=key, limit=limit)
+    data = checked_item_bytes(ckpt, loc, key=key, limit=limit, rc=rc)
     return torch_load_item(data, key=key, where=str(ckpt / loc.file), trust_pickle=trust_pickle, tensor=tensor)
 
 

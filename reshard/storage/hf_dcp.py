@@ -57,7 +57,6 @@ from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
 from reshard.model.geometry import Box, coverage_problems, whole
-from reshard.storage import remote
 from reshard.storage.index import CheckpointIndex
 from reshard.model.dtypes import DType
 from reshard.storage.safetensors_format import (FORGED_HINT, MAX_INT, SAFETENSORS_DTYPES, ST_INDEX, past_int64,
@@ -66,6 +65,8 @@ from reshard.storage.safetensors_format import (FORGED_HINT, MAX_INT, SAFETENSOR
 FORMAT = "hf-safetensors-dcp"
 if TYPE_CHECKING:
     import torch
+
+    from reshard.storage.remote import RemoteCheckpoint
 
 SHARDING_KEY = "DCP_SHARDING_INFO"   # torch's CUSTOM_METADATA_KEY
 VERSION_KEY = "DCP_VERSION"
@@ -140,6 +141,7 @@ class HfDcpIndex(EntryQueries, CheckpointReader):
     def __init__(self, root: str | Path, *, trust_pickle: bool = False):
         self.root = Path(root)
         self.trust_pickle = trust_pickle  # nothing here is pickled; kept for the interface
+        self.remote: RemoteCheckpoint | None = None  # read from local files only; kept for the interface
         self.entries: dict[str, Entry] = {}
         self.findings: list[Finding] = []
         self.file_sizes: dict[str, int] = {}
@@ -384,19 +386,21 @@ def open_hf_dcp(path: str | Path, *, trust_pickle: bool = False) -> HfDcpIndex:
     return HfDcpIndex(Path(path), trust_pickle=trust_pickle)
 
 
-def open_source(path: str | Path, *, trust_pickle: bool = False) -> CheckpointIndex | HfDcpIndex:
+def open_source(path: str | Path, *, trust_pickle: bool = False,
+                remote: RemoteCheckpoint | None = None) -> CheckpointIndex | HfDcpIndex:
     """What `convert` reads: a DCP checkpoint, or torch's safetensors-backed DCP, the same sharded state
-    in other files. Anything else is opened as DCP, whose refusal says what the directory lacks."""
+    in other files. Anything else is opened as DCP, whose refusal says what the directory lacks.
+    ``remote``: the store ``path`` stands for (a staged directory), handed to the DCP reader."""
     if is_hf_dcp(path):
         return open_hf_dcp(path, trust_pickle=trust_pickle)
-    return CheckpointIndex.open(path, trust_pickle=trust_pickle)
+    return CheckpointIndex.open(path, trust_pickle=trust_pickle, remote=remote)
 
 
-def _export_way_out(path: str | Path, to: str) -> str:
+def _export_way_out(path: str | Path, to: str, url: str | None = None) -> str:
     """The commands that take a consolidated export further: import, and for torch's consolidated
-    output the convert of its per-rank shards."""
-    if remote.remote_of(path) is not None:  # import reads local files: name the URL, never the private staged folder
-        return (f"`reshard import DIR DST --to {to}` on a local copy of {remote.display_path(path)} makes a DCP "
+    output the convert of its per-rank shards. ``url``: the store ``path`` stands for."""
+    if url is not None:  # import reads local files: name the URL, never the private staged folder
+        return (f"`reshard import DIR DST --to {to}` on a local copy of {url} makes a DCP "
                 "checkpoint of it (a warm start of the weights)")
     out = f"`reshard import {path} DST --to {to}` makes a DCP checkpoint of it (a warm start of the weights)"
     shards = consolidated_shards(path)
@@ -406,17 +410,17 @@ def _export_way_out(path: str | Path, to: str) -> str:
     return out
 
 
-def export_note(path: str | Path) -> Finding:
+def export_note(path: str | Path, url: str | None = None) -> Finding:
     """What inspect says of a consolidated safetensors export: what it is, and which command takes it."""
     what = ("torch's consolidated safetensors (HuggingFaceStorageWriter with enable_consolidation=True)"
             if consolidated_shards(path) is not None else "a consolidated safetensors export")
     return Finding("info", "consolidated_export",
                    f"{what}: full tensors, not a sharded checkpoint, so plan and convert do not take it; "
-                   + _export_way_out(path, "SPEC"))
+                   + _export_way_out(path, "SPEC", url))
 
 
-def export_refusal(path: str | Path, to: str) -> BadInput:
+def export_refusal(path: str | Path, to: str, url: str | None = None) -> BadInput:
     """What plan and convert raise for a consolidated export (both, so they accept the same sources)."""
     return BadInput("a consolidated safetensors export (full tensors), not a sharded checkpoint: plan and convert "
                     "lay out a DCP checkpoint's shards", where=str(path),
-                    hint=_export_way_out(path, to)[0].upper() + _export_way_out(path, to)[1:] + ".")
+                    hint=_export_way_out(path, to, url)[0].upper() + _export_way_out(path, to, url)[1:] + ".")

@@ -23,13 +23,15 @@ from reshard import safefs
 from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
-from reshard.storage import dcp, remote
+from reshard.storage import dcp
 from reshard.storage.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
 from reshard.storage.fastread import check_item_crcs
 from reshard.storage.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
 
 if TYPE_CHECKING:
     import torch
+
+    from reshard.storage.remote import RemoteCheckpoint
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -39,10 +41,17 @@ def _missing(name: str) -> int:
 
 
 class CheckpointIndex(EntryQueries, CheckpointReader):
-    """The global view of one DCP checkpoint directory (read-only)."""
+    """The global view of one DCP checkpoint directory (read-only).
 
-    def __init__(self, root: Path, cols: MetadataColumns, *, trust_pickle: bool = False):
+    ``remote``: the store prefix ``root`` stands for when ``root`` is a staged directory
+    (`reshard.storage.remote.staged`), handed in by whoever opened it: the data files' sizes come
+    from its one listing and every item's bytes from it by range. None for a local checkpoint.
+    """
+
+    def __init__(self, root: Path, cols: MetadataColumns, *, trust_pickle: bool = False,
+                 remote: RemoteCheckpoint | None = None):
         self.root = root
+        self.remote = remote
         self.version = cols.version
         self.trust_pickle = trust_pickle
         self.decoder = cols.decoder
@@ -52,10 +61,11 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str | Path, *, trust_pickle: bool = False) -> "CheckpointIndex":
+    def open(cls, path: str | Path, *, trust_pickle: bool = False,
+             remote: RemoteCheckpoint | None = None) -> "CheckpointIndex":
         root = Path(path)
         with paused_gc():  # many small objects, no cycles: see reshard.gc_pause
-            return cls(root, read_metadata_columns(root), trust_pickle=trust_pickle)
+            return cls(root, read_metadata_columns(root, remote), trust_pickle=trust_pickle, remote=remote)
 
     def _build(self, cols: MetadataColumns) -> None:
         """Entries from the decoded columns, each tensor's chunks a `ChunkTable` over arrays.
@@ -191,7 +201,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
     def _check_files(self, need: dict[str, int]) -> None:
         """Missing data files and files shorter than the byte ranges the metadata names."""
         self.file_sizes: dict[str, int] = {}
-        rc = remote.remote_of(self.root)  # a remote checkpoint: the sizes of its one listing
+        rc = self.remote  # a remote checkpoint: the sizes of its one listing
         for name in sorted(need):
             p = self.root / name
             try:
@@ -244,7 +254,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
     # ------------------------------------------------------------------ queries
     def data_files(self) -> list[str]:
         """Data files present in the directory (whether or not the metadata names them)."""
-        rc = remote.remote_of(self.root)
+        rc = self.remote
         if rc is not None:
             return rc.data_files()
         return sorted(p.name for p in self.root.iterdir() if p.name.endswith(".distcp"))
@@ -270,7 +280,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         that order: how `read_plain` and `read_tensor` read them) are fetched ahead in parallel when
         the checkpoint is in object storage (`remote.prefetching`): read one by one, each would wait
         a round trip. Nothing happens for a local checkpoint."""
-        rc = remote.remote_of(self.root)
+        rc = self.remote
         if rc is None:
             return contextlib.nullcontext()
 
@@ -290,7 +300,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
             return self.read_tensor(key)
         if e.location is None:
             raise Incomplete(f"object '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
-        return dcp.load_item(self.root, e.location, key=key, trust_pickle=self.trust_pickle)
+        return dcp.load_item(self.root, e.location, key=key, trust_pickle=self.trust_pickle, rc=self.remote)
 
     def read_plain(self, key: str) -> Any:
         """A small item's value (a step counter, a scheduler's count, Adam's ``step``) decoded
@@ -307,7 +317,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
             loc, limit = e.location, None
         if loc is not None:
             where = str(self.root / loc.file)
-            data = dcp.checked_item_bytes(self.root, loc, key=key, limit=limit)
+            data = dcp.checked_item_bytes(self.root, loc, key=key, limit=limit, rc=self.remote)
             try:
                 value = decode_item(data, key=key, where=where)
             except NotPlain:
@@ -326,7 +336,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         e = self.entry(key)
         if e.is_tensor or e.location is None:
             return None
-        data = dcp.checked_item_bytes(self.root, e.location, key=key)
+        data = dcp.checked_item_bytes(self.root, e.location, key=key, rc=self.remote)
         dcp.check_loadable(data, key=key, where=str(self.root / e.location.file), trust_pickle=self.trust_pickle)
         return data
 
@@ -359,7 +369,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
                 continue
             if c.location is None:
                 raise Incomplete(f"a chunk of '{key}' has no storage location", where=str(self.root / dcp.METADATA_FILE))
-            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False,
+            t = dcp.load_item(self.root, c.location, key=key, trust_pickle=False, rc=self.remote,
                               limit=dcp.tensor_item_limit(c.box.numel, e.dtype.itemsize), tensor=True)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.box.sizes:
                 raise BadInput(f"chunk of '{key}' at {list(c.box.offsets)} holds {tuple(getattr(t, 'shape', ()))}, "
@@ -408,7 +418,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
                     continue
                 done = math.prod(sizes) * e.dtype.itemsize if sizes is not None else loc.length
                 try:
-                    raw = dcp.read_item_bytes(self.root, loc, key=e.key)
+                    raw = dcp.read_item_bytes(self.root, loc, key=e.key, rc=self.remote)
                     if integrity is not None:
                         want = recorded.pop(integ.item_name(loc.file, loc.offset), None)
                         if want is None:
@@ -521,7 +531,7 @@ def same_stored_bytes(ix: CheckpointIndex, ea: Entry, eb: Entry) -> bool | None:
 
     if [c.box for c in ea.chunks] != [c.box for c in eb.chunks]:
         return None
-    if remote.remote_of(ix.root) is not None:
+    if getattr(ix, "remote", None) is not None:  # readers of other formats read local files only
         return None  # no data file here to read in place: each box is read by range and decoded instead
     for ca, cb in zip(ea.chunks, eb.chunks):
         if ca.box.is_empty():

@@ -44,11 +44,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from reshard.errors import BadInput, Incomplete
-from reshard.storage import remote
 from reshard.storage.fileio import FdCache
+
+if TYPE_CHECKING:  # handed in with the index that reads it
+    from reshard.storage.remote import RemoteCheckpoint
 
 ALGORITHM = "sha256"  # the default of `record` (kept for callers that name no algorithm)
 ALGORITHMS = ("sha256", "crc32")
@@ -147,12 +149,12 @@ def item_bytes(index: Any) -> int:
     return sum(int(loc.length) for _, loc in _items(index))
 
 
-def hash_item(root: Path, loc: Any, *, key: str, algorithm: str = ALGORITHM) -> str:
+def hash_item(root: Path, loc: Any, *, key: str, algorithm: str = ALGORITHM, rc: RemoteCheckpoint | None = None) -> str:
     """The checksum (``algorithm``, default sha256) of an item's stored bytes (still
-    transformed: what the writer hashed)."""
+    transformed: what the writer hashed); ``rc``: the store ``root`` stands for, which the bytes come from."""
     from reshard.storage import dcp
 
-    return digest(dcp.read_item_bytes(Path(root), loc, key=key), algorithm)
+    return digest(dcp.read_item_bytes(Path(root), loc, key=key, rc=rc), algorithm)
 
 
 def _default_workers() -> int:
@@ -316,12 +318,12 @@ def check_items(index: Any, integrity: dict[str, Any] | None, *, progress: Any =
             todo.append((key, loc, want))
     todo.sort(key=lambda t: (t[1].file, int(t[1].offset)))
     nw = max(1, int(workers or _default_workers()))
-    rc = remote.remote_of(root)
+    rc = getattr(index, "remote", None)  # the store the index reads, handed to it when it was opened
     if rc is not None:  # a checkpoint in object storage: each item's range fetched ahead (bounded), hashed here
         with rc.prefetching(((loc.file, int(loc.offset), int(loc.length)) for _k, loc, _w in todo), in_flight=nw,
                             memory=4 * nw * max(64, int(slab_bytes)), label="checksums"):
             for key, loc, want in todo:
-                got = hash_item(root, loc, key=key, algorithm=algorithm)
+                got = hash_item(root, loc, key=key, algorithm=algorithm, rc=rc)
                 if got != want:
                     issues.append(IntegrityIssue(kind="mismatch", expected=want, actual=got, algorithm=algorithm,
                                                  **_base(key, loc)))

@@ -53,9 +53,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reshard.storage import remote
+if TYPE_CHECKING:  # handed down with the source
+    from reshard.storage.remote import RemoteCheckpoint
 from reshard.storage.atomic import fsync_dir, journal_dir
 
 __all__ = ["KEY_FILE", "SYNC_SECONDS", "Journal", "ResumeKey", "describe", "merge_summaries", "source_identity"]
@@ -68,13 +69,13 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _HEX = frozenset("0123456789abcdef")
 
 
-def source_identity(root: Path) -> dict[str, list[int]]:
+def source_identity(root: Path, rc: RemoteCheckpoint | None = None) -> dict[str, list[int]]:
     """Every regular file under ``root`` -> ``[size, mtime_ns]`` (relative POSIX paths, symlinks by their target).
 
     One ``stat`` per file: a source rewritten in place with the same size within the same
-    nanosecond goes unnoticed, as it does for ``make`` and ``rsync``.
+    nanosecond goes unnoticed, as it does for ``make`` and ``rsync``. ``rc``: the store ``root``
+    stands for (a staged directory), handed down with the source: its objects are the identity.
     """
-    rc = remote.remote_of(root)
     if rc is not None:  # a checkpoint in a store, staged: its objects by the one listing (size, version tag)
         return rc.identity()
     out: dict[str, list[int]] = {}

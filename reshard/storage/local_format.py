@@ -112,6 +112,8 @@ def rank_objects_file(rank: int) -> str:
 if TYPE_CHECKING:
     import torch
 
+    from reshard.storage.remote import RemoteCheckpoint
+
 
 def dtype_name(dt: "DType | torch.dtype") -> str:
     return str(dt).removeprefix("torch.")
@@ -395,11 +397,13 @@ def open_local(path: str | Path, *, trust_pickle: bool = False) -> LocalIndex:
 
 
 def open_any(path: str | Path, *, trust_pickle: bool = False,
-             source_key: Callable[[str, str], str] | None = None) -> CheckpointIndex | LocalIndex:
+             source_key: Callable[[str, str], str] | None = None,
+             remote: RemoteCheckpoint | None = None) -> CheckpointIndex | LocalIndex:
     """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``,
     or an `HfDcpIndex` for torch's safetensors-backed DCP (`reshard.storage.hf_dcp.is_hf_dcp`),
     or an `ExportIndex` for a safetensors export (`reshard.storage.safetensors_format.is_export`),
-    whose keys ``source_key`` names (`ExportIndex`)."""
+    whose keys ``source_key`` names (`ExportIndex`). ``remote``: the store ``path`` stands for (a staged
+    directory), handed to the DCP reader, whose item reads fetch from it."""
     if is_local(path):
         return open_local(path, trust_pickle=trust_pickle)
     from reshard.storage.hf_dcp import export_note, is_hf_dcp, open_hf_dcp
@@ -410,6 +414,6 @@ def open_any(path: str | Path, *, trust_pickle: bool = False,
 
     if is_export(path):
         ex = open_export(path, trust_pickle=trust_pickle, source_key=source_key)
-        ex.findings.append(export_note(path))  # inspect names it, and the command that takes it (import)
+        ex.findings.append(export_note(path, url=remote.url if remote is not None else None))  # inspect names it, and the command that takes it (import)
         return ex  # type: ignore[return-value]
-    return CheckpointIndex.open(path, trust_pickle=trust_pickle)
+    return CheckpointIndex.open(path, trust_pickle=trust_pickle, remote=remote)

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from reshard.model.dtypes import DTYPES, DType, dtype_named, unstorable_reason
 from reshard.paths import formats_root
 from reshard.storage import dcp, save_plans
 from reshard.storage.safe_pickle import pickle_budget
+
+if TYPE_CHECKING:
+    from reshard.storage.remote import RemoteCheckpoint
 
 try:  # built by setup.py where a C compiler exists; the safe unpickler reads every file without it
     from reshard.storage import metadecode as native
@@ -107,22 +110,23 @@ class MetadataColumns:
         return out
 
 
-def read_metadata_columns(ckpt: Path) -> MetadataColumns:
+def read_metadata_columns(ckpt: Path, rc: RemoteCheckpoint | None = None) -> MetadataColumns:
     """`.metadata` of ``ckpt`` as columns: the native decoder when it is built and the pickle is
-    in its vocabulary, else the safe unpickler. The same refusals as `dcp.read_raw_metadata`."""
-    path = dcp.committed_metadata(ckpt)
+    in its vocabulary, else the safe unpickler. The same refusals as `dcp.read_raw_metadata`. ``rc``: the
+    store ``ckpt`` stands for (a staged directory), whose listing bounds `.metadata`."""
+    path = dcp.committed_metadata(ckpt, rc)
     where = str(path)
     if native is not None:
         fd = safefs.open_read(path, root=ckpt)
         try:
             size = os.fstat(fd).st_size
-            safefs.check_size(size, dcp.metadata_cap(ckpt), path, what=".metadata")
+            safefs.check_size(size, dcp.metadata_cap(ckpt, rc), path, what=".metadata")
             out = native.decode(fd, size, _native_roles(), frozenset(DTYPES), pickle_budget(size))
         finally:
             os.close(fd)
         if out is not None:
             return _checked(_from_native(out, where), where)
-    return from_raw(dcp.read_raw_metadata(ckpt), where)
+    return from_raw(dcp.read_raw_metadata(ckpt, rc), where)
 
 
 @lru_cache(maxsize=1)

@@ -6,10 +6,11 @@ download of terabytes first is the cost this module removes (issue 34).
 
 How it meets the rest of reshard (the seam): every reader above works on a checkpoint
 *directory*. `staged` makes a private local directory holding `.metadata` and the sidecars
-(each fetched by byte range, bounded) and no data file, and records it with its
-`RemoteCheckpoint` in this module's registry. The storage layer's few places that touch data
-files ask `remote_of(root)` first: `dcp.read_item_bytes` fetches an item's range from the
-store (then every reader checks it against its writer's CRC as on disk),
+(each fetched by byte range, bounded) and no data file, and yields it with its
+`RemoteCheckpoint`; `reshard.storage.source.opened` keeps both in a `Source`, which hands the
+`RemoteCheckpoint` to every reader it opens. The storage layer's few places that touch data
+files are handed it (``rc``, ``CheckpointIndex.remote``): `dcp.read_item_bytes` fetches an
+item's range from the store (then every reader checks it against its writer's CRC as on disk),
 `dcp.metadata_cap` and `CheckpointIndex` take the data files' sizes from the one listing.
 A data file is never created in the staged directory, so a reader that bypasses the seam
 fails loudly (file missing) instead of reading something else. The local path pays one
@@ -51,8 +52,8 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage import urls
 
-__all__ = ["is_url", "StoreLimits", "open_store", "store_error", "check_unchanged", "RemoteCheckpoint", "Counters", "staged", "remote_of", "display_path", "source_name", "open_remote",
-           "output_name", "register_output", "unregister_output", "store_reads", "version_tag", "ReadCache", "Prefetch",
+__all__ = ["is_url", "StoreLimits", "open_store", "store_error", "RemoteCheckpoint", "Counters", "staged", "open_remote",
+           "output_name", "register_output", "unregister_output", "version_tag", "ReadCache", "Prefetch",
            "check_key_tail", "no_fsspec", "METADATA_FILE", "DATA_SUFFIX"]
 
 METADATA_FILE = ".metadata"
@@ -359,6 +360,27 @@ class RemoteCheckpoint:
                                     "no local directory can hold", where=self.where(both[0]),
                                     hint="Rename one of them, or give a prefix that holds only the checkpoint.")
         return out
+
+    def reads(self) -> dict[str, Any]:
+        """What reading this checkpoint has cost so far: requests, bytes requested, listings, against
+        the bytes its objects hold. Reports carry it so a user (and the benchmark) sees that an
+        inspect fetched megabytes of a terabyte prefix."""
+        return {"requests": self.counters.requests, "bytes_requested": self.counters.bytes,
+                "listings": self.counters.listings, "bytes_stored": sum(self.sizes.values()),
+                "objects_stored": len(self.sizes), "versions_pinned": self.pinned is not None,
+                "limits": self.limits.to_dict(), **({"folder_markers": list(self.markers)} if self.markers else {}),
+                **({"bytes_read_again_from_the_local_copy": self.kept.served} if self.kept is not None else {})}
+
+    def check_unchanged(self) -> None:
+        """Before an output read from this checkpoint is committed: the prefix listed again, and every
+        object of the first listing there with its size and version tag, else exit 2 naming what
+        changed (nothing committed)."""
+        gone = self.changed()
+        if gone:
+            raise BadInput(f"{len(gone)} object{'s' if len(gone) != 1 else ''} of the source changed since it was listed: "
+                           + ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else ""), where=self.where(gone[0]),
+                           hint="Nothing is committed: what was read may be of another version. Run the command again "
+                                "once the writer has finished, or copy the checkpoint to a prefix no one writes.")
 
     def changed(self) -> list[str]:
         """The objects of the first listing that a new listing shows replaced (another size or
@@ -669,68 +691,14 @@ def open_remote(url: str) -> RemoteCheckpoint:
     return RemoteCheckpoint(str(parsed), fs, base, limits=limits, pin=parsed.family == "s3")
 
 
-def check_unchanged(root: str | os.PathLike) -> None:
-    """Before an output read from the checkpoint staged at ``root`` is committed: the prefix listed
-    again, and every object of the first listing there with its size and version tag, else exit 2
-    naming what changed (nothing committed). A no-op for a local checkpoint."""
-    rc = remote_of(root)
-    if rc is None:
-        return
-    gone = rc.changed()
-    if gone:
-        raise BadInput(f"{len(gone)} object{'s' if len(gone) != 1 else ''} of the source changed since it was listed: "
-                       + ", ".join(gone[:5]) + (" ..." if len(gone) > 5 else ""), where=rc.where(gone[0]),
-                       hint="Nothing is committed: what was read may be of another version. Run the command again "
-                            "once the writer has finished, or copy the checkpoint to a prefix no one writes.")
-
-
-#: staged directory (its real path) -> the remote checkpoint it stands for
-_STAGED: dict[str, RemoteCheckpoint] = {}
-
-
-def remote_of(root: str | os.PathLike) -> RemoteCheckpoint | None:
-    """The remote checkpoint a staged directory stands for (None for every local checkpoint: one
-    test of an empty dict while nothing is staged)."""
-    if not _STAGED:
-        return None
-    return _STAGED.get(str(root)) or _STAGED.get(os.path.realpath(os.fspath(root)))
-
-
-def display_path(root: str | os.PathLike) -> str:
-    """What a report names as the checkpoint: the URL of a staged directory, else the path."""
-    rc = remote_of(root)
-    if rc is not None:
-        return rc.url
-    return output_name(root) or str(root)
-
-
-def source_name(root: str | os.PathLike) -> str:
-    """What an output records as its source: the URL of a staged directory, else the resolved path."""
-    rc = remote_of(root)
-    return rc.url if rc is not None else str(Path(root).resolve())
-
-
-def store_reads(root: str | os.PathLike) -> dict[str, Any] | None:
-    """What reading the checkpoint staged at ``root`` has cost so far: requests, bytes requested,
-    listings, against the bytes its objects hold (None for a local checkpoint). Reports carry it
-    so a user (and the benchmark) sees that an inspect fetched megabytes of a terabyte prefix."""
-    rc = remote_of(root)
-    if rc is None:
-        return None
-    return {"requests": rc.counters.requests, "bytes_requested": rc.counters.bytes, "listings": rc.counters.listings,
-            "bytes_stored": sum(rc.sizes.values()), "objects_stored": len(rc.sizes),
-            "versions_pinned": rc.pinned is not None, "limits": rc.limits.to_dict(),
-            **({"folder_markers": list(rc.markers)} if rc.markers else {}),
-            **({"bytes_read_again_from_the_local_copy": rc.kept.served} if rc.kept is not None else {})}
-
-
 @contextmanager
 def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP,
-           fetch: Callable[[str], bool] | None = None) -> Iterator[Path]:
-    """A private local directory standing for the checkpoint at ``url`` while the block runs:
-    `.metadata` and the sidecars fetched by byte range (at most `FETCHERS` at once), no data
-    file (their bytes are read through `remote_of`). The directory is removed afterwards,
-    whatever happens.
+           fetch: Callable[[str], bool] | None = None) -> Iterator[tuple[Path, RemoteCheckpoint]]:
+    """A private local directory standing for the checkpoint at ``url`` while the block runs, with
+    the `RemoteCheckpoint` its data is read through: `.metadata` and the sidecars fetched by byte
+    range (at most `FETCHERS` at once), no data file (their bytes are read through the
+    `RemoteCheckpoint`, which `reshard.storage.source.Source` hands to its readers). The directory
+    is removed afterwards, whatever happens.
 
     ``fetch(name)``: whether a sidecar is fetched now (a reader may open it by name: its format
     is known, or it is reshard's own); the others are `RemoteCheckpoint.deferred`, listed from
@@ -765,15 +733,12 @@ def staged(url: str, *, sidecars_cap: int = SIDECARS_CAP,
             with ThreadPoolExecutor(max_workers=FETCHERS, thread_name_prefix="reshard-sidecar") as pool:
                 for done in [pool.submit(rc.fetch_to, t, root / t, limit=sidecars_cap) for t in sorted(now)]:
                     done.result()
-        _STAGED[str(root)] = _STAGED[os.path.realpath(root)] = rc
         try:
-            yield root
+            yield root, rc
         except ReshardError as exc:  # an error names the URL, never the private directory
             _name_the_url(exc, root, rc.url)
             raise
     finally:
-        for k in [k for k, v in _STAGED.items() if v is rc]:
-            del _STAGED[k]
         if rc.kept is not None:
             rc.kept.close()
         shutil.rmtree(tmp, ignore_errors=True)

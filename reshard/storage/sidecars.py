@@ -36,13 +36,14 @@ import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from reshard import safefs
 from reshard.errors import BadInput
 from reshard.model.dtypes import is_torch_tensor
 from reshard.paths import formats_root
-from reshard.storage import remote
+if TYPE_CHECKING:  # handed down with the source
+    from reshard.storage.remote import RemoteCheckpoint
 
 FORMATS = ("torch-weights-only", "json", "opaque")
 POLICIES = ("carry", "rewrite")
@@ -149,8 +150,9 @@ def claimed_names(ix: Any) -> set[str]:
     return {METADATA_FILE, *getattr(ix, "file_sizes", {}), *ix.data_files()}
 
 
-def find_sidecars(root: str | os.PathLike, claimed: Iterable[str]) -> list[Sidecar]:
-    """Every sidecar under ``root``, sorted by name; special files and symlinks out are `UnsafeFile` (exit 2)."""
+def find_sidecars(root: str | os.PathLike, claimed: Iterable[str], rc: RemoteCheckpoint | None = None) -> list[Sidecar]:
+    """Every sidecar under ``root``, sorted by name; special files and symlinks out are `UnsafeFile` (exit 2).
+    ``rc``: the store ``root`` stands for (a staged directory), whose sidecars not fetched are listed too."""
     real_root = safefs.resolve_root(root)
     claimed = set(claimed)
     claimed_real = {os.path.realpath(real_root / n) for n in claimed}
@@ -163,7 +165,6 @@ def find_sidecars(root: str | os.PathLike, claimed: Iterable[str]) -> list[Sidec
         finally:
             os.close(fd)
         out.append(_described(rel, size, digest))
-    rc = remote.remote_of(real_root)
     if rc is not None:  # a checkpoint in a store: the sidecars not fetched, by their listed size and version
         for rel, size in rc.deferred.items():
             if rel not in claimed:
@@ -285,7 +286,7 @@ def inspect_section(ix: Any) -> list[dict[str, Any]]:
     if not isinstance(ix, (CheckpointIndex, LocalIndex, HfDcpIndex)):
         return []
     out = []
-    for car in find_sidecars(ix.root, claimed_names(ix)):
+    for car in find_sidecars(ix.root, claimed_names(ix), getattr(ix, "remote", None)):
         out.append({**car.to_dict(), **read_content(ix.root, car)})
     return out
 
@@ -297,16 +298,17 @@ def plan_entries(section: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 
 def carry_sidecars(src: str | os.PathLike, out: str | os.PathLike, claimed: Iterable[str],
-                   planned: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                   planned: list[dict[str, Any]] | None = None, rc: RemoteCheckpoint | None = None) -> list[dict[str, Any]]:
     """Copy every sidecar of ``src`` byte-identical into ``out`` (a conversion's temporary directory).
 
     ``planned`` (the plan's `plan_entries`): the source must still hold exactly those files with
     those bytes, else `BadInput` (the source changed since the plan; nothing is committed).
     A name that the output already holds (the converter wrote it) is refused, never overwritten.
-    Returns the report's entries: name, size, format, policy, sha256, ``"carried": True``.
+    Returns the report's entries: name, size, format, policy, sha256, ``"carried": True``. ``rc``: the
+    store ``src`` stands for (a staged directory), from which the sidecars not staged are fetched now.
     """
     real_src = safefs.resolve_root(src)
-    found = find_sidecars(real_src, claimed)
+    found = find_sidecars(real_src, claimed, rc)
     if planned is not None:
         now = {(c.name, c.size, c.sha256) for c in found}
         then = {(p["name"], p["size"], p["sha256"]) for p in planned}
@@ -323,7 +325,6 @@ def carry_sidecars(src: str | os.PathLike, out: str | os.PathLike, claimed: Iter
         dst = out_root / car.name
         dst.parent.mkdir(parents=True, exist_ok=True)
         if car.sha256.startswith(STORE_TAG):  # fetched now, at the version listed (reads are pinned to it)
-            rc = remote.remote_of(real_src)
             if dst.exists():
                 raise BadInput(f"the source's sidecar '{car.name}' has the name of a file the conversion writes",
                                where=rc.where(car.name) if rc else str(real_src), hint="Rename or move the sidecar.")

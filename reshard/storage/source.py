@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from reshard.storage import remote
+from reshard.storage.sidecars import fetched_to_describe
 
 if TYPE_CHECKING:  # the readers import this module's layer-mates; typed here only
     from reshard.model.inspection import Inspection
@@ -53,12 +54,21 @@ class Source:
     remote: RemoteCheckpoint | None = None
     trust_pickle: bool = False
     inspection: Inspection | None = None
-    _readers: dict[bool, CheckpointIndex | HfDcpIndex] = field(default_factory=dict, repr=False)
+    #: its readers by trust setting, opened on first use: this Source's own (two Sources share nothing)
+    _readers: dict[bool, CheckpointIndex | HfDcpIndex] = field(default_factory=dict, init=False, repr=False,
+                                                                compare=False)
 
     @classmethod
     def local(cls, path: str | os.PathLike, *, trust_pickle: bool = False) -> Source:
         """A checkpoint directory on this machine."""
         return cls(Path(path), trust_pickle=trust_pickle)
+
+    @classmethod
+    def of(cls, given: Source | str | os.PathLike, *, trust_pickle: bool = False) -> Source:
+        """``given`` itself when it is a `Source`, else the checkpoint directory it names on this
+        machine: what library callers and tests hand the planner. A store is opened by `opened`
+        only, so a path never stands for a store here."""
+        return given if isinstance(given, Source) else cls.local(given, trust_pickle=trust_pickle)
 
     @property
     def is_remote(self) -> bool:
@@ -71,6 +81,10 @@ class Source:
             return self.url
         return remote.output_name(self.root) or str(self.root)
 
+    def __str__(self) -> str:
+        """A Source in a message reads as what a report names it (`display`)."""
+        return self.display
+
     @property
     def name(self) -> str:
         """What an output records as its source: the URL, else the resolved path."""
@@ -78,40 +92,40 @@ class Source:
 
     def store_reads(self) -> dict | None:
         """What reading it from the store has cost so far (None for a local checkpoint)."""
-        return remote.store_reads(self.root) if self.remote is not None else None
+        return self.remote.reads() if self.remote is not None else None
 
     def check_unchanged(self) -> None:
         """Before an output read from it is committed: a store prefix listed again (exit 2 naming
         an object that changed); nothing to do for a local checkpoint."""
         if self.remote is not None:
-            remote.check_unchanged(self.root)
+            self.remote.check_unchanged()
 
     def reader(self, *, trust_pickle: bool | None = None) -> CheckpointIndex | HfDcpIndex:
         """Its reader (DCP, or torch's safetensors-backed DCP), opened on first use and kept: every
         later step reads the same parsed ``.metadata``. The inspection's reader is taken when the
-        trust setting is the same."""
+        trust setting is the same. A store's reader is handed its `RemoteCheckpoint`."""
         trust = self.trust_pickle if trust_pickle is None else trust_pickle
         if trust not in self._readers:
-            ins = self.inspection
-            index = getattr(ins, "index", None) if ins is not None else None
-            if index is not None and getattr(index, "trust_pickle", None) == trust \
-                    and Path(index.root) == self.root:
+            from reshard.storage.hf_dcp import HfDcpIndex, open_source
+            from reshard.storage.index import CheckpointIndex
+
+            index = self.inspection.index if self.inspection is not None else None
+            if type(index) in (CheckpointIndex, HfDcpIndex) and index.trust_pickle == trust \
+                    and Path(index.root) == self.root:  # what describing it opened (not an export's reader)
                 self._readers[trust] = index
             else:
-                from reshard.storage.hf_dcp import open_source
-
-                self._readers[trust] = open_source(self.root, trust_pickle=trust)
+                self._readers[trust] = open_source(self.root, trust_pickle=trust, remote=self.remote)
         return self._readers[trust]
 
 
 @contextmanager
 def opened(text: str | os.PathLike, *, trust_pickle: bool = False,
-           fetch: Callable[[str], bool] | None = None) -> Iterator[Source]:
+           fetch: Callable[[str], bool] | None = fetched_to_describe) -> Iterator[Source]:
     """The `Source` a command argument names, for as long as the block runs. For a URL the staged
     directory is removed afterwards, whatever happens. ``fetch``: which sidecars a store source
-    fetches at once (`remote.staged`)."""
+    fetches at once (`remote.staged`; by default those a reader may open by name, None for all)."""
     if is_url(text):
-        with remote.staged(str(text), fetch=fetch) as root:
-            yield Source(root, url=remote.display_path(root), remote=remote.remote_of(root), trust_pickle=trust_pickle)
+        with remote.staged(str(text), fetch=fetch) as (root, rc):
+            yield Source(root, url=rc.url, remote=rc, trust_pickle=trust_pickle)
     else:
         yield Source.local(text, trust_pickle=trust_pickle)

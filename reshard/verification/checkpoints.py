@@ -126,7 +126,7 @@ from reshard.errors import BadInput
 from reshard.model.checkpoint import Entry
 from reshard.storage.index import CheckpointIndex
 from reshard.model.inspection import Inspection
-from reshard.storage import remote
+from reshard.storage.source import Source
 from reshard.storage.integrity import check_algorithm
 from reshard.render.progress import phase_of
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
@@ -354,7 +354,7 @@ def _per_rank(insp: Inspection) -> dict[str, dict[int, set[str]]]:
     return out
 
 
-def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0,
+def verify_checkpoints(a: Source | Path, b: Source | Path, *, rtol: float = 0.0, atol: float = 0.0,
                        expected_rewrites: dict[str, str] | None = None, trust_pickle: bool = False,
                        progress: Any = None, check_integrity: bool | str = True, fast: bool = True,
                        workers: int | None = None, b_files: set[str] | None = None,
@@ -362,6 +362,9 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
                        recompute: bool = False, strict: bool = False,
                        evidence: Evidence | None = None, a_inspection: Inspection | None = None) -> dict[str, Any]:
     """Compare two DCP checkpoints in global terms; see the module docstring for the result.
+
+    ``a``, ``b``: each as its command opened it (`reshard.storage.source.opened`: a store's reader
+    is handed its `RemoteCheckpoint`), or a local checkpoint's path.
 
     ``a_inspection``: this run's inspection of ``a`` (a conversion's source, made when it was
     planned), taken instead of inspecting ``a`` again.
@@ -392,15 +395,17 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
     ``direct``: the byte comparison reads large pieces with direct I/O, bypassing the page
     cache (`reshard.storage.fileio`); False reads through it.
     """
-    a, b = Path(a), Path(b)
+    source_a, source_b = Source.of(a), Source.of(b)
+    a, b = source_a.root, source_b.root
     _check_tolerances(rtol, atol)
     from reshard.verification.exports import compare_hf_export, hf_export_sides
 
     hf_sides = hf_export_sides(a, b)  # a checkpoint and its Hugging Face export: through the declared transforms
     if hf_sides is not None:
-        return compare_hf_export(*hf_sides, a=a, b=b, rtol=rtol, atol=atol)
+        src = source_a if hf_sides[0] == a else source_b  # the checkpoint side, as its command opened it
+        return compare_hf_export(src, hf_sides[1], a=a, b=b, rtol=rtol, atol=atol)
     rewrites = dict(expected_rewrites or {})
-    sa, sb = open_checkpoint(a, trust_pickle, a_inspection), open_checkpoint(b, trust_pickle)
+    sa, sb = open_checkpoint(source_a, trust_pickle, a_inspection), open_checkpoint(source_b, trust_pickle)
     sides = _integrity_sides(check_integrity)
     records = _checksum_records(sides, (a, sa), (b, sb))
     with phase_of(progress, "comparing", progress_bytes(sa.index)) as bar:
@@ -418,11 +423,11 @@ def verify_checkpoints(a: Path, b: Path, *, rtol: float = 0.0, atol: float = 0.0
         found += _key_differences(_KeyComparison(sa.index, sb.index, ranks, rtol, atol, verdicts, b_files, bar,
                                                  stats, notes))
     if recompute and found and evidence is None:
-        evidence, why_not = recomputed_evidence(a, b, sa, sb, trust_pickle=trust_pickle, strict=strict,
+        evidence, why_not = recomputed_evidence(source_a, source_b, sa, sb, trust_pickle=trust_pickle, strict=strict,
                                                 verify=verify_checkpoints)
         notes.extend(why_not)
     differences, rewritten = _sort_excused(found, rewrites, evidence, sa.index, sb.index)
-    return _result(a, b, stats, differences, rewritten, notes, evidence, rtol, atol)
+    return _result(source_a, source_b, stats, differences, rewritten, notes, evidence, rtol, atol)
 
 
 def progress_bytes(index: Any) -> int:
@@ -658,15 +663,15 @@ def _sort_excused(found: list[dict[str, Any]], rewrites: dict[str, str], evidenc
     return differences, rewritten
 
 
-def _result(a: Path, b: Path, stats: dict[str, int], differences: list[dict[str, Any]],
+def _result(a: Source, b: Source, stats: dict[str, int], differences: list[dict[str, Any]],
             rewritten: list[dict[str, Any]], notes: list[str], evidence: Evidence | None,
             rtol: float, atol: float) -> dict[str, Any]:
     """The result dict (the ``--json`` shape of the module docstring)."""
     equal = not differences
     return {
         "equal": equal,
-        "a": remote.display_path(a),  # a remote checkpoint by its URL (reshard.storage.remote)
-        "b": remote.display_path(b),
+        "a": a.display,  # a remote checkpoint by its URL (reshard.storage.source)
+        "b": b.display,
         "compared": stats,
         "differences": differences,
         "rewritten": rewritten,

@@ -25,20 +25,21 @@ from reshard.semantics import rules as rules_mod
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.model.inspection import Inspection
 from reshard.planning.describe import inspect_checkpoint
-from reshard.planning.plan import source_index
-from reshard.storage import remote
+from reshard.planning.plan import plan_reader
+from reshard.storage.source import Source
 from reshard.model.plan import Options, Plan
 from reshard.verification.objects import identical, short_repr
 from reshard.model.kinds import Action, ExportAction
 
 
 # ---------------------------------------------------------------------------------- opening
-def open_checkpoint(path: Path, trust_pickle: bool, known: Inspection | None = None) -> Inspection:
+def open_checkpoint(source: Source | Path, trust_pickle: bool, known: Inspection | None = None) -> Inspection:
     """A checkpoint opened for a comparison: its inspection, or the error that says why it cannot be compared.
 
-    ``known``: this run's inspection of the same checkpoint (`reshard.planning.plan.source_inspection`),
-    taken instead of reading it again."""
-    insp = known if known is not None else inspect_checkpoint(path, trust_pickle=trust_pickle)
+    ``known``: this run's inspection of the same checkpoint (the plan's), taken instead of reading it again."""
+    source = Source.of(source)
+    path = source.root
+    insp = known if known is not None else inspect_checkpoint(source, trust_pickle=trust_pickle)
     errors = insp.errors
     if errors:
         first = errors[0]
@@ -99,7 +100,7 @@ class Evidence:
         return None
 
 
-def plan_evidence(plan: Plan, *, source: str, what: str, src: Path, out: Path, src_index: Any,
+def plan_evidence(plan: Plan, *, source: str, what: str, src: Source | Path, out: Path, src_index: Any,
                   out_index: Any, transforms: bool = True) -> Evidence:
     """The differences ``plan`` produces between ``src`` and its output ``out``.
 
@@ -188,9 +189,9 @@ class _Hop:
     """One conversion of a chain: ``plan`` recomputed from ``src``, whose output is ``out``."""
 
     plan: Plan
-    src: Path
+    src: Source
     src_insp: Inspection
-    out: Path
+    out: Source
     out_insp: Inspection
     where: str  # the lineage entry that recorded it
 
@@ -198,7 +199,7 @@ class _Hop:
 MAX_HOPS = 8
 
 
-def _recompute_hop(src: Path, si: Inspection, entry: Any, where: str, trust_pickle: bool) -> tuple[Plan | None, str]:
+def _recompute_hop(src: Source, si: Inspection, entry: Any, where: str, trust_pickle: bool) -> tuple[Plan | None, str]:
     """The plan a lineage ``entry`` records, recomputed from ``src``, if ``src`` is its source; else (None, why not)."""
     from reshard.planning.plan import make_plan
 
@@ -224,7 +225,7 @@ def _recompute_hop(src: Path, si: Inspection, entry: Any, where: str, trust_pick
     return plan, ""
 
 
-def _chain(src: Path, out: Path, si: Inspection, so: Inspection, trust_pickle: bool) -> tuple[list[_Hop], str | None]:
+def _chain(src: Source, out: Source, si: Inspection, so: Inspection, trust_pickle: bool) -> tuple[list[_Hop], str | None]:
     """The conversions from ``src`` to ``out``, oldest first, each recomputed; ([], why not) otherwise.
 
     Walks back from ``out``: the last lineage entry of each checkpoint must be a transition
@@ -232,22 +233,22 @@ def _chain(src: Path, out: Path, si: Inspection, so: Inspection, trust_pickle: b
     ``source_path`` names, only a place to look), has the recorded source fingerprint.
     """
     hops: list[_Hop] = []
-    cur, ci = Path(out), so
-    visited = {Path(out).resolve()}
+    cur, ci = out, so
+    visited = {out.root.resolve()}
     while len(hops) < MAX_HOPS:
         lineage = list(ci.manifest.lineage) if ci.manifest is not None else []
         if not lineage or lineage[-1].event != "transition":
             return [], None if not hops else f"{cur} (between {src} and {out}) was not made by a conversion"
         entry = lineage[-1]
-        where = f"{cur / 'manifest.json'} (lineage entry {len(lineage)})"
-        plan, why = _recompute_hop(Path(src), si, entry, where, trust_pickle)
+        where = f"{cur.root / 'manifest.json'} (lineage entry {len(lineage)})"
+        plan, why = _recompute_hop(src, si, entry, where, trust_pickle)
         if plan is not None:
-            hops.append(_Hop(plan, Path(src), si, cur, ci, where))
+            hops.append(_Hop(plan, src, si, cur, ci, where))
             return hops[::-1], None
         named = entry.policies.get("source_path")
         if not isinstance(named, str) or not named or Path(named).resolve() in visited:
             return [], why
-        prev = Path(named)
+        prev = Source.local(named)  # a place to look on this machine
         try:
             pi = open_checkpoint(prev, trust_pickle)
         except ReshardError as exc:
@@ -256,7 +257,7 @@ def _chain(src: Path, out: Path, si: Inspection, so: Inspection, trust_pickle: b
         if plan is None:
             return [], f"{why}; {why2}"
         hops.append(_Hop(plan, prev, pi, cur, ci, where))
-        visited.add(prev.resolve())
+        visited.add(prev.root.resolve())
         cur, ci = prev, pi
     return [], f"{out} is more than {MAX_HOPS} conversions away from {src}"
 
@@ -280,7 +281,7 @@ def _compose(hops: list[_Hop], source: str, what: str) -> Evidence:
     return ev
 
 
-def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, trust_pickle: bool = False,
+def conversion_evidence(a: Source, b: Source, sa: Inspection, sb: Inspection, *, trust_pickle: bool = False,
                         verify: Callable[..., dict[str, Any]]) -> tuple[Evidence | None, list[str]]:
     """Re-derive the changes the conversions between A and B made, from the source side itself.
 
@@ -334,7 +335,7 @@ def conversion_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, tru
     return None, notes
 
 
-def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[Evidence | None, list[str]]:
+def export_evidence(a: Source, b: Source, sa: Inspection, sb: Inspection) -> tuple[Evidence | None, list[str]]:
     """What an export of one side leaves out, re-derived from that side (never from ``export-report.json``).
 
     When exactly one side is a safetensors export, the keys its export of the other side
@@ -352,7 +353,7 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
         return None, []
     source, src, si, so = ("a", a, sa, sb) if kinds[1] else ("b", b, sb, sa)
     counters = "an export carries no trainer counters"
-    named = remote.display_path(src)  # a checkpoint in object storage by its URL, never its private staged folder
+    named = src.display  # a checkpoint in object storage by its URL, never its private staged folder
     ev = Evidence(source, f"what an export of {named} leaves out, recomputed from {named}",
                   semantics={"step": (counters, None), "tokens_seen": (counters, None)})
     meta = so.index.metadata
@@ -372,7 +373,7 @@ def export_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection) -> tuple[E
     return ev, []
 
 
-def recomputed_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, trust_pickle: bool,
+def recomputed_evidence(a: Source, b: Source, sa: Inspection, sb: Inspection, *, trust_pickle: bool,
                         strict: bool, verify: Callable[..., dict[str, Any]]) -> tuple[Evidence | None, list[str]]:
     """The changes re-derived from the source side: an export's (``strict`` or not: an export
     cannot hold what it leaves out), else a conversion's unless ``strict``; with notes on
@@ -383,7 +384,7 @@ def recomputed_evidence(a: Path, b: Path, sa: Inspection, sb: Inspection, *, tru
     return evidence, why_not
 
 
-def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None = None) -> list[str]:
+def check_transforms(src: Source | Path, out: Source | Path, plan: Plan, b_files: set[str] | None = None) -> list[str]:
     """Prove each TP-dependent rewrite: same canonical (TP = 1) tensor on both sides.
 
     ``b_files``: only tensors with a chunk in these files of ``out`` (a distributed worker's part).
@@ -393,12 +394,12 @@ def check_transforms(src: Path, out: Path, plan: Plan, b_files: set[str] | None 
     import torch
 
     from reshard.semantics import transforms
-    from reshard.storage.hf_dcp import open_source
     from reshard.storage.local_format import open_any
     from reshard.semantics.conventions import reshard_key
 
-    a = source_index(plan, src) or open_source(src, trust_pickle=plan.options.trust_pickle)  # the run's own, when it has one
-    b = open_any(out, source_key=reshard_key)  # a DCP source, or torch's safetensors DCP
+    src, out = Source.of(src), Source.of(out)
+    a = plan_reader(plan, src)  # the run's own, when it has one
+    b = open_any(out.root, source_key=reshard_key, remote=out.remote)  # a DCP source, or torch's safetensors DCP
     problems = []
     def mine(key: str) -> bool:
         return b_files is None or any(c.location is not None and c.location.file in b_files

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput, Incomplete, Infeasible
+from reshard.storage.source import Source
 from reshard.planning.export import (DTYPES, HF_CONFIG, ExportItem, dtype_arg, hf_plan, plan_export, source_report,
                                      tied_groups)
 
@@ -40,7 +41,8 @@ def hf_export_sides(a: Path, b: Path) -> tuple[Path, Path] | None:
     return (Path(b), Path(a)) if ha else (Path(a), Path(b))
 
 
-def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0.0, atol: float = 0.0) -> dict[str, Any]:
+def compare_hf_export(src: Source | Path, exp: Path, *, a: Path | str, b: Path | str, rtol: float = 0.0,
+                      atol: float = 0.0) -> dict[str, Any]:
     """`reshard verify SRC HF_EXPORT`: the export re-derived from SRC through the same declared transforms.
 
     Nothing the export says about itself is evidence of what it should hold: the names, the
@@ -64,7 +66,9 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
 
     diffs: list[dict[str, Any]] = []
     notes: list[str] = []
-    ix = open_any(src, source_key=reshard_key)
+    source = Source.of(src)  # a store's reader handed its own `RemoteCheckpoint`
+    src = source.root
+    ix = open_any(src, source_key=reshard_key, remote=source.remote)
     errors = [f for f in ix.findings if f.severity == "error"]
     if errors:
         raise Incomplete(f"the checkpoint is incomplete: {errors[0].message}", where=str(src))
@@ -86,7 +90,7 @@ def compare_hf_export(src: Path, exp: Path, *, a: Path, b: Path, rtol: float = 0
     recorded = ex.source_essentials().get("dtype")
     dtype = dtype_arg(recorded) if isinstance(recorded, str) and recorded.lower() in DTYPES else None
     given = ex.source_essentials().get("ties_given")  # an option of the export (the profile's tie), checked again here
-    plan = plan_export(ix, cls, mdict, only="model", dtype=dtype, rules=None, found=tied_groups(source_report(src)),
+    plan = plan_export(ix, cls, mdict, only="model", dtype=dtype, rules=None, found=tied_groups(source_report(source)),
                        given=given if isinstance(given, list) else [], given_where="the export's recorded ties_given")
     hf = hf_plan(src, ix, cls, mdict, plan, asked, dtype)
     for k in sorted(set(hf.config) | set(cfg)):
