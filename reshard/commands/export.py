@@ -45,8 +45,8 @@ def export(src: Source | Path, dst: Path | str, *, fmt: str, dtype: str | None, 
         record = {"file": prof.file, "sha256": prof.sha256,
                   "contributed": [f"model_config.{k}" for k in used] + (["tie"] if ties else [])}
 
-    def run(local: Path) -> dict[str, Any]:
-        return run_export(src, local, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
+    def run(local: Path, url: str | None = None) -> dict[str, Any]:
+        return run_export(src, local, publish_to=url, fmt=fmt, dtype=dtype, only=only, max_shard_size=parse_size(max_shard_size),
                           rename=rename, overwrite=overwrite and local == dst, model_config=values or None,
                           profile=record, progress=progress, force=force, ties=ties or None)
 

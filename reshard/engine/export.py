@@ -56,7 +56,6 @@ from reshard.errors import BadInput, Incomplete, Infeasible
 from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, ExportPlan, RenameRules, assign_shards,
                                      dtype_arg, export_essentials, export_identity, export_map, header_metadata,
                                      hf_plan, plan_export, source_report, tied_groups)
-from reshard.storage import remote
 from reshard.storage.source import Source
 from reshard.render.redaction import redact
 from reshard.storage.safetensors_format import header_shape
@@ -113,7 +112,7 @@ def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors
            only: str = "model", max_shard_size: int | str = DEFAULT_MAX_SHARD, rename: str | Path | None = None,
            overwrite: bool = False, progress: Any = None, model_config: dict[str, Any] | None = None,
            profile: dict[str, Any] | None = None, force: bool = False,
-           ties: list[list[str]] | None = None) -> dict[str, Any]:
+           ties: list[list[str]] | None = None, publish_to: str | None = None) -> dict[str, Any]:
     """Write ``src`` (a DCP checkpoint) consolidated into ``dst``; returns the export report.
 
     ``fmt="hf"``: safetensors under the Hugging Face names of the model family's mapping
@@ -126,6 +125,8 @@ def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors
     are always used (`reshard.planning.export.plan_export`); recorded as ``ties_given``.
     ``progress``: a `reshard.render.progress.Progress` (or None): the phases "writing" and
     "verifying", by the exported bytes.
+    ``publish_to``: the store URL ``dst`` is uploaded to afterwards (`reshard.engine.publishing`):
+    the report names it as the destination, and the preflight probes the upload.
     ``force``: go ahead when the destination lacks the space for the output, whose size is
     exact (tensor bytes and safetensors headers, `_estimate_bytes`); otherwise refused before
     anything is written (`reshard.engine.space.preflight`, the report's ``estimate``).
@@ -190,7 +191,7 @@ def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors
     estimate = preflight(dst, needed=needed, read_bytes=sum(ix.entries[it.key].nbytes for it in plan.items
                                                              if it.key in ix.entries) or total,
                          sources=[src], force=force, what="the export", progress=progress,
-                         stores=[source.remote] if source.remote is not None else [])
+                         stores=[source.remote] if source.remote is not None else [], publish_to=publish_to)
     if kept is not None:
         estimate["read_cache_bytes"] = kept
     with space_errors(dst, needed, "the export"), atomic_directory(dst, overwrite=overwrite, replaceable=why_not_replaceable) as tmp:
@@ -224,7 +225,7 @@ def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors
             "report_version": 1,
             "source": source.name,  # a remote source by its URL
             **({"source_store": source.store_reads()} if source.remote is not None else {}),
-            "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
+            "destination": publish_to or str(output_path(dst)),  # a symlink at dst was replaced, not followed
             "format": fmt,
             "dtype": ess["dtype"],
             "only": only,

@@ -20,7 +20,7 @@ from reshard.units import reproducible
 from reshard.planning.plan import plan_reader, source_inspection
 from reshard.storage.index import CheckpointIndex
 from reshard.render.redaction import redact
-from reshard.storage import remote, sidecars
+from reshard.storage import sidecars
 from reshard.storage.atomic import fault_point, output_path
 from reshard.storage.source import Source
 from reshard.model.kinds import EXPECTED_DIFFERENCES
@@ -107,14 +107,16 @@ def verify_output(source: Source, out: Path, plan: Plan, b_files: set[str] | Non
 
 
 def build_report(plan: Plan, source: Source, dst: Path, tmp: Path, verification: dict[str, Any],
-                 manifest: dict[str, Any], checksums: dict[str, str], seconds: float) -> dict[str, Any]:
-    """The fields every conversion report has; an output adds its own after them."""
+                 manifest: dict[str, Any], checksums: dict[str, str], seconds: float,
+                 published: str | None = None) -> dict[str, Any]:
+    """The fields every conversion report has; an output adds its own after them. ``published``:
+    the store URL the output at ``dst`` is uploaded to, which the report names as its destination."""
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name.endswith(".distcp")}
     return {
         "report_version": 1,
         "source": source.name,  # a remote source by its URL
         **({"source_store": source.store_reads()} if source.remote is not None else {}),  # what it fetched
-        "destination": remote.output_name(dst) or str(output_path(dst)),  # a symlink at dst was replaced, not followed
+        "destination": published or str(output_path(dst)),  # a symlink at dst was replaced, not followed
         "plan": plan.to_dict(tensors=False),
         "verification": verification,
         "manifest": {"experiment_id": manifest["experiment_id"], "continuity": manifest["continuity"],

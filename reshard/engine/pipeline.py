@@ -103,6 +103,7 @@ class Output:
     overwrite: bool = False
     force: bool = False      # go ahead when the space check finds too little room
     progress: Any = None
+    url: Optional[str] = None  # the store URL ``dst`` is uploaded to (`StoreOutput` sets it): reports name it
     phase: ClassVar[str] = "writing"  # the progress phase of `write`
 
     # -- how steps run -------------------------------------------------------------------
@@ -131,7 +132,8 @@ class Output:
         """Refuse a destination without the space the output needs (unless ``force``); its figures."""
         from reshard.engine.space import conversion_preflight
 
-        return conversion_preflight(run.plan, run.ix, self.dst, force=self.force, progress=run.progress)
+        return conversion_preflight(run.plan, run.ix, self.dst, force=self.force, progress=run.progress,
+                                    publish_to=self.url)
 
     def staging(self, run: Run) -> ContextManager[Path]:
         """The hidden directory beside ``dst`` the output is made in, renamed into place as the block exits."""
@@ -270,11 +272,9 @@ def _write_manifest(run: Run, output: Output) -> Manifest:
 
 
 def _verified(run: Run, output: Output) -> Optional[dict[str, Any]]:
-    from reshard.storage import remote
-
     verification = output.verify(run)
     if verification is not None:  # what was verified is what appears at dst (a store output: its URL)
-        verification["b"] = remote.output_name(output.dst) or str(output.dst)
+        verification["b"] = output.url or str(output.dst)
     return verification
 
 
@@ -282,7 +282,7 @@ def _report(run: Run, output: Output) -> dict[str, Any]:
     from reshard.engine.outcome import build_report
 
     report = build_report(run.plan, run.source, output.dst, run.tmp, run.verification, run.manifest.to_dict(),
-                          output.checksums(run), _time.time() - run.started)
+                          output.checksums(run), _time.time() - run.started, published=output.url)
     output.describe(run, report)
     report["sidecars"] = run.carried
     if run.estimate is not None:

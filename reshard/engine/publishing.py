@@ -57,7 +57,7 @@ class StoreOutput(Output):
             report = _taken_again(stage, earlier["report"], self.progress) if earlier is not None else None
             if report is None:
                 stage.discard_output()
-                report = replace(self.inner, dst=stage.out, overwrite=False).around(plan, source, convert)
+                report = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url).around(plan, source, convert)
                 if report is None or not (stage.out / ".metadata").exists():
                     return report  # a worker that does not commit: worker 0 uploads
                 stage.record_converted(resume_key(plan, source.root, rc=source.remote).to_dict(), report)
@@ -65,15 +65,16 @@ class StoreOutput(Output):
         return report
 
 
-def export_into_store(url: str, run: Callable[[Path], dict[str, Any]], *, overwrite: bool = False,
+def export_into_store(url: str, run: Callable[[Path, str], dict[str, Any]], *, overwrite: bool = False,
                       progress: Any = None) -> dict[str, Any]:
-    """``run(local)``, an export into the local output of the destination's `upload.Stage`, then
+    """``run(local, url)``, an export into the local output of the destination's `upload.Stage`
+    (its report naming ``url``), then
     its upload (shards first; the index and ``config.json`` a loader opens first, last). A rerun
     after a killed upload exports again (an export keeps no journal) and sends only the objects
     whose bytes the store does not hold as recorded. ``overwrite`` as for `StoreOutput`."""
     with upload.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
-        report = run(stage.out)
+        report = run(stage.out, stage.url)
         _upload(stage, report, progress)
     return report
 

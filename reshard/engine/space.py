@@ -126,7 +126,7 @@ def conversion_read_bytes(plan: Any, ix: Any) -> int:
 
 
 def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: bool = False,
-                         progress: Any = None) -> dict[str, Any]:
+                         progress: Any = None, publish_to: str | None = None) -> dict[str, Any]:
     """`preflight` for `reshard convert`: the plan's output estimate against ``dst``'s free space.
 
     A source in object storage also gets its read cache here (`keep_remote_reads`), sized by the
@@ -135,7 +135,7 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
     kept = keep_remote_reads(getattr(ix, "remote", None), dst, needed)  # before the probe, whose read is then kept too
     figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress,
-                        stores=_stores(ix))
+                        stores=_stores(ix), publish_to=publish_to)
     if kept is not None:
         figures["read_cache_bytes"] = kept
     return figures
@@ -358,10 +358,12 @@ def _refuse_read_only(dst: Path, checked: Path) -> None:
 
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
-              probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = ()) -> dict[str, Any]:
+              probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = (),
+              publish_to: str | None = None) -> dict[str, Any]:
     """Before the first byte: will the output fit at ``dst``, and about how long will it take?
 
     ``stores``: the sources in object storage (their `RemoteCheckpoint`), whose read is probed instead of a file's.
+    ``publish_to``: the store URL an output made at ``dst`` is then uploaded to (its upload is probed too).
 
     Refuses (`BadInput`, exit 2) when the destination's file system has less free space than
     the output ``needed``, naming both figures, unless ``force``: nothing has been written
@@ -411,7 +413,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
             parts.append(read_bytes / r.per_second)
         if w.per_second:
             parts.append(need / w.per_second)
-        url = remote.output_name(dst)
+        url = publish_to
         if url is not None:  # bound for a store: made here, then sent there
             u = upload_probe(url)
             figures["upload"] = {"bytes": u.nbytes, "seconds": round(u.seconds, 6), "error": u.error, "file": u.what}

@@ -53,7 +53,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage import urls
 
 __all__ = ["is_url", "StoreLimits", "open_store", "store_error", "RemoteCheckpoint", "Counters", "staged", "open_remote",
-           "output_name", "register_output", "unregister_output", "version_tag", "ReadCache", "Prefetch",
+           "version_tag", "ReadCache", "Prefetch",
            "check_key_tail", "no_fsspec", "METADATA_FILE", "DATA_SUFFIX"]
 
 METADATA_FILE = ".metadata"
@@ -753,30 +753,3 @@ def _name_the_url(exc: ReshardError, root: Path, url: str) -> None:
         if exc.hint:
             exc.hint = exc.hint.replace(local, url)
     exc.args = (exc.render(),)
-
-
-# ---------------------------------------------------------------------------- outputs: their URL in reports
-
-#: local directory an output is written into (its real path) -> the URL it is published to
-_OUTPUTS: dict[str, str] = {}
-
-
-def output_name(path: str | os.PathLike) -> str | None:
-    """The URL an output written at ``path`` (or inside it) is published to; None for a local output."""
-    if not _OUTPUTS:
-        return None
-    real = os.path.realpath(os.fspath(path))
-    for local, url in _OUTPUTS.items():
-        if real == local or real.startswith(local + os.sep):
-            return url + real[len(local):].replace(os.sep, "/")
-    return None
-
-
-def register_output(local: Path, url: str) -> None:
-    """While an output bound for ``url`` is made at ``local`` (`reshard.storage.upload.staged_output`),
-    reports name the URL (`output_name`)."""
-    _OUTPUTS[os.path.realpath(local)] = url
-
-
-def unregister_output(local: Path) -> None:
-    _OUTPUTS.pop(os.path.realpath(local), None)

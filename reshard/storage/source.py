@@ -79,7 +79,7 @@ class Source:
         """What a report names as the checkpoint: the URL, else the path as given."""
         if self.url is not None:
             return self.url
-        return remote.output_name(self.root) or str(self.root)
+        return str(self.root)
 
     def __str__(self) -> str:
         """A Source in a message reads as what a report names it (`display`)."""

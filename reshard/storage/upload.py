@@ -26,8 +26,7 @@ from typing import Any, Callable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.storage.remote import (DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, register_output,
-                                    store_error, unregister_output, version_tag)
+from reshard.storage.remote import DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, store_error, version_tag
 
 __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
@@ -246,7 +245,8 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
     output (`_check_replaceable`), which `publish` then replaces: not atomically, as no store
     can rename a prefix, but never showing a mix: its `.metadata` (and an export's index and
     config) are deleted first, so no loader takes it while the new objects arrive, and the new
-    `.metadata` is put last. One run at a time per destination (a lock in its folder). While the block runs, reports name the URL (`output_name`). The folder is
+    `.metadata` is put last. One run at a time per destination (a lock in its folder). What runs in the stage is
+    handed `Stage.url`, so its reports name the URL (no registry to look the folder up in). The folder is
     removed when the block ends with the output committed in the store (`.metadata` there and
     no marker), and kept otherwise, for the same command to resume."""
     import fcntl
@@ -285,11 +285,7 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
             raise BadInput("another reshard run is writing this destination", where=url,
                            hint="Wait for it to finish, or choose another prefix.") from None
         stage = Stage(url, folder, replaceable=frozenset(foreign))
-        register_output(stage.out, url)
-        try:
-            yield stage
-        finally:
-            unregister_output(stage.out)
+        yield stage
         if committed_at(url):
             shutil.rmtree(folder, ignore_errors=True)
     finally:
