@@ -106,7 +106,7 @@ def _api_call(fn: _F) -> _F:
         except OSError as exc:
             raise from_os_error(exc) from exc
         finally:
-            dcp = sys.modules.get("reshard.storage.dcp")  # not imported: nothing was unpickled
+            dcp = sys.modules.get("reshard.storage.checkpoints.dcp")  # not imported: nothing was unpickled
             line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
             if line:
                 warnings.warn(line.removeprefix("warning: "), ReshardWarning, stacklevel=2)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
-from reshard.storage import urls
+from reshard.storage.objectstore import urls
 from reshard.model import option_table
 from reshard.model.kinds import (CONTROLS, DATA_POLICIES, DTYPES, EXPORT_FORMATS, ONLY, RNG_POLICIES, DataMode,
                                  OutputFormat)
@@ -35,7 +35,7 @@ _STAGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 def is_url(text: object) -> bool:
     """A source or destination given as ``scheme://...`` (s3://bucket/prefix), not a local path
-    (`reshard.storage.urls.looks_like_url`; whether it is one reshard takes is `urls.parse`'s rule)."""
+    (`reshard.storage.objectstore.urls.looks_like_url`; whether it is one reshard takes is `urls.parse`'s rule)."""
     return urls.looks_like_url(text)
 
 
@@ -43,7 +43,7 @@ def check_source(*paths: Path | str) -> None:
     """A checkpoint path that does not exist, said before any heavy import (torch takes seconds to
     import, and a typo deserves an answer at once), in the words the checkpoint reader uses."""
     for path in paths:
-        if is_url(path):  # an object-store URL: its listing says whether it exists (reshard.storage.remote)
+        if is_url(path):  # an object-store URL: its listing says whether it exists (reshard.storage.objectstore.remote)
             urls.parse(str(path))  # refused before anything (a progress line) could echo a credential
             continue
         if not os.path.exists(path):

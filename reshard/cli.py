@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(argv: list[str] | None = None) -> None:
     _state.update(debug=False, json=False, output=None, output_before=None)  # main() may run many times in one process (the tests)
-    atomic = sys.modules.get("reshard.storage.atomic")  # not imported: nothing committed yet (no import for it)
+    atomic = sys.modules.get("reshard.storage.files.atomic")  # not imported: nothing committed yet (no import for it)
     if atomic is not None:  # an earlier command's commits are not this one's (a Ctrl-C's last line)
         atomic.forget_commits()
     line = _normalise(list(argv) if argv is not None else sys.argv[1:])
@@ -580,7 +580,7 @@ def _usage_paragraph(exc: TyperException) -> str:
 
 
 def _warn_trusted() -> None:
-    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.dcp collects them).
+    """The one stderr line naming every object item --trust-pickle let unpickle (reshard.storage.checkpoints.dcp collects them).
 
     A worker of a distributed run hands its items to the one process that prints the run's
     line (`reshard.engine.distributed.pass_on_trusted`: the --workers command, or worker 0
@@ -590,7 +590,7 @@ def _warn_trusted() -> None:
 
     if in_torchrun() and pass_on_trusted():
         return
-    dcp = sys.modules.get("reshard.storage.dcp")
+    dcp = sys.modules.get("reshard.storage.checkpoints.dcp")
     line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
     if line:
         _echo(line, err=True)

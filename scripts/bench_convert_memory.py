@@ -197,7 +197,7 @@ def add_manifest(ckpt: Path, *, world_size: int) -> None:
 
 
 def checkpoint_facts(ckpt: Path) -> dict:
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ix = CheckpointIndex.open(ckpt)
     tensors = [e for e in ix.entries.values() if e.is_tensor]

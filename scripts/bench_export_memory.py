@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     log_dir = tmp / "logs"
     log_dir.mkdir()
     try:
-        baseline = measure([args.python, "-c", "import torch, reshard.engine.export, reshard.storage.safetensors_format"],
+        baseline = measure([args.python, "-c", "import torch, reshard.engine.export, reshard.storage.checkpoints.safetensors_format"],
                            timeout=args.timeout, sample_ms=args.sample_ms, log_dir=log_dir, name="baseline")
         baseline.pop("stdout")
         cases = [run_case(args, s, shape, tmp, log_dir) for s in sizes]

@@ -25,7 +25,7 @@ reshard's commands are compared with its predicted peak; ``--reuse`` keeps each 
 ``--workdir`` and reuses it (a 405B x 16,384 `.metadata` takes minutes to write);
 ``--max-seconds`` stops a command that runs too long (reported as a timeout) and
 ``--total-seconds`` stops the benchmark between commands. Should reshard refuse a
-`.metadata` (its cap, ``metadata_cap`` in ``reshard/storage/dcp.py``, is the size of the data
+`.metadata` (its cap, ``metadata_cap`` in ``reshard/storage/checkpoints/dcp.py``, is the size of the data
 it describes; before, a constant 2 GiB), the refusal is reported with reshard's own message, not hidden.
 
 Usage::

@@ -88,7 +88,7 @@ def _spans_complement(lo: int, hi: int, taken: list[tuple[int, int]]) -> list[tu
 
 def item_regions(ckpt: Path) -> list[Item]:
     """Every item of the checkpoint with its zip structure, from the unmutated original."""
-    from reshard.storage.dcp import read_raw_metadata
+    from reshard.storage.checkpoints.dcp import read_raw_metadata
 
     raw = read_raw_metadata(ckpt)
     items = []
@@ -543,12 +543,12 @@ def _damage_chunks(md: Any, key: str, damage: str) -> None:
 
 
 def write_staircase(out: Path, n: int, *, damage: str | None = None, ranks: int = 1) -> Structure:
-    """A real checkpoint (`reshard.storage.dcp_writer.DcpWriter`, DCP's on-disk format) of one uint8
+    """A real checkpoint (`reshard.storage.checkpoints.dcp_writer.DcpWriter`, DCP's on-disk format) of one uint8
     tensor in a staircase of ``2n`` chunks over ``ranks`` files; ``damage`` (``gap``,
     ``overlap``, ``out_of_bounds``) then edits its `.metadata` with torch's own classes."""
     import torch
 
-    from reshard.storage.dcp_writer import DcpWriter
+    from reshard.storage.checkpoints.dcp_writer import DcpWriter
 
     out.mkdir(parents=True, exist_ok=True)
     w = DcpWriter(out)

@@ -86,7 +86,7 @@ class Lane:
         return reshard("convert", self.src, self.dst, "--to", self.to, *extra, **env_extra)
 
     def temporaries(self) -> list[Path]:
-        from reshard.storage.atomic import stale_temporaries
+        from reshard.storage.files.atomic import stale_temporaries
 
         return stale_temporaries(self.root, "dst")
 
@@ -107,7 +107,7 @@ class Lane:
 
 def kill_once(lane: Lane, n: int, total: int, before: dict) -> str | None:
     """Kill at event n, check, rerun, check. None if fine, else what went wrong."""
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     r = lane.convert(RESHARD_FAULT_KILL_AT=str(n))
     if r.returncode != -signal.SIGKILL:
@@ -144,7 +144,7 @@ def kill_once(lane: Lane, n: int, total: int, before: dict) -> str | None:
 
 
 def mutate_once(src: Path, ref: Path, work: Path, rng: random.Random, before: dict) -> str | None:
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ix = CheckpointIndex.open(ref)
     spans = []  # (file, start, end, key)

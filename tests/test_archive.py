@@ -1,4 +1,4 @@
-"""`reshard.storage.archive`: the hand-framed torch.save archive is what torch writes and reads.
+"""`reshard.storage.checkpoints.archive`: the hand-framed torch.save archive is what torch writes and reads.
 
 torch's own ``torch.save`` and ``torch.load(weights_only=True)`` are the judges: the
 framing must give the same members at the same offsets as ``torch.save`` (only the
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.storage.archive import archive_bytes, crc32_combine, data_pkl, fits, framing
+from reshard.storage.checkpoints.archive import archive_bytes, crc32_combine, data_pkl, fits, framing
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64]

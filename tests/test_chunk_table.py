@@ -14,8 +14,9 @@ import pytest
 
 from reshard.model.checkpoint import Chunk, ChunkTable, ItemLocation
 from reshard.model.geometry import Box
-from reshard.storage import dcp, metadata_columns
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints import dcp
+from reshard.storage.pickles import metadata_columns
+from reshard.storage.checkpoints.index import CheckpointIndex
 
 
 def safe_index(root: Path) -> CheckpointIndex:
@@ -26,7 +27,7 @@ def safe_index(root: Path) -> CheckpointIndex:
 
 def native_index(root: Path) -> CheckpointIndex:
     if metadata_columns.native is None:
-        pytest.skip("reshard.storage.metadecode is not built (no C compiler at install)")
+        pytest.skip("reshard.storage.pickles.metadecode is not built (no C compiler at install)")
     ix = CheckpointIndex.open(root)
     assert ix.decoder == "native", "the native decoder declined a checkpoint torch wrote"
     return ix

@@ -4,7 +4,7 @@ Conflicts run through the in-process CLI (one real subprocess shows the check ru
 torch is imported). Interrupts are real processes (forked from a server that imported
 reshard once, `tests/forked.py`) converting the session's real DCP checkpoint
 (`reference_ckpt`, read only), held at a chosen write event by the test hook
-``RESHARD_FAULT_SLEEP_AT`` (`reshard.storage.atomic.fault_point`) and sent SIGINT there, as a
+``RESHARD_FAULT_SLEEP_AT`` (`reshard.storage.files.atomic.fault_point`) and sent SIGINT there, as a
 terminal's Ctrl-C would: before the commit (a DCP copy, resumable, and a ``--data link`` run,
 not resumable) and right after the rename into place.
 """
@@ -21,7 +21,7 @@ import pytest
 
 import forked
 from conftest import cli
-from reshard.storage.atomic import journal_dir, stale_temporaries
+from reshard.storage.files.atomic import journal_dir, stale_temporaries
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,10 +28,10 @@ import torch
 
 from conftest import cli, run_cli
 from reshard.train.launch import start_ranks
-from reshard.storage.index import RANK_FILE, CheckpointIndex
-from reshard.storage.integrity import record as integrity_record
-from reshard.storage import dcp as dcp_io
-from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.storage.checkpoints.index import RANK_FILE, CheckpointIndex
+from reshard.storage.files.integrity import record as integrity_record
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.semantics.manifest import read_manifest
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port

@@ -1,4 +1,4 @@
-"""The native pickle cost scan (reshard/storage/costscan.c) answers exactly as the Python one.
+"""The native pickle cost scan (reshard/storage/pickles/costscan.c) answers exactly as the Python one.
 
 `safe_pickle.pickle_cost` runs the C scan when it is built and `python_pickle_cost` is the
 reference it replaces (40-80 times slower on `.metadata` at frontier scale). The scan is a
@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard.storage.safe_pickle import PickleTooCostly, native_scan, pickle_budget, pickle_cost, python_pickle_cost
+from reshard.storage.pickles.safe_pickle import PickleTooCostly, native_scan, pickle_budget, pickle_cost, python_pickle_cost
 
 
 def outcome(fn, data: bytes, limit: int) -> tuple[str, object]:

@@ -37,8 +37,8 @@ from reshard.train.launch import start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.linkfs import shares_inode
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.files.linkfs import shares_inode
 
 SOURCE_STEP = 2
 TARGETS = {"link2": 2, "link3": 3}

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from reshard.errors import BadInput, ReshardError
-from reshard.storage.index import CheckpointIndex
-from reshard.storage import dcp as rdcp
-from reshard.storage.atomic import atomic_directory, fsync_dir
-from reshard.storage.dcp_writer import DcpWriter, WriterError
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints import dcp as rdcp
+from reshard.storage.files.atomic import atomic_directory, fsync_dir
+from reshard.storage.checkpoints.dcp_writer import DcpWriter, WriterError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -194,7 +194,7 @@ def test_items_match_dcp_save_bytes(tmp_path):
         if k[0] == "o.k":
             assert x == y  # objects go through torch.save itself
             continue
-        # Tensor chunks are framed by reshard.storage.archive: the same zip layout, members and
+        # Tensor chunks are framed by reshard.storage.checkpoints.archive: the same zip layout, members and
         # offsets; only the serialization id (torch derives it from a C++ string hash) differs.
         assert len(x) == len(y)
         zx, zy = zipfile.ZipFile(io.BytesIO(x)), zipfile.ZipFile(io.BytesIO(y))
@@ -382,7 +382,7 @@ def test_atomic_refuses_non_empty_without_overwrite(tmp_path):
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_atomic_overwrite_replaces_entirely(tmp_path, monkeypatch, exchange):
-    from reshard.storage import atomic
+    from reshard.storage.files import atomic
 
     if not exchange:  # force the portable fallback path
         monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
@@ -403,7 +403,7 @@ def test_atomic_overwrite_replaces_only_what_its_rule_allows(tmp_path):
     """The commands' policy (`why_not_replaceable`) replaces only a checkpoint (here one DcpWriter wrote); a
     user's file makes it refuse, naming the file, before anything is created; any caller's policy is obeyed
     and quoted; ``overwrite`` without a policy is a programming error, and deletes nothing."""
-    from reshard.storage.replaceable import why_not_replaceable
+    from reshard.storage.files.replaceable import why_not_replaceable
 
     dst = tmp_path / "out"
     dst.mkdir()
@@ -454,7 +454,7 @@ def test_atomic_concurrent_run_in_another_process(tmp_path):
     dst = tmp_path / "out"
     code = (
         "import sys\n"
-        "from reshard.storage.atomic import atomic_directory\n"
+        "from reshard.storage.files.atomic import atomic_directory\n"
         "from reshard.errors import BadInput\n"
         "try:\n"
         "    with atomic_directory(sys.argv[1]):\n"

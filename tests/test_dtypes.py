@@ -131,7 +131,7 @@ def test_item_framing_is_torch_saves_for_every_dtype(name):
     untyped storage for float8, float4, uint16-64, bits and complex32), and loads back bitwise."""
     import zipfile
 
-    from reshard.storage.archive import archive_bytes
+    from reshard.storage.checkpoints.archive import archive_bytes
 
     t = dtypes_run.random_bytes(getattr(torch, name), (3, 5), 11)
     buf = io.BytesIO()

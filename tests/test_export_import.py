@@ -17,8 +17,8 @@ from reshard.engine.export import export
 from reshard.planning.export import RenameRules
 from reshard.units import parse_size
 from reshard.engine.importing import import_checkpoint
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.safetensors_format import ExportIndex, is_export
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints.safetensors_format import ExportIndex, is_export
 from reshard.verification.checkpoints import verify_checkpoints
 
 RENAME = Path(__file__).resolve().parent.parent / "formats" / "renames" / "torchtitan-to-hf-llama.toml"

@@ -1,4 +1,4 @@
-"""reshard.storage.fastread: zero-copy tensor item reads, bitwise equal to torch.load(weights_only=True)."""
+"""reshard.storage.checkpoints.fastread: zero-copy tensor item reads, bitwise equal to torch.load(weights_only=True)."""
 from __future__ import annotations
 
 import io
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.storage import dcp as dcp_io
-from reshard.storage.fastread import copy_byte_range, dim0_byte_range, item_layout, read_tensor_item, storage_byte_range
-from reshard.storage.crcledger import CorruptItem
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.checkpoints.fastread import copy_byte_range, dim0_byte_range, item_layout, read_tensor_item, storage_byte_range
+from reshard.storage.checkpoints.crcledger import CorruptItem
 
 
 def _blob(path: Path, offset: int, length: int) -> bytes:

@@ -24,7 +24,7 @@ import pytest
 
 import forked
 from conftest import mounted_tmpfs, run_cli
-from reshard.storage.atomic import stale_temporaries
+from reshard.storage.files.atomic import stale_temporaries
 
 EPOCH = "1700000000"
 
@@ -135,7 +135,7 @@ def _check_after_kill(dst: Path, n: int, labels: list[str], reference: Path, cap
         assert len(temps) == 1, temps
         for t in temps:  # never a half checkpoint that loads: uncommitted, or complete
             if (t / ".metadata").exists():
-                from reshard.storage.index import CheckpointIndex
+                from reshard.storage.checkpoints.index import CheckpointIndex
 
                 assert CheckpointIndex.open(t).complete, f"kill after event {n}: {t} is committed but incomplete"
             else:
@@ -355,8 +355,8 @@ def test_concurrent_runs_into_same_destination_one_wins_other_exits_2(src, tmp_p
 # ---------------------------------------------------------------------------- 5. integrity
 def _flip_payload_byte(root: Path, key: str, chunk_index: int = -1) -> tuple[str, int]:
     """Flip one bit in the middle of a tensor chunk's payload (the torch.save zip still loads)."""
-    from reshard.storage.index import CheckpointIndex
-    from reshard.storage import dcp
+    from reshard.storage.checkpoints.index import CheckpointIndex
+    from reshard.storage.checkpoints import dcp
 
     ix = CheckpointIndex.open(root)
     c = ix.entries[key].chunks[chunk_index]
@@ -379,8 +379,8 @@ def test_flipped_payload_byte_is_named_by_inspect_deep_and_verify(src, tmp_path,
     `verify` exit 2 (corrupt input), both naming the first corrupt item's key and file."""
     import zlib
 
-    from reshard.storage.index import CheckpointIndex
-    from reshard.storage import dcp
+    from reshard.storage.checkpoints.index import CheckpointIndex
+    from reshard.storage.checkpoints import dcp
 
     before = snapshot(src)
     out = tmp_path / "out"
@@ -459,7 +459,7 @@ def test_writer_surfaces_file_system_errors_with_their_errno(tmp_path):
         "import errno, resource, signal, sys, torch\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
-        "from reshard.storage.dcp_writer import DcpWriter\n"
+        "from reshard.storage.checkpoints.dcp_writer import DcpWriter\n"
         "w = DcpWriter(sys.argv[1]); w.declare_tensor('a', (100000,), torch.float32)\n"
         "try:\n"
         "    w.write_chunk(0, 'a', (0,), torch.zeros(100000))\n"

@@ -1,4 +1,4 @@
-"""`reshard.storage.fileio`: direct (``O_DIRECT``) reads at any offset return exactly the file's bytes."""
+"""`reshard.storage.files.fileio`: direct (``O_DIRECT``) reads at any offset return exactly the file's bytes."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.storage import fileio
+from reshard.storage.files import fileio
 
 SIZE = 3 * fileio.ALIGN * 7 + 123  # not a multiple of the alignment: reads may run into the end
 

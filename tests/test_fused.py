@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.testing.synthetic_llama import LlamaShape, canonical_weights, load_global, make_llama_checkpoint
 from reshard.semantics.transforms import to_canonical
 

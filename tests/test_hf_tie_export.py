@@ -208,7 +208,7 @@ def test_equal_bytes_the_class_cannot_tie_are_written_apart(source):
     real step-2 checkpoint (a tie the manifest or the profile declares there is still refused, as before)."""
     from reshard.planning.export import hf_plan, plan_export
     from reshard.semantics.conventions import classify, reshard_key
-    from reshard.storage.local_format import open_any
+    from reshard.storage.checkpoints.local_format import open_any
 
     src = source / "checkpoint" / "step-2"
     ix = open_any(src, source_key=reshard_key)

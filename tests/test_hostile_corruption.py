@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from conftest import run_cli
-from reshard.storage.index import CheckpointIndex
-from reshard.storage import crcledger, fastread
-from reshard.storage.crcledger import CorruptItem, CrcLedger, StorageRecord
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints import crcledger, fastread
+from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
 
 
 def _target(ckpt: Path) -> tuple[str, object]:
@@ -101,7 +101,7 @@ def test_convert_refuses_a_corrupt_source(flipped, clean, tmp_path, capsys, monk
     """Direct: storages aligned even when small (as the writer does from 1 MiB), so the merged
     shards are copied with direct I/O and each source checked at once; buffered: the
     read-back reads the source rows, whose CRC-32s go to the ledger."""
-    from reshard.storage import dcp_writer
+    from reshard.storage.checkpoints import dcp_writer
 
     if not buffered:
         monkeypatch.setattr(dcp_writer, "ALIGN_FROM", 1)
@@ -266,7 +266,7 @@ def test_compare_counts_how_each_storage_was_checked(reference_ckpt, copy_of):
 
 def test_convert_refuses_a_corrupt_object_item(reference_ckpt, copy_of, tmp_path, capsys):
     """Object items are copied verbatim: their bytes are checked before they are written."""
-    from reshard.storage import dcp as rdcp
+    from reshard.storage.checkpoints import dcp as rdcp
 
     bad = copy_of(reference_ckpt)
     ix = CheckpointIndex.open(bad)
@@ -311,8 +311,8 @@ def test_manifest_checksums_do_not_excuse_a_contradicted_zip_record(reference_ck
     """An item corrupt before its manifest checksum was taken (the manifest agrees with the bad
     bytes) still contradicts its own zip CRC-32s: the integrity check's reads catch it too,
     whether the item fits one read or streams past in slabs."""
-    from reshard.storage import integrity
-    from reshard.storage import dcp as rdcp
+    from reshard.storage.files import integrity
+    from reshard.storage.checkpoints import dcp as rdcp
 
     out = tmp_path / "out"
     code, o, e = run_cli(["convert", reference_ckpt, out, "--to", "dp=2"], capsys)

@@ -201,7 +201,7 @@ def _storage_file(tmp_path: Path, data: bytes, at: int = 100) -> Path:
 
 def test_check_split_storages_combines_the_workers_pieces(tmp_path):
     from reshard.engine.distributed import check_split_storages
-    from reshard.storage.crcledger import CorruptItem, StorageRecord
+    from reshard.storage.checkpoints.crcledger import CorruptItem, StorageRecord
 
     data = bytes(range(256)) * 40
     path = _storage_file(tmp_path, data)

@@ -240,7 +240,7 @@ def test_metadata_cap_follows_the_data_it_describes(tmp_path, capsys, monkeypatc
     import torch.distributed.checkpoint as dcp
 
     from conftest import run_cli
-    from reshard.storage import dcp as dcp_mod
+    from reshard.storage.checkpoints import dcp as dcp_mod
 
     src = tmp_path / "ck"
     with warnings.catch_warnings():

@@ -88,7 +88,7 @@ def _cli_subprocess(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _imported_equals(dst: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ix = CheckpointIndex.open(dst)
     assert sorted(k for k in ix.entries if k.startswith("model.")) == sorted("model." + n for n in tensors)

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_cli
-from reshard.storage.safe_pickle import COST_PER_BYTE, PickleTooCostly, pickle_budget, pickle_cost
+from reshard.storage.pickles.safe_pickle import COST_PER_BYTE, PickleTooCostly, pickle_budget, pickle_cost
 
 RSS_MARGIN = 256 << 20  # the stated bound: a refused attack costs at most this much more than the honest input
 

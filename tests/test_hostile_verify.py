@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import cli, run_cli
-from reshard.storage.index import RANK_FILE, CheckpointIndex
-from reshard.storage.integrity import record as integrity_record
-from reshard.storage import dcp as dcp_io
-from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.storage.checkpoints.index import RANK_FILE, CheckpointIndex
+from reshard.storage.files.integrity import record as integrity_record
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.verification.objects import identical, object_difference
 
 MOMENT = "optim.state.blocks.0.mlp.fc1.weight.exp_avg_sq"

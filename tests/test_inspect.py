@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
 from reshard.errors import BadInput, Incomplete, UnsafeInput
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 
 
 def test_reference_checkpoint_complete_and_consistent(reference_ckpt, capsys):

@@ -126,8 +126,8 @@ def test_writer_wrote_what_megatron_writes(megatron_ckpt):
 
 def test_all_local_plans_read_as_inert_records(megatron_ckpt):
     """`all_local_plans` unpickles into reshard's stand-ins, never into torch's planner classes."""
-    from reshard.storage.dcp import read_raw_metadata
-    from reshard.storage.safe_pickle import Record, load_metadata_pickle
+    from reshard.storage.checkpoints.dcp import read_raw_metadata
+    from reshard.storage.pickles.safe_pickle import Record, load_metadata_pickle
 
     ckpt, _ = megatron_ckpt
     md = load_metadata_pickle((ckpt / ".metadata").read_bytes(), str(ckpt / ".metadata"))

@@ -25,8 +25,8 @@ from conftest import run_cli
 from reshard.train.launch import start_ranks
 from reshard.errors import BadInput
 from reshard.model.geometry import Box
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.local_format import INDEX_FILE, SHARED_OBJECTS, LocalIndex, open_any, open_local, rank_file
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints.local_format import INDEX_FILE, SHARED_OBJECTS, LocalIndex, open_any, open_local, rank_file
 from reshard.model.layout import local_box
 from reshard.model.plan import Options
 from reshard.planning.plan import make_plan

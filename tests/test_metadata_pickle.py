@@ -1,4 +1,4 @@
-"""`reshard.storage.metadata_pickle`: DCP's `.metadata` pickle written without torch.
+"""`reshard.storage.pickles.metadata_pickle`: DCP's `.metadata` pickle written without torch.
 
 The reference is torch itself: a ``Metadata`` built from torch's own classes exactly as
 ``DcpWriter._metadata`` built it before the emitter existed (`torch_metadata` below, kept
@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from reshard.model.checkpoint import ItemLocation
 from reshard.paths import formats_root
-from reshard.storage.dcp import read_raw_metadata
-from reshard.storage.safe_pickle import pickle_cost
-from reshard.storage.metadata_pickle import (
+from reshard.storage.checkpoints.dcp import read_raw_metadata
+from reshard.storage.pickles.safe_pickle import pickle_cost
+from reshard.storage.pickles.metadata_pickle import (
     DTYPE_NAMES,
     EMITTED_GLOBALS,
     ObjectMeta,
@@ -285,7 +285,7 @@ class NoTorch:
         return None
 sys.meta_path.insert(0, NoTorch())
 from reshard.model.checkpoint import ItemLocation as L
-from reshard.storage.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
+from reshard.storage.pickles.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
 b = metadata_bytes([TensorMeta("w", "bfloat16", (2,), [((0,), (2,), L("__0_0.distcp", 0, 9, ("stream.zstd/1",)))], ("w",)),
                     ObjectMeta("o", L("__0_0.distcp", 9, 9), ("o",))], version="1.0.0")
 assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]

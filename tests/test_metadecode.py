@@ -1,7 +1,7 @@
-"""The native `.metadata` decoder (reshard/storage/metadecode.c) reads what the safe path reads, or declines.
+"""The native `.metadata` decoder (reshard/storage/pickles/metadecode.c) reads what the safe path reads, or declines.
 
 `metadecode.decode` streams a DCP `.metadata` into columns without building a Python object per
-chunk; the safe path (`reshard.storage.dcp.read_raw_metadata`: the allow-listing unpickler, then
+chunk; the safe path (`reshard.storage.checkpoints.dcp.read_raw_metadata`: the allow-listing unpickler, then
 `_decode`) stays the reference. The decoder is a fast path, never a judge, so every check here is
 one of two outcomes:
 
@@ -38,11 +38,11 @@ from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DTYPES, unstorable_reason
 from reshard.paths import formats_root
 from reshard.safefs import check_name
-from reshard.storage.dcp import RawObject, RawTensor, read_raw_metadata
-from reshard.storage.safe_pickle import pickle_budget
+from reshard.storage.checkpoints.dcp import RawObject, RawTensor, read_raw_metadata
+from reshard.storage.pickles.safe_pickle import pickle_budget
 
 metadecode = pytest.importorskip(
-    "reshard.storage.metadecode",
+    "reshard.storage.pickles.metadecode",
     reason="the native decoder is not built (no C compiler at install time: setup.py builds it optionally)")
 
 
@@ -257,10 +257,10 @@ def test_frontier_writer_decodes_to_the_reference(frontier):
 
 
 def test_reshards_own_writer_decodes_to_the_reference(tmp_path):
-    """`.metadata` as reshard's convert writes it (reshard.storage.metadata_pickle: a vocabulary memoized
+    """`.metadata` as reshard's convert writes it (reshard.storage.pickles.metadata_pickle: a vocabulary memoized
     and POPped up front, shared TensorProperties states, 64 KiB frames): 400 tensors of 4 chunks each,
     zstd transforms on half, and bytes items, decoded to the reference's records."""
-    from reshard.storage.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
+    from reshard.storage.pickles.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
 
     items: list = []
     at = 0

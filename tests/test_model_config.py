@@ -135,7 +135,7 @@ def test_tp1_target_needs_no_model_config(bare_titan, capsys):
 
 def test_tp1_conversion_without_and_with_the_vocab(bare_titan, tmp_path, capsys):
     """Without values the rows are carried; with vocab_size/vocab_multiple the padding is re-cut for tp=1."""
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     rows = CheckpointIndex.open(bare_titan).entries["model.tok_embeddings.weight"].shape[0]
     code, _, err = run_cli(["convert", bare_titan, tmp_path / "as-saved", "--to", "dp=2,tp=1"], capsys)

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
 from reshard.semantics.conventions import ROLES, classify
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.train import rng as train_rng
 
 SOURCE_ACTIONS = {"resharded", "carried", "rewritten", "dropped"}

@@ -161,7 +161,7 @@ def test_stated_constants_match_torch():
 
     from reshard.engine.space import SAVE_OVERHEAD
     from reshard.model.dtypes import DTYPES, dtype_named, from_torch, unstorable_reason
-    from reshard.storage.dcp_writer import DCP_VERSION
+    from reshard.storage.checkpoints.dcp_writer import DCP_VERSION
 
     assert DCP_VERSION == CURRENT_DCP_VERSION
     buf = io.BytesIO()

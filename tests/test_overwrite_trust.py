@@ -156,7 +156,7 @@ def test_what_counts_as_a_checkpoint(reference_ckpt, tmp_path):
     """The rule on files real libraries wrote, and on what only looks like them."""
     from safetensors.torch import save_file
 
-    from reshard.storage.replaceable import survey
+    from reshard.storage.files.replaceable import survey
 
     hf = tmp_path / "hf"
     hf.mkdir()

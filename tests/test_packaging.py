@@ -26,7 +26,7 @@ def test_non_editable_install_finds_formats(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(ROOT)], check=True, capture_output=True)
     assert (target / "reshard" / "formats" / "conventions" / "reshard.toml").exists()
-    code = ("import reshard.semantics.conventions as c, reshard.storage.safe_pickle as s; "
+    code = ("import reshard.semantics.conventions as c, reshard.storage.pickles.safe_pickle as s; "
             "print(sorted(x.name for x in c.builtin_conventions())); print(len(s._allow_list()))")
     env = dict(os.environ, PYTHONPATH=str(target))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,

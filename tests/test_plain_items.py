@@ -1,4 +1,4 @@
-"""reshard.storage.plain_items: small torch.save items decoded without torch, equal to torch.load's values.
+"""reshard.storage.pickles.plain_items: small torch.save items decoded without torch, equal to torch.load's values.
 
 Every item here is written by real ``torch.save`` (or torch's own single-process ``dcp.save``)
 and decoded twice: by ``torch.load(weights_only=True)`` and by `decode_item`; the values must be
@@ -29,9 +29,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from reshard.errors import BadInput  # noqa: E402
-from reshard.storage import dcp as dcp_io  # noqa: E402
-from reshard.storage.fastread import check_item_crcs  # noqa: E402
-from reshard.storage.plain_items import NotPlain, PlainTensor, decode_item  # noqa: E402
+from reshard.storage.checkpoints import dcp as dcp_io  # noqa: E402
+from reshard.storage.checkpoints.fastread import check_item_crcs  # noqa: E402
+from reshard.storage.pickles.plain_items import NotPlain, PlainTensor, decode_item  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,7 +310,7 @@ class NoTorch:
         return None
 
 sys.meta_path.insert(0, NoTorch())
-from reshard.storage.plain_items import NotPlain, decode_item
+from reshard.storage.pickles.plain_items import NotPlain, decode_item
 
 out = {}
 for path in sorted(Path(sys.argv[1]).iterdir()):

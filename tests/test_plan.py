@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.semantics.batch import Recipe, keep_global_batch
 from reshard.semantics import rng as rng_state
 

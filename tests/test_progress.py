@@ -108,7 +108,7 @@ def test_phases_count_to_the_index_bytes(sides, tmp_path):
     from reshard.model.plan import Options
     from reshard.planning.plan import make_plan
     from reshard.verification.checkpoints import progress_bytes, verify_checkpoints
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ckpt = sides["ckpt"]
     ix = CheckpointIndex.open(ckpt)

@@ -1,4 +1,4 @@
-"""Resuming a killed conversion (`reshard.storage.journal`): the rerun keeps what its journal vouches for.
+"""Resuming a killed conversion (`reshard.storage.files.journal`): the rerun keeps what its journal vouches for.
 
 Real ``reshard convert`` processes (forked from a server that imported reshard and torch
 once, `tests/forked.py`: a real process, a real SIGKILL, no torch import per run; and
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import forked
-from reshard.storage.atomic import journal_dir, stale_temporaries
+from reshard.storage.files.atomic import journal_dir, stale_temporaries
 
 EPOCH = "1700000000"
 TIMEOUT = 300
@@ -224,7 +224,7 @@ def test_restart_says_it_discards():
     """The decision itself (`Journal.choose`), on directories an interrupted run left."""
     import tempfile
 
-    from reshard.storage.journal import Journal, ResumeKey
+    from reshard.storage.files.journal import Journal, ResumeKey
 
     key = ResumeKey("abc", {"__0_0.distcp": [10, 1]}, {"reshard": "1"})
     with tempfile.TemporaryDirectory() as d:
@@ -300,7 +300,7 @@ def test_the_space_check_counts_what_the_interrupted_run_holds(src, uninterrupte
     """Killed at half, the partial output holds disk space the rerun reuses: the check before the
     first byte counts it as free, so a disk that holds the output only with it still resumes,
     while the same free space refuses a fresh destination."""
-    from reshard.storage.atomic import reclaimable_bytes
+    from reshard.storage.files.atomic import reclaimable_bytes
 
     dst = tmp_path / "dst"
     assert run(src, dst, RESHARD_FAULT_KILL_AT=str(uninterrupted["items"] // 2)).returncode == -signal.SIGKILL

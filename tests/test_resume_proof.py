@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-from reshard.storage.atomic import journal_dir
+from reshard.storage.files.atomic import journal_dir
 from test_resume import assert_clean, assert_identical, run, snapshot, the_temporary
 
 RERUN_SECONDS = 60  # a rerun of this ~1.3 MB conversion takes a few seconds; a hang or a retry loop would not
@@ -209,7 +209,7 @@ def test_a_symlink_planted_after_the_decision_is_replaced_not_written_through(tm
     """The same journal opened by the writer (`Journal.open_file`) after the decision to resume, with a
     symlink planted in between: it is read as no journal (nothing outside is read) and replaced by
     a regular file; the file outside keeps its bytes."""
-    from reshard.storage.journal import Journal, ResumeKey
+    from reshard.storage.files.journal import Journal, ResumeKey
 
     tmp = tmp_path / ".out.reshard-tmp-0123456789ab"
     tmp.mkdir()

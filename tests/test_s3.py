@@ -160,7 +160,7 @@ def test_credentials_are_never_printed_or_recorded(plain_url):
 
 def test_hostile_keys_and_names_are_refused(s3, plain_fsdp2_ckpt, plain_url):
     from reshard.errors import BadInput
-    from reshard.storage.remote import open_remote
+    from reshard.storage.objectstore.remote import open_remote
 
     rc = open_remote(plain_url)
     for name in ("../evil/__0_0.distcp", "sub/__0_0.distcp", "/__0_0.distcp", ".."):
@@ -299,7 +299,7 @@ def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch)
 
     import fsspec
 
-    from reshard.storage import upload
+    from reshard.storage.objectstore import upload
 
     fs = fsspec.filesystem("s3")
     data = tmp_path / "data"
@@ -433,7 +433,7 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from reshard.storage.upload import stage_folder
+    from reshard.storage.objectstore.upload import stage_folder
 
     dst = s3.url("out/killed")
     data = {n for n in _data_files(local_dp2) if n.endswith(".distcp")}
@@ -524,7 +524,7 @@ def test_ctrl_c_bound_for_the_store_says_where_the_work_waits(s3, plain_url, tmp
 
     import forked
 
-    from reshard.storage.upload import stage_folder
+    from reshard.storage.objectstore.upload import stage_folder
 
     dst = s3.url("out/ctrl-c")
     events = tmp_path / "events"

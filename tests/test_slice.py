@@ -38,7 +38,7 @@ from reshard.train.launch import start_ranks
 from reshard.reference import TrainConfig, run_reference
 from reshard.reference.trainer import free_port
 from reshard.semantics.manifest import read_manifest
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 
 LAYERS = 4
 SLICES = {"first2": ("0-1", [0, 1]), "ends": ("0,3", [0, 3])}  # name -> (--layers, source layers kept)

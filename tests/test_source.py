@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1] / "reshard"
 #: Where a look-up of a path's store (`remote_of`) or of a text's kind (`is_url`) may stay.
 ALLOWED = {
     "storage/source.py",     # the Source: the one place a command's text becomes a checkpoint opened
-    "storage/remote.py",     # their definitions
-    "storage/upload.py",     # the store output (a destination, not a source)
+    "storage/objectstore/remote.py",     # their definitions
+    "storage/objectstore/upload.py",     # the store output (a destination, not a source)
     "engine/publishing.py",  # the store output
     # argument checks of what the user typed, before any Source exists (`arguments.is_url`; the
     # CLI and the API call it for a destination: whether the output is the store output)
@@ -96,8 +96,8 @@ def test_two_sources_over_two_prefixes_share_nothing(two_urls):
 
 
 def test_a_store_source_reads_an_item_through_its_own_handle(two_urls, plain_fsdp2_ckpt):
-    from reshard.storage import dcp
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints import dcp
+    from reshard.storage.checkpoints.index import CheckpointIndex
     from reshard.storage.source import Source, opened
 
     local = Source.local(plain_fsdp2_ckpt).reader()

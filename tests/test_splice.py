@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 from reshard.engine.conversion import convert
 from reshard.engine.copy import IOOptions
 from reshard.model.geometry import Box, contiguous_run
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.engine import bands, splice
-from reshard.storage import dcp_writer, fileio
-from reshard.storage.crcledger import CorruptItem
+from reshard.storage.checkpoints import dcp_writer
+from reshard.storage.files import fileio
+from reshard.storage.checkpoints.crcledger import CorruptItem
 from reshard.model.plan import Options
 from reshard.planning.plan import make_plan
 from reshard.testing.synthetic import make_sharded
@@ -187,7 +188,7 @@ def test_source_crc_of_zero_is_not_trusted(sources, tmp_path, monkeypatch):
 def _zero_crc(args):
     from dataclasses import replace
 
-    from reshard.storage.fastread import item_layout
+    from reshard.storage.checkpoints.fastread import item_layout
 
     lay = item_layout(*args)
     return replace(lay, storage_crc=0)

@@ -173,7 +173,7 @@ def test_an_absurd_model_is_refused_where_no_tensor_carries_the_size(reference_c
     """Sizes no carrier reads still describe a model: stated vocab 10**12 x dim 2**40 against the 4-rank reference
     checkpoint's real parameter count is refused as more than 10 times it."""
     from reshard.semantics import sizes
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ix = CheckpointIndex.open(reference_ckpt)
     shapes = {k[len("model."):]: tuple(e.shape) for k, e in ix.entries.items() if k.startswith("model.") and e.is_tensor}

@@ -85,7 +85,7 @@ def test_an_object_replaced_during_a_conversion_commits_nothing(s3, plain_fsdp2_
     import forked
 
     from reshard.errors import BadInput
-    from reshard.storage.remote import open_remote
+    from reshard.storage.objectstore.remote import open_remote
 
     victim = "__0_0.distcp"
     assert (other_run / victim).stat().st_size == (plain_fsdp2_ckpt / victim).stat().st_size
@@ -276,7 +276,7 @@ def test_a_huge_listing_is_bounded_and_opaque_files_cost_no_request(s3, plain_fs
 
     from reshard.commands.inspect import inspect as run_inspect
     from reshard.planning.options import Given, build_options, opened_source
-    from reshard.storage import remote
+    from reshard.storage.objectstore import remote
 
     url = s3.upload(plain_fsdp2_ckpt, "many")
     c = s3.client()

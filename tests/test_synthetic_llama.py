@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from reshard.semantics import conventions
 from reshard.semantics import manifest as mf
 from reshard.semantics import rules as R
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.testing.synthetic_llama import (
     LlamaShape,
     canonical_weights,

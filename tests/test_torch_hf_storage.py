@@ -99,7 +99,7 @@ def test_inspect_reads_the_shards_as_torch_does(written):
     are those of torch's own HuggingFaceStorageReader and of the full state torch gathered."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from reshard.storage.local_format import open_any
+    from reshard.storage.checkpoints.local_format import open_any
 
     code, out, err = cli(["inspect", written["sharded"], "--json"])
     assert code == 0, err

@@ -32,7 +32,7 @@ import torch
 from conftest import cli, run_cli
 from reshard.train.launch import start_ranks
 from reshard.semantics import manifest as mf
-from reshard.storage.index import RANK_FILE, CheckpointIndex
+from reshard.storage.checkpoints.index import RANK_FILE, CheckpointIndex
 from reshard.reference import TrainConfig
 from reshard.reference.model import stage_layers
 from reshard.reference.trainer import free_port

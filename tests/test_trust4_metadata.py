@@ -1,7 +1,7 @@
 """Issue 42, item 10: where the torch-free `.metadata` reader and `verify` were not exact.
 
 (a) **A chunk of another rank than its tensor, read by the fallback.** The native decoder
-    (reshard/storage/metadecode.c) declines such a file, so the safe unpickler's records are
+    (reshard/storage/pickles/metadecode.c) declines such a file, so the safe unpickler's records are
     turned into columns (`metadata_columns.from_raw`), where a key's chunks are rows of its
     rank, one key after another: one chunk of another rank shifted the rows of every later
     key, and the refusal named those keys (coverage errors of 'b', 'c', ...), never the one
@@ -47,10 +47,10 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import cli
 from reshard.model.dtypes import DTYPES
-from reshard.storage import dcp as dcp_io
-from reshard.storage import metadata_columns, safe_pickle
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.safe_pickle import PickleTooCostly, pickle_budget, pickle_cost, python_pickle_cost
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.pickles import metadata_columns, safe_pickle
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.pickles.safe_pickle import PickleTooCostly, pickle_budget, pickle_cost, python_pickle_cost
 
 EXCEPTION_NAMES = ("TypeError", "UnpicklingError", "KeyError", "IndexError", "RecursionError", "MemoryError",
                    "ValueError", "AttributeError", "Traceback", "unexpected")

@@ -96,8 +96,8 @@ def test_the_plan_and_the_inspection_have_no_field_typed_any(cls):
     assert not untyped, f"{cls} fields typed Any (or containing Any): {untyped}"
 
 
-READERS = [("reshard.storage.index", "CheckpointIndex"), ("reshard.storage.hf_dcp", "HfDcpIndex"),
-           ("reshard.storage.safetensors_format", "ExportIndex"), ("reshard.storage.local_format", "LocalIndex")]
+READERS = [("reshard.storage.checkpoints.index", "CheckpointIndex"), ("reshard.storage.checkpoints.hf_dcp", "HfDcpIndex"),
+           ("reshard.storage.checkpoints.safetensors_format", "ExportIndex"), ("reshard.storage.checkpoints.local_format", "LocalIndex")]
 
 
 @pytest.mark.parametrize("module,name", READERS)

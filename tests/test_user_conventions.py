@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from test_no_silent_loss import _every_role_state
 
 MYSTERY = "mystery.ema_decay"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from reshard.errors import Incomplete, ReshardError
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.testing.synthetic import list_rank_files, make_sharded, synthetic_value, truncate_file
 from reshard.render.verify import render_verify
 from reshard.verification.checkpoints import progress_bytes, verify_checkpoints

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.storage import integrity
+from reshard.storage.files import integrity
 from reshard.errors import BadInput, ReshardError
 from reshard.model.geometry import Box
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.verification import compare
-from reshard.storage import dcp as rdcp
-from reshard.storage.dcp_writer import DcpWriter
+from reshard.storage.checkpoints import dcp as rdcp
+from reshard.storage.checkpoints.dcp_writer import DcpWriter
 from reshard.testing.synthetic import make_sharded, minimal_manifest, synthetic_value
 from reshard.verification.checkpoints import progress_bytes, verify_checkpoints
 from reshard.render.progress import Progress
@@ -81,7 +81,7 @@ def _checksums(path: Path, algorithm: str) -> dict[str, str]:
 
 def _flip_payload_bit(path: Path, key: str, index: tuple[int, ...], bit: int = 0) -> tuple[str, int]:
     """Flip one bit of element ``index`` (global) of ``key`` in place, in the file (the zip still loads)."""
-    from reshard.storage.fastread import storage_byte_range
+    from reshard.storage.checkpoints.fastread import storage_byte_range
 
     ix = CheckpointIndex.open(path)
     e = ix.entries[key]

@@ -26,7 +26,7 @@ from reshard.planning.options import check_plan_matches, options_from_plan
 from reshard.planning.plan import make_plan
 from reshard.render.progress import waiting
 from reshard.storage.source import Source
-from reshard.storage.urls import looks_like_url
+from reshard.storage.objectstore.urls import looks_like_url
 
 
 @dataclass
@@ -39,8 +39,8 @@ class Converted:
 
     @property
     def resume_note(self) -> str:
-        """Kept K of N items, or started over and why (`reshard.storage.journal.describe`); "" when not resumable."""
-        from reshard.storage.journal import describe
+        """Kept K of N items, or started over and why (`reshard.storage.files.journal.describe`); "" when not resumable."""
+        from reshard.storage.files.journal import describe
 
         return (describe(self.report["resume"]) or "") if self.report and self.report.get("resume") else ""
 
@@ -130,24 +130,24 @@ def _without_workers(argv: list[str]) -> list[str]:
 
 
 def watch_output(dst: Path) -> tuple[int, int]:
-    """What stands at ``dst`` as a ``--workers`` launcher starts (`reshard.storage.atomic.identity`):
+    """What stands at ``dst`` as a ``--workers`` launcher starts (`reshard.storage.files.atomic.identity`):
     its worker 0 commits in another process, so after a Ctrl-C the launcher compares."""
-    from reshard.storage.atomic import identity
+    from reshard.storage.files.atomic import identity
 
     return identity(dst)
 
 
 def interruption(dst: Path, before: Optional[tuple[int, int]] = None) -> tuple[str, int]:
     """The last line of a Ctrl-C during a command that writes ``dst`` through
-    `reshard.storage.atomic.atomic_directory` (convert, export, import), and its exit code.
+    `reshard.storage.files.atomic.atomic_directory` (convert, export, import), and its exit code.
 
     Before the commit ``dst`` is unchanged: exit 130, saying when the same command resumes (a
     temporary directory and its journal wait beside ``dst``). After it (the rename into place
     happened, after the verification) the output is complete: exit 0, so a script does not take
     a finished conversion for a failed one. ``before``: `watch_output` of a ``--workers`` launcher.
     """
-    from reshard.storage import upload
-    from reshard.storage.atomic import what_is_left
+    from reshard.storage.objectstore import upload
+    from reshard.storage.files.atomic import what_is_left
 
     if looks_like_url(str(dst)):  # an output bound for a store: committed once `.metadata` is uploaded
         try:

@@ -28,7 +28,7 @@ def inspect(source: Source | Path, opts: Options, *, deep: bool = False, progres
         stack.enter_context(waiting(progress))  # the index, the object items: seconds with no bytes to count
         bar = None
         if deep and progress is not None:
-            from reshard.storage.local_format import open_any  # whichever format inspect reads
+            from reshard.storage.checkpoints.local_format import open_any  # whichever format inspect reads
 
             bar = stack.enter_context(progress.phase(
                 "checking items", sum(e.nbytes for e in open_any(source.root, remote=source.remote).entries.values())))

@@ -7,8 +7,8 @@ each source row once per target that needs a part of it: cheap through the page 
 but not with direct I/O. Here the unit of work is the source chunk instead:
 
 * A `BandJob` reads one source chunk's storage once, in bands of whole rows, with direct
-  I/O (`reshard.storage.fileio`), and takes the CRC-32 of every band; at the end the source's
-  CRC-32 must equal the one its writer recorded (else `reshard.storage.crcledger.CorruptItem`,
+  I/O (`reshard.storage.files.fileio`), and takes the CRC-32 of every band; at the end the source's
+  CRC-32 must equal the one its writer recorded (else `reshard.storage.checkpoints.crcledger.CorruptItem`,
   naming the file and the key: the source is corrupt), which checks every byte this job
   copies out of it.
 * For every target chunk the band meets, the intersection is copied out of the band
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reshard.model.geometry import Box, contiguous_run
-from reshard.storage import archive
-from reshard.storage.crcledger import CorruptItem
-from reshard.storage.fileio import ALIGN, FdCache, write_exact, write_placed
+from reshard.storage.checkpoints import archive
+from reshard.storage.checkpoints.crcledger import CorruptItem
+from reshard.storage.files.fileio import ALIGN, FdCache, write_exact, write_placed
 from reshard.engine.splice import SourceChunk, SpliceMismatch, WorkerBuffers, as_array, read_piece, item_row_bytes, finish_item
 
 __all__ = ["BandItem", "BandJob", "applies"]

@@ -17,14 +17,14 @@ Faults
 ------
 * **Killed** (SIGKILL, OOM, power): ``dst`` is untouched (absent, or the previous output
   with ``--overwrite``); at most a hidden temporary directory and the lock file remain
-  beside it, with the journal of the items written (`reshard.storage.journal`). The next
+  beside it, with the journal of the items written (`reshard.storage.files.journal`). The next
   run into ``dst`` with the same plan, source and options continues in that directory: it
   keeps every journaled item whose bytes still have their CRC-32 and writes the rest
   (``--restart``, or any change of the resume key: it deletes the directory and starts
   over, saying why). Running the same command again gives the same bytes either way.
 * **Out of space** (ENOSPC, EFBIG, EDQUOT): `BadInput` (exit 2) naming the destination
-  and the estimated bytes needed (`reshard.storage.integrity.estimate_output_bytes`); nothing is
-  committed and the temporary directory is removed. `reshard.storage.integrity.space_check`
+  and the estimated bytes needed (`reshard.storage.files.integrity.estimate_output_bytes`); nothing is
+  committed and the temporary directory is removed. `reshard.storage.files.integrity.space_check`
   warns before a run.
 * **Integrity**: the manifest records the CRC-32 of every item written
   (``manifest["integrity"]``); `inspect --deep` and `verify` check it.
@@ -40,7 +40,7 @@ Write events of a DCP conversion, numbered 1, 2, ... in order: every item the
 `DcpWriter` writes (``item FILE:OFFSET``), the ``.metadata`` commit (``metadata``),
 ``manifest.json`` (``manifest``), ``reshard-report.json`` (``report.json``),
 ``reshard-report.md`` (``report.md``) and the rename into place (``rename``, the last).
-`reshard.storage.atomic.fault_point` counts them; environment variables act on them:
+`reshard.storage.files.atomic.fault_point` counts them; environment variables act on them:
 
 * ``RESHARD_FAULT_COUNT=PATH``: append ``"N LABEL"`` per event (an uninterrupted run's
   last line is the total);
@@ -72,7 +72,7 @@ def convert(plan: Plan, src: Path | Source, dst: Path, *, overwrite: bool = Fals
     """Write the plan's checkpoint to ``dst``; returns the conversion report.
 
     ``src``: the `Source` a command opened, or a checkpoint directory on this machine.
-    A DCP copy is resumable (`reshard.storage.journal`): a run into ``dst`` that was killed
+    A DCP copy is resumable (`reshard.storage.files.journal`): a run into ``dst`` that was killed
     leaves its journaled items, and this run keeps the ones still right (``report["resume"]``)
     unless the resume key differs or ``restart``.
 

@@ -31,14 +31,14 @@ import numpy as np
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named, is_torch_tensor
-from reshard.storage.index import CheckpointIndex
-from reshard.storage import archive
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints import archive
 from reshard.engine import bands, splice
-from reshard.storage import dcp as dcp_io
-from reshard.storage.dcp import check_loadable
-from reshard.storage.crcledger import CrcLedger, StorageRecord
-from reshard.storage.dcp_writer import DcpWriter
-from reshard.storage.fileio import ALIGN, FdCache
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.checkpoints.dcp import check_loadable
+from reshard.storage.checkpoints.crcledger import CrcLedger, StorageRecord
+from reshard.storage.checkpoints.dcp_writer import DcpWriter
+from reshard.storage.files.fileio import ALIGN, FdCache
 from reshard.engine.resume import Resumed, prove_spliced, whole_storages
 from reshard.engine.splice import run_jobs
 from reshard.engine.pipeline import Output, Run, writing_bytes
@@ -47,8 +47,8 @@ from reshard.model.plan import Plan
 
 if TYPE_CHECKING:
     from reshard.semantics.manifest import Manifest
-    from reshard.storage.journal import Journal
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.files.journal import Journal
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class IOOptions:
 
 
 class PieceLedger(splice.SourceLedger):
-    """The copy's `reshard.storage.crcledger.CrcLedger` that also keeps the pieces of every storage
+    """The copy's `reshard.storage.checkpoints.crcledger.CrcLedger` that also keeps the pieces of every storage
     it has not checked yet, so a worker of a distributed run can hand the storages it read only in
     part (the rest went to another worker) to the one that checks them against their records
     (`reshard.engine.distributed`). A storage's pieces are dropped once it is checked."""
@@ -173,7 +173,7 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
-    # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.remote`)
+    # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.objectstore.remote`)
     if not isinstance(ix, CheckpointIndex):
         rc = None
     locator = splice.Locator(ix.root, ix.entries.values()) \
@@ -181,7 +181,7 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window, label="copy") \
         if rc is not None else contextlib.nullcontext()
     try:
-        with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.remote)
+        with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.objectstore.remote)
             yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct)
     finally:
         if locator is not None:
@@ -293,7 +293,7 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
     """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
 
     Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
-    (storage transforms, a layout `reshard.storage.fastread` does not parse) or a chunk is too
+    (storage transforms, a layout `reshard.storage.checkpoints.fastread` does not parse) or a chunk is too
     large for the plain zip framing.
     """
     dtype = e.dtype
@@ -436,7 +436,7 @@ def _count_kept(job: splice.SpliceJob, checked: set[str], key: str, storage_at: 
 class CopyOutput(Output):
     """A DCP checkpoint written new by this process (`write_items`), resumable: a run into ``dst``
     that was killed leaves its journaled items, and this one keeps those still right
-    (`reshard.storage.journal`) unless the resume key differs or ``restart``."""
+    (`reshard.storage.files.journal`) unless the resume key differs or ``restart``."""
 
     io: IOOptions = field(default_factory=IOOptions)
     restart: bool = False
@@ -447,9 +447,9 @@ class CopyOutput(Output):
 
     def staging(self, run: Run) -> ContextManager[Path]:
         from reshard.engine.resume import resume_key
-        from reshard.storage.atomic import atomic_directory
-        from reshard.storage.journal import Journal
-        from reshard.storage.replaceable import why_not_replaceable
+        from reshard.storage.files.atomic import atomic_directory
+        from reshard.storage.files.journal import Journal
+        from reshard.storage.files.replaceable import why_not_replaceable
 
         self._journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
 
@@ -478,8 +478,8 @@ class CopyOutput(Output):
         self._syncer = Syncer(sorted(run.tmp.glob("*.distcp")))
 
     def manifest(self, run: Run, manifest: Manifest) -> None:
-        from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
-        from reshard.storage.integrity import record
+        from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM
+        from reshard.storage.files.integrity import record
 
         manifest.integrity = record(self._writer.checksums(), algorithm=CHECKSUM_ALGORITHM)
 
@@ -508,7 +508,7 @@ class Syncer:
         self._t.start()
 
     def _run(self, paths: list[Path]) -> None:
-        from reshard.storage.atomic import fsync_file
+        from reshard.storage.files.atomic import fsync_file
 
         try:
             for p in paths:

@@ -106,7 +106,7 @@ def load_pt(path: Path, root: Path, hint: str = HINT) -> Any:
     import torch
 
     from reshard.safefs import open_read
-    from reshard.storage.fastread import check_file_crcs
+    from reshard.storage.checkpoints.fastread import check_file_crcs
 
     try:
         fd = open_read(path, root=root)

@@ -3,7 +3,7 @@
 Run as ``torchrun --nnodes N --nproc-per-node M -m reshard convert SRC DST --to ...`` (or
 ``reshard convert ... --workers M``, which starts exactly that on this machine). Every
 worker derives the same plan from the same source and reserves every item of the output in
-the same order (`reshard.storage.dcp_writer.DcpWriter.reserve_chunk`), so all of them agree on
+the same order (`reshard.storage.checkpoints.dcp_writer.DcpWriter.reserve_chunk`), so all of them agree on
 the layout of every data file without exchanging it. The target data files are divided
 among the workers (file of target rank ``r`` -> worker ``r mod W``); each worker writes
 only its files, and only it reads the source bytes they need.
@@ -15,7 +15,7 @@ are a single process's; every step taken together goes through one `Collective` 
 worker or on worker 0 alone, every outcome gathered, the first failure raised on every worker):
 
 1. worker 0 checks the destination's space and takes the destination's lock, creating the
-   hidden temporary directory beside ``dst`` (`reshard.storage.atomic.atomic_directory`), and
+   hidden temporary directory beside ``dst`` (`reshard.storage.files.atomic.atomic_directory`), and
    broadcasts its path (the directory must be on a file system every worker sees, as DCP
    itself requires); worker 0 checks the tied copies;
 2. each worker writes and fsyncs its files, then reports ``(checksums, split)`` or its
@@ -252,7 +252,7 @@ def convert_distributed(plan: Any, source: Source, dst: Path, *, overwrite: bool
                         io: Any = None, restart: bool = False, force: bool = False) -> dict[str, Any] | None:
     """This worker's part of a distributed conversion; the report on worker 0, None elsewhere.
 
-    Resumable as a single process is (`reshard.storage.journal`): worker 0 decides, holding the
+    Resumable as a single process is (`reshard.storage.files.journal`): worker 0 decides, holding the
     lock, whether to continue an interrupted run's temporary directory (``restart``: never) and
     tells every worker with the directory's path; each worker keeps or writes its own files."""
     from reshard.engine.copy import IOOptions
@@ -319,9 +319,9 @@ class DistributedOutput(Output):
     def staging(self, run: Run) -> Iterator[Path]:
         """1. worker 0 takes the lock and makes the hidden directory; everyone learns its path (or the error)."""
         from reshard.engine.resume import resume_key
-        from reshard.storage.atomic import atomic_directory
-        from reshard.storage.journal import Journal
-        from reshard.storage.replaceable import why_not_replaceable
+        from reshard.storage.files.atomic import atomic_directory
+        from reshard.storage.files.journal import Journal
+        from reshard.storage.files.replaceable import why_not_replaceable
 
         c = self.collective
         self._journal = journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
@@ -345,8 +345,8 @@ class DistributedOutput(Output):
         from reshard.engine.copy import write_items
         from reshard.engine.pipeline import writing_bytes
         from reshard.render.progress import phase_of
-        from reshard.storage.dcp_writer import DcpWriter
-        from reshard.storage.journal import merge_summaries
+        from reshard.storage.checkpoints.dcp_writer import DcpWriter
+        from reshard.storage.files.journal import merge_summaries
 
         c = self.collective
         self._writer = w = DcpWriter(run.tmp, owned=self._owns, journal=self._journal)
@@ -380,8 +380,8 @@ class DistributedOutput(Output):
         self._split_checked = c.from_lead("writing .metadata", metadata, own=run.own)
 
     def manifest(self, run: Run, manifest: Any) -> None:
-        from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
-        from reshard.storage.integrity import record
+        from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM
+        from reshard.storage.files.integrity import record
 
         manifest.integrity = record(self._writer.checksums(), algorithm=CHECKSUM_ALGORITHM)
 
@@ -428,7 +428,7 @@ def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]
     no piece covered, once. The first contradiction in (file, offset) order is raised: the
     `CorruptItem` paragraph (file and key) and exit code 2 a single process gives.
     """
-    from reshard.storage.crcledger import CrcLedger
+    from reshard.storage.checkpoints.crcledger import CrcLedger
 
     ledger = CrcLedger(collect=True)
     seen = set()
@@ -463,7 +463,7 @@ def _crc_range(fd: int, pos: int, n: int, slab: int = 8 << 20) -> int:
     """CRC-32 of ``n`` bytes of ``fd`` at ``pos``, read in slabs (memory: one slab)."""
     import zlib
 
-    from reshard.storage.fileio import read_exact
+    from reshard.storage.files.fileio import read_exact
 
     buf = memoryview(bytearray(min(n, slab)))
     crc = 0
@@ -516,7 +516,7 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pass_on_trusted() -> bool:
-    """A worker's ``--trust-pickle`` items (`reshard.storage.dcp.TRUSTED_UNPICKLES`) handed to the
+    """A worker's ``--trust-pickle`` items (`reshard.storage.checkpoints.dcp.TRUSTED_UNPICKLES`) handed to the
     process that prints the run's one warning line; returns whether this worker stays silent.
 
     Under `launch_workers` they go to ``trusted-<rank>.json`` in the ``RESHARD_WORKER_ERRORS``
@@ -526,7 +526,7 @@ def pass_on_trusted() -> bool:
     hand its items over (the file cannot be written, a peer is gone) keeps them and prints
     its own line: a warning is never dropped.
     """
-    from reshard.storage.dcp import TRUSTED_UNPICKLES
+    from reshard.storage.checkpoints.dcp import TRUSTED_UNPICKLES
 
     items = TRUSTED_UNPICKLES.take()
     rank = int(os.environ.get("RANK", "0"))
@@ -564,7 +564,7 @@ def _adopt_trusted(folder: Path) -> None:
     """The workers' ``trusted-<rank>.json`` (`pass_on_trusted`), recorded in this process, in rank
     order, so the command's one warning line names every key once."""
     from reshard.safefs import read_json
-    from reshard.storage.dcp import TRUSTED_UNPICKLES
+    from reshard.storage.checkpoints.dcp import TRUSTED_UNPICKLES
 
     found = []
     for p in folder.glob("trusted-*.json"):

@@ -36,7 +36,7 @@ metadata and the names are `reshard.planning.export`'s.
 model family's mapping, plus ``config.json`` (`reshard.planning.export.hf_plan`);
 `reshard.verification.exports.compare_hf_export` is what ``reshard verify SRC HF_EXPORT`` runs.
 
-The output directory appears atomically (`reshard.storage.atomic.atomic_directory`) and holds
+The output directory appears atomically (`reshard.storage.files.atomic.atomic_directory`) and holds
 ``export-report.json``: every source key once with what happened to it. Every exported tensor
 is read back and compared bitwise with the source before it is committed (`_verify_export`).
 """
@@ -58,7 +58,7 @@ from reshard.planning.export import (HF_CONFIG, ST_DTYPE_NAMES, ExportItem, Expo
                                      hf_plan, plan_export, source_report, tied_groups)
 from reshard.storage.source import Source
 from reshard.render.redaction import redact
-from reshard.storage.safetensors_format import header_shape
+from reshard.storage.checkpoints.safetensors_format import header_shape
 from reshard.verification.exports import read_cast
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
 from reshard.units import parse_size
@@ -132,9 +132,9 @@ def export(src: Source | str | Path, dst: str | Path, *, fmt: str = "safetensors
     anything is written (`reshard.engine.space.preflight`, the report's ``estimate``).
     """
     from reshard.semantics.conventions import classify, reshard_key
-    from reshard.storage.atomic import atomic_directory, check_destination, output_path
-    from reshard.storage.replaceable import why_not_replaceable
-    from reshard.storage.local_format import open_any
+    from reshard.storage.files.atomic import atomic_directory, check_destination, output_path
+    from reshard.storage.files.replaceable import why_not_replaceable
+    from reshard.storage.checkpoints.local_format import open_any
     from reshard.semantics.manifest import read_manifest
 
     started = _time.time()
@@ -275,7 +275,7 @@ def _verify_export(ix, out: Path, plan: ExportPlan, fmt: str, progress: Any = No
     """Read every exported tensor back (one at a time) and compare it bitwise with the cast source."""
     diffs: list[str] = []
     if fmt == "safetensors":
-        from reshard.storage.safetensors_format import ExportIndex
+        from reshard.storage.checkpoints.safetensors_format import ExportIndex
 
         ex = ExportIndex(out, keys="stored")
 

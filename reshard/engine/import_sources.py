@@ -9,7 +9,7 @@ Sources
 -------
 * safetensors: a single ``.safetensors`` file, a directory with
   ``model.safetensors.index.json``, a directory with ``model.safetensors`` or with
-  Hugging Face shards (read through `reshard.storage.safetensors_format.ExportIndex`, box by box
+  Hugging Face shards (read through `reshard.storage.checkpoints.safetensors_format.ExportIndex`, box by box
   with ``get_slice``: memory is bounded by the largest target chunk);
 * torch: a ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) holding a flat dict of tensors,
   or a directory with ``model.pt.index.json`` / ``pytorch_model.bin.index.json``
@@ -85,7 +85,7 @@ class SourceTensor:
 
 # ===================================================================================== sources
 def _safetensors_source(src: Path, rename) -> tuple[list[SourceTensor], dict[str, Any], list[list[str]], list[dict]]:
-    from reshard.storage.safetensors_format import ExportIndex
+    from reshard.storage.checkpoints.safetensors_format import ExportIndex
 
     ex = ExportIndex(src, keys="reshard", rename=rename)
     out = []
@@ -107,7 +107,7 @@ class _TorchFiles:
 
 def _torch_files(src: Path) -> _TorchFiles:
     from reshard.safefs import resolve_root
-    from reshard.storage.safetensors_format import read_index
+    from reshard.storage.checkpoints.safetensors_format import read_index
 
     if src.is_file():
         if src.suffix not in TORCH_SUFFIXES:
@@ -145,7 +145,7 @@ def _torch_load(path: Path, root: Path) -> Any:
     except FileNotFoundError:
         raise Incomplete("weights file is missing", where=str(path)) from None
     with os.fdopen(fd, "rb") as fh:
-        from reshard.storage.fastread import check_file_crcs
+        from reshard.storage.checkpoints.fastread import check_file_crcs
 
         check_file_crcs(fd, where=str(path))  # every member against its writer's CRC-32 (CorruptItem, exit 2)
         proc = f"/proc/self/fd/{fd}"
@@ -167,7 +167,7 @@ def _torch_load(path: Path, root: Path) -> Any:
 
 def _torch_source(src: Path, rename) -> tuple[list[SourceTensor], dict[str, Any], list[list[str]], list[dict]]:
     from reshard.semantics.conventions import get_convention
-    from reshard.storage.safetensors_format import INDEX_HINT, check_index_found, check_shard_listed, default_key
+    from reshard.storage.checkpoints.safetensors_format import INDEX_HINT, check_index_found, check_shard_listed, default_key
 
     tf = _torch_files(src)
     meta = (tf.index.get("metadata") or {}).get("reshard") or {}
@@ -288,7 +288,7 @@ def hf_source(src: Path, mapping, topo: Topology) -> tuple[list[SourceTensor], d
     """
     from reshard import safefs
     from reshard.semantics.rules import select
-    from reshard.storage.safetensors_format import ExportIndex, is_export
+    from reshard.storage.checkpoints.safetensors_format import ExportIndex, is_export
 
     if not src.is_dir() or not is_export(src):
         raise BadInput("not a Hugging Face model directory (safetensors weights and config.json)", where=str(src))
@@ -379,8 +379,8 @@ def _check_config_sizes(cfg: dict[str, Any], mapping, shapes: dict[str, tuple[in
 def open_source(src: Path, rename):
     """A consolidated-weights source (safetensors or torch.save); a DeepSpeed folder is opened by
     `reshard.engine.deepspeed_import` (which builds on this module, not the other way round)."""
-    from reshard.storage.hf_dcp import is_hf_dcp
-    from reshard.storage.safetensors_format import is_export
+    from reshard.storage.checkpoints.hf_dcp import is_hf_dcp
+    from reshard.storage.checkpoints.safetensors_format import is_export
 
     if not src.exists():
         raise BadInput("no such file or directory", where=str(src))

@@ -64,7 +64,7 @@ from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.topology import Topology
 from reshard.render.progress import describe_bytes, end_commit, phase_of, start_commit
-from reshard.storage.atomic import output_path
+from reshard.storage.files.atomic import output_path
 
 REPORT = "import-report.json"
 
@@ -123,10 +123,10 @@ def import_checkpoint(src: str | Path, dst: str | Path, *, to: str, rename: str 
                               experiment_id=experiment_id, progress=progress, force=force)
     from reshard.planning.export import RenameRules
     from reshard.semantics import manifest as mf
-    from reshard.storage.atomic import atomic_directory, check_destination
-    from reshard.storage.replaceable import why_not_replaceable
-    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
-    from reshard.storage.integrity import record as integrity_record
+    from reshard.storage.files.atomic import atomic_directory, check_destination
+    from reshard.storage.files.replaceable import why_not_replaceable
+    from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM
+    from reshard.storage.files.integrity import record as integrity_record
 
     started = _time.time()
     src, dst = Path(src), Path(dst)
@@ -157,10 +157,10 @@ def _import_native(src: Path, dst: Path, *, to: str, fmt: str, rename, overwrite
     """``--format torchtitan`` (or a family): a Hugging Face directory -> the trainer's own DCP layout, a warm start."""
     from reshard.model.topology import parse_spec
     from reshard.semantics import manifest as mf
-    from reshard.storage.atomic import atomic_directory, check_destination
-    from reshard.storage.replaceable import why_not_replaceable
-    from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM
-    from reshard.storage.integrity import record as integrity_record
+    from reshard.storage.files.atomic import atomic_directory, check_destination
+    from reshard.storage.files.replaceable import why_not_replaceable
+    from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM
+    from reshard.storage.files.integrity import record as integrity_record
 
     started = _time.time()
     if rename is not None:
@@ -271,7 +271,7 @@ def _write_tensors(tmp: Path, planned: list[_Planned], progress: Any, to: str,
                    objects: dict[str, tuple[tuple, Any]] | None = None) -> dict[str, str]:
     """Write every planned chunk, read box by box from the source, then the source's objects (an optimizer's
     param groups, written by rank 0 as DCP writes non-tensor values); returns the items' checksums."""
-    from reshard.storage.dcp_writer import DcpWriter
+    from reshard.storage.checkpoints.dcp_writer import DcpWriter
 
     total = sum(_nbytes(p.src) for p in planned)
     if progress is not None:
@@ -403,7 +403,7 @@ def _verify_import(srcs: list[SourceTensor], out: Path, progress: Any = None,
                    objects: dict[str, tuple[tuple, Any]] | None = None) -> dict[str, Any]:
     """Every written tensor read back through the DCP index (one at a time), bitwise against the source;
     every object read back equal to its value."""
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     ix = CheckpointIndex.open(out)
     diffs = [f.message for f in ix.findings if f.severity == "error"]

@@ -2,7 +2,7 @@
 
 Whether a plan can be linked, and which files and items are shared, is decided on the plan
 alone (`reshard.planning.linking.link_layout`); this module executes it: the source's data
-files shared into the output by reflink or hard link (`reshard.storage.linkfs`), the linked
+files shared into the output by reflink or hard link (`reshard.storage.files.linkfs`), the linked
 items declared where they lie, the keys the plan rewrites or adds written new: a `LinkOutput`,
 whose steps `reshard.engine.pipeline.run_conversion` runs in the order every output follows
 (verified, reported, refused when it differs, committed). The item checksums of the shared items are the source manifest's own records.
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from reshard.errors import BadInput
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints.dcp_writer import CHECKSUM_ALGORITHM, DcpWriter
 from reshard.planning import linking
 from reshard.model.plan import Plan
 from reshard.render.progress import phase_of
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 @dataclass
 class LinkOutput(Output):
     """``--data link``: the output's tensor items stay in the source's data files, shared into
-    the output by reflink or hard link (`reshard.storage.linkfs`); ``.metadata``, the keys the
+    the output by reflink or hard link (`reshard.storage.files.linkfs`); ``.metadata``, the keys the
     plan rewrites or adds, the manifest and the reports are written new (`reshard.planning.linking`).
 
     Refused (`BadInput`, nothing written) when a tensor needs new bytes, or when the files
@@ -71,7 +71,7 @@ class LinkOutput(Output):
     def manifest(self, run: Run, manifest: Manifest) -> None:
         """The shared items' checksums are the source manifest's; the lineage says how the files are shared."""
         from reshard.engine.outcome import source_manifest
-        from reshard.storage.integrity import record
+        from reshard.storage.files.integrity import record
 
         checksums, carried_records = _linked_checksums(self._writer, source_manifest(run.source.root), self._names)
         manifest.integrity = record(checksums, algorithm=CHECKSUM_ALGORITHM) if checksums is not None else None
@@ -98,7 +98,7 @@ class LinkOutput(Output):
 
 
 def _share_files(src: Path, dst: Path, tmp: Path, files: list[str]) -> list:
-    from reshard.storage.linkfs import LinkRefused, share_file
+    from reshard.storage.files.linkfs import LinkRefused, share_file
 
     out = []
     for name in files:
@@ -140,7 +140,7 @@ def _linked_checksums(w: DcpWriter, src_manifest: dict[str, Any] | None,
     byte the link saved. Each item's own zip CRC-32s still cover its bytes (`inspect --deep`).
     Returns (checksums or None, how many were taken from the source, or None).
     """
-    from reshard.storage.integrity import item_name
+    from reshard.storage.files.integrity import item_name
 
     rec = (src_manifest or {}).get("integrity") or {}
     recorded = dict(rec.get("items") or {}) if rec.get("algorithm") == CHECKSUM_ALGORITHM else {}

@@ -1,7 +1,7 @@
 """`reshard convert --output-format local`: the ``reshard-local`` files written from a plan.
 
 The format (one safetensors file per target rank, its objects files and ``local-index.json``)
-is described, and read back, in `reshard.storage.local_format`; this module knows the plan
+is described, and read back, in `reshard.storage.checkpoints.local_format`; this module knows the plan
 (which rank holds which box, which keys are per-rank state) and writes those files, as the
 `LocalOutput` step of `reshard.engine.pipeline.run_conversion`.
 """
@@ -22,9 +22,9 @@ from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
-from reshard.storage.index import CheckpointIndex
-from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
-from reshard.storage.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
+from reshard.storage.checkpoints.index import CheckpointIndex
+from reshard.storage.checkpoints.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
+from reshard.storage.checkpoints.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
                                           rank_objects_file, index_dtype)
 
 TRANSFORM_CACHE_BYTES = 256 << 20
@@ -171,7 +171,7 @@ def _check_storable(tensors: list[_HeldTensor], ix: CheckpointIndex) -> None:
     """Every kept tensor's dtype has a safetensors name, before the first file is written.
 
     The rank files are safetensors, which names float8 (all five), F4, U16-U64 and C64 but not
-    complex32, complex128 or the bits dtypes (`reshard.storage.safetensors_format.SAFETENSORS_DTYPES`);
+    complex32, complex128 or the bits dtypes (`reshard.storage.checkpoints.safetensors_format.SAFETENSORS_DTYPES`);
     a tensor of those is refused by key and dtype (exit 2) with the DCP output as the way out.
     """
     bad = []

@@ -18,10 +18,10 @@ from typing import Any
 from reshard.errors import Infeasible
 from reshard.units import reproducible
 from reshard.planning.plan import plan_reader, source_inspection
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.render.redaction import redact
-from reshard.storage import sidecars
-from reshard.storage.atomic import fault_point, output_path
+from reshard.storage.checkpoints import sidecars
+from reshard.storage.files.atomic import fault_point, output_path
 from reshard.storage.source import Source
 from reshard.model.kinds import EXPECTED_DIFFERENCES
 from reshard.model.plan import Plan
@@ -43,7 +43,7 @@ def carry_sidecars(plan: Plan, ix: CheckpointIndex, src: Path, tmp: Path) -> lis
     """Every sidecar the plan listed, copied byte-identical into the output before it is committed.
 
     A trainer's own files beside the DCP part (Lightning's `meta.pt`, ...) are data: dropping
-    them would leave an output the trainer cannot load (`reshard.storage.sidecars`).
+    them would leave an output the trainer cannot load (`reshard.storage.checkpoints.sidecars`).
     """
     return sidecars.carry_sidecars(src, tmp, sidecars.claimed_names(ix), plan.source.get("sidecars"), getattr(ix, "remote", None))
 

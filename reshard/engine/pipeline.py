@@ -77,7 +77,7 @@ class Run:
 
     def own(self, exc: BaseException) -> BaseException:
         """An error as this run reports it: a full disk names the destination and the bytes needed."""
-        from reshard.storage.integrity import is_space_error, out_of_space
+        from reshard.storage.files.integrity import is_space_error, out_of_space
 
         if not is_space_error(exc):
             return exc
@@ -137,8 +137,8 @@ class Output:
 
     def staging(self, run: Run) -> ContextManager[Path]:
         """The hidden directory beside ``dst`` the output is made in, renamed into place as the block exits."""
-        from reshard.storage.atomic import atomic_directory
-        from reshard.storage.replaceable import why_not_replaceable
+        from reshard.storage.files.atomic import atomic_directory
+        from reshard.storage.files.replaceable import why_not_replaceable
 
         return atomic_directory(self.dst, overwrite=self.overwrite, replaceable=why_not_replaceable)
 
@@ -178,7 +178,7 @@ def run_conversion(plan: Plan, source: Source, output: Output) -> Optional[dict[
 def _converted(plan: Plan, source: Source, output: Output) -> Optional[dict[str, Any]]:
     from reshard.errors import Infeasible
     from reshard.planning.plan import plan_reader
-    from reshard.storage.atomic import check_destination
+    from reshard.storage.files.atomic import check_destination
     from reshard.units import now_text
 
     if not plan.feasible:
@@ -249,7 +249,7 @@ def check_tied_copies(run: Run) -> None:
     """Tied keys the plan writes once (`Plan.checks`) must be bitwise equal in the source: the target
     would otherwise keep one of them silently."""
     from reshard.errors import Infeasible
-    from reshard.storage.index import bitwise_equal
+    from reshard.storage.checkpoints.index import bitwise_equal
 
     for key, equal_to in run.plan.checks.items():
         if not bitwise_equal(run.ix, key, equal_to):
@@ -262,7 +262,7 @@ def _write_manifest(run: Run, output: Output) -> Manifest:
     from reshard.engine.outcome import source_manifest
     from reshard.semantics.manifest import write_manifest
     from reshard.semantics.transition import output_manifest
-    from reshard.storage.atomic import fault_point
+    from reshard.storage.files.atomic import fault_point
 
     manifest = output_manifest(run.plan, source_manifest(run.source.root), time=run.stamp)
     output.manifest(run, manifest)

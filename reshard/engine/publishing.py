@@ -3,7 +3,7 @@
 Why here (engine) and not in the command: what makes a rerun resume, the resume key of the
 committed local output, the checksums checked before that output is taken again, and the
 upload's own record, is execution, the same for any caller (`reshard convert`, a script).
-The bytes of the upload itself are `reshard.storage.upload.publish`'s. A conversion's is a
+The bytes of the upload itself are `reshard.storage.objectstore.upload.publish`'s. A conversion's is a
 `StoreOutput`, which wraps the output that makes it (`reshard.engine.pipeline.Output.around`),
 so the conversion runs once, in the stage, and is published after it: the command does not
 call itself for a local destination.
@@ -18,9 +18,9 @@ from reshard.engine.pipeline import Output
 from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
-from reshard.storage import upload
-from reshard.storage.atomic import fault_point
-from reshard.storage.integrity import check_items, item_bytes
+from reshard.storage.objectstore import upload
+from reshard.storage.files.atomic import fault_point
+from reshard.storage.files.integrity import check_items, item_bytes
 
 if TYPE_CHECKING:
     from reshard.model.plan import Plan
@@ -33,7 +33,7 @@ __all__ = ["StoreOutput", "export_into_store"]
 class StoreOutput(Output):
     """A conversion bound for object storage: ``inner`` (any output) made in the local folder of the
     destination's `upload.Stage`, then, once it has committed (verified equal), uploaded to ``url``
-    (this output's ``dst``): data objects first, `.metadata` last (`reshard.storage.upload.publish`).
+    (this output's ``dst``): data objects first, `.metadata` last (`reshard.storage.objectstore.upload.publish`).
     A kill before the last upload leaves no `.metadata` there, so no loader takes the output. It
     wraps the whole run (`around`) and takes none of its steps: those are ``inner``'s.
 

@@ -1,7 +1,7 @@
 """Resume: when a rerun may keep what an interrupted conversion already wrote.
 
 A killed conversion leaves its hidden output directory and a journal of the items it wrote
-(`reshard.storage.journal`, which knows files and CRCs and nothing of plans). A rerun
+(`reshard.storage.files.journal`, which knows files and CRCs and nothing of plans). A rerun
 continues in that directory only under the same resume key: the same plan (its
 fingerprint), the same source files by size and mtime, and the same writer (output format,
 reshard and torch versions), made here for the single process (`reshard.engine.conversion`)
@@ -14,7 +14,7 @@ only when this run proves it is exactly the bytes it would write from the source
 now; everything else is rewritten:
 
 * items whose bytes the writer is handed (objects, rewritten or transformed tensors):
-  the bytes on disk are compared with them (`reshard.storage.dcp_writer.DcpWriter`);
+  the bytes on disk are compared with them (`reshard.storage.checkpoints.dcp_writer.DcpWriter`);
 * items spliced from source bytes (`prove_spliced`): the item is read and compared with
   what `reshard.engine.splice.SpliceJob.run` writes from the current source: its head equal
   to the framing's, its storage equal bitwise to the source rows it is cut from (read now,
@@ -39,15 +39,15 @@ from typing import Any
 from reshard.engine.splice import SpliceJob, WorkerBuffers, item_row_bytes, slab_difference
 from reshard.model.geometry import contiguous_run
 from reshard.model.plan import Plan
-from reshard.storage.crcledger import CrcLedger
-from reshard.storage.fileio import FdCache, read_exact
-from reshard.storage.journal import ResumeKey, source_identity
+from reshard.storage.checkpoints.crcledger import CrcLedger
+from reshard.storage.files.fileio import FdCache, read_exact
+from reshard.storage.files.journal import ResumeKey, source_identity
 
 __all__ = ["Proof", "Resumed", "prove_spliced", "resume_key", "whole_storages"]
 
 
 def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp", rc: Any = None) -> ResumeKey:
-    """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.journal`):
+    """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.files.journal`):
     the plan (or its fingerprint, as a report records it), the source files as they are on disk, and what
     else decides the bytes written."""
     from importlib.metadata import version

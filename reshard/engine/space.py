@@ -22,9 +22,10 @@ from typing import Any, Iterable, Iterator
 from reshard.errors import BadInput, ReshardError
 from reshard.model.dtypes import dtype_named
 from reshard.render.space import space_line
-from reshard.storage import dcp_writer, remote, upload
-from reshard.storage.atomic import reclaimable_bytes
-from reshard.storage.integrity import nearest_existing
+from reshard.storage.checkpoints import dcp_writer
+from reshard.storage.objectstore import remote, upload
+from reshard.storage.files.atomic import reclaimable_bytes
+from reshard.storage.files.integrity import nearest_existing
 from reshard.units import human_bytes
 from reshard.model.kinds import Action
 
@@ -438,14 +439,14 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
 
 @contextlib.contextmanager
 def space_errors(dst: str | os.PathLike, needed: int, what: str) -> Iterator[None]:
-    """A full destination inside the block reads as convert's (`reshard.storage.integrity.out_of_space`):
+    """A full destination inside the block reads as convert's (`reshard.storage.files.integrity.out_of_space`):
     destination, bytes needed, exit 2 (after ``--force``, or when the disk filled up meanwhile).
 
     Put it outside `atomic_directory`, so it sees the commit's own writes too and the temporary
     directory is already gone when the error is raised. ``torch.save`` reports a failed
     write as a RuntimeError whose cause is the OSError; that counts too.
     """
-    from reshard.storage.integrity import is_space_error, out_of_space
+    from reshard.storage.files.integrity import is_space_error, out_of_space
 
     try:
         yield

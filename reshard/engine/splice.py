@@ -4,7 +4,7 @@ Resharding a tensor that is only re-cut (same dtype, no layout transform) is a b
 each element of a target chunk sits somewhere in exactly one source chunk. This module
 does that copy from the source's data files straight into the target's data file:
 
-* A source item is located once (`reshard.storage.fastread.item_layout`: its zip directory and
+* A source item is located once (`reshard.storage.checkpoints.fastread.item_layout`: its zip directory and
   pickle, never its data), giving the file offset of its row-major storage bytes.
 * A target chunk is produced in **slabs** of whole dim-0 rows (at most ``slab_bytes``, at
   least one row). For each source chunk meeting the slab, the intersection is either one
@@ -15,7 +15,7 @@ does that copy from the source's data files straight into the target's data file
   When the whole target chunk is such runs, from source storages whose CRC-32 their
   writer recorded, and its storage starts 4 KiB-aligned in the output file (the writer
   aligns storages of 1 MiB and more), the runs are copied with
-  **direct I/O** (``O_DIRECT``, `reshard.storage.fileio`): read from the source's disk blocks
+  **direct I/O** (``O_DIRECT``, `reshard.storage.files.fileio`): read from the source's disk blocks
   into an aligned slab buffer and written from it, with no page cache on either side, so
   the copy costs the disk time and almost no CPU. The slab's CRC-32 is taken on the way
   and must equal the CRC-32s the source items' writer recorded (their zip records),
@@ -27,10 +27,10 @@ does that copy from the source's data files straight into the target's data file
   the records, and every such item is read back and compared with the source (`check`).
   The read-back reads the source rows, so their CRC-32s go to the same ledger: a source
   storage whose bytes contradict its writer's record stops the conversion there too
-  (`reshard.storage.crcledger.CorruptItem`, exit 2, naming the file and the key), whichever
+  (`reshard.storage.checkpoints.crcledger.CorruptItem`, exit 2, naming the file and the key), whichever
   path copied it.
 * The slab's CRC-32 is accumulated, the slab written with ``pwrite`` at its final place;
-  the item's head (`reshard.storage.archive`) comes first and its tail, which needs the CRC,
+  the item's head (`reshard.storage.checkpoints.archive`) comes first and its tail, which needs the CRC,
   last. Memory per worker: one slab buffer.
 * Items are independent: `run_jobs` fills them from a bounded thread pool (preadv,
   pwrite, CRC-32 and NumPy copies release the GIL), so reading, checksumming and writing
@@ -57,10 +57,10 @@ import numpy as np
 
 from reshard.errors import ReshardError
 from reshard.model.geometry import Box, contiguous_run
-from reshard.storage import archive
-from reshard.storage.crcledger import CorruptItem, CrcLedger, StorageRecord
-from reshard.storage.fastread import item_layout
-from reshard.storage.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
+from reshard.storage.checkpoints import archive
+from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
+from reshard.storage.checkpoints.fastread import item_layout
+from reshard.storage.files.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
 
 __all__ = [
     "SourceChunk",
@@ -276,7 +276,7 @@ class SpliceJob:
         (`CorruptItem`): equal to the source is not enough when the source itself is corrupt.
 
         Independent of how `run` placed the bytes: the item is parsed back as a zip archive
-        (`reshard.storage.fastread.item_layout`: members, pickle, dtype and shape must be the
+        (`reshard.storage.checkpoints.fastread.item_layout`: members, pickle, dtype and shape must be the
         target chunk's), then, slab by slab, the target rows and the source rows they come
         from are read back and compared as NumPy views cut by box arithmetic alone, bitwise.
         Both sides are still in the page cache, and the check runs on the pool while other
@@ -441,7 +441,7 @@ SourceLedger = CrcLedger
 """Checks copies that take parts of source storages (a shard cut in two, as in dp 2 -> 4),
 for which no single target item can be checked against a record: every copy (direct, or
 read back) reports each source part's CRC-32 (`SourceChunk.record`), and the ledger checks
-a source storage once its parts tile it (`reshard.storage.crcledger.CrcLedger`). After the copy,
+a source storage once its parts tile it (`reshard.storage.checkpoints.crcledger.CrcLedger`). After the copy,
 ``verified(source)`` says whether it was checked (not, e.g., when another worker of a
 distributed run copied the rest of it; the caller then compares those keys after writing)."""
 

@@ -213,7 +213,7 @@ class EntryQueries:
     def reading_ahead(self, keys: Iterable[str]) -> ContextManager[Any]:
         """A block during which the items of ``keys`` may be fetched ahead of their reads: nothing
         to do for files on this machine; a checkpoint in object storage overrides it
-        (`reshard.storage.index.CheckpointIndex.reading_ahead`)."""
+        (`reshard.storage.checkpoints.index.CheckpointIndex.reading_ahead`)."""
         return contextlib.nullcontext()
 
     @property
@@ -231,7 +231,7 @@ class EntryQueries:
 
     def read_plain(self, key: str) -> Any:
         """A small item's value for a counter: what `read_object` gives, unless a reader decodes
-        small items without torch (`reshard.storage.index.CheckpointIndex.read_plain`)."""
+        small items without torch (`reshard.storage.checkpoints.index.CheckpointIndex.read_plain`)."""
         return self.read_object(key)  # type: ignore[attr-defined]
 
     def item_count(self) -> int:

@@ -9,7 +9,7 @@ encodes tensor bytes asks for `DType.torch`, which imports torch then, once.
 The table mirrors torch 2.13's own dtypes by their attribute names (``tests/test_dtypes.py``
 checks it against ``vars(torch)``: every dtype, its itemsize, float/complex, its aliases).
 A pickle names a dtype as the global ``torch.<name>``; only names in this table are admitted
-(`reshard.storage.safe_pickle`), so no name taken from a file is ever looked up on ``torch``.
+(`reshard.storage.pickles.safe_pickle`), so no name taken from a file is ever looked up on ``torch``.
 """
 from __future__ import annotations
 

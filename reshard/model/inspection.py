@@ -108,7 +108,7 @@ class Inspection:
     bytes: int = 0  # bytes of the data files
     has_manifest: bool = False
     optimizer: OptimizerHealth = field(default_factory=_no_optimizer)
-    sidecars: list[JsonDict] = field(default_factory=list)  # the other files of the directory (`reshard.storage.sidecars`)
+    sidecars: list[JsonDict] = field(default_factory=list)  # the other files of the directory (`reshard.storage.checkpoints.sidecars`)
 
     @property
     def errors(self) -> list[Finding]:

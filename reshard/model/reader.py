@@ -1,9 +1,9 @@
 """What every checkpoint reader offers, declared once: `CheckpointReader`.
 
-Four readers turn files into the model's entries and chunks (DCP: `reshard.storage.index.CheckpointIndex`;
-torch's safetensors-backed DCP: `reshard.storage.hf_dcp.HfDcpIndex`; a safetensors export:
-`reshard.storage.safetensors_format.ExportIndex`; reshard's per-rank safetensors:
-`reshard.storage.local_format.LocalIndex`), and every layer above asks them the same questions
+Four readers turn files into the model's entries and chunks (DCP: `reshard.storage.checkpoints.index.CheckpointIndex`;
+torch's safetensors-backed DCP: `reshard.storage.checkpoints.hf_dcp.HfDcpIndex`; a safetensors export:
+`reshard.storage.checkpoints.safetensors_format.ExportIndex`; reshard's per-rank safetensors:
+`reshard.storage.checkpoints.local_format.LocalIndex`), and every layer above asks them the same questions
 without asking which format a checkpoint is in. Declaring those questions here (each reader
 subclasses this Protocol) makes the agreement a checked fact (`tests/test_typed_seams.py`)
 instead of four classes that happen to spell the same methods; the bounds check they share is

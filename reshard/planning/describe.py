@@ -24,11 +24,11 @@ from reshard.errors import BadInput, ReshardError
 from reshard.model.checkpoint import ChunkTable, Finding
 from reshard.model.dtypes import is_torch_tensor
 from reshard.model.inspection import JSON_VERSION, Inspection
-from reshard.storage.index import CheckpointIndex, bitwise_equal
+from reshard.storage.checkpoints.index import CheckpointIndex, bitwise_equal
 from reshard import safefs
-from reshard.storage import sidecars
-from reshard.storage.plain_items import PlainTensor
-from reshard.storage.local_format import open_any
+from reshard.storage.checkpoints import sidecars
+from reshard.storage.pickles.plain_items import PlainTensor
+from reshard.storage.checkpoints.local_format import open_any
 from reshard.storage.source import Source
 
 
@@ -85,7 +85,7 @@ def inspect_checkpoint(source: Source | str | Path, *, deep: bool = False, from_
     by_role = _contents_by_role(ix, cls.roles)
     counter_keys = _present_counters(ix, cls)
     counters = _read_scalars(ix, counter_keys if can_read else {}, findings)
-    side = sidecars.inspect_section(ix)  # every other file of the directory (reshard.storage.sidecars)
+    side = sidecars.inspect_section(ix)  # every other file of the directory (reshard.storage.checkpoints.sidecars)
     for name, (where, value) in sidecars.counters_from(side).items():
         if name not in counters:  # a trainer that keeps its step beside the DCP data (Megatron's common.pt)
             counters[name], counter_keys[name] = value, where
@@ -844,7 +844,7 @@ def _report(source: Source, ins: Inspection, mdict: dict[str, Any], *, deep: boo
     return {
         "json_version": JSON_VERSION,
         **({"store": store} if store is not None else {}),  # a remote checkpoint: what describing it fetched
-        "path": ins.path,  # the URL of a remote checkpoint (reshard.storage.remote)
+        "path": ins.path,  # the URL of a remote checkpoint (reshard.storage.objectstore.remote)
         "complete": ins.complete,
         "consistent": consistent,
         "exit_code": exit_code,

@@ -34,7 +34,7 @@ plain string, `header_metadata`) holds: ``format`` = ``"pt"`` (transformers requ
 list of groups of exported names: the first is stored, the others are copies of it and not
 stored), ``ties_given`` (only when the profile named ties: its groups, source names; an option
 ``verify`` re-derives the export with, checked against the source's bytes again) and ``export_map`` (JSON ``{exported name: source DCP key}`` for that shard's
-tensors), which `reshard.storage.safetensors_format` uses to map names back for ``verify`` and
+tensors), which `reshard.storage.checkpoints.safetensors_format` uses to map names back for ``verify`` and
 ``import``.
 
 ``--format hf`` (`hf_plan`): the Hugging Face names of the model family's mapping
@@ -59,7 +59,7 @@ from reshard.model.dtypes import DTYPES as BY_NAME, DType
 from reshard.model.kinds import ExportAction
 from reshard.model.plan import NOT_CAST
 from reshard.storage.source import Source
-from reshard.storage.safetensors_format import PACKED, SAFETENSORS_NAMES
+from reshard.storage.checkpoints.safetensors_format import PACKED, SAFETENSORS_NAMES
 
 EXPORT_FORMAT_VERSION = "1"
 HF_CONFIG = "config.json"
@@ -271,7 +271,7 @@ def plan_export(ix, cls, mdict: dict[str, Any], *, only: str, dtype: DType | Non
     refused, since the export would write one tensor where the source holds two.
     """
     from reshard.semantics.conventions import known_tied_pairs
-    from reshard.storage.index import bitwise_equal
+    from reshard.storage.checkpoints.index import bitwise_equal
 
     p = ExportPlan()
     roles = cls.roles

@@ -8,7 +8,7 @@ checkpoint whose ``.metadata`` lists the *source's* chunks therefore loads at an
 whose global view is the source's, whatever the new ranks' boxes are. A conversion that
 changes no tensor's global values (a DP change, a plain TP or PP re-cut of tensors with a
 TP-independent global view) can leave every tensor chunk in the source's data files, shared
-into the output by reflink or hard link (`reshard.storage.linkfs`), and write new only
+into the output by reflink or hard link (`reshard.storage.files.linkfs`), and write new only
 what changes: the rewritten and added keys (per-rank RNG and loader state, schedule
 counters), ``.metadata`` and the manifest.
 
@@ -36,7 +36,7 @@ import numpy as np
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
 from reshard.model.kinds import Action, DataMode
-from reshard.storage.index import RANK_FILE
+from reshard.storage.checkpoints.index import RANK_FILE
 
 __all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
 
@@ -88,7 +88,7 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
     """Decide, key by key, what `--data link` shares and what it writes (see the module docstring)."""
     out = LinkLayout()
     opts = plan.options
-    from reshard.storage.hf_dcp import HfDcpIndex
+    from reshard.storage.checkpoints.hf_dcp import HfDcpIndex
 
     if isinstance(ix, HfDcpIndex):  # its tensors are raw safetensors bytes, which no DCP item can point at
         out.reasons.append(f"the source is torch's safetensors-backed DCP ({ix.version}): its files hold no DCP "

@@ -40,9 +40,9 @@ from reshard.semantics import schedule as schedule_mod
 from reshard.semantics import sizes
 from reshard.semantics.conventions import Classification, KeyRole
 from reshard.model.topology import Topology, parse_spec
-from reshard.storage import sidecars
-from reshard.storage.hf_dcp import export_refusal
-from reshard.storage.safetensors_format import ExportIndex
+from reshard.storage.checkpoints import sidecars
+from reshard.storage.checkpoints.hf_dcp import export_refusal
+from reshard.storage.checkpoints.safetensors_format import ExportIndex
 from reshard.storage.source import Source
 
 
@@ -430,7 +430,7 @@ def _source_summary(source: Source, ins: Inspection, source_topo: Topology, cls:
                           "tokens_seen": ins.tokens_seen,
                           "experiment_id": ins.experiment_id, "convention": cls.convention.name,
                           "entries": ins.entries, "bytes": ins.bytes, "manifest": ins.has_manifest}
-    carried = sidecars.plan_entries(ins.sidecars)  # the files carried beside the DCP part (reshard.storage.sidecars)
+    carried = sidecars.plan_entries(ins.sidecars)  # the files carried beside the DCP part (reshard.storage.checkpoints.sidecars)
     if carried:  # only when there are any, so plans of checkpoints without sidecars keep their fingerprints
         out["sidecars"] = carried
     return out

@@ -16,9 +16,9 @@ import torch
 
 from reshard.errors import BadInput
 from reshard.safefs import loads_json
-from reshard.storage.index import RANK_FILE, CheckpointIndex
-from reshard.storage import dcp as dcp_io
-from reshard.storage.dcp_writer import DcpWriter
+from reshard.storage.checkpoints.index import RANK_FILE, CheckpointIndex
+from reshard.storage.checkpoints import dcp as dcp_io
+from reshard.storage.checkpoints.dcp_writer import DcpWriter
 from reshard.semantics.manifest import MANIFEST_NAME, Manifest, write_manifest
 
 MOMENT = re.compile(r"^optim\.state\.(?P<param>.+)\.(?P<name>exp_avg|exp_avg_sq)$")

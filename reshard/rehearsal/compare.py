@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.rehearsal.ckpt import MOMENT, STEP
 
 

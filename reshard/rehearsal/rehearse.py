@@ -74,7 +74,7 @@ def _lcm(a: int, b: int) -> int:
 
 def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     """Batch recipe, schedule, data policy and model shape copied (scaled down) from a real checkpoint."""
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
     from reshard.semantics.manifest import read_manifest
     from reshard.semantics.rules import select
 
@@ -364,7 +364,7 @@ def _slice_start(like: Path, src: Topology, switch_at: int) -> dict[str, Any]:
     seed and data length are the rehearsal's (what the resumed trainer must be given).
     """
     from reshard.semantics.manifest import read_manifest
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     m = read_manifest(like)
     slices = [e for e in (m.lineage if m is not None else []) if isinstance(e.policies, dict) and e.policies.get("slice")]
@@ -522,7 +522,7 @@ def _check_rules_family(setup: _Setup, src_ckpt: Path) -> None:
     """With ``--like``: the rehearsal model must select the real checkpoint's partition rules, or the
     rehearsal would not exercise them. Records the family in ``setup.copied``."""
     from reshard.semantics.rules import select
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     copied = setup.copied
     if copied is None or "slice_start" in copied:  # your trainer on a slice: its own model, the real rules
@@ -596,7 +596,7 @@ def _make_control(setup: _Setup, baseline: _Baseline, switch: _Switch) -> dict[s
                         f"{baseline.src_ckpt} with its source recipe {r.micro_batch} x {r.grad_accum} per rank "
                         f"(global batch {g} instead of {r.global_batch}): what resuming without reshard does; "
                         "DCP reshards the tensors on load")}
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     if "data.sampler.cursor" not in CheckpointIndex.open(baseline.src_ckpt).entries:
         raise BadInput("--control naive-state rewrites data.sampler.cursor, which this trainer's checkpoint "

@@ -1,7 +1,7 @@
 """Credentials redacted from every line reshard prints and every report it writes.
 
 Why a module of its own, in render: the first defence is that nothing in reshard reads, prints
-or records a credential (they come from the store's own chain, and `reshard.storage.urls.parse`
+or records a credential (they come from the store's own chain, and `reshard.storage.objectstore.urls.parse`
 refuses a URL with an ``@`` anywhere before anything can echo it). This is the last one: text on
 its way to a person or a file passes `redact`, so a secret that reached a message by a path no
 one foresaw (a store's error quoting a presigned URL, an environment variable's value in a

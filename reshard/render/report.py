@@ -305,7 +305,7 @@ def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
 
 
 def store_lines(r: dict[str, Any]) -> list[str]:
-    """What a run from or into object storage fetched and sent (`reshard.storage.remote`), in words."""
+    """What a run from or into object storage fetched and sent (`reshard.storage.objectstore.remote`), in words."""
     out = []
     st = r.get("source_store")
     if st:

@@ -333,7 +333,7 @@ def load_user_convention(path: str | Path, table: str | None = None) -> UserConv
 def reshard_key(convention: str, key: str) -> str:
     """The name a tensor key of ``convention`` reads under in reshard's own convention: a parameter
     as ``model.<fqn>``, an optimizer state as ``optim.state.<fqn>.<name>``, anything else as it is.
-    Passed to the storage readers of a safetensors export (`reshard.storage.safetensors_format`)."""
+    Passed to the storage readers of a safetensors export (`reshard.storage.checkpoints.safetensors_format`)."""
     r = get_convention(convention).classify(key, "tensor")
     if r.role == "parameter" and r.param:
         return "model." + r.param

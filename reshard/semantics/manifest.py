@@ -456,7 +456,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     integrity: dict | None = None
     """Optional: {"algorithm": "crc32" | "sha256", "items": {"<file>:<offset>": hex}}, a checksum of every
-    stored item as written (see reshard/storage/integrity.py). Absent in older manifests; omitted
+    stored item as written (see reshard/storage/files/integrity.py). Absent in older manifests; omitted
     from the JSON when None."""
 
     def to_dict(self) -> dict:

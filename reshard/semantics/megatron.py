@@ -12,7 +12,7 @@ number of ranks that wrote pieces of one layer of one tensor. When both agree, t
 recorded by the checkpoint, and a ``--from`` that contradicts it is bad input naming both.
 
 Nothing here reads bytes: the plans arrive as per-rank item counts already checked against the
-stored items (`reshard.storage.save_plans`), the geometry as the index's chunk offsets and data file names.
+stored items (`reshard.storage.checkpoints.save_plans`), the geometry as the index's chunk offsets and data file names.
 
 The world the plans claim is as large as the `.metadata` makes it (a plan list of 720,720 ranks
 fits in a few MB), so nothing here costs more than a pass over the ranks: the one factorisation
@@ -40,7 +40,7 @@ def recorded_layout(ix: Any, keys: Sequence[str], convention: Convention, findin
     """The layout the save plans record (source "checkpoint"), or None when they record none or do not fit.
 
     Only a convention with ``[topology] save_plans_rank_order`` reads plans (the mesh order,
-    innermost first), from ``ix.save_plans`` (`reshard.storage.save_plans.SavePlans`: items per
+    innermost first), from ``ix.save_plans`` (`reshard.storage.checkpoints.save_plans.SavePlans`: items per
     rank, or the ``problem`` that makes them no evidence, then a warning and the chunks alone
     decide as before). ``keys`` are the tensors whose chunks show the layout (the parameters).
     """

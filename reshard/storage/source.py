@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from reshard.storage import remote
-from reshard.storage.sidecars import fetched_to_describe
+from reshard.storage.objectstore import remote
+from reshard.storage.checkpoints.sidecars import fetched_to_describe
 
 if TYPE_CHECKING:  # the readers import this module's layer-mates; typed here only
     from reshard.model.inspection import Inspection
-    from reshard.storage.hf_dcp import HfDcpIndex
-    from reshard.storage.index import CheckpointIndex
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.checkpoints.hf_dcp import HfDcpIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 __all__ = ["Source", "opened", "is_url"]
 
@@ -106,8 +106,8 @@ class Source:
         trust setting is the same. A store's reader is handed its `RemoteCheckpoint`."""
         trust = self.trust_pickle if trust_pickle is None else trust_pickle
         if trust not in self._readers:
-            from reshard.storage.hf_dcp import HfDcpIndex, open_source
-            from reshard.storage.index import CheckpointIndex
+            from reshard.storage.checkpoints.hf_dcp import HfDcpIndex, open_source
+            from reshard.storage.checkpoints.index import CheckpointIndex
 
             index = self.inspection.index if self.inspection is not None else None
             if type(index) in (CheckpointIndex, HfDcpIndex) and index.trust_pickle == trust \

@@ -381,7 +381,7 @@ def make_llama_checkpoint(
 
 def load_global(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor key of ``ckpt`` as its global tensor (the TP layout it was saved in)."""
-    from reshard.storage.index import CheckpointIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
 
     idx = CheckpointIndex.open(ckpt)
     return {e.key: idx.read_tensor(e.key) for e in idx.tensors()}

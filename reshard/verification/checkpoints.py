@@ -79,7 +79,7 @@ Bad input (incomplete checkpoint, unreadable or invalid manifest, unsafe pickle)
 `reshard convert`: crc32, or sha256 in older manifests; another algorithm is `BadInput`),
 every item of that side is hashed and checked before any result is reported (B's items
 while the fast path compares them, so they are read once; the rest by
-`reshard.storage.integrity.check_items`); an item whose bytes do not match is *corrupt input*,
+`reshard.storage.files.integrity.check_items`); an item whose bytes do not match is *corrupt input*,
 not a difference: `BadInput` (exit 2) naming the first corrupt item in (file, offset)
 order, its key and file. Without this a
 flipped payload byte shows up, at best, as a value difference of unknown origin.
@@ -124,10 +124,10 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput
 from reshard.model.checkpoint import Entry
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.model.inspection import Inspection
 from reshard.storage.source import Source
-from reshard.storage.integrity import check_algorithm
+from reshard.storage.files.integrity import check_algorithm
 from reshard.render.progress import phase_of
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
 from reshard.verification.objects import bits, element, object_difference, widened
@@ -155,8 +155,8 @@ def check_item_checksums(insp: Inspection, path: Path, notes: list[str] | None =
                          progress: Any = None) -> None:
     """Hash every item of a checkpoint whose manifest records checksums; BadInput on the first
     mismatch (or on a checksum algorithm reshard does not know). ``digests``: checksums
-    already computed for some items (see `reshard.storage.integrity.check_items`)."""
-    from reshard.storage.integrity import check_items, describe, first_issue_message, item_bytes
+    already computed for some items (see `reshard.storage.files.integrity.check_items`)."""
+    from reshard.storage.files.integrity import check_items, describe, first_issue_message, item_bytes
 
     integrity = _integrity_record(insp)
     if integrity is None:
@@ -393,7 +393,7 @@ def verify_checkpoints(a: Source | Path, b: Source | Path, *, rtol: float = 0.0,
     (`reshard convert` checks each item as it writes it); when their shape and dtype match
     they count as compared without a second read.
     ``direct``: the byte comparison reads large pieces with direct I/O, bypassing the page
-    cache (`reshard.storage.fileio`); False reads through it.
+    cache (`reshard.storage.files.fileio`); False reads through it.
     """
     source_a, source_b = Source.of(a), Source.of(b)
     a, b = source_a.root, source_b.root

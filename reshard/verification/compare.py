@@ -7,9 +7,9 @@ instead, which for a bitwise comparison is the same question (verify compares bi
 NaN payloads must match, ``-0.0 != 0.0``).
 
 `compare_tensors(ia, ib, keys)` takes keys whose entries have the same shape and dtype on
-both sides, both sides being `reshard.storage.index.CheckpointIndex`. A key is compared here when
+both sides, both sides being `reshard.storage.checkpoints.index.CheckpointIndex`. A key is compared here when
 every chunk of it, on both sides, is a plain ``torch.save`` archive without storage
-transforms whose layout `reshard.storage.fastread.item_layout` parses (torch's weights-only
+transforms whose layout `reshard.storage.checkpoints.fastread.item_layout` parses (torch's weights-only
 unpickler over a meta storage: nothing from the file is executed) as a C-contiguous tensor
 of the chunk's shape and the key's dtype, its elements inside the item's byte range.
 
@@ -33,7 +33,7 @@ it while comparing, so B's bytes are read once for both jobs (`CompareResult.dig
 otherwise each piece is a task. Tasks run in a small thread pool (``workers``, default
 4-8) with a bounded window in flight, so memory stays at about ``workers x (2 x slab_bytes
 + STAGE_BYTES)``, whatever the checkpoint's size. Pieces of ``DIRECT_FROM`` bytes or more
-are read with direct I/O (``direct=True``, `reshard.storage.fileio`): a verify reads each byte
+are read with direct I/O (``direct=True``, `reshard.storage.files.fileio`): a verify reads each byte
 once, and on a cold checkpoint the page cache would only add CPU. The layouts of large
 keys' items are parsed on a second small pool a bounded number of items ahead, after
 asking the kernel to read their heads and zip directories (``posix_fadvise WILLNEED``; the
@@ -57,7 +57,7 @@ already got, so a caller that falls back can skip that many.
 
 **Every byte read is checked against its writer's record.** Each piece of B and each run
 of A read for a comparison is checksummed where it lies in the buffer (``zlib.crc32``,
-about memory speed, no second read) and fed to a `reshard.storage.crcledger.CrcLedger` under
+about memory speed, no second read) and fed to a `reshard.storage.checkpoints.crcledger.CrcLedger` under
 its item's storage record (the CRC-32 in the item's zip central directory); once the
 pieces of a storage tile it, their combined CRC-32 must equal the record. A storage whose
 bytes contradict it is `CorruptItem` (bad input, exit 2, naming the file and the key),
@@ -65,7 +65,7 @@ raised by `compare_tensors` whatever the verdicts: a corrupt item is not a diffe
 After the comparison, a storage read only in part (its view is smaller than its storage,
 or rows of it were read by no piece) is completed by one read of what is missing, when its
 key compared equal here; one of a key that differed or fell back is left to the decoding
-path, which checks it (`reshard.storage.dcp.load_item`); one another worker of a distributed
+path, which checks it (`reshard.storage.checkpoints.dcp.load_item`); one another worker of a distributed
 run reads the rest of (``b_files``) is reported as not checked. `CompareResult.crc` counts
 each kind, and storages without a record (written without CRCs) as ``unrecorded``.
 
@@ -89,10 +89,10 @@ from typing import Any
 import numpy as np
 
 from reshard.model.geometry import Box, contiguous_run
-from reshard.storage.integrity import new_hasher
-from reshard.storage.crcledger import CorruptItem, CrcLedger, StorageRecord
-from reshard.storage.fastread import item_layout
-from reshard.storage.fileio import FdCache, ThreadBuffers, read_at, read_exact
+from reshard.storage.files.integrity import new_hasher
+from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
+from reshard.storage.checkpoints.fastread import item_layout
+from reshard.storage.files.fileio import FdCache, ThreadBuffers, read_at, read_exact
 
 __all__ = [
     "COUNTERS",
@@ -425,7 +425,7 @@ DIRECT_FROM = 1 << 20  # pieces this large are read with direct I/O (when the fi
 def _bytes_at(files: _Files, path: Path, buf: np.ndarray, pos: int, n: int) -> np.ndarray:
     """``n`` bytes of ``path`` at ``pos``, read into the start of ``buf``.
 
-    Large pieces bypass the page cache (`reshard.storage.fileio`): a verify reads each byte once,
+    Large pieces bypass the page cache (`reshard.storage.files.fileio`): a verify reads each byte once,
     and on a cold checkpoint that costs the disk time and almost no CPU.
     """
     x = buf[:n]
@@ -542,7 +542,7 @@ def compare_tensors(ia: Any, ib: Any, keys: Sequence[str], *, progress: Any = No
     """Compare the stored bytes of ``keys`` (tensors of the same shape and dtype on both
     sides) of two `CheckpointIndex` es; a `KeyVerdict` per key (see the module docstring).
 
-    ``hash_b`` (an algorithm of `reshard.storage.integrity`) with ``hash_names`` (item names
+    ``hash_b`` (an algorithm of `reshard.storage.files.integrity`) with ``hash_names`` (item names
     ``"file:offset"`` of B): each such item whose chunk takes part is read whole, in order,
     by one task that hashes it while comparing, so B's bytes are read once for both; its
     checksum lands in ``CompareResult.digests`` (items of keys that stopped early do not:

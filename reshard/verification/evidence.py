@@ -346,7 +346,7 @@ def export_evidence(a: Source, b: Source, sa: Inspection, sb: Inspection) -> tup
     no trainer counters). Nothing else is excused: a value that differs is a difference.
     """
     from reshard.planning.export import key_actions, tied_groups
-    from reshard.storage.safetensors_format import ExportIndex
+    from reshard.storage.checkpoints.safetensors_format import ExportIndex
 
     kinds = (isinstance(sa.index, ExportIndex), isinstance(sb.index, ExportIndex))
     if kinds not in ((False, True), (True, False)):
@@ -394,7 +394,7 @@ def check_transforms(src: Source | Path, out: Source | Path, plan: Plan, b_files
     import torch
 
     from reshard.semantics import transforms
-    from reshard.storage.local_format import open_any
+    from reshard.storage.checkpoints.local_format import open_any
     from reshard.semantics.conventions import reshard_key
 
     src, out = Source.of(src), Source.of(out)

@@ -30,7 +30,7 @@ def hf_export_sides(a: Path, b: Path) -> tuple[Path, Path] | None:
     ``--format hf`` writes and ``from_pretrained`` reads); a plain safetensors export has none
     and is compared by `reshard.verification.checkpoints` as before.
     """
-    from reshard.storage.safetensors_format import is_export
+    from reshard.storage.checkpoints.safetensors_format import is_export
 
     def hf(p: Path) -> bool:
         return p.is_dir() and is_export(p) and os.path.lexists(p / HF_CONFIG)
@@ -59,8 +59,8 @@ def compare_hf_export(src: Source | Path, exp: Path, *, a: Path | str, b: Path |
     from reshard.semantics.hf import mapping_for
     from reshard.semantics.manifest import read_manifest
     from reshard.semantics.rules import select
-    from reshard.storage.local_format import open_any
-    from reshard.storage.safetensors_format import ExportIndex
+    from reshard.storage.checkpoints.local_format import open_any
+    from reshard.storage.checkpoints.safetensors_format import ExportIndex
 
     import torch  # an export's values are compared decoded
 

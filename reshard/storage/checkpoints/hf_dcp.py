@@ -25,10 +25,10 @@ name of torch's ``shard-...`` pattern is enough to be read as one, so that a dam
 refused by name rather than taken for an export). The consolidated form
 (``enable_consolidation=True``: full tensors in ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json``, the shards kept in ``sharded/``) is an export, read by
-`reshard.storage.safetensors_format`; :func:`consolidated_shards` finds its ``sharded/``.
+`reshard.storage.checkpoints.safetensors_format`; :func:`consolidated_shards` finds its ``sharded/``.
 
 Every file is opened through `reshard.safefs` (a regular file inside the root, never a link
-out, a FIFO or a device), headers are read by `reshard.storage.safetensors_format.read_header`
+out, a FIFO or a device), headers are read by `reshard.storage.checkpoints.safetensors_format.read_header`
 (length capped and inside the file, JSON depth capped) and validated strictly: dtype known,
 shape and ``data_offsets`` consistent with each other and inside the file, no two tensors of a
 file overlapping, every stored tensor with offsets of its rank, no offsets for a tensor the file
@@ -57,16 +57,16 @@ from reshard.errors import BadInput, Incomplete
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
 from reshard.model.geometry import Box, coverage_problems, whole
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.model.dtypes import DType
-from reshard.storage.safetensors_format import (FORGED_HINT, MAX_INT, SAFETENSORS_DTYPES, ST_INDEX, past_int64,
+from reshard.storage.checkpoints.safetensors_format import (FORGED_HINT, MAX_INT, SAFETENSORS_DTYPES, ST_INDEX, past_int64,
                                                 read_header, read_span, torch_shape)
 
 FORMAT = "hf-safetensors-dcp"
 if TYPE_CHECKING:
     import torch
 
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 SHARDING_KEY = "DCP_SHARDING_INFO"   # torch's CUSTOM_METADATA_KEY
 VERSION_KEY = "DCP_VERSION"

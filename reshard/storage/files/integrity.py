@@ -30,8 +30,8 @@ beside ``dst``, so on the same file system). `out_of_space(...)` turns an ENOSPC
 EDQUOT ``OSError`` into a one-paragraph `BadInput` naming the destination and the bytes
 needed.
 
-This module only reads checkpoints (``reshard.storage.dcp``); it imports no other reshard layer
-at import time, so `reshard.storage.index`, `reshard.verification.checkpoints` and `reshard.engine.conversion` can all use it.
+This module only reads checkpoints (``reshard.storage.checkpoints.dcp``); it imports no other reshard layer
+at import time, so `reshard.storage.checkpoints.index`, `reshard.verification.checkpoints` and `reshard.engine.conversion` can all use it.
 """
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from reshard.errors import BadInput, Incomplete
-from reshard.storage.fileio import FdCache
+from reshard.storage.files.fileio import FdCache
 
 if TYPE_CHECKING:  # handed in with the index that reads it
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 ALGORITHM = "sha256"  # the default of `record` (kept for callers that name no algorithm)
 ALGORITHMS = ("sha256", "crc32")
@@ -152,7 +152,7 @@ def item_bytes(index: Any) -> int:
 def hash_item(root: Path, loc: Any, *, key: str, algorithm: str = ALGORITHM, rc: RemoteCheckpoint | None = None) -> str:
     """The checksum (``algorithm``, default sha256) of an item's stored bytes (still
     transformed: what the writer hashed); ``rc``: the store ``root`` stands for, which the bytes come from."""
-    from reshard.storage import dcp
+    from reshard.storage.checkpoints import dcp
 
     return digest(dcp.read_item_bytes(Path(root), loc, key=key, rc=rc), algorithm)
 
@@ -223,11 +223,11 @@ class _Reader(FdCache):
         """Checksums of the items of one batch (see `_batches`).
 
         An item whose checksum matches the manifest is also checked against the CRC-32s its
-        zip records (`reshard.storage.fastread.check_item_crcs`, on the bytes already in the
+        zip records (`reshard.storage.checkpoints.fastread.check_item_crcs`, on the bytes already in the
         buffer): bytes that were corrupt before the manifest was written are `CorruptItem`.
         A checksum that does not match is left to the caller, which names it.
         """
-        from reshard.storage.fastread import MemberCrcs, check_item_crcs, item_members_at
+        from reshard.storage.checkpoints.fastread import MemberCrcs, check_item_crcs, item_members_at
 
         key0, loc0, _ = batch[0]
         fd = self.item_fd(loc0.file, key0)

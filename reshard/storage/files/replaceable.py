@@ -10,7 +10,7 @@ the anchor files: it reads nothing else of the destination, follows no link insi
 stops after ``max_entries`` entries (a tree that large is no checkpoint).
 
 This module knows files, not training: `why_not_replaceable` is the overwrite policy every
-command hands `reshard.storage.atomic.atomic_directory` (its ``replaceable=`` parameter), which
+command hands `reshard.storage.files.atomic.atomic_directory` (its ``replaceable=`` parameter), which
 applies whatever policy it is given and imports none: the rule of what a user's files are is
 this module's, making a directory appear atomically is that one's.
 """
@@ -84,7 +84,7 @@ class Survey:
 @lru_cache(maxsize=1)
 def rules() -> Rule:
     """``formats/replaceable.toml`` checked, plus the sidecar patterns of ``formats/sidecars.toml``."""
-    from reshard.storage.sidecars import sidecar_rules  # imports torch: only when a destination is surveyed
+    from reshard.storage.checkpoints.sidecars import sidecar_rules  # imports torch: only when a destination is surveyed
 
     path = formats_root() / "replaceable.toml"
     try:
@@ -232,7 +232,7 @@ def is_replaceable(dst: str | os.PathLike) -> bool:
 
 
 def why_not_replaceable(dst: str | os.PathLike) -> str | None:
-    """The overwrite policy (`reshard.storage.atomic.OverwritePolicy`) of every command's ``--overwrite``:
+    """The overwrite policy (`reshard.storage.files.atomic.OverwritePolicy`) of every command's ``--overwrite``:
     None when ``dst`` is a checkpoint or an earlier reshard output, else the sentence naming what would be lost."""
     found = survey(dst)
     return None if found.replaceable else found.describe()

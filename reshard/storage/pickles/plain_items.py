@@ -8,7 +8,7 @@ archive: ``data.pkl`` (a protocol-2 pickle), ``byteorder`` and ``data/<key>`` st
 
 What is admitted: `decode_item` checks the archive (`item_pickle`: stored,
 non-overlapping members under one folder, one ``data.pkl``) and the pickle's cost
-(`reshard.storage.safe_pickle.check_cost`), then unpickles with `_PlainUnpickler`, whose
+(`reshard.storage.pickles.safe_pickle.check_cost`), then unpickles with `_PlainUnpickler`, whose
 ``find_class`` admits only ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2`` /
 ``_v3``, the legacy typed storage classes of the dtypes decoded here (``torch.FloatStorage`` ...
 ``torch.BoolStorage``), ``torch.UntypedStorage`` and ``torch.<dtype>`` names of the table in
@@ -27,7 +27,7 @@ class, a float8 or complex tensor, a larger tensor (or an empty one with a dimen
 ``max_elements``), a BUILD on a stand-in, a big-endian archive, a storage that does not
 fit, a pickle that does not unpickle, a value holding a bare storage or dtype) raises `NotPlain`,
 which is **not an error**: the caller falls back to ``torch.load(weights_only=True)``
-(`reshard.storage.dcp.torch_load_item`), which decides whether the item is refused, and how.
+(`reshard.storage.checkpoints.dcp.torch_load_item`), which decides whether the item is refused, and how.
 Only an archive or a pickle that is refused for every reader (`BadInput` from ``item_pickle`` or
 ``check_cost``) propagates as an error.
 """
@@ -47,7 +47,7 @@ import numpy as np
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import DType, lookup
-from reshard.storage.safe_pickle import check_cost
+from reshard.storage.pickles.safe_pickle import check_cost
 
 __all__ = ["NotPlain", "PlainTensor", "decode_item"]
 

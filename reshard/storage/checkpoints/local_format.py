@@ -90,9 +90,9 @@ from reshard.errors import BadInput, Incomplete
 from reshard.model.geometry import Box, coverage_problems, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
-from reshard.storage.index import CheckpointIndex
+from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.model.dtypes import DType, lookup
-from reshard.storage.safetensors_format import PACKED, SAFETENSORS_DTYPES, torch_shape
+from reshard.storage.checkpoints.safetensors_format import PACKED, SAFETENSORS_DTYPES, torch_shape
 
 FORMAT = "reshard-local"
 FORMAT_VERSION = 1
@@ -112,7 +112,7 @@ def rank_objects_file(rank: int) -> str:
 if TYPE_CHECKING:
     import torch
 
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 
 def dtype_name(dt: "DType | torch.dtype") -> str:
@@ -400,17 +400,17 @@ def open_any(path: str | Path, *, trust_pickle: bool = False,
              source_key: Callable[[str, str], str] | None = None,
              remote: RemoteCheckpoint | None = None) -> CheckpointIndex | LocalIndex:
     """A DCP checkpoint's CheckpointIndex, or a LocalIndex when the directory holds ``local-index.json``,
-    or an `HfDcpIndex` for torch's safetensors-backed DCP (`reshard.storage.hf_dcp.is_hf_dcp`),
-    or an `ExportIndex` for a safetensors export (`reshard.storage.safetensors_format.is_export`),
+    or an `HfDcpIndex` for torch's safetensors-backed DCP (`reshard.storage.checkpoints.hf_dcp.is_hf_dcp`),
+    or an `ExportIndex` for a safetensors export (`reshard.storage.checkpoints.safetensors_format.is_export`),
     whose keys ``source_key`` names (`ExportIndex`). ``remote``: the store ``path`` stands for (a staged
     directory), handed to the DCP reader, whose item reads fetch from it."""
     if is_local(path):
         return open_local(path, trust_pickle=trust_pickle)
-    from reshard.storage.hf_dcp import export_note, is_hf_dcp, open_hf_dcp
+    from reshard.storage.checkpoints.hf_dcp import export_note, is_hf_dcp, open_hf_dcp
 
     if is_hf_dcp(path):  # torch's safetensors-backed DCP (HuggingFaceStorageWriter, save_distributed=True)
         return open_hf_dcp(path, trust_pickle=trust_pickle)  # type: ignore[return-value]
-    from reshard.storage.safetensors_format import is_export, open_export
+    from reshard.storage.checkpoints.safetensors_format import is_export, open_export
 
     if is_export(path):
         ex = open_export(path, trust_pickle=trust_pickle, source_key=source_key)

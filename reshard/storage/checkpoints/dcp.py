@@ -27,12 +27,12 @@ from reshard.errors import BadInput, Incomplete, UnsafeInput
 from reshard import safefs
 from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DType, unstorable_reason
-from reshard.storage import save_plans
-from reshard.storage.plain_items import NotPlain, decode_item, item_pickle
-from reshard.storage.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
+from reshard.storage.checkpoints import save_plans
+from reshard.storage.pickles.plain_items import NotPlain, decode_item, item_pickle
+from reshard.storage.pickles.safe_pickle import INT_ONLY, Record, check_cost, load_metadata_pickle
 
 if TYPE_CHECKING:  # handed in by the caller that opened the checkpoint (`reshard.storage.source.Source`)
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 METADATA_FILE = ".metadata"
 MIN_METADATA_CAP = 256 << 20
@@ -313,7 +313,7 @@ def _decode(md: Any, where: str) -> RawMetadata:
         locations[(fqn, offsets)] = ItemLocation(rel, o, n, tds)
     # `all_local_plans` (Megatron-Core's torch_dist save stores every rank's SavePlan here) is
     # read as inert records into plain item lists; the index takes them as evidence of how many
-    # ranks saved only when they agree item for item with `storage_data` (reshard.storage.save_plans).
+    # ranks saved only when they agree item for item with `storage_data` (reshard.storage.checkpoints.save_plans).
     planner = md.get("planner_data")
     paths: dict[str, tuple] = {}
     if isinstance(planner, dict):
@@ -493,7 +493,7 @@ def torch_load_item(data: bytes, *, key: str, where: str, trust_pickle: bool, te
     """``torch.load`` of one item's bytes, bounded, with ``weights_only=True`` unless trusted.
 
     Before loading: the archive may not inflate (`item_pickle`) and its ``data.pkl`` may build
-    no more than `reshard.storage.safe_pickle.pickle_budget` of its length (the same cost scan as
+    no more than `reshard.storage.pickles.safe_pickle.pickle_budget` of its length (the same cost scan as
     `.metadata`). After: the value may hold no more than `OBJECT_INFLATION` times the item's
     bytes (an expanded view, or one tensor referenced a million times). ``trust_pickle``
     applies to object items only: an item that ``weights_only=True`` refuses for a global is
@@ -552,7 +552,7 @@ def checked_item_bytes(ckpt: Path, loc: ItemLocation, *, key: str, limit: int | 
     """One item's bytes as ``torch.load`` reads them: read from its byte range, its stream
     transforms undone (bounded by ``limit``, `untransform`), every member checked against its
     writer's CRC-32 (`CorruptItem`, exit 2). What every reader of an item starts from."""
-    from reshard.storage.fastread import check_item_crcs
+    from reshard.storage.checkpoints.fastread import check_item_crcs
 
     where = str(ckpt / loc.file)
     data = untransform(read_item_bytes(ckpt, loc, key=key, rc=rc), loc.transforms, key=key, where=where, limit=limit)
@@ -569,7 +569,7 @@ def load_item(ckpt: Path, loc: ItemLocation, *, key: str, trust_pickle: bool = F
 
 def check_loadable(data: bytes, *, key: str, where: str, trust_pickle: bool) -> None:
     """Prove an object item loads as ``torch.load(weights_only=True)`` would load it, before it is
-    carried unchanged: decoded without torch when it is plain (`reshard.storage.plain_items` admits a
+    carried unchanged: decoded without torch when it is plain (`reshard.storage.pickles.plain_items` admits a
     subset of torch's weights-only set), else by `torch_load_item` itself, which raises as it always
     did (an unsafe global, an amplifying pickle, a corrupt archive)."""
     try:

@@ -11,7 +11,7 @@ Two runs into the same ``dst`` exclude each other with an ``flock`` on a lock fi
 `BadInput` instead of waiting.
 
 ``overwrite=True`` replaces only what the caller's overwrite policy (``replaceable=``, an
-`OverwritePolicy`) lets it: every command passes `reshard.storage.replaceable.why_not_replaceable`
+`OverwritePolicy`) lets it: every command passes `reshard.storage.files.replaceable.why_not_replaceable`
 (a checkpoint or an earlier reshard output, by ``formats/replaceable.toml``), so a folder holding
 anything else is refused naming what would be lost and ``--overwrite`` never deletes a user's
 files without a word. This module applies the policy it is given and imports none: what may be
@@ -29,7 +29,7 @@ untouched. The kernel releases a dead process's ``flock``, so the lock file does
 the next run, and the next run that takes the lock deletes the stale temporary
 directories of the same ``dst`` (holding the lock, no live run can be using them).
 
-Resuming (`reshard.storage.journal`): with ``reuse``, the lock holder may hand the block an
+Resuming (`reshard.storage.files.journal`): with ``reuse``, the lock holder may hand the block an
 interrupted run's temporary directory instead of a new one; the resumable conversion's journal
 lies beside it (`journal_dir`: ``.{dst.name}.reshard-tmp-<hex>.journal``), never inside the
 output, and goes with it (deleted at the commit, or with a stale temporary directory). A
@@ -178,7 +178,7 @@ def _check_replaceable(dst: Path, replaceable: OverwritePolicy | None) -> None:
     (the commands': a checkpoint or an earlier reshard output), quoting the policy's reason."""
     if replaceable is None:  # a programming error, not a user's: --overwrite without a rule deletes nothing
         raise TypeError("atomic_directory(overwrite=True) needs replaceable=, the policy of what --overwrite may "
-                        "replace (reshard.storage.replaceable.why_not_replaceable)")
+                        "replace (reshard.storage.files.replaceable.why_not_replaceable)")
     why = replaceable(dst)
     if why is None:
         return
@@ -371,7 +371,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
     - ``dst`` non-empty (or a file/symlink): `BadInput` before anything is created, unless
       ``overwrite`` — then the old ``dst`` is replaced as a whole (see module docstring), but
       only when the policy ``replaceable(dst)`` returns None (its reason otherwise, quoted in
-      the refusal; the commands pass `reshard.storage.replaceable.why_not_replaceable`, and
+      the refusal; the commands pass `reshard.storage.files.replaceable.why_not_replaceable`, and
       ``overwrite`` without a policy is a `TypeError`). Checked before anything is created, under the lock, and again
       right before the swap. A ``dst`` that is a symbolic link is replaced as a link: its
       target is never touched, and the new directory stands at ``dst`` itself.
@@ -382,7 +382,7 @@ def atomic_directory(dst: str | os.PathLike, *, overwrite: bool = False,
     - Temporary directories left by killed runs into the same ``dst`` are deleted once the
       lock is held; a stale lock file is simply reused.
 
-    - ``reuse`` (a resumable conversion, `reshard.storage.journal.Journal.choose`): called under
+    - ``reuse`` (a resumable conversion, `reshard.storage.files.journal.Journal.choose`): called under
       the lock with the stale temporary directories; the one it returns is yielded as it is
       (the others are deleted). The journal beside the yielded directory (`journal_dir`) is
       deleted at the commit or with the directory; a ``KeyboardInterrupt`` keeps both, and so

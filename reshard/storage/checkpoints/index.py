@@ -23,15 +23,15 @@ from reshard import safefs
 from reshard.gc_pause import paused_gc
 from reshard.model.checkpoint import ChunkTable, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
-from reshard.storage import dcp
-from reshard.storage.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
-from reshard.storage.fastread import check_item_crcs
-from reshard.storage.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
+from reshard.storage.checkpoints import dcp
+from reshard.storage.pickles.metadata_columns import OBJECT, MetadataColumns, check_save_plans, read_metadata_columns
+from reshard.storage.checkpoints.fastread import check_item_crcs
+from reshard.storage.pickles.plain_items import NotPlain, PlainTensor, contains_tensor, decode_item
 
 if TYPE_CHECKING:
     import torch
 
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -44,7 +44,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
     """The global view of one DCP checkpoint directory (read-only).
 
     ``remote``: the store prefix ``root`` stands for when ``root`` is a staged directory
-    (`reshard.storage.remote.staged`), handed in by whoever opened it: the data files' sizes come
+    (`reshard.storage.objectstore.remote.staged`), handed in by whoever opened it: the data files' sizes come
     from its one listing and every item's bytes from it by range. None for a local checkpoint.
     """
 
@@ -304,7 +304,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
 
     def read_plain(self, key: str) -> Any:
         """A small item's value (a step counter, a scheduler's count, Adam's ``step``) decoded
-        without torch where `reshard.storage.plain_items` can: plain Python values, or a one-element
+        without torch where `reshard.storage.pickles.plain_items` can: plain Python values, or a one-element
         tensor as a `PlainTensor`. Anything else (larger, other dtypes, other classes) is read
         through torch by `read_object`, which decides and raises as it always did.
         """
@@ -332,7 +332,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
 
     def object_bytes(self, key: str) -> bytes | None:
         """An object item's bytes as ``torch.load`` reads them (untransformed, CRC-checked), once
-        proven to load safely (`reshard.storage.dcp.check_loadable`); None without a location."""
+        proven to load safely (`reshard.storage.checkpoints.dcp.check_loadable`); None without a location."""
         e = self.entry(key)
         if e.is_tensor or e.location is None:
             return None
@@ -394,7 +394,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         """Load every item; report the ones that fail (with --deep). ``progress.update(nbytes)``
         per item, its logical bytes (a key's add up to `Entry.nbytes`).
 
-        ``integrity`` (a manifest's ``integrity`` field, see `reshard.storage.integrity`): each
+        ``integrity`` (a manifest's ``integrity`` field, see `reshard.storage.files.integrity`): each
         item's stored bytes are also hashed and compared with the recorded checksum (crc32 or
         sha256, as the record says); items
         that differ are reported first, in (file, offset) order, by one finding whose
@@ -402,7 +402,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         """
         import torch
 
-        from reshard.storage import integrity as integ
+        from reshard.storage.files import integrity as integ
 
         found: list[Finding] = []
         algorithm = integ.check_algorithm(integrity, where=self.root / "manifest.json") if integrity is not None else None
@@ -523,11 +523,11 @@ def bitwise_equal(ix: CheckpointIndex, a: str, b: str) -> bool:
 def same_stored_bytes(ix: CheckpointIndex, ea: Entry, eb: Entry) -> bool | None:
     """Whether two tensors stored chunk for chunk in the same boxes hold the same bytes, read in
     pieces of at most 64 MiB from where they lie; None when a chunk is transformed, unusual
-    (`reshard.storage.fastread.item_layout`), or its storage fails its writer's CRC-32 (the
+    (`reshard.storage.checkpoints.fastread.item_layout`), or its storage fails its writer's CRC-32 (the
     decoding path then says what is wrong)."""
     import zlib
 
-    from reshard.storage.fastread import item_layout
+    from reshard.storage.checkpoints.fastread import item_layout
 
     if [c.box for c in ea.chunks] != [c.box for c in eb.chunks]:
         return None

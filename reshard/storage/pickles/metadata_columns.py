@@ -7,10 +7,10 @@ is a handful of Python objects that the pickle's memo keeps alive until the load
 
 Two decoders fill the same `MetadataColumns`:
 
-- the native one (`reshard/storage/metadecode.c`) walks the pickle's opcodes itself and keeps
+- the native one (`reshard/storage/pickles/metadecode.c`) walks the pickle's opcodes itself and keeps
   only numbers and the few distinct strings; it handles the vocabulary torch's DCP writers use
   and answers "not mine" (None) for anything else;
-- the safe unpickler (`reshard.storage.safe_pickle` + `reshard.storage.dcp`), the reference,
+- the safe unpickler (`reshard.storage.pickles.safe_pickle` + `reshard.storage.checkpoints.dcp`), the reference,
   which takes every other pickle (and refuses hostile ones with their reasons).
 
 Either way the checks `dcp` makes on decoded records (file names inside the checkpoint,
@@ -33,14 +33,14 @@ from reshard.errors import BadInput
 from reshard.model.checkpoint import ItemLocation
 from reshard.model.dtypes import DTYPES, DType, dtype_named, unstorable_reason
 from reshard.paths import formats_root
-from reshard.storage import dcp, save_plans
-from reshard.storage.safe_pickle import pickle_budget
+from reshard.storage.checkpoints import dcp, save_plans
+from reshard.storage.pickles.safe_pickle import pickle_budget
 
 if TYPE_CHECKING:
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 try:  # built by setup.py where a C compiler exists; the safe unpickler reads every file without it
-    from reshard.storage import metadecode as native
+    from reshard.storage.pickles import metadecode as native
 except ImportError:  # pragma: no cover - depends on the install
     native = None
 

@@ -10,7 +10,7 @@
  * buffers; nothing is allocated per chunk that outlives the chunk.
  *
  * It is a fast path, never a judge: anything outside the subset that torch's pickler and reshard's
- * own writer (reshard.storage.metadata_pickle) produce (an unknown global, an opcode neither uses,
+ * own writer (reshard.storage.pickles.metadata_pickle) produce (an unknown global, an opcode neither uses,
  * a memo fetch of a container or record, a truncated or malformed stream, an opcode across a
  * frame's end, a chunk whose rank differs from its tensor's, BINPUT indices that do not rise (one
  * set twice), an int outside int64, a Metadata field it does not know such as Megatron's
@@ -1307,12 +1307,12 @@ done:
 
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))decode, METH_VARARGS | METH_KEYWORDS,
-     "decode(fd, size, allow, dtypes, limit, block=16 MiB) -> dict of columns, or None: see reshard/storage/metadecode.c"},
+     "decode(fd, size, allow, dtypes, limit, block=16 MiB) -> dict of columns, or None: see reshard/storage/pickles/metadecode.c"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "metadecode",
-                                    "DCP .metadata decoded into columns, streamed (the fast path of reshard.storage.dcp).",
+                                    "DCP .metadata decoded into columns, streamed (the fast path of reshard.storage.checkpoints.dcp).",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit_metadecode(void) { return PyModule_Create(&module); }

@@ -11,13 +11,13 @@ that is not DCP's `.metadata`, a data file, or reshard's own file (`manifest.jso
   entry of ``formats/sidecars.toml`` whose pattern matches (format, writer, policy); a file
   no entry matches is ``opaque`` with policy ``carry (opaque)``;
 - `read_content` reads one only when its format is known and safe: ``torch-weights-only``
-  through `reshard.storage.dcp.torch_load_item` (``torch.load(weights_only=True)`` after
-  `reshard.storage.safe_pickle`'s cost scan, never ``--trust-pickle``), ``json`` through
+  through `reshard.storage.checkpoints.dcp.torch_load_item` (``torch.load(weights_only=True)`` after
+  `reshard.storage.pickles.safe_pickle`'s cost scan, never ``--trust-pickle``), ``json`` through
   `reshard.safefs.read_json`; a file that needs more is listed as not read, and still carried;
 - `carry_sidecars` copies each byte-identical into a conversion's temporary output (before
   the atomic commit), checking the SHA-256 of the copy against the source's and the plan's.
 
-Beside a checkpoint in a store (`reshard.storage.remote.staged`), only the sidecars a reader may
+Beside a checkpoint in a store (`reshard.storage.objectstore.remote.staged`), only the sidecars a reader may
 open are fetched to describe it (`fetched_to_describe`); the others are listed from the store's
 listing, their version tag standing for the SHA-256 (`STORE_TAG`), and fetched when a conversion
 carries them, pinned to the version listed.
@@ -43,7 +43,7 @@ from reshard.errors import BadInput
 from reshard.model.dtypes import is_torch_tensor
 from reshard.paths import formats_root
 if TYPE_CHECKING:  # handed down with the source
-    from reshard.storage.remote import RemoteCheckpoint
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 FORMATS = ("torch-weights-only", "json", "opaque")
 POLICIES = ("carry", "rewrite")
@@ -240,7 +240,7 @@ def read_content(root: str | os.PathLike, car: Sidecar) -> dict[str, Any]:
         if car.format == "json":
             value = safefs.read_json(path, root=root, what=f"sidecar '{car.name}'", limit=READ_LIMIT)
         else:
-            from reshard.storage.dcp import torch_load_item
+            from reshard.storage.checkpoints.dcp import torch_load_item
 
             data = safefs.read_bounded(path, limit=READ_LIMIT, root=root, what=f"sidecar '{car.name}'")
             value = torch_load_item(data, key=car.name, where=str(path), trust_pickle=False)
@@ -279,9 +279,9 @@ def summarize(value: Any, depth: int = 0) -> Any:
 def inspect_section(ix: Any) -> list[dict[str, Any]]:
     """The inspect report's ``sidecars`` section: name, size, format, policy, writer, SHA-256 and,
     where the format is known and safe, the content. Empty for reshard's exports (their files are its own)."""
-    from reshard.storage.hf_dcp import HfDcpIndex
-    from reshard.storage.index import CheckpointIndex
-    from reshard.storage.local_format import LocalIndex
+    from reshard.storage.checkpoints.hf_dcp import HfDcpIndex
+    from reshard.storage.checkpoints.index import CheckpointIndex
+    from reshard.storage.checkpoints.local_format import LocalIndex
 
     if not isinstance(ix, (CheckpointIndex, LocalIndex, HfDcpIndex)):
         return []

@@ -1,4 +1,4 @@
-/* costscan: the native form of reshard.storage.safe_pickle.pickle_cost.
+/* costscan: the native form of reshard.storage.pickles.safe_pickle.pickle_cost.
  *
  * Why native: the cost scan walks every opcode of a `.metadata` before the C unpickler is
  * allowed to build anything (a memo reference can make a few bytes build gigabytes). In
@@ -492,10 +492,10 @@ static PyObject *scan(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"scan", scan, METH_VARARGS, "scan(data, limit) -> cost, or (code, at, detail): see reshard/storage/costscan.c"},
+    {"scan", scan, METH_VARARGS, "scan(data, limit) -> cost, or (code, at, detail): see reshard/storage/pickles/costscan.c"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "costscan", "The native pickle cost scan of reshard.storage.safe_pickle.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "costscan", "The native pickle cost scan of reshard.storage.pickles.safe_pickle.", -1, methods};
 
 PyMODINIT_FUNC PyInit_costscan(void) { return PyModule_Create(&module); }

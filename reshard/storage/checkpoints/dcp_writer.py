@@ -7,7 +7,7 @@ a time, so memory stays bounded by the largest single item:
 - data files ``__{rank}_0.distcp``, created lazily (a rank with no items gets no file).
   Each item (one chunk of one tensor, or one object) is its own ``torch.save`` archive
   at a byte range reserved at the end of its rank's file; its location is ``(file,
-  offset, length)``. Tensor chunks are framed by `reshard.storage.archive` (the archive
+  offset, length)``. Tensor chunks are framed by `reshard.storage.checkpoints.archive` (the archive
   ``torch.save`` writes, built around the tensor's bytes, no pickling of data); objects
   go through ``torch.save``. Writes are positional (``pwritev``): `reserve_chunk` /
   `filled` let callers fill reserved items from several threads in any order, and the
@@ -15,7 +15,7 @@ a time, so memory stays bounded by the largest single item:
 - checksums: the CRC-32 of every item as written (`checksums`), for the manifest's
   ``integrity`` record.
 - ``.metadata``, a pickle that loads as a real ``torch.distributed.checkpoint.metadata.Metadata``
-  (written by `reshard.storage.metadata_pickle` without importing torch):
+  (written by `reshard.storage.pickles.metadata_pickle` without importing torch):
   ``state_dict_metadata`` (global shape, dtype and chunk list per tensor; a
   ``BytesStorageMetadata`` per object), ``storage_data`` (``MetadataIndex`` ->
   ``_StorageInfo``), ``planner_data`` (flat key -> path in the nested state dict) and
@@ -30,16 +30,16 @@ state dict saved by DCP as ``{"model": {"layers.0.w": t}}`` has the path
 ``("model", "layers.0.w")``, so callers that know the source's path should pass it on.
 
 The writer only ever touches files inside the directory it was given (normally a
-temporary directory from `reshard.storage.atomic.atomic_directory`).
+temporary directory from `reshard.storage.files.atomic.atomic_directory`).
 
 Linked items (`link_chunk`, `link_object`): ``reshard convert --data link`` puts the
 source's data files into the output directory as reflinks or hard links
-(`reshard.storage.linkfs`) and declares their items here by location, unchanged (file,
+(`reshard.storage.files.linkfs`) and declares their items here by location, unchanged (file,
 offset, length and storage transforms); the writer never opens those files and records
 no checksum for them. Its own files then need names no linked file has: ``file_name``
 (rank -> name) replaces DCP's ``__{rank}_0.distcp``.
 
-Resuming (``journal``, a `reshard.storage.journal.Journal`): every item written gets a journal
+Resuming (``journal``, a `reshard.storage.files.journal.Journal`): every item written gets a journal
 line, and a rerun of an interrupted conversion reopens the data files the journal names. A
 journaled item is a candidate, never kept on the journal's word: an item whose bytes the
 writer is handed (`write_chunk`, objects, blobs) is kept only when the bytes on disk equal
@@ -51,7 +51,7 @@ so `checksums` and ``.metadata`` are what an uninterrupted run produces.
 Faults: an ``OSError`` from the file system (ENOSPC, EFBIG, EIO, ...) reaches the caller as
 that ``OSError`` with its errno, also when it happens inside ``torch.save`` (which would
 otherwise wrap it in a RuntimeError). Every item written and the ``.metadata`` commit are
-write events for `reshard.storage.atomic.fault_point` (a test hook).
+write events for `reshard.storage.files.atomic.fault_point` (a test hook).
 """
 from __future__ import annotations
 
@@ -68,16 +68,16 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError
 from reshard.model.dtypes import DType, from_torch
 from reshard.model.geometry import Box, coverage_problems
-from reshard.storage.atomic import fault_point, fsync_dir
+from reshard.storage.files.atomic import fault_point, fsync_dir
 from reshard.model.checkpoint import ItemLocation
-from reshard.storage.dcp import METADATA_FILE
-from reshard.storage.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
-from reshard.storage.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact
+from reshard.storage.checkpoints.dcp import METADATA_FILE
+from reshard.storage.pickles.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
+from reshard.storage.files.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact
 
 if TYPE_CHECKING:
     import torch
 
-    from reshard.storage.archive import Framing
+    from reshard.storage.checkpoints.archive import Framing
 
 DCP_VERSION = "1.0.0"
 """The version stock DCP stamps into `.metadata` (``CURRENT_DCP_VERSION`` of torch 2.13's
@@ -160,7 +160,7 @@ class DcpWriter:
         reserved (their bytes are written by another process of a distributed conversion,
         which passes their checksums back through `adopt`). ``file_name``: optional
         rank -> file name of this writer's data files (default `data_file_name`).
-        ``journal``: optional `reshard.storage.journal.Journal` (a resumable conversion)."""
+        ``journal``: optional `reshard.storage.files.journal.Journal` (a resumable conversion)."""
         self.directory = Path(directory)
         self._journal = journal
         self._candidates: dict[tuple[str, int], str] = {}  # reserved journaled items to prove -> recorded CRC-32
@@ -220,7 +220,7 @@ class DcpWriter:
         """
         import torch
 
-        from reshard.storage import archive
+        from reshard.storage.checkpoints import archive
 
         if not isinstance(tensor, torch.Tensor):
             raise WriterError(f"chunk of '{key}' is a {type(tensor).__name__}, not a tensor", where=str(self.directory))
@@ -322,7 +322,7 @@ class DcpWriter:
         byte-identical to a sequential one.
         """
         offsets, sizes = self._check_chunk(key, offsets, tuple(int(s) for s in sizes))
-        from reshard.storage import archive
+        from reshard.storage.checkpoints import archive
 
         dtype = self._tensors[key].dtype
         fr = archive.framing(dtype, sizes) if archive.fits(prod(sizes) * dtype.itemsize) else None
@@ -387,7 +387,7 @@ class DcpWriter:
     @staticmethod
     def chunk_length(dtype: "DType | torch.dtype", sizes: tuple[int, ...]) -> int:
         """The length of the item `write_chunk` writes for a chunk of ``dtype`` and ``sizes``."""
-        from reshard.storage import archive
+        from reshard.storage.checkpoints import archive
 
         return archive.framing(dtype, tuple(sizes)).length
 
@@ -514,7 +514,7 @@ class DcpWriter:
     # ------------------------------------------------------------------ internals
     def _metadata(self) -> bytes:
         """`.metadata` as torch's ``pickle.dump`` of its ``Metadata`` would read back, written without
-        torch (`reshard.storage.metadata_pickle`): the keys in first-declared order, each chunk with
+        torch (`reshard.storage.pickles.metadata_pickle`): the keys in first-declared order, each chunk with
         its storage record; ``checkpoint_id`` unset (the directory is normally renamed into place later)."""
         items: list[TensorMeta | ObjectMeta] = []
         for key in self._order:

@@ -8,7 +8,7 @@ the checkpoint notices (``torch.load`` does not check CRCs). So every reader of 
 checks them against it, on the bytes it reads anyway, never by a second read:
 
 * a reader that holds a whole item in memory checks every member at once
-  (`reshard.storage.fastread.check_item_crcs`);
+  (`reshard.storage.checkpoints.fastread.check_item_crcs`);
 * a reader that sees a storage in pieces (a conversion copying parts of a source shard
   into several targets, a comparison cutting items along the other side's chunks) feeds
   each piece's CRC-32 to a `CrcLedger`, which combines them (``crc32_combine``, no bytes)
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from reshard.errors import BadInput
-from reshard.storage.archive import crc32_combine
+from reshard.storage.checkpoints.archive import crc32_combine
 
 __all__ = ["CorruptItem", "CrcLedger", "StorageRecord", "combine_tiling"]
 

@@ -1,7 +1,7 @@
 """Resume an interrupted conversion: a journal of the items written, kept beside the output.
 
 A conversion killed at 95 % of a terabyte would otherwise start again from zero. Its hidden
-temporary directory (`reshard.storage.atomic.atomic_directory`) still holds every item it
+temporary directory (`reshard.storage.files.atomic.atomic_directory`) still holds every item it
 wrote, and the layout of the output depends only on the plan (`DcpWriter` reserves items in
 one fixed order), so a rerun with the same plan reserves every item at the same offset. This
 module records which items were written and lets the rerun keep the ones whose bytes are
@@ -32,7 +32,7 @@ The key is a hint, not a proof: sizes and mtimes are what ``cp -p``, ``touch -r`
 ``rsync -t`` carry over to other bytes, and a journal line is a file anyone who can write the
 directory can edit. So a journaled item is only a *candidate* (`Journal.claim`): the writer
 keeps it only once this run has shown that its bytes on disk now are exactly the bytes this
-run would write from the source as it is now (`reshard.storage.dcp_writer.DcpWriter`, and
+run would write from the source as it is now (`reshard.storage.checkpoints.dcp_writer.DcpWriter`, and
 `reshard.engine.resume.prove_spliced` for items spliced from source bytes). The recorded
 CRC-32 is never evidence; it only tells, for the report, an item changed since its line was
 written ("damaged") from one whose line still matches but whose bytes are not this source's.
@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # handed down with the source
-    from reshard.storage.remote import RemoteCheckpoint
-from reshard.storage.atomic import fsync_dir, journal_dir
+    from reshard.storage.objectstore.remote import RemoteCheckpoint
+from reshard.storage.files.atomic import fsync_dir, journal_dir
 
 __all__ = ["KEY_FILE", "SYNC_SECONDS", "Journal", "ResumeKey", "describe", "merge_summaries", "source_identity"]
 
@@ -140,7 +140,7 @@ def _first_change(old: dict[str, list[int]], new: dict[str, list[int]]) -> str:
 
 @dataclass
 class Journal:
-    """One process's side of a resumable conversion; a `reshard.storage.dcp_writer.DcpWriter` calls
+    """One process's side of a resumable conversion; a `reshard.storage.checkpoints.dcp_writer.DcpWriter` calls
     `open_file`, `claim`, `kept_item`, `rewritten` and `record`, the command calls `choose` (the
     lock holder), `begin` (every process, once the temporary directory is known) and `summary`.
 
@@ -168,7 +168,7 @@ class Journal:
         """The interrupted run's temporary directory to continue in, or None (start a new one).
 
         ``candidates``: the temporary directories earlier runs into the same destination left
-        (`reshard.storage.atomic.stale_temporaries`); the newest one with a journal key is
+        (`reshard.storage.files.atomic.stale_temporaries`); the newest one with a journal key is
         considered. Sets `resumed` and `message` (why not, when there was something to resume).
         """
         found: list[tuple[float, Path, ResumeKey | None, str | None]] = []

@@ -55,7 +55,7 @@ from reshard.model.geometry import Box, whole
 from reshard.model.checkpoint import Chunk, Entry, EntryQueries, Finding, ItemLocation, checked_box
 from reshard.model.reader import CheckpointReader
 from reshard.model.dtypes import DTYPES, DType, from_torch
-from reshard.storage.fileio import ShortRead, read_exact
+from reshard.storage.files.fileio import ShortRead, read_exact
 from reshard import safefs
 
 FORMAT = "safetensors-export"

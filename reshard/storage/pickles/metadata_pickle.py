@@ -1,6 +1,6 @@
 """The bytes of DCP's `.metadata` pickle, written without importing torch.
 
-Why: `reshard.storage.dcp_writer` used to build real ``torch.distributed.checkpoint.metadata.Metadata``
+Why: `reshard.storage.checkpoints.dcp_writer` used to build real ``torch.distributed.checkpoint.metadata.Metadata``
 objects and ``pickle.dump`` them. Importing ``torch.distributed.checkpoint`` to do so costs seconds
 (``python -X importtime`` on the 2-core test machine, busy: 2.4 s, 1.5 s of it ``import torch``;
 this module: 0.13 s), which a ``reshard convert --data link`` that touches no tensor byte would pay
@@ -26,7 +26,7 @@ What it mirrors (torch 2.13, read from ``pickletools.dis`` of torch's own pickle
   with its canonical name (``torch.float`` is ``torch.float32``).
 
 Only names from DCP's vocabulary are emitted: every global here is admitted by
-``formats/dcp_metadata.toml``, the allow list of reshard's own reader (`reshard.storage.safe_pickle`),
+``formats/dcp_metadata.toml``, the allow list of reshard's own reader (`reshard.storage.pickles.safe_pickle`),
 which the tests check. Protocol 4, framed in 64 KiB frames like CPython's pickler (so a reader
 given a file object reads a frame at a time). What recurs (globals, field names, keys, file names,
 transform names, each dtype's TensorProperties state) is memoized once and named by BINGET, so a

@@ -39,10 +39,10 @@ decoding tensors.
 zip central directory, on the bytes as they are in memory anyway (no second read):
 `read_tensor_item` checks the storage it read (``check_crc``, on by default; `_parse`
 checks ``data.pkl`` and ``byteorder``), and `check_item_crcs` checks every member of an
-item held whole in memory (`reshard.storage.dcp.load_item`, `inspect --deep`), slicing a
+item held whole in memory (`reshard.storage.checkpoints.dcp.load_item`, `inspect --deep`), slicing a
 memoryview (no copies). A record of 0 is what torch writes when told not to compute CRCs:
 such a member has no record and counts as *unrecorded*, never as failed. A contradiction
-is `reshard.storage.crcledger.CorruptItem` (exit 2), naming the file and the key.
+is `reshard.storage.checkpoints.crcledger.CorruptItem` (exit 2), naming the file and the key.
 `MemberCrcs` does the same for an item that streams past in pieces, in order.
 """
 from __future__ import annotations
@@ -62,9 +62,9 @@ from typing import TYPE_CHECKING
 from reshard.errors import BadInput
 from reshard import safefs
 from reshard.model.dtypes import DType, from_torch
-from reshard.storage.crcledger import CorruptItem
-from reshard.storage.fileio import ShortRead, read_exact
-from reshard.storage.plain_items import NotPlain, tensor_layout
+from reshard.storage.checkpoints.crcledger import CorruptItem
+from reshard.storage.files.fileio import ShortRead, read_exact
+from reshard.storage.pickles.plain_items import NotPlain, tensor_layout
 
 __all__ = ["CrcStatus", "ItemLayout", "Member", "MemberCrcs", "check_file_crcs", "check_item_crcs", "item_members",
            "item_members_at", "read_tensor_item",
@@ -263,7 +263,7 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
     pkl = member_bytes("data.pkl", MAX_PICKLE_BYTES)
     if pkl is None:
         raise _Unusual("no data.pkl")
-    try:  # without torch: the allow-listed stand-ins of reshard.storage.plain_items
+    try:  # without torch: the allow-listed stand-ins of reshard.storage.pickles.plain_items
         plain = tensor_layout(pkl)
         key, dtype, nbytes = plain.storage_key, plain.dtype, plain.storage_nbytes
         shape, stride, storage_offset = plain.shape, plain.stride, plain.storage_offset

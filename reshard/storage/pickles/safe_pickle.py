@@ -17,7 +17,7 @@ container slot or 8 bytes of string) and is refused (exit 2, the file named) pas
 Real DCP metadata costs 1-2 units per byte. The unpickler itself then holds at most one
 object per opcode plus the copies its stand-ins make (counted), and everything downstream
 walks a tree of at most that many units. The same scan bounds the ``data.pkl`` of every
-item `reshard.storage.dcp` loads with ``torch.load``.
+item `reshard.storage.checkpoints.dcp` loads with ``torch.load``.
 """
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ _LEN8 = frozenset((0x8D, 0x8E, 0x96))  # BINUNICODE8, BINBYTES8, BYTEARRAY8
 
 
 try:  # the same scan in C, built by setup.py where a compiler exists (tests/test_costscan.py compares the two)
-    from reshard.storage import costscan as native_scan
+    from reshard.storage.pickles import costscan as native_scan
 except ImportError:  # no compiler at install time: the Python scan below, about 40 times slower
     native_scan = None
 
@@ -327,7 +327,7 @@ NATIVE_LIMIT = 1 << 60
 def pickle_cost(data: bytes | bytearray | memoryview, *, limit: int) -> int:
     """Units the pickle in ``data`` builds, counted without building anything; raises past ``limit``.
 
-    The native scan (``reshard/storage/costscan.c``) when it is built, else `python_pickle_cost`:
+    The native scan (``reshard/storage/pickles/costscan.c``) when it is built, else `python_pickle_cost`:
     the same algorithm, the same answers and messages. Protocol-0 text opcodes, which neither
     DCP nor torch.save writes, are always scanned in Python.
     """

@@ -1,6 +1,6 @@
 """Outputs bound for object storage: made in a local stage, then published in DCP's commit order.
 
-Why a module of its own: `reshard.storage.remote` reads a checkpoint in a store by byte range;
+Why a module of its own: `reshard.storage.objectstore.remote` reads a checkpoint in a store by byte range;
 this module writes one there, which a store without rename makes a different problem. The
 output is made and verified in a local folder per destination URL (`Stage`, under
 `staging_root`), then uploaded by `publish`: a marker object first, the data objects, the
@@ -11,7 +11,7 @@ so a killed upload resumes by sending only what the store does not hold as recor
 `formats/replaceable.toml` applied to the listing.
 
 fsspec (and the store's filesystem, s3fs) come with the optional ``s3`` extra, imported only
-when a URL is opened (`reshard.storage.remote.no_fsspec` words the error otherwise).
+when a URL is opened (`reshard.storage.objectstore.remote.no_fsspec` words the error otherwise).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.storage.remote import DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, store_error, version_tag
+from reshard.storage.objectstore.remote import DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, store_error, version_tag
 
 __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
@@ -223,7 +223,7 @@ def _check_replaceable(fs: Any, base: str, url: str, there: dict[str, dict[str, 
     """``--overwrite`` into a store: what the prefix holds must be a checkpoint or an earlier reshard
     output by `formats/replaceable.toml`'s rule (`replaceable.survey_listing`, each anchor's first
     bytes fetched), or nothing is replaced."""
-    from reshard.storage.replaceable import survey_listing
+    from reshard.storage.files.replaceable import survey_listing
 
     def head(tail: str) -> bytes:
         try:

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
-from reshard.storage import urls
+from reshard.storage.objectstore import urls
 
 __all__ = ["is_url", "StoreLimits", "open_store", "store_error", "RemoteCheckpoint", "Counters", "staged", "open_remote",
            "version_tag", "ReadCache", "Prefetch",
@@ -66,7 +66,7 @@ PIECE = 64 << 20
 #: small state; past this the prefix holds something no sidecar is, and it is said.
 SIDECARS_CAP = 1 << 30
 #: Objects beside the data objects (sidecars, reports, folder contents): more is not a checkpoint
-#: (the bound `reshard.storage.sidecars.MAX_SIDECARS` puts on a local directory's files).
+#: (the bound `reshard.storage.checkpoints.sidecars.MAX_SIDECARS` puts on a local directory's files).
 MAX_OBJECTS = 10_000
 #: Sidecars fetched at once while a checkpoint is staged.
 FETCHERS = 8

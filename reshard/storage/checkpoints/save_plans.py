@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from reshard.storage.safe_pickle import Record
+from reshard.storage.pickles.safe_pickle import Record
 
 ItemId = tuple[str, "tuple[int, ...] | None"]  # (key, chunk offsets; None for an object), as storage_data names items
 
