@@ -114,10 +114,11 @@ def test_pre_commit_check_uses_the_plans_source_layout(sources):
     """The conversion's own comparison takes the layout the plan used (here ``--from``), not a new guess."""
     from reshard.planning.options import Given, build_options
     from reshard.planning.plan import make_plan, source_inspection
+    from reshard.storage.source import Source
 
-    src = _step(sources["pp2"])
-    plan = make_plan(src, build_options(Given(to="dp=1", from_spec="pp=2"), src))
-    ins = source_inspection(plan, src, trust_pickle=plan.options.trust_pickle)
+    src = Source.local(_step(sources["pp2"]))
+    plan = make_plan(src, build_options(Given(to="dp=1", from_spec="pp=2"), src.root))
+    ins = source_inspection(plan, src)
     assert ins is plan.inspection and ins.topology.pp == 2 and ins.topology.source == "given"
 
 

@@ -2,7 +2,7 @@
 one order of steps, and the conversion's end is written nowhere else.
 
 (a) Each real output kind (a DCP copy, ``--data link``, per-rank safetensors, a distributed worker,
-here the only one of a group of one) is wrapped so that it records the steps it is asked to take;
+here the only one of a real gloo process group of one) is wrapped so that it records the steps it is asked to take;
 a real conversion of a small FSDP2 checkpoint runs through each, and each must have taken exactly
 `STEPS`, in that order, and produced an output equal to its source.
 (b) The code is read (ast): the tail of a conversion (the report built and written, a difference
@@ -27,16 +27,18 @@ from reshard.storage.source import Source
 ROOT = Path(__file__).resolve().parents[1] / "reshard"
 
 
-class _GroupOfOne:
-    """`torch.distributed` for a group of one worker: a collective hands each worker its own object."""
+@pytest.fixture
+def group_of_one():
+    """A real gloo process group of one worker (torch.distributed, in this process), torn down after."""
+    import torch.distributed as dist
 
-    @staticmethod
-    def broadcast_object_list(objects: list, src: int) -> None:
-        pass
-
-    @staticmethod
-    def all_gather_object(out: list, obj: object) -> None:
-        out[0] = obj
+    if dist.is_initialized():
+        pytest.skip("a default process group is already up in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Collective(dist, 0, 1)
+    finally:
+        dist.destroy_process_group()
 
 
 def _recording(kind: type[Output]) -> type[Output]:
@@ -60,7 +62,7 @@ KINDS = {
     "copy": lambda dst: _recording(CopyOutput)(dst),
     "link": lambda dst: _recording(LinkOutput)(dst),
     "local": lambda dst: _recording(_local_output())(dst),
-    "distributed": lambda dst: _recording(DistributedOutput)(dst, collective=Collective(_GroupOfOne, 0, 1)),
+    "distributed": lambda dst, group: _recording(DistributedOutput)(dst, collective=group),
 }
 
 
@@ -70,8 +72,9 @@ def planned(plain_fsdp2_ckpt):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_every_output_kind_takes_the_one_order(kind, planned, plain_fsdp2_ckpt, tmp_path):
-    output = KINDS[kind](tmp_path / "out")
+def test_every_output_kind_takes_the_one_order(kind, planned, plain_fsdp2_ckpt, tmp_path, request):
+    group = (request.getfixturevalue("group_of_one"),) if kind == "distributed" else ()
+    output = KINDS[kind](tmp_path / "out", *group)
     output.taken = []
     report = run_conversion(planned, Source.local(plain_fsdp2_ckpt), output)
     assert output.taken == list(STEPS), output.taken
