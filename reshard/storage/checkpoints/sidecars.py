@@ -381,13 +381,6 @@ def _copy(src: Path, dst: Path, *, root: Path, slab: int = 8 << 20) -> str:
         os.close(fd)
 
 
-def plan_source(inspect_report: dict[str, Any]) -> dict[str, Any]:
-    """The plan's ``source`` entry for sidecars: ``{"sidecars": [...]}``, or nothing when there are none
-    (so plans of checkpoints without sidecars keep their fingerprints)."""
-    entries = plan_entries(inspect_report.get("sidecars"))
-    return {"sidecars": entries} if entries else {}
-
-
 def counters_from(section: list[dict[str, Any]]) -> dict[str, tuple[str, int]]:
     """Counter name -> (where, value) from sidecars whose entry names counters (Megatron's ``iteration``).
 
