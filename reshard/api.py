@@ -28,6 +28,7 @@ arguments, and the renderers (`reshard.render.report`) print what these function
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import sys
@@ -94,31 +95,64 @@ _AT_LEAST = {**{spec.name: spec.min for spec in option_table.OPTIONS if spec.min
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+_WARN: "contextvars.ContextVar[Callable[[str], None] | None]" = contextvars.ContextVar("reshard_api_warn", default=None)
+"""Where the call under way sends its warnings (its ``warn=`` keyword), None: `ReshardWarning`."""
+
+
 def _api_call(fn: _F) -> _F:
-    """An API function as the CLI runs its command: an ``OSError`` nothing below mapped leaves as the
-    `BadInput` the CLI prints for it (exit 2), and the object items ``trust_pickle`` let unpickle
-    with arbitrary classes are named once, as the CLI's last ``warning:`` line names them (a
-    `ReshardWarning` here), whether the call succeeded or not."""
+    """An API function as the CLI runs its command, with two keywords every function takes:
+
+    * ``warn``: None (default), each warning is a `ReshardWarning`, and the object items
+      ``trust_pickle`` let unpickle with arbitrary classes are named once when the call ends
+      (as the CLI's last ``warning:`` line names them), whether it succeeded or not; a callable,
+      it receives each warning's text as it arises instead (the CLI prints it as a ``warning:``
+      line), and the trusted items are left to the caller to name
+      (``reshard.storage.checkpoints.dcp.TRUSTED_UNPICKLES.warning()``, the CLI's last line);
+    * ``map_os_errors``: True (default), an ``OSError`` nothing below mapped leaves as the
+      `BadInput` the CLI prints for it (exit 2); False, it leaves as itself (the CLI renders it,
+      ``code: os_error`` under ``--json``).
+    """
     @functools.wraps(fn)
-    def wrapped(*a: Any, **kw: Any) -> Any:
+    def wrapped(*a: Any, warn: Callable[[str], None] | None = None, map_os_errors: bool = True, **kw: Any) -> Any:
+        token = _WARN.set(warn)
         try:
             return fn(*a, **kw)
         except OSError as exc:
+            if not map_os_errors:
+                raise
             raise from_os_error(exc) from exc
         finally:
+            _WARN.reset(token)
             dcp = sys.modules.get("reshard.storage.checkpoints.dcp")  # not imported: nothing was unpickled
-            line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
+            line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None and warn is None else None
             if line:
                 warnings.warn(line.removeprefix("warning: "), ReshardWarning, stacklevel=2)
 
     return wrapped  # type: ignore[return-value]
 
 
+def _warn(line: str, stacklevel: int) -> None:
+    """A warning of the call under way: to its ``warn=`` callable, else a `ReshardWarning`."""
+    to = _WARN.get()
+    if to is not None:
+        to(line)
+    else:
+        warnings.warn(line, ReshardWarning, stacklevel=stacklevel + 1)
+
+
+def _started(progress: Progress | Callable[[], Progress] | None) -> Progress | None:
+    """The ``progress`` of a call once its arguments are checked: a callable is called then (the
+    CLI's makes its `Progress` and says the command's first line, after any refusal, before any heavy import)."""
+    if progress is not None and not isinstance(progress, Progress) and callable(progress):
+        return progress()
+    return progress
+
+
 @_api_call
 def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None, trust_pickle: bool = False,
             convention: PathLike | Iterable[PathLike] = (), tie: str | Iterable[str | tuple[str, str]] = (),
             profile: PathLike | None = None, no_profile: bool = False,
-            progress: Progress | None = None) -> Inspection:
+            progress: Progress | Callable[[], Progress] | None = None) -> Inspection:
     """What ``reshard inspect PATH`` says: is the checkpoint complete, what does it hold, which topology wrote it.
 
     Returns the `Inspection`: ``report`` is the JSON ``inspect --json`` prints (``complete``,
@@ -137,11 +171,11 @@ def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None,
     from reshard.planning.options import opened_source
 
     with opened_source(text) as source:
-        return run_inspect(source, _plan_options(source.root, None, given), deep=deep, progress=progress)
+        return run_inspect(source, _plan_options(source.root, None, given), deep=deep, progress=_started(progress))
 
 
 @_api_call
-def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options: Unpack[PlanOptions]) -> Plan:
+def plan(path: PathLike, *, to: str, progress: Progress | Callable[[], Progress] | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """What ``reshard plan PATH --to TO`` decides, without writing anything: the `Plan`.
 
     ``options``: `PlanOptions`, the flags of ``reshard plan`` in snake_case. The plan's
@@ -173,7 +207,7 @@ def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options
 def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
             plan: Plan | Mapping[str, Any] | PathLike | None = None, output_format: str = "dcp", data: str = "copy",
             threads: int | None = None, buffer_memory: int | None = None, buffered: bool = False,
-            overwrite: bool = False, restart: bool = False, force: bool = False, progress: Progress | None = None,
+            overwrite: bool = False, restart: bool = False, force: bool = False, progress: Progress | Callable[[], Progress] | None = None,
             **options: Unpack[PlanOptions]) -> dict[str, Any] | None:
     """What ``reshard convert SRC DST --to TO`` does: plan, write, verify, commit atomically; returns the report.
 
@@ -246,7 +280,7 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
 
 @_api_call
 def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, trust_pickle: bool = False,
-           strict: bool = False, buffered: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+           strict: bool = False, buffered: bool = False, progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
     """What ``reshard verify A B`` finds: the two checkpoints compared in global terms, whatever their chunking.
 
     Returns the comparison, the JSON ``verify --json`` prints: ``equal`` (the CLI exits 0 when
@@ -274,7 +308,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
            only: str = "model", max_shard_size: str | int = "5GB", rename: PathLike | None = None,
            model_config: Mapping[str, Any] | Iterable[str] | None = None, profile: PathLike | None = None,
            no_profile: bool = False, overwrite: bool = False, force: bool = False,
-           progress: Progress | None = None) -> dict[str, Any]:
+           progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
     """What ``reshard export SRC DST`` writes: consolidated weights, streamed tensor by tensor; returns its report.
 
     ``format``: safetensors (reshard's names), torch, or hf (a directory transformers'
@@ -305,7 +339,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
 @_api_call
 def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike | None = None,
             format: str = "reshard", experiment_id: str | None = None, overwrite: bool = False, force: bool = False,
-            progress: Progress | None = None) -> dict[str, Any]:
+            progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
     """What ``reshard import SRC DST --to TO`` writes: consolidated weights as a DCP checkpoint for a
     layout, a warm start with a new experiment id; returns the import report (``import --json``).
 
@@ -355,7 +389,7 @@ def _check_plan_flags(to: str | None, given: Mapping[str, Any]) -> None:
     if to is not None and not isinstance(to, str):
         raise BadInput(f"--to {to!r} is not a layout", hint="Write it as on the command line, e.g. to=\"dp=2\".")
     for line in args.check_plan_flags(to, **args.plan_flag_values(given)):
-        warnings.warn(line, ReshardWarning, stacklevel=4)
+        _warn(line, stacklevel=4)
 
 
 def _normalised(options: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:

@@ -72,6 +72,9 @@ _FORCE = typer.Option(False, "--force", help="Go ahead even when the destination
 _TRUST, _PROFILE, _NOPROF, _MB, _GA = (cli_parse.named_option(name) for name in (
     "trust_pickle", "profile", "no_profile", "micro_batch", "grad_accum"))  # verbs beyond the table take these too
 _TABLE: dict = {}  # where a verb's options of the table stand (`cli_parse.takes_options`)
+_CLI_CALL = {"warn": lambda line: _warn([line]), "map_os_errors": False}
+"""How the CLI calls the API (reshard.api): a warning is a ``warning:`` line on stderr as it arises (the
+trusted items the last line, `_warn_trusted`), an OSError is rendered as itself (``code: os_error``)."""
 
 
 @takes_options("inspect")
@@ -86,17 +89,12 @@ def inspect(
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
-    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
-    args.check_source(ckpt)
-    progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.inspect import inspect as run_inspect
+    from reshard import api
+
+    result = api.inspect(ckpt, deep=deep, **flags, **_CLI_CALL,
+                         progress=lambda: _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet))
     from reshard.render.report import render_inspect
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(ckpt) as source:
-        opts = _options(source.root, flags)
-        result = run_inspect(source, opts, deep=deep, progress=progress)
     _render(result.report, json_out=json_out, text=lambda: render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
