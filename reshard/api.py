@@ -175,7 +175,8 @@ def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None,
 
 
 @_api_call
-def plan(path: PathLike, *, to: str, progress: Progress | Callable[[], Progress] | None = None, **options: Unpack[PlanOptions]) -> Plan:
+def plan(path: PathLike, *, to: str, dst: PathLike | None = None, tensors_out: PathLike | None = None,
+         progress: Progress | Callable[[], Progress] | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """What ``reshard plan PATH --to TO`` decides, without writing anything: the `Plan`.
 
     ``options``: `PlanOptions`, the flags of ``reshard plan`` in snake_case. The plan's
@@ -186,6 +187,10 @@ def plan(path: PathLike, *, to: str, progress: Progress | Callable[[], Progress]
     accumulation phase, each with a note); ``to_dict()`` is the JSON ``plan --json`` prints, and
     its ``fingerprint`` what `convert` checks the plan against. Torch is not imported.
 
+    ``dst`` (``plan --dst``): the plan's ``space`` is then the figures `estimate` gives for that
+    destination; ``tensors_out`` (``plan --tensors-out``): every tensor's placement and chunks
+    are written to that file (JSON lines), and the plan's ``tensors_file`` names it and counts them.
+
     Raises `BadInput` for a missing source, an unknown option value, or a policy the plan
     needs the user to choose (as the CLI exits 2).
     """
@@ -193,14 +198,15 @@ def plan(path: PathLike, *, to: str, progress: Progress | Callable[[], Progress]
     _check_plan_flags(to, given)
     text = _source_text(path)
     args.check_source(text)
-    from reshard.planning.plan import make_plan
+    progress = _started(progress)
+    from reshard.commands.plan import plan as run_plan
     from reshard.planning.options import opened_source
-    from reshard.render.progress import waiting
 
     with opened_source(text) as source:
         opts = _plan_options(source.root, to, given)
-        with waiting(progress):
-            return make_plan(source, opts)
+        return run_plan(source, opts, dst=dst if dst is None or isinstance(dst, Path) else _source_text(dst),
+                        tensors_out=Path(_source_text(tensors_out)) if tensors_out is not None else None,
+                        progress=progress)
 
 
 @_api_call

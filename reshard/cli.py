@@ -120,20 +120,15 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
-    to = flags["to"]
-    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
-    args.check_slice(layers=flags["layers"], experts=flags["experts"])
-    _warn(args.check_plan_flags(to, **args.plan_flag_values(flags)))
-    args.check_source(ckpt)
-    progress = _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.plan import plan as run_plan
+    from reshard import api
+
+    to = flags.pop("to")
+    p = api.plan(ckpt, to=to, dst=dst, tensors_out=tensors_out, **flags, **_CLI_CALL,
+                 progress=lambda: _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet))
+    from reshard.commands.plan import report
     from reshard.render.report import render_plan
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(ckpt) as source:
-        p, d = run_plan(source, _options(source.root, flags), verbose=verbose, json_out=json_out, dst=dst,
-                        tensors_out=tensors_out, progress=progress)
+    d = report(p, verbose=verbose, json_out=json_out)
     _render(d, json_out=json_out, text=lambda: render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         _echo(f"warning: {d['space']['warning']}", err=True)
