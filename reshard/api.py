@@ -284,13 +284,24 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
     return done.report
 
 
+class Comparison(dict):  # type: ignore[type-arg]
+    """What `verify` returns: the JSON ``verify --json`` prints (a dict: ``equal``, ``differences``,
+    ...), and the command's ``exit_code`` (0 equal, 1 different), which is not part of the JSON."""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self["equal"] else 1
+
+
 @_api_call
 def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, trust_pickle: bool = False,
-           strict: bool = False, buffered: bool = False, progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
+           strict: bool = False, buffered: bool = False,
+           progress: Progress | Callable[[], Progress] | None = None) -> Comparison:
     """What ``reshard verify A B`` finds: the two checkpoints compared in global terms, whatever their chunking.
 
     Returns the comparison, the JSON ``verify --json`` prints: ``equal`` (the CLI exits 0 when
-    true, 1 when not), ``differences`` (each with ``key`` and ``detail``), and the differences a
+    true, 1 when not: the result's ``exit_code``), ``differences`` (each with ``key`` and
+    ``detail``), and the differences a
     conversion meant, excused only where the plan recomputed from A and B's lineage predicts
     them (``strict=True`` excuses none). A difference is returned, not raised: it is the answer.
     ``rtol``/``atol`` compare values within a tolerance (torch is imported then; bitwise by default).
@@ -300,13 +311,14 @@ def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, tr
             raise BadInput(f"{name} {value!r} is not a tolerance", hint="Give a number at or above 0.")
     a_text, b_text = _source_text(a), _source_text(b)
     args.check_source(a_text, b_text)
+    progress = _started(progress)
     from reshard.commands.verify import verify as run_verify
     from reshard.planning.options import opened_source
 
     with opened_source(a_text) as source_a, opened_source(b_text) as source_b:
         result, _ = run_verify(source_a, source_b, rtol=float(rtol), atol=float(atol), trust_pickle=trust_pickle,
                                strict=strict, buffered=buffered, progress=progress)
-    return result
+    return Comparison(result)  # its exit_code is the command's
 
 
 @_api_call

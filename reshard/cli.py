@@ -263,18 +263,14 @@ def verify(
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
     args.check_conflicts(quiet=quiet, progress=progress_mode)
-    args.check_source(a, b)
-    progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.verify import verify as run_verify
+    from reshard import api
+
+    r = api.verify(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict, buffered=buffered, **_CLI_CALL,
+                   progress=lambda: _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode))
     from reshard.render.verify import render_verify
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(a) as source_a, opened_source(b) as source_b:
-        r, code = run_verify(source_a, source_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
-                             buffered=buffered, progress=progress)
     _render(r, json_out=json_out, text=lambda: render_verify(r))
-    raise typer.Exit(code)
+    raise typer.Exit(r.exit_code)
 
 
 def export(
