@@ -344,6 +344,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
     args.check_overlap(src_text, dst_text)
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
     args.check_source(src_text)
+    progress = _started(progress)
     from reshard.commands.export import export as run_export
     from reshard.planning.options import opened_source
 
@@ -366,6 +367,7 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
     ``import`` is a Python keyword.) Raises `BadInput` for options, source or destination.
     """
     args.check_import(fmt=format)
+    progress = _started(progress)
     from reshard.commands.importer import import_ as run_import
 
     return run_import(Path(src), Path(dst), to=to, rename=Path(rename) if rename is not None else None, fmt=format,

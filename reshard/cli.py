@@ -294,22 +294,14 @@ def export(
     Exit 0 exported, 2 bad input (options, source, destination).
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
-    args.check_export(fmt=fmt, model_config=model_config)
-    args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp")
-    args.check_overlap(src, dst)
-    dst = dst if args.is_url(dst) else Path(dst)
-    _state["output"] = dst
-    args.check_source(src)
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.export import export as run_export
+    out = _state["output"] = dst if args.is_url(dst) else Path(dst)  # what the last line of a Ctrl-C speaks of (_interrupted)
+    from reshard import api
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(src) as source:
-        r = run_export(source, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
-                       model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
-                       force=force, progress=progress)
-    _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, dst))
+    r = api.export(src, dst, format=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+                   model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite, force=force,
+                   **_CLI_CALL, progress=lambda: _progress(f"reading {src} …", json_out=json_out, quiet=quiet,
+                                                           mode=progress_mode))
+    _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, out))
 
 
 def import_(
@@ -328,13 +320,12 @@ def import_(
     Exit 0 imported, 2 bad input (options, source, destination).
     """
     args.check_conflicts(quiet=quiet, progress=progress_mode)
-    args.check_import(fmt=fmt)
-    _state["output"] = dst
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.importer import import_ as run_import
+    _state["output"] = dst  # what the last line of a Ctrl-C speaks of (_interrupted)
+    from reshard import api
 
-    r = run_import(src, dst, to=to, rename=rename, fmt=fmt, experiment_id=experiment_id, overwrite=overwrite,
-                   force=force, progress=progress)
+    r = api.import_(src, dst, to=to, rename=rename, format=fmt, experiment_id=experiment_id, overwrite=overwrite,
+                    force=force, **_CLI_CALL,
+                    progress=lambda: _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode))
     _render(r, json_out=json_out, text=lambda: _summary_line("imported", r, dst))
 
 
