@@ -12,19 +12,21 @@ output. Each function here is one command of the CLI with the parsing taken off:
   report as the JSON data ``--json`` prints);
 * it raises the `reshard.errors.ReshardError` hierarchy (`BadInput`, exit code 2; `Infeasible`,
   exit code 1; ...), never ``SystemExit``; an ``OSError`` nothing mapped becomes the `BadInput`
-  the CLI would print (`reshard.errors.from_os_error`);
+  the CLI would print (`reshard.errors.from_os_error`; ``map_os_errors=False``: it stays itself);
 * it prints nothing: progress goes to the ``progress`` object the caller passes (a
   `reshard.render.progress.Progress`), and a flag that has no effect as given is a
   `ReshardWarning` (Python's ``warnings``, which the caller filters), where the CLI prints a
-  ``warning:`` line.
+  ``warning:`` line (``warn=``, a callable, takes them instead: `_api_call`).
 
 It checks what the CLI checks before any work (`reshard.arguments`: conflicts, choices, the
 target spec, a missing source), in the same words, so an error reads the same from either.
 It imports no torch on the paths where the CLI imports none (inspect, plan, verify of bytes,
 ``convert(data="link")``): every heavy import is inside the function that needs it.
 
-Each verb is "parse, call, render" away from the CLI: the CLI's parsing gives these keyword
-arguments, and the renderers (`reshard.render.report`) print what these functions return.
+The CLI is "parse, call, render" over these functions (`reshard.cli`; ``convert`` still calls its
+command): its parsing gives these keyword arguments, it passes ``warn=``, ``map_os_errors=False``
+and a ``progress`` callable (called once the arguments are checked: the command's first line), and
+the renderers (`reshard.render.report`) print what these functions return.
 """
 from __future__ import annotations
 

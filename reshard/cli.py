@@ -1,4 +1,4 @@
-"""The `reshard` command line: parse arguments, call the library, render. No logic here."""
+"""The `reshard` command line: parse arguments, call the public API (reshard.api), render. No logic here."""
 from __future__ import annotations
 
 import os
@@ -426,7 +426,8 @@ def demo(
 VERBS = (("inspect", inspect), ("plan", plan), ("convert", convert), ("verify", verify), ("export", export),
          ("import", import_), ("rehearse", rehearse), ("window", window), ("demo", demo))
 """The verbs, in the order ``reshard --help`` lists them: each function parses (its signature is
-its options), calls its command (reshard.commands) and renders (`_render`)."""
+its options), calls the API (reshard.api; ``convert``, ``rehearse``, ``window`` and ``demo`` their
+command, reshard.commands) and renders (`_render`)."""
 for _name, _verb in VERBS:
     app.command(name=_name)(_verb)
 del _name, _verb
