@@ -12,22 +12,25 @@ output. Each function here is one command of the CLI with the parsing taken off:
   report as the JSON data ``--json`` prints);
 * it raises the `reshard.errors.ReshardError` hierarchy (`BadInput`, exit code 2; `Infeasible`,
   exit code 1; ...), never ``SystemExit``; an ``OSError`` nothing mapped becomes the `BadInput`
-  the CLI would print (`reshard.errors.from_os_error`);
+  the CLI would print (`reshard.errors.from_os_error`; ``map_os_errors=False``: it stays itself);
 * it prints nothing: progress goes to the ``progress`` object the caller passes (a
   `reshard.render.progress.Progress`), and a flag that has no effect as given is a
   `ReshardWarning` (Python's ``warnings``, which the caller filters), where the CLI prints a
-  ``warning:`` line.
+  ``warning:`` line (``warn=``, a callable, takes them instead: `_api_call`).
 
 It checks what the CLI checks before any work (`reshard.arguments`: conflicts, choices, the
 target spec, a missing source), in the same words, so an error reads the same from either.
 It imports no torch on the paths where the CLI imports none (inspect, plan, verify of bytes,
 ``convert(data="link")``): every heavy import is inside the function that needs it.
 
-Each verb is "parse, call, render" away from the CLI: the CLI's parsing gives these keyword
-arguments, and the renderers (`reshard.render.report`) print what these functions return.
+The CLI is "parse, call, render" over these functions (`reshard.cli`; ``convert`` still calls its
+command): its parsing gives these keyword arguments, it passes ``warn=``, ``map_os_errors=False``
+and a ``progress`` callable (called once the arguments are checked: the command's first line), and
+the renderers (`reshard.render.report`) print what these functions return.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import sys
@@ -94,31 +97,64 @@ _AT_LEAST = {**{spec.name: spec.min for spec in option_table.OPTIONS if spec.min
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+_WARN: "contextvars.ContextVar[Callable[[str], None] | None]" = contextvars.ContextVar("reshard_api_warn", default=None)
+"""Where the call under way sends its warnings (its ``warn=`` keyword), None: `ReshardWarning`."""
+
+
 def _api_call(fn: _F) -> _F:
-    """An API function as the CLI runs its command: an ``OSError`` nothing below mapped leaves as the
-    `BadInput` the CLI prints for it (exit 2), and the object items ``trust_pickle`` let unpickle
-    with arbitrary classes are named once, as the CLI's last ``warning:`` line names them (a
-    `ReshardWarning` here), whether the call succeeded or not."""
+    """An API function as the CLI runs its command, with two keywords every function takes:
+
+    * ``warn``: None (default), each warning is a `ReshardWarning`, and the object items
+      ``trust_pickle`` let unpickle with arbitrary classes are named once when the call ends
+      (as the CLI's last ``warning:`` line names them), whether it succeeded or not; a callable,
+      it receives each warning's text as it arises instead (the CLI prints it as a ``warning:``
+      line), and the trusted items are left to the caller to name
+      (``reshard.storage.checkpoints.dcp.TRUSTED_UNPICKLES.warning()``, the CLI's last line);
+    * ``map_os_errors``: True (default), an ``OSError`` nothing below mapped leaves as the
+      `BadInput` the CLI prints for it (exit 2); False, it leaves as itself (the CLI renders it,
+      ``code: os_error`` under ``--json``).
+    """
     @functools.wraps(fn)
-    def wrapped(*a: Any, **kw: Any) -> Any:
+    def wrapped(*a: Any, warn: Callable[[str], None] | None = None, map_os_errors: bool = True, **kw: Any) -> Any:
+        token = _WARN.set(warn)
         try:
             return fn(*a, **kw)
         except OSError as exc:
+            if not map_os_errors:
+                raise
             raise from_os_error(exc) from exc
         finally:
+            _WARN.reset(token)
             dcp = sys.modules.get("reshard.storage.checkpoints.dcp")  # not imported: nothing was unpickled
-            line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None else None
+            line = dcp.TRUSTED_UNPICKLES.warning() if dcp is not None and warn is None else None
             if line:
                 warnings.warn(line.removeprefix("warning: "), ReshardWarning, stacklevel=2)
 
     return wrapped  # type: ignore[return-value]
 
 
+def _warn(line: str, stacklevel: int) -> None:
+    """A warning of the call under way: to its ``warn=`` callable, else a `ReshardWarning`."""
+    to = _WARN.get()
+    if to is not None:
+        to(line)
+    else:
+        warnings.warn(line, ReshardWarning, stacklevel=stacklevel + 1)
+
+
+def _started(progress: Progress | Callable[[], Progress] | None) -> Progress | None:
+    """The ``progress`` of a call once its arguments are checked: a callable is called then (the
+    CLI's makes its `Progress` and says the command's first line, after any refusal, before any heavy import)."""
+    if progress is not None and not isinstance(progress, Progress) and callable(progress):
+        return progress()
+    return progress
+
+
 @_api_call
 def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None, trust_pickle: bool = False,
             convention: PathLike | Iterable[PathLike] = (), tie: str | Iterable[str | tuple[str, str]] = (),
             profile: PathLike | None = None, no_profile: bool = False,
-            progress: Progress | None = None) -> Inspection:
+            progress: Progress | Callable[[], Progress] | None = None) -> Inspection:
     """What ``reshard inspect PATH`` says: is the checkpoint complete, what does it hold, which topology wrote it.
 
     Returns the `Inspection`: ``report`` is the JSON ``inspect --json`` prints (``complete``,
@@ -137,11 +173,12 @@ def inspect(path: PathLike, *, deep: bool = False, from_spec: str | None = None,
     from reshard.planning.options import opened_source
 
     with opened_source(text) as source:
-        return run_inspect(source, _plan_options(source.root, None, given), deep=deep, progress=progress)
+        return run_inspect(source, _plan_options(source.root, None, given), deep=deep, progress=_started(progress))
 
 
 @_api_call
-def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options: Unpack[PlanOptions]) -> Plan:
+def plan(path: PathLike, *, to: str, dst: PathLike | None = None, tensors_out: PathLike | None = None,
+         progress: Progress | Callable[[], Progress] | None = None, **options: Unpack[PlanOptions]) -> Plan:
     """What ``reshard plan PATH --to TO`` decides, without writing anything: the `Plan`.
 
     ``options``: `PlanOptions`, the flags of ``reshard plan`` in snake_case. The plan's
@@ -152,6 +189,10 @@ def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options
     accumulation phase, each with a note); ``to_dict()`` is the JSON ``plan --json`` prints, and
     its ``fingerprint`` what `convert` checks the plan against. Torch is not imported.
 
+    ``dst`` (``plan --dst``): the plan's ``space`` is then the figures `estimate` gives for that
+    destination; ``tensors_out`` (``plan --tensors-out``): every tensor's placement and chunks
+    are written to that file (JSON lines), and the plan's ``tensors_file`` names it and counts them.
+
     Raises `BadInput` for a missing source, an unknown option value, or a policy the plan
     needs the user to choose (as the CLI exits 2).
     """
@@ -159,21 +200,22 @@ def plan(path: PathLike, *, to: str, progress: Progress | None = None, **options
     _check_plan_flags(to, given)
     text = _source_text(path)
     args.check_source(text)
-    from reshard.planning.plan import make_plan
+    progress = _started(progress)
+    from reshard.commands.plan import plan as run_plan
     from reshard.planning.options import opened_source
-    from reshard.render.progress import waiting
 
     with opened_source(text) as source:
         opts = _plan_options(source.root, to, given)
-        with waiting(progress):
-            return make_plan(source, opts)
+        return run_plan(source, opts, dst=dst if dst is None or isinstance(dst, Path) else _source_text(dst),
+                        tensors_out=Path(_source_text(tensors_out)) if tensors_out is not None else None,
+                        progress=progress)
 
 
 @_api_call
 def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
             plan: Plan | Mapping[str, Any] | PathLike | None = None, output_format: str = "dcp", data: str = "copy",
             threads: int | None = None, buffer_memory: int | None = None, buffered: bool = False,
-            overwrite: bool = False, restart: bool = False, force: bool = False, progress: Progress | None = None,
+            overwrite: bool = False, restart: bool = False, force: bool = False, progress: Progress | Callable[[], Progress] | None = None,
             **options: Unpack[PlanOptions]) -> dict[str, Any] | None:
     """What ``reshard convert SRC DST --to TO`` does: plan, write, verify, commit atomically; returns the report.
 
@@ -244,13 +286,24 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
     return done.report
 
 
+class Comparison(dict):  # type: ignore[type-arg]
+    """What `verify` returns: the JSON ``verify --json`` prints (a dict: ``equal``, ``differences``,
+    ...), and the command's ``exit_code`` (0 equal, 1 different), which is not part of the JSON."""
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self["equal"] else 1
+
+
 @_api_call
 def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, trust_pickle: bool = False,
-           strict: bool = False, buffered: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+           strict: bool = False, buffered: bool = False,
+           progress: Progress | Callable[[], Progress] | None = None) -> Comparison:
     """What ``reshard verify A B`` finds: the two checkpoints compared in global terms, whatever their chunking.
 
     Returns the comparison, the JSON ``verify --json`` prints: ``equal`` (the CLI exits 0 when
-    true, 1 when not), ``differences`` (each with ``key`` and ``detail``), and the differences a
+    true, 1 when not: the result's ``exit_code``), ``differences`` (each with ``key`` and
+    ``detail``), and the differences a
     conversion meant, excused only where the plan recomputed from A and B's lineage predicts
     them (``strict=True`` excuses none). A difference is returned, not raised: it is the answer.
     ``rtol``/``atol`` compare values within a tolerance (torch is imported then; bitwise by default).
@@ -260,13 +313,14 @@ def verify(a: PathLike, b: PathLike, *, rtol: float = 0.0, atol: float = 0.0, tr
             raise BadInput(f"{name} {value!r} is not a tolerance", hint="Give a number at or above 0.")
     a_text, b_text = _source_text(a), _source_text(b)
     args.check_source(a_text, b_text)
+    progress = _started(progress)
     from reshard.commands.verify import verify as run_verify
     from reshard.planning.options import opened_source
 
     with opened_source(a_text) as source_a, opened_source(b_text) as source_b:
         result, _ = run_verify(source_a, source_b, rtol=float(rtol), atol=float(atol), trust_pickle=trust_pickle,
                                strict=strict, buffered=buffered, progress=progress)
-    return result
+    return Comparison(result)  # its exit_code is the command's
 
 
 @_api_call
@@ -274,7 +328,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
            only: str = "model", max_shard_size: str | int = "5GB", rename: PathLike | None = None,
            model_config: Mapping[str, Any] | Iterable[str] | None = None, profile: PathLike | None = None,
            no_profile: bool = False, overwrite: bool = False, force: bool = False,
-           progress: Progress | None = None) -> dict[str, Any]:
+           progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
     """What ``reshard export SRC DST`` writes: consolidated weights, streamed tensor by tensor; returns its report.
 
     ``format``: safetensors (reshard's names), torch, or hf (a directory transformers'
@@ -292,6 +346,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
     args.check_overlap(src_text, dst_text)
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
     args.check_source(src_text)
+    progress = _started(progress)
     from reshard.commands.export import export as run_export
     from reshard.planning.options import opened_source
 
@@ -305,7 +360,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
 @_api_call
 def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike | None = None,
             format: str = "reshard", experiment_id: str | None = None, overwrite: bool = False, force: bool = False,
-            progress: Progress | None = None) -> dict[str, Any]:
+            progress: Progress | Callable[[], Progress] | None = None) -> dict[str, Any]:
     """What ``reshard import SRC DST --to TO`` writes: consolidated weights as a DCP checkpoint for a
     layout, a warm start with a new experiment id; returns the import report (``import --json``).
 
@@ -314,6 +369,7 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
     ``import`` is a Python keyword.) Raises `BadInput` for options, source or destination.
     """
     args.check_import(fmt=format)
+    progress = _started(progress)
     from reshard.commands.importer import import_ as run_import
 
     return run_import(Path(src), Path(dst), to=to, rename=Path(rename) if rename is not None else None, fmt=format,
@@ -355,7 +411,7 @@ def _check_plan_flags(to: str | None, given: Mapping[str, Any]) -> None:
     if to is not None and not isinstance(to, str):
         raise BadInput(f"--to {to!r} is not a layout", hint="Write it as on the command line, e.g. to=\"dp=2\".")
     for line in args.check_plan_flags(to, **args.plan_flag_values(given)):
-        warnings.warn(line, ReshardWarning, stacklevel=4)
+        _warn(line, stacklevel=4)
 
 
 def _normalised(options: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The `reshard` command line: parse arguments, call the library, render. No logic here."""
+"""The `reshard` command line: parse arguments, call the public API (reshard.api), render. No logic here."""
 from __future__ import annotations
 
 import os
@@ -72,6 +72,9 @@ _FORCE = typer.Option(False, "--force", help="Go ahead even when the destination
 _TRUST, _PROFILE, _NOPROF, _MB, _GA = (cli_parse.named_option(name) for name in (
     "trust_pickle", "profile", "no_profile", "micro_batch", "grad_accum"))  # verbs beyond the table take these too
 _TABLE: dict = {}  # where a verb's options of the table stand (`cli_parse.takes_options`)
+_CLI_CALL = {"warn": lambda line: _warn([line]), "map_os_errors": False}
+"""How the CLI calls the API (reshard.api): a warning is a ``warning:`` line on stderr as it arises (the
+trusted items the last line, `_warn_trusted`), an OSError is rendered as itself (``code: os_error``)."""
 
 
 @takes_options("inspect")
@@ -86,17 +89,12 @@ def inspect(
 
     Exit 0: complete and consistent; 1: readable but inconsistent; 2: incomplete, unsafe or unreadable.
     """
-    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
-    args.check_source(ckpt)
-    progress = _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.inspect import inspect as run_inspect
+    from reshard import api
+
+    result = api.inspect(ckpt, deep=deep, **flags, **_CLI_CALL,
+                         progress=lambda: _progress(f"reading {ckpt} …", json_out=json_out, quiet=quiet))
     from reshard.render.report import render_inspect
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(ckpt) as source:
-        opts = _options(source.root, flags)
-        result = run_inspect(source, opts, deep=deep, progress=progress)
     _render(result.report, json_out=json_out, text=lambda: render_inspect(result.report, verbose=verbose))
     raise typer.Exit(result.exit_code)
 
@@ -122,20 +120,15 @@ def plan(
 
     Exit 0 feasible, 1 infeasible (reasons listed), 2 bad input or a policy must be chosen.
     """
-    to = flags["to"]
-    args.check_conflicts(profile=flags["profile"], no_profile=flags["no_profile"])
-    args.check_slice(layers=flags["layers"], experts=flags["experts"])
-    _warn(args.check_plan_flags(to, **args.plan_flag_values(flags)))
-    args.check_source(ckpt)
-    progress = _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet)
-    from reshard.commands.plan import plan as run_plan
+    from reshard import api
+
+    to = flags.pop("to")
+    p = api.plan(ckpt, to=to, dst=dst, tensors_out=tensors_out, **flags, **_CLI_CALL,
+                 progress=lambda: _progress(f"reading {ckpt} to plan --to {to} …", json_out=json_out, quiet=quiet))
+    from reshard.commands.plan import report
     from reshard.render.report import render_plan
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(ckpt) as source:
-        p, d = run_plan(source, _options(source.root, flags), verbose=verbose, json_out=json_out, dst=dst,
-                        tensors_out=tensors_out, progress=progress)
+    d = report(p, verbose=verbose, json_out=json_out)
     _render(d, json_out=json_out, text=lambda: render_plan(d, verbose=verbose) + _estimate_text(d.get("space")))
     if dst is not None and d["space"]["warning"]:
         _echo(f"warning: {d['space']['warning']}", err=True)
@@ -270,18 +263,14 @@ def verify(
 ) -> None:
     """Compare two checkpoints in global terms, whatever their chunking. Exit 0 equal, 1 different, 2 bad input."""
     args.check_conflicts(quiet=quiet, progress=progress_mode)
-    args.check_source(a, b)
-    progress = _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.verify import verify as run_verify
+    from reshard import api
+
+    r = api.verify(a, b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict, buffered=buffered, **_CLI_CALL,
+                   progress=lambda: _progress(f"reading {a} and {b} …", json_out=json_out, quiet=quiet, mode=progress_mode))
     from reshard.render.verify import render_verify
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(a) as source_a, opened_source(b) as source_b:
-        r, code = run_verify(source_a, source_b, rtol=rtol, atol=atol, trust_pickle=trust_pickle, strict=strict,
-                             buffered=buffered, progress=progress)
     _render(r, json_out=json_out, text=lambda: render_verify(r))
-    raise typer.Exit(code)
+    raise typer.Exit(r.exit_code)
 
 
 def export(
@@ -305,22 +294,14 @@ def export(
     Exit 0 exported, 2 bad input (options, source, destination).
     """
     args.check_conflicts(profile=profile, no_profile=no_profile, quiet=quiet, progress=progress_mode)
-    args.check_export(fmt=fmt, model_config=model_config)
-    args.check_remote_destination(dst, data="copy", workers=None, output_format="dcp")
-    args.check_overlap(src, dst)
-    dst = dst if args.is_url(dst) else Path(dst)
-    _state["output"] = dst
-    args.check_source(src)
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.export import export as run_export
+    out = _state["output"] = dst if args.is_url(dst) else Path(dst)  # what the last line of a Ctrl-C speaks of (_interrupted)
+    from reshard import api
 
-    from reshard.planning.options import opened_source
-
-    with opened_source(src) as source:
-        r = run_export(source, dst, fmt=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
-                       model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite,
-                       force=force, progress=progress)
-    _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, dst))
+    r = api.export(src, dst, format=fmt, dtype=dtype, only=only, max_shard_size=max_shard_size, rename=rename,
+                   model_config=model_config, profile=profile, no_profile=no_profile, overwrite=overwrite, force=force,
+                   **_CLI_CALL, progress=lambda: _progress(f"reading {src} …", json_out=json_out, quiet=quiet,
+                                                           mode=progress_mode))
+    _render(r, json_out=json_out, text=lambda: _summary_line("exported", r, out))
 
 
 def import_(
@@ -339,13 +320,12 @@ def import_(
     Exit 0 imported, 2 bad input (options, source, destination).
     """
     args.check_conflicts(quiet=quiet, progress=progress_mode)
-    args.check_import(fmt=fmt)
-    _state["output"] = dst
-    progress = _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode)
-    from reshard.commands.importer import import_ as run_import
+    _state["output"] = dst  # what the last line of a Ctrl-C speaks of (_interrupted)
+    from reshard import api
 
-    r = run_import(src, dst, to=to, rename=rename, fmt=fmt, experiment_id=experiment_id, overwrite=overwrite,
-                   force=force, progress=progress)
+    r = api.import_(src, dst, to=to, rename=rename, format=fmt, experiment_id=experiment_id, overwrite=overwrite,
+                    force=force, **_CLI_CALL,
+                    progress=lambda: _progress(f"reading {src} …", json_out=json_out, quiet=quiet, mode=progress_mode))
     _render(r, json_out=json_out, text=lambda: _summary_line("imported", r, dst))
 
 
@@ -446,7 +426,8 @@ def demo(
 VERBS = (("inspect", inspect), ("plan", plan), ("convert", convert), ("verify", verify), ("export", export),
          ("import", import_), ("rehearse", rehearse), ("window", window), ("demo", demo))
 """The verbs, in the order ``reshard --help`` lists them: each function parses (its signature is
-its options), calls its command (reshard.commands) and renders (`_render`)."""
+its options), calls the API (reshard.api; ``convert``, ``rehearse``, ``window`` and ``demo`` their
+command, reshard.commands) and renders (`_render`)."""
 for _name, _verb in VERBS:
     app.command(name=_name)(_verb)
 del _name, _verb

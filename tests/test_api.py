@@ -191,7 +191,7 @@ def test_the_package_facade():
 # The CLI's flags that only a terminal has: the output's form (--json, --verbose), progress on stderr,
 # plan's --dst (`reshard.estimate`) and --tensors-out (`Plan.write_tensors`), convert's --workers
 # (it relaunches the command line) and the old name --window.
-CLI_ONLY = {"json", "quiet", "verbose", "progress", "dst", "tensors_out", "workers", "window"}
+CLI_ONLY = {"json", "quiet", "verbose", "progress", "workers", "window"}
 
 
 def test_each_verb_takes_the_cli_options_named_as_its_flags():

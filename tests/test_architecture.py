@@ -150,7 +150,8 @@ def test_commands_orchestrate_in_a_few_hundred_lines():
     assert not long, f"commands longer than {MAX_COMMAND_LINES} lines (move the logic to a layer below): {long}"
 
 
-CLI_MAY_USE = ("reshard.arguments", "reshard.cli_parse", "reshard.commands.", "reshard.render.", "reshard.errors",
+CLI_MAY_USE = ("reshard.api",                   # a verb is parse, call the API, render
+               "reshard.arguments", "reshard.cli_parse", "reshard.commands.", "reshard.render.", "reshard.errors",
                "reshard.planning.options",      # the flags, a profile and a trainer config as one set of options
                "reshard.engine.distributed")    # whether this process is a torchrun worker, and its error hand-off
 

@@ -17,20 +17,31 @@ from reshard.render.progress import waiting
 from reshard.storage.source import Source
 
 
-def plan(source: Source | Path, opts: Options, *, verbose: bool = False, json_out: bool = False, dst: Path | None = None,
-         tensors_out: Path | None = None, progress: Any = None) -> tuple[Plan, dict]:
-    """The plan and what the command prints of it: every tensor when ``verbose``, under ``--json``
-    the full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`).
-    ``progress``: its waiting row ticks on a terminal while the plan is made. ``source``: as
-    `reshard.storage.source.opened` made it; the space check reads through the plan's reader."""
+def plan(source: Source | Path, opts: Options, *, dst: Path | str | None = None, tensors_out: Path | str | None = None,
+         progress: Any = None) -> Plan:
+    """The plan, with what only the dry run adds: every tensor's placement written to
+    ``tensors_out`` (``Plan.tensors_file``) and the space and time figures for ``dst``
+    (``Plan.space``). ``progress``: its waiting row ticks on a terminal while the plan is made.
+    ``source``: as `reshard.storage.source.opened` made it; the space check reads through the plan's reader."""
     source = Source.of(source)
     with waiting(progress):
         p = make_plan(source, opts)
-    d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
     if tensors_out is not None:
-        d["tensors_file"] = {"path": str(tensors_out), "tensors": p.write_tensors(tensors_out)}
+        p.tensors_file = {"path": str(tensors_out), "tensors": p.write_tensors(Path(tensors_out))}
     if dst is not None:
         from reshard.engine.space import space_check
 
-        d["space"] = space_check(p, dst, index=plan_reader(p, source), probe=True)  # the figures convert checks and reports (size, free, time)
-    return p, d
+        p.space = space_check(p, dst, index=plan_reader(p, source), probe=True)  # the figures convert checks and reports (size, free, time)
+    return p
+
+
+def report(p: Plan, *, verbose: bool = False, json_out: bool = False) -> dict[str, Any]:
+    """What ``reshard plan`` prints of a plan: every tensor when ``verbose``, under ``--json`` the
+    full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`), then
+    the tensors file and the space figures where the plan has them."""
+    d = p.to_dict(tensors=True if verbose else "auto" if json_out else False)
+    if p.tensors_file is not None:
+        d["tensors_file"] = p.tensors_file
+    if p.space is not None:
+        d["space"] = p.space
+    return d

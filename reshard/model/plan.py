@@ -149,6 +149,8 @@ class Plan:
     slice: JsonDict | None = None  # --layers / --experts: what the slice keeps, renames and drops (`reshard.planning.slice`)
     experts: JsonDict | None = None  # MoE experts stacked in one tensor: which ranks hold which (`reshard.planning.experts`)
     inspection: Inspection | None = field(default=None, repr=False, compare=False)  # the source's Inspection this run made (not in JSON)
+    tensors_file: JsonDict | None = field(default=None, compare=False)  # plan --tensors-out: the file every tensor was written to, and how many (not in to_dict)
+    space: JsonDict | None = field(default=None, compare=False)  # plan --dst: `reshard.engine.space.space_check`'s figures for that destination (not in to_dict)
 
     def to_dict(self, *, tensors: bool | str = True) -> dict[str, Any]:
         """The plan as JSON data; ``tensors``: True (every tensor with its chunks), False, or
