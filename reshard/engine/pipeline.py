@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Optio
 
 if TYPE_CHECKING:
     from reshard.model.plan import Plan
+    from reshard.model.reader import CheckpointReader
     from reshard.semantics.manifest import Manifest
     from reshard.storage.source import Source
 
@@ -64,7 +65,7 @@ class Run:
     plan: Plan
     source: Source
     dst: Path
-    ix: Any                                    # the source's opened reader
+    ix: CheckpointReader                       # the source's opened reader (`Source.reader`, the plan's own)
     progress: Any = None                       # shown by this process (None: another one shows it)
     started: float = field(default_factory=_time.time)
     stamp: str = ""                            # the time every output file records
@@ -237,7 +238,7 @@ def say_converting(run: Run) -> None:
                      f"to {run.plan.options.to} …")
 
 
-def writing_bytes(plan: Plan, ix: Any) -> int:
+def writing_bytes(plan: Plan, ix: CheckpointReader) -> int:
     """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
     from reshard.model.kinds import Action
 
