@@ -48,6 +48,7 @@ is `reshard.storage.checkpoints.crcledger.CorruptItem` (exit 2), naming the file
 from __future__ import annotations
 
 import io
+import math
 import os
 import struct
 import sys
@@ -155,10 +156,7 @@ class ItemLayout:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
