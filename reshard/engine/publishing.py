@@ -96,7 +96,7 @@ def _taken_again(stage: upload.Stage, report: dict[str, Any], progress: Any) -> 
     any item differs or is unrecorded: the output is then made anew."""
     insp = inspect_checkpoint(stage.out)
     integrity = getattr(insp.manifest, "integrity", None)
-    if not integrity or not insp.report["complete"]:
+    if not integrity or not insp.complete:
         return None
     with phase_of(progress, "checking the staged output's checksums", item_bytes(insp.index)) as bar:
         issues = check_items(insp.index, integrity, progress=bar)
