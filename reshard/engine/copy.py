@@ -48,7 +48,6 @@ from reshard.model.plan import Plan
 if TYPE_CHECKING:
     from reshard.semantics.manifest import Manifest
     from reshard.storage.files.journal import Journal
-    from reshard.storage.objectstore.remote import RemoteCheckpoint
 
 
 @dataclass(frozen=True)
@@ -132,12 +131,12 @@ class WriteChecks(set):
                 "items_compared_after_writing": self.after_writing}
 
 
-def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *, remote: Optional[RemoteCheckpoint],
+def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
                 io: IOOptions | None = None, commit: bool = True, checked: set[str] | None = None) -> None:
     """Every item of the plan through the writer, then (``commit``) the `.metadata` commit.
 
-    ``remote``: the source's store (`reshard.storage.source.Source.remote`), whose items are
-    fetched by range ahead of their use; None for a source on this machine, whose bytes are spliced.
+    A source in a store (the reader's ``remote``, handed it by its `reshard.storage.source.Source`)
+    has its items fetched by range ahead of their use; a source on this machine has its bytes spliced.
 
     Re-cut tensors are spliced as bytes on a bounded pool (`reshard.engine.splice`); the rest
     (rewritten, transformed or cast tensors, objects) are written by this thread in
@@ -159,7 +158,7 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
         else:
             w.filled(tok, result)
 
-    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set(), remote),
+    run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
              threads=io.threads, window=io.window, on_done=done)
     if isinstance(checked, WriteChecks):
         checked.finalize()
@@ -167,15 +166,13 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
         w.finish()
 
 
-def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str],
-           rc: Optional[RemoteCheckpoint]):
+def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str]):
     """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
     # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
     # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.objectstore.remote`)
-    if not isinstance(ix, CheckpointIndex):
-        rc = None
+    rc = ix.remote if isinstance(ix, CheckpointIndex) else None
     locator = splice.Locator(ix.root, ix.entries.values()) \
         if io.splice and isinstance(ix, CheckpointIndex) and rc is None else None
     ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window, label="copy") \
@@ -468,7 +465,7 @@ class CopyOutput(Output):
         self._writer = w = DcpWriter(run.tmp, journal=self._journal)
         try:
             with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
-                write_items(run.plan, run.ix, w, bar, remote=run.source.remote, io=self.io, commit=False,
+                write_items(run.plan, run.ix, w, bar, io=self.io, commit=False,
                             checked=self._checked)
             w.finish(sync_data=False)
         finally:

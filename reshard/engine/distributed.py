@@ -354,7 +354,7 @@ class DistributedOutput(Output):
         def own_files() -> dict[str, Any]:
             try:
                 with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
-                    write_items(run.plan, run.ix, w, bar, remote=run.source.remote, io=self.io, commit=False,
+                    write_items(run.plan, run.ix, w, bar, io=self.io, commit=False,
                                 checked=self._checked)
                 w.sync_files()
             except BaseException:
