@@ -448,7 +448,7 @@ class CopyOutput(Output):
         from reshard.storage.files.journal import Journal
         from reshard.storage.files.replaceable import why_not_replaceable
 
-        self._journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
+        self._journal = Journal(resume_key(run.plan, run.source), restart=self.restart)
 
         @contextlib.contextmanager
         def journaled():

@@ -324,7 +324,7 @@ class DistributedOutput(Output):
         from reshard.storage.files.replaceable import why_not_replaceable
 
         c = self.collective
-        self._journal = journal = Journal(resume_key(run.plan, run.source.root, rc=run.source.remote), restart=self.restart)
+        self._journal = journal = Journal(resume_key(run.plan, run.source), restart=self.restart)
         with contextlib.ExitStack() as stack:
             def make() -> dict[str, Any]:
                 made = stack.enter_context(atomic_directory(self.dst, overwrite=self.overwrite,

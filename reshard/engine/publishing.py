@@ -52,7 +52,7 @@ class StoreOutput(Output):
                convert: Callable[[Output], Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
         with upload.staged_output(str(self.dst), overwrite=self.overwrite) as stage:
             earlier = None if self.restart else stage.converted()
-            if earlier is not None and earlier["key"] != resume_key(plan, source.root, rc=source.remote).to_dict():
+            if earlier is not None and earlier["key"] != resume_key(plan, source).to_dict():
                 earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
             report = _taken_again(stage, earlier["report"], self.progress) if earlier is not None else None
             if report is None:
@@ -60,7 +60,7 @@ class StoreOutput(Output):
                 report = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url).around(plan, source, convert)
                 if report is None or not (stage.out / ".metadata").exists():
                     return report  # a worker that does not commit: worker 0 uploads
-                stage.record_converted(resume_key(plan, source.root, rc=source.remote).to_dict(), report)
+                stage.record_converted(resume_key(plan, source).to_dict(), report)
             _upload(stage, report, self.progress)
         return report
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from reshard.engine.splice import SpliceJob, WorkerBuffers, item_row_bytes, slab_difference
@@ -42,20 +41,21 @@ from reshard.model.plan import Plan
 from reshard.storage.checkpoints.crcledger import CrcLedger
 from reshard.storage.files.fileio import FdCache, read_exact
 from reshard.storage.files.journal import ResumeKey, source_identity
+from reshard.storage.source import Source
 
 __all__ = ["Proof", "Resumed", "prove_spliced", "resume_key", "whole_storages"]
 
 
-def resume_key(plan: Plan | str, src: Path, output_format: str = "dcp", rc: Any = None) -> ResumeKey:
+def resume_key(plan: Plan, source: Source, output_format: str = "dcp") -> ResumeKey:
     """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.files.journal`):
-    the plan (or its fingerprint, as a report records it), the source files as they are on disk, and what
+    the plan's fingerprint, the source files as they are (on disk, or as a store lists them), and what
     else decides the bytes written."""
     from importlib.metadata import version
 
     from reshard.version import __version__
 
     # torch's version from its installed metadata (what torch.__version__ says) without importing it
-    return ResumeKey(plan=plan if isinstance(plan, str) else plan.fingerprint(), source=source_identity(src, rc),
+    return ResumeKey(plan=plan.fingerprint(), source=source_identity(source.root, source.remote),
                      options={"output_format": output_format, "reshard": __version__, "torch": version("torch")})
 
 
