@@ -325,10 +325,12 @@ def _safetensors(path: Path) -> tuple[dict, bytes]:
     return json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
-def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_path):
-    """The conversion's reads of a remote source go through a prefetch: several ranged requests at
-    once but never more than ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead
-    and not yet used, and the output the same bytes as with no prefetch at all."""
+def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_path, monkeypatch):
+    """Without room to keep the source whole (no read cache), the conversion's reads of a remote
+    source go through a prefetch: several ranged requests at once but never more than
+    ``--threads``, never more than ``--buffer-memory`` bytes fetched ahead and not yet used, and the
+    output the same bytes as with no prefetch at all."""
+    monkeypatch.setenv("RESHARD_READ_CACHE", "0")
     from reshard.engine.conversion import convert
     from reshard.engine.copy import IOOptions
     from reshard.model.plan import Options
@@ -344,6 +346,28 @@ def test_items_are_fetched_ahead_within_the_bounds(plain_url, local_dp2, tmp_pat
     assert 2 <= copy["peak_in_flight"] <= 3, counters
     assert 0 < copy["peak_buffered"] <= 16 << 10, counters
     assert counters["prefetched"] > 0
+    assert _data_files(tmp_path / "out") == _data_files(local_dp2)
+
+
+def test_a_source_the_cache_holds_is_fetched_whole_once_and_spliced(s3, plain_url, local_dp2, tmp_path):
+    """With room to keep it (the default), each data object of the source is fetched by one GET,
+    whole, into the read cache's local file (`remote.Mirror`), the copy splices from those files as
+    from a local source, and the verification reads them there: one request per data object, each
+    byte once, the output the local conversion's bytes."""
+    from reshard.engine.conversion import convert
+    from reshard.model.plan import Options
+    from reshard.planning.plan import make_plan
+    from reshard.storage.source import opened
+
+    with opened(plain_url) as source:
+        report = convert(make_plan(source, Options(to="dp=2")), source, tmp_path / "out")
+        counters = source.remote.counters.to_dict()
+    assert report["verification"]["equal"]
+    stored = {k: n for k, n in s3.keys("plain").items() if k.endswith(".distcp")}
+    assert not [p for p in counters["prefetches"] if p["label"] == "copy"], counters  # no range prefetch
+    for name, size in stored.items():  # the whole object once; the 4 MiB probe of the estimate may add a range
+        assert size <= counters["by_file"][name] <= size + (4 << 20), (name, counters["by_file"])
+    assert report["verification"]["checked_while_writing"] > 0, report["verification"]  # spliced, as from disk
     assert _data_files(tmp_path / "out") == _data_files(local_dp2)
 
 

@@ -170,19 +170,39 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     """Yields splice jobs for the pool; writes everything else itself, in plan order."""
     planned = {t.key: t for t in plan.tensors}
     actions = {a.key: a for a in plan.keys}
-    # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box
-    # and from local files only: a remote source's items are fetched by range and decoded (`reshard.storage.objectstore.remote`)
+    # bytes are spliced from DCP items only; another source (torch's safetensors shards) is read box by box.
+    # A remote source whose read cache can hold it is fetched whole into that cache's files and spliced
+    # from them as they arrive (`remote.Mirror`); otherwise its items are fetched by range and decoded.
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
-    locator = splice.Locator(ix.root, ix.entries.values()) \
-        if io.splice and isinstance(ix, CheckpointIndex) and rc is None else None
-    ahead = rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads, memory=io.window, label="copy") \
-        if rc is not None else contextlib.nullcontext()
-    try:
-        with ahead:  # a remote source's items fetched ahead, bounded in requests and bytes (reshard.storage.objectstore.remote)
-            yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct)
-    finally:
+    mirrored = io.splice and rc is not None and rc.can_mirror()
+    with contextlib.ExitStack() as stack:
+        if mirrored:
+            mirror = stack.enter_context(rc.mirroring(_first_needed(ix)))
+            locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready)
+        elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:
+            locator = splice.Locator(ix.root, ix.entries.values())
+        else:
+            locator = None
+        if rc is not None and not mirrored:  # items fetched ahead, bounded in requests and bytes
+            stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads,
+                                               memory=io.window, label="copy"))
         if locator is not None:
-            locator.close()
+            stack.callback(locator.close)
+        if mirrored:  # first on the way out: an item still waiting for its bytes stops waiting
+            stack.callback(mirror.stop)
+        yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct)
+
+
+def _first_needed(ix: CheckpointIndex) -> list[str]:
+    """The data files of ``ix`` in the order the copy first reads them (a remote source's mirror order)."""
+    order: dict[str, None] = {}
+    for e in ix.entries.values():
+        for c in (e.chunks if e.is_tensor else ()):
+            if c.location is not None:
+                order.setdefault(c.location.file)
+        if not e.is_tensor and e.location is not None:
+            order.setdefault(e.location.file)
+    return list(order) + sorted(set(ix.remote.data_files()) - order.keys())
 
 
 def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):

@@ -117,6 +117,12 @@ def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
     return out
 
 
+def _located(root: Path, entry: Any, ready: Callable[[Any], None] | None) -> list[SourceChunk] | None:
+    if ready is not None:
+        ready(entry)
+    return source_chunks(root, entry)
+
+
 class Locator:
     """`source_chunks` of every tensor entry, started at once on a small pool, taken in order.
 
@@ -125,9 +131,12 @@ class Locator:
     needs them: the copy of the first tensor starts while later ones are still located.
     """
 
-    def __init__(self, root: Path, entries: Iterable[Any], threads: int = 8):
+    def __init__(self, root: Path, entries: Iterable[Any], threads: int = 8,
+                 ready: Callable[[Any], None] | None = None):
+        """``ready(entry)``, when given, returns once the entry's items are in ``root``'s files (a
+        store's objects still arriving in the read cache: `reshard.storage.objectstore.remote.Mirror`)."""
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate")
-        self._futures = {e.key: self._pool.submit(source_chunks, root, e) for e in entries if e.is_tensor}
+        self._futures = {e.key: self._pool.submit(_located, root, e, ready) for e in entries if e.is_tensor}
 
     def get(self, key: str) -> list[SourceChunk] | None:
         fut = self._futures.get(key)

@@ -53,7 +53,7 @@ from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage.objectstore import urls
 
 __all__ = ["is_url", "StoreLimits", "open_store", "store_error", "RemoteCheckpoint", "Counters", "staged", "open_remote",
-           "version_tag", "ReadCache", "Prefetch",
+           "version_tag", "ReadCache", "Mirror", "Prefetch",
            "check_key_tail", "no_fsspec", "METADATA_FILE", "DATA_SUFFIX"]
 
 METADATA_FILE = ".metadata"
@@ -70,6 +70,11 @@ SIDECARS_CAP = 1 << 30
 MAX_OBJECTS = 10_000
 #: Sidecars fetched at once while a checkpoint is staged.
 FETCHERS = 8
+#: Data objects a `Mirror` fetches at once (each one streamed GET); a checkpoint's items are spread
+#: over every rank's object, so all of them advance together rather than one after another.
+MIRROR_STREAMS = 16
+#: What one stream of a `Mirror` hands the read cache at a time (and holds in memory at most).
+MIRROR_CHUNK = 4 << 20
 
 
 def is_url(text: str | os.PathLike) -> bool:
@@ -276,6 +281,7 @@ class RemoteCheckpoint:
         self.counters = Counters()
         self.ahead: Prefetch | None = None  # while `prefetching` runs: ranges fetched ahead of their reader
         self.kept: ReadCache | None = None  # after `keep_reads`: fetched ranges kept locally for a second reader
+        self.mirror: Mirror | None = None  # while `mirroring` runs: whole data objects fetched into ``kept``
         self.cache_folder: Path | None = None  # where `keep_reads` keeps them (the staged directory's parent)
         self.tags: dict[str, str] = {}  # key tail -> the store's version tag (ETag, else modification time)
         self.etags: dict[str, str] = {}  # full "bucket/key" -> the ETag listed, which every GET is pinned to
@@ -416,6 +422,9 @@ class RemoteCheckpoint:
             data = ahead.take(name, offset, length)
             if data is not None:
                 return data
+        mirror = self.mirror
+        if mirror is not None:
+            mirror.wait(name, offset, length)  # on its way in the one whole-object fetch: not fetched twice
         kept = self.kept
         if kept is not None:
             data = kept.get(name, offset, length)
@@ -431,6 +440,24 @@ class RemoteCheckpoint:
         disk. Removed with the staged directory."""
         if budget > 0 and self.cache_folder is not None and self.kept is None:
             self.kept = ReadCache(self.cache_folder / "reads", budget)
+
+    def can_mirror(self) -> bool:
+        """Whether the read cache may hold every data object whole (`mirroring`)."""
+        kept = self.kept
+        return kept is not None and kept.budget >= sum(self.sizes[n] for n in self.data_files())
+
+    @contextmanager
+    def mirroring(self, names: list[str], *, streams: int = MIRROR_STREAMS) -> Iterator[Mirror]:
+        """While the block runs, the data objects ``names`` (first needed first) are fetched whole
+        into the read cache's local files (`Mirror`); `read_range` waits for them rather than
+        fetching a range twice. Only when `can_mirror`."""
+        mirror = Mirror(self, names, streams=streams)
+        self.mirror = mirror
+        try:
+            yield mirror
+        finally:
+            self.mirror = None
+            mirror.close()
 
     @contextmanager
     def prefetching(self, ranges: Iterable[tuple[str, int, int]], *, in_flight: int = 8,
@@ -514,19 +541,24 @@ class ReadCache:
     def __init__(self, folder: Path, budget: int):
         self.folder, self.budget, self.used, self.served = folder, budget, 0, 0
         self.lock = threading.Lock()
+        self.grown = threading.Condition(self.lock)  # notified whenever a span is added (`Mirror.wait`)
         self.fds: dict[str, int] = {}
         self.spans: dict[str, list[list[int]]] = {}
 
     def covers(self, name: str, offset: int, length: int) -> bool:
         """Whether the range is kept here (a read of it would not go to the store)."""
+        with self.lock:
+            return self.covered(name, offset, length)
+
+    def covered(self, name: str, offset: int, length: int) -> bool:
+        """`covers`, for a caller that holds ``lock`` (a waiter on ``grown``)."""
         import bisect
 
-        with self.lock:
-            spans = self.spans.get(name)
-            if not spans or name not in self.fds:
-                return False
-            i = bisect.bisect_right(spans, [offset, float("inf")]) - 1
-            return i >= 0 and spans[i][1] >= offset + length
+        spans = self.spans.get(name)
+        if not spans or name not in self.fds:
+            return False
+        i = bisect.bisect_right(spans, [offset, float("inf")]) - 1
+        return i >= 0 and spans[i][1] >= offset + length
 
     def get(self, name: str, offset: int, length: int) -> bytes | None:
         if not self.covers(name, offset, length):
@@ -545,16 +577,19 @@ class ReadCache:
             self.served += length
         return data
 
-    def put(self, name: str, offset: int, data: bytes) -> None:
+    def put(self, name: str, offset: int, data: bytes) -> bool:
+        """Keep ``data`` at ``offset`` of the object ``name``; False when it is not kept (past the
+        budget, or the local disk refused it)."""
         import bisect
 
         n = len(data)
         if self.covers(name, offset, n):
-            return  # read before (a duplicate): kept once
+            return True  # read before (a duplicate): kept once
         with self.lock:
-            if not n or self.used + n > self.budget:
-                return
-            self.used += n
+            new = n - self._overlap(name, offset, n)  # the disk holds each byte of an object once
+            if not n or self.used + new > self.budget:
+                return False
+            self.used += new
             fd = self.fds.get(name)
             if fd is None:
                 try:
@@ -562,7 +597,7 @@ class ReadCache:
                     fd = self.fds[name] = os.open(self.folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 except OSError:
                     self.budget = 0
-                    return
+                    return False
         try:
             done = 0
             while done < n:
@@ -570,7 +605,7 @@ class ReadCache:
         except OSError:
             with self.lock:
                 self.budget = 0  # a full disk: keep nothing more, fetch again instead
-            return
+            return False
         with self.lock:
             spans = self.spans.setdefault(name, [])
             i = bisect.bisect_left(spans, [offset, offset])
@@ -584,6 +619,21 @@ class ReadCache:
                     j += 1
                 else:
                     break
+            self.grown.notify_all()
+        return True
+
+    def _overlap(self, name: str, offset: int, n: int) -> int:
+        """Bytes of ``[offset, offset + n)`` already kept (the caller holds ``lock``)."""
+        return sum(max(0, min(b, offset + n) - max(a, offset)) for a, b in self.spans.get(name, ()))
+
+    def room(self) -> int:
+        """Bytes it may still keep."""
+        with self.lock:
+            return max(0, self.budget - self.used)
+
+    def path(self, name: str) -> Path:
+        """The local file that holds the kept ranges of the data object ``name`` (at their own offsets)."""
+        return self.folder / name
 
     def close(self) -> None:
         with self.lock:
@@ -591,6 +641,162 @@ class ReadCache:
                 os.close(fd)
             self.fds.clear()
             self.spans.clear()
+
+
+
+class Mirror:
+    """Every data object of a remote checkpoint fetched whole, once, into the local files of its
+    `ReadCache` (`ReadCache.path`), up to `MIRROR_STREAMS` objects at once, each by one GET whose
+    body is written into the cache as it arrives: a conversion splices its items from those files
+    as it does from a local source (`reshard.engine.copy`), each item as soon as its byte range is
+    there (`wait`, `ready`), and its verification reads the same files again, so every byte is
+    fetched once and read from this machine after that.
+
+    Why whole objects and not the copy's ranges: a conversion reads every byte of every data
+    object, and a ranged GET costs a request each (on moto, a read of the whole object on the
+    server per range: issue 45 measured it); one streamed GET per object moves each byte once,
+    in order, and overlaps with the copy, which waits only for the items it has reached.
+
+    The bytes are the store's, pinned to the ETag listed (`RemoteCheckpoint.pin`); every reader
+    checks them against their writer's CRC-32s, as on disk. An error of any stream stops the
+    others and is raised where an item waits for bytes that will not come."""
+
+    def __init__(self, rc: RemoteCheckpoint, names: list[str], *, streams: int = MIRROR_STREAMS):
+        assert rc.kept is not None
+        self.rc, self.cache = rc, rc.kept
+        self.names = [n for n in names if rc.sizes.get(n)]
+        self.wanted = set(self.names)
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.fetched = 0
+        self.thread = threading.Thread(target=self._run, args=(max(1, streams),), name="reshard-mirror", daemon=True)
+        self.thread.start()
+
+    @property
+    def root(self) -> Path:
+        """The folder of the local files (each named as its object)."""
+        return self.cache.folder
+
+    def _run(self, streams: int) -> None:
+        try:
+            if hasattr(self.rc.fs, "_call_s3") and getattr(self.rc.fs, "loop", None) is not None:
+                from fsspec.asyn import sync
+
+                sync(self.rc.fs.loop, self._streams, streams)
+            else:  # another store's filesystem: the objects by ranges of `PIECE`, one after another
+                for name in self.names:
+                    self._by_ranges(name)
+        except BaseException as exc:  # noqa: BLE001 - raised where an item waits (`wait`)
+            with self.cache.grown:
+                self.error = exc
+                self.cache.grown.notify_all()
+
+    async def _streams(self, streams: int) -> None:
+        import asyncio
+
+        todo = list(self.names)
+
+        async def worker() -> None:
+            while todo and not self.stopped:
+                await self._stream(todo.pop(0))
+
+        tasks = [asyncio.ensure_future(worker()) for _ in range(min(streams, len(todo)))]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def _stream(self, name: str) -> None:
+        """One object by one GET, its body kept in the cache as it arrives (`MIRROR_CHUNK` at a time)."""
+        rc, size = self.rc, self.rc.sizes[name]
+        bucket, key, _version = rc.fs.split_path(f"{rc.base}/{name}")
+        if rc.pinned is not None:
+            rc.pin()
+        rc.counters.started()
+        try:
+            try:
+                resp = await rc.fs._call_s3("get_object", Bucket=bucket, Key=key, **rc.fs.req_kw)
+            except FileNotFoundError:
+                raise Incomplete(f"data file '{name}' disappeared while it was read", where=rc.url,
+                                 hint="Something deleted it under reshard; use another checkpoint.") from None
+            except Exception as exc:  # noqa: BLE001 - a store's errors, in one paragraph
+                raise store_error(exc, doing=f"cannot read '{name}'", where=rc.where(name), limits=rc.limits,
+                                  hint="Check the endpoint and the credentials' read rights.") from None
+            body, done = resp["Body"], 0
+            try:
+                while done < size and not self.stopped:
+                    parts, got = [], 0
+                    while got < MIRROR_CHUNK and done + got < size:
+                        b = await body.read(min(1 << 20, size - done - got))
+                        if not b:
+                            break
+                        parts.append(b)
+                        got += len(b)
+                    if not got:
+                        break
+                    self._keep(name, done, b"".join(parts) if len(parts) > 1 else parts[0])
+                    done += got
+            except ReshardError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a stream cut: one paragraph, the command fails
+                raise store_error(exc, doing=f"cannot read bytes of '{name}'", where=rc.where(name),
+                                  limits=rc.limits, hint="Check the endpoint and the network; run the command again.") from None
+            finally:
+                body.close()
+        finally:
+            rc.counters.ended()
+        rc.counters.add(name, done)
+        if done != size and not self.stopped:
+            raise Incomplete(f"the store returned {done} of {size} bytes of '{name}'", where=rc.where(name),
+                             hint="The object changed or is truncated; retry or use another checkpoint.")
+
+    def _by_ranges(self, name: str) -> None:
+        size, done = self.rc.sizes[name], 0
+        while done < size and not self.stopped:
+            n = min(PIECE, size - done)
+            self.rc._read(name, done, n, key=None)  # kept in the cache by `_read` (counted there)
+            done += n
+
+    def _keep(self, name: str, offset: int, data: bytes) -> None:
+        if not self.cache.put(name, offset, data):
+            raise BadInput(f"cannot keep the bytes of '{name}' in the local read cache ({self.cache.folder}): "
+                           "its disk is full or refused the write", where=self.rc.where(name),
+                           hint="Free space there (the temporary folder: TMPDIR), or set RESHARD_READ_CACHE=0.")
+        self.fetched += len(data)
+
+    def wait(self, name: str, offset: int, length: int) -> None:
+        """Until ``[offset, offset + length)`` of the object ``name`` is in the local file (at once for
+        an object this mirror does not fetch); a stream's error is raised here."""
+        if name not in self.wanted:
+            return
+        with self.cache.grown:
+            while not self.cache.covered(name, offset, length):
+                if self.error is not None:
+                    raise self.error
+                if self.stopped:
+                    return
+                self.cache.grown.wait(1.0)
+
+    def ready(self, entry: Any) -> None:
+        """Until every item of ``entry`` (a tensor of the index) is in the local files (`wait`)."""
+        for c in entry.chunks:
+            loc = c.location
+            if loc is not None:
+                self.wait(loc.file, loc.offset, loc.length)
+
+    def stop(self) -> None:
+        """No more waiting: the streams end after the chunk in hand, and a waiter returns at once."""
+        with self.cache.grown:
+            self.stopped = True
+            self.cache.grown.notify_all()
+
+    def close(self) -> None:
+        """`stop`, and wait for the streams. What they had not fetched yet is fetched by range if a
+        reader asks for it (`RemoteCheckpoint.read_range`)."""
+        self.stop()
+        self.thread.join()
 
 
 class Prefetch:
