@@ -105,6 +105,9 @@ class Output:
     force: bool = False      # go ahead when the space check finds too little room
     progress: Any = None
     url: Optional[str] = None  # the store URL ``dst`` is uploaded to (`StoreOutput` sets it): reports name it
+    #: Called once the items are written, while the run goes on (`StoreOutput` starts the upload of the
+    #: data files then, so it overlaps the verification); None: nothing.
+    written: Optional[Callable[[Run], None]] = None
     phase: ClassVar[str] = "writing"  # the progress phase of `write`
 
     # -- how steps run -------------------------------------------------------------------
@@ -211,6 +214,8 @@ def _steps(run: Run, output: Output) -> Optional[dict[str, Any]]:
         run.tmp = step("staging", lambda: staged.enter_context(output.staging(run)))
         step("tied copies", lambda: check_tied_copies(run))
         step("writing", lambda: output.write(run))
+        if output.written is not None:
+            output.written(run)
         run.carried = step("sidecars", lambda: carry_sidecars(run.plan, run.ix, run.source.root, run.tmp))
         run.manifest = step("manifest", lambda: _write_manifest(run, output))
         run.verification = step("verifying", lambda: _verified(run, output))

@@ -10,9 +10,10 @@ call itself for a local destination.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Optional
 
 from reshard.engine.pipeline import Output
 from reshard.engine.resume import resume_key
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from reshard.model.plan import Plan
     from reshard.storage.source import Source
 
-__all__ = ["StoreOutput", "export_into_store"]
+__all__ = ["StoreOutput", "EarlyUpload", "export_into_store"]
 
 
 @dataclass
@@ -55,14 +56,71 @@ class StoreOutput(Output):
             if earlier is not None and earlier["key"] != resume_key(plan, source).to_dict():
                 earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
             report = _taken_again(stage, earlier["report"], self.progress) if earlier is not None else None
+            publisher = upload.Publisher(stage, on_event=fault_point)
             if report is None:
                 stage.discard_output()
-                report = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url).around(plan, source, convert)
+                early = EarlyUpload(publisher) if type(self.inner).step is Output.step else None
+                inner = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url,
+                                written=early.start if early is not None else None)
+                try:
+                    report = inner.around(plan, source, convert)
+                except BaseException:
+                    if early is not None:
+                        early.join(abandon=True)  # the run's own error is the one raised
+                    raise
+                if early is not None:
+                    early.join()
                 if report is None or not (stage.out / ".metadata").exists():
                     return report  # a worker that does not commit: worker 0 uploads
                 stage.record_converted(resume_key(plan, source).to_dict(), report)
-            _upload(stage, report, self.progress)
+            _upload(publisher, report, self.progress)
         return report
+
+
+class EarlyUpload:
+    """The data files of a conversion bound for a store, uploaded as soon as they are written
+    (`Output.written`), while the run verifies the output, writes its manifest and reports and
+    commits it locally: by the time the local commit is made, most bytes are in the store, and
+    `upload.Publisher.finish` sends only the small files and `.metadata` (the commit) after them.
+
+    Why it is safe: the objects go to their final names under the upload marker, and `.metadata`
+    goes only after the local output is verified and committed; a run refused, failed or killed
+    meanwhile commits nothing in the store (no `.metadata`), and its objects are recorded as this
+    machine's, so the rerun keeps or replaces them and nothing else there is touched. A data file
+    is final once written (the verification only reads it); a file changed after it was sent would
+    be sent again (`Publisher.send` compares its size and modification time)."""
+
+    def __init__(self, publisher: upload.Publisher):
+        self.publisher = publisher
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def start(self, run: Any) -> None:
+        """Begin the upload of ``run.tmp``'s data files (`*.distcp`) in the background."""
+        # opened now: the local commit renames their folder while they are read
+        files = [(p.name, open(p, "rb")) for p in sorted(Path(run.tmp).glob("*.distcp"))]
+        self.thread = threading.Thread(target=self._send, args=(files,), name="reshard-early-upload", daemon=True)
+        self.thread.start()
+
+    def _send(self, files: list[tuple[str, BinaryIO]]) -> None:
+        try:
+            self.publisher.begin()
+            self.publisher.send_all(files)
+        except BaseException as exc:  # noqa: BLE001 - raised by `join`, on the run's thread
+            self.error = exc
+        finally:
+            for _name, f in files:
+                f.close()
+
+    def join(self, *, abandon: bool = False) -> None:
+        """Wait for it and raise its error; ``abandon`` (the run failed): no file more is begun, the
+        puts under way end, and its error is not raised (the run's own is)."""
+        if abandon:
+            self.publisher.stopped = True
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None and not abandon:
+            raise self.error
 
 
 def export_into_store(url: str, run: Callable[[Path, str], dict[str, Any]], *, overwrite: bool = False,
@@ -75,14 +133,18 @@ def export_into_store(url: str, run: Callable[[Path, str], dict[str, Any]], *, o
     with upload.staged_output(url, overwrite=overwrite) as stage:
         stage.discard_output()
         report = run(stage.out, stage.url)
-        _upload(stage, report, progress)
+        _upload(upload.Publisher(stage, on_event=fault_point), report, progress)
     return report
 
 
-def _upload(stage: upload.Stage, report: dict[str, Any], progress: Any) -> None:
-    """`upload.publish` with progress by bytes; the report names the URL and what was sent or kept."""
+def _upload(publisher: upload.Publisher, report: dict[str, Any], progress: Any) -> None:
+    """`upload.Publisher.finish` with progress by bytes (what an early upload sent counted at once);
+    the report names the URL and what was sent or kept."""
+    stage = publisher.stage
     with phase_of(progress, "uploading", upload.tree_bytes(stage.out)) as bar:
-        sent = upload.publish(stage, on_event=fault_point, bar=bar)
+        publisher.progress.bar = bar
+        publisher.progress.add(publisher.sent.bytes + publisher.kept.bytes)
+        sent = publisher.finish()
     report["destination"] = stage.url
     report["uploaded"] = {"objects": sent.sent.requests, "bytes": sent.sent.bytes,
                           "checked_by_etag": sent.checked, "not_checked": sent.unchecked,

@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
@@ -30,7 +31,7 @@ from reshard.storage.objectstore.remote import DATA_SUFFIX, METADATA_FILE, Count
 
 __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
-           "publish"]
+           "etag_verdict", "part_bytes", "Sent", "Publisher", "publish"]
 
 
 #: Written first under a destination prefix and removed after `.metadata`: the prefix holds an
@@ -292,28 +293,6 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
         os.close(lock)
 
 
-def _bytes_sent(bar: Any) -> Any:
-    """An fsspec callback that hands the bytes a `put_file` reports sent to ``bar`` (a progress phase, or None)."""
-    from fsspec.callbacks import Callback
-
-    class BytesSent(Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen = 0
-
-        def call(self, *_a: Any, **_k: Any) -> None:
-            if bar is not None and (self.value or 0) > self.seen:
-                bar.update(self.value - self.seen)
-                self.seen = self.value
-
-        def top_up(self, size: int) -> None:
-            """The object is sent: whatever the filesystem did not report is counted now."""
-            self.value = max(self.value or 0, size)
-            self.call()
-
-    return BytesSent()
-
-
 @dataclass
 class Published:
     """What `publish` did: objects sent and objects an earlier, interrupted upload had already
@@ -338,48 +317,321 @@ def upload_order(names: list[str]) -> list[str]:
             + [n for n in ENTRY_FILES if n in names])
 
 
-def _file_crc(path: Path) -> int:
+def _file_crc(f: BinaryIO) -> int:
+    """CRC-32 of an open file's bytes, from its start."""
     crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            crc = zlib.crc32(block, crc)
+    f.seek(0)
+    while block := f.read(8 << 20):
+        crc = zlib.crc32(block, crc)
     return crc
 
 
 #: s3fs's multipart upload: parts of 50 MiB, larger when 10,000 would not hold the file.
 PART_BYTES, MAX_PARTS = 50 << 20, 10_000
+#: Objects `Publisher.send_all` uploads at once (each its parts in turn).
+UPLOADERS = 4
+
+
+def part_bytes(size: int) -> int:
+    """The part size of a multipart upload of ``size`` bytes (`PART_BYTES` unless 10,000 parts would not hold it)."""
+    import math
+
+    return PART_BYTES if math.ceil(size / PART_BYTES) <= MAX_PARTS else math.ceil(size / MAX_PARTS)
+
+
+def _etag_form(info: dict[str, Any]) -> tuple[str, int] | None:
+    """The store's ETag as ``(md5 hex, parts)`` (0 parts: a single PUT), None if not an MD5 form."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip().strip('"').lower()
+    m = re.fullmatch(r"([0-9a-f]{32})(?:-(\d+))?", etag)
+    return None if m is None else (m.group(1), int(m.group(2) or 0))
+
+
+def etag_verdict(digests: list[bytes], multipart: bool, info: dict[str, Any]) -> bool | None:
+    """Whether the store's ETag of an object is what the MD5s of the parts sent (``digests``, one for a
+    single PUT) make: the MD5 itself for a single PUT, ``md5(md5(part) ...)-N`` for a multipart
+    upload. None when the ETag is not of that form (server-side encryption with KMS, another
+    store's tag) or of the other kind: the bytes are then not checked this way."""
+    import hashlib
+
+    form = _etag_form(info)
+    if form is None or bool(form[1]) != multipart or (multipart and form[1] != len(digests)):
+        return None
+    want = hashlib.md5(b"".join(digests)).hexdigest() if multipart else digests[0].hex()
+    return want == form[0]
 
 
 def etag_matches(path: Path, info: dict[str, Any]) -> bool | None:
-    """Whether the store's ETag of an object is the MD5 of the local file ``path`` it was sent from:
-    the MD5 itself for a single PUT, ``md5(md5(part) ...)-N`` for a multipart upload in the parts
-    s3fs sends (`PART_BYTES`). None when the ETag is not of that form (server-side encryption
-    with KMS, another store's tag, another part size): the bytes are then not checked this way."""
+    """`etag_verdict` of the local file ``path`` (read here, in the parts s3fs sends, `part_bytes`):
+    whether the store's ETag is the MD5 of its bytes, single or multipart form; None when the ETag
+    is not of that form or counts other parts."""
     import hashlib
     import math
 
-    etag = str(info.get("ETag") or info.get("etag") or "").strip().strip('"').lower()
-    m = re.fullmatch(r"([0-9a-f]{32})(?:-(\d+))?", etag)
-    if m is None:
+    form = _etag_form(info)
+    if form is None:
         return None
     size = path.stat().st_size
-    parts = int(m.group(2) or 0)
-    part = PART_BYTES if math.ceil(size / PART_BYTES) <= MAX_PARTS else math.ceil(size / MAX_PARTS)
-    if parts and math.ceil(size / part) != parts:
+    part = part_bytes(size)
+    if form[1] and math.ceil(size / part) != form[1]:
         return None
     whole, digests = hashlib.md5(), []
     with open(path, "rb") as f:
         while block := f.read(part):
-            (digests.append(hashlib.md5(block).digest()) if parts else whole.update(block))
-    want = hashlib.md5(b"".join(digests)).hexdigest() if parts else whole.hexdigest()
-    return want == m.group(1)
+            (digests.append(hashlib.md5(block).digest()) if form[1] else whole.update(block))
+    return etag_verdict(digests if form[1] else [whole.digest()], bool(form[1]), info)
+
+
+@dataclass
+class Sent:
+    """One object put by `Publisher.send`: its local file as sent, and the digests taken from the
+    bytes in hand while sending (no second read): the MD5 of each part, the CRC-32 of the whole."""
+
+    size: int
+    mtime_ns: int
+    digests: list[bytes]
+    multipart: bool
+    crc32: int
+
+
+def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) -> Sent:
+    """The open file ``f`` put at ``bucket/key`` from its start, each block read once and digested
+    as it goes (MD5 per part, CRC-32 of the whole): one PUT up to `PART_BYTES`, else a multipart
+    upload in parts of `part_bytes` (the form `etag_verdict` recomputes). An unfinished multipart
+    upload is aborted."""
+    import hashlib
+
+    from fsspec.asyn import sync
+
+    st = os.fstat(f.fileno())
+    size, part = st.st_size, part_bytes(st.st_size)
+    crc, digests = 0, []
+    f.seek(0)
+    if size <= PART_BYTES:
+        data = f.read()
+        crc, digests = zlib.crc32(data), [hashlib.md5(data).digest()]
+        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data)
+        counted.add(len(data))
+        return Sent(size, st.st_mtime_ns, digests, False, crc)
+    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key)
+    try:
+        parts = []
+        while block := f.read(part):
+            crc = zlib.crc32(block, crc)
+            digests.append(hashlib.md5(block).digest())
+            out = sync(fs.loop, fs._call_s3, "upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
+                       PartNumber=len(digests), Body=block)
+            parts.append({"PartNumber": len(digests), "ETag": out["ETag"]})
+            counted.add(len(block))
+        sync(fs.loop, fs._call_s3, "complete_multipart_upload", Bucket=bucket, Key=key,
+             UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
+    except BaseException:
+        try:
+            sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
+        except Exception:  # noqa: BLE001 - the store lists no object for it either way
+            pass
+        raise
+    return Sent(size, st.st_mtime_ns, digests, True, crc)
+
+
+class _Progress:
+    """Bytes sent handed to a progress phase (or nothing), from any uploading thread."""
+
+    def __init__(self, bar: Any):
+        self.bar, self.lock = bar, threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.bar is not None and n:
+            with self.lock:
+                self.bar.update(n)
+
+
+class Publisher:
+    """One upload of a `Stage`'s output in DCP's commit order on a store with no rename, in three
+    moves so that data objects can go while the rest of the output is still being made:
+
+    - `begin`: the destination listed, nothing foreign there (`Stage.foreign`), `UPLOAD_MARKER`
+      put and recorded, and the files a loader opens first (`ENTRY_FILES`) deleted, so nobody
+      takes a half-replaced output while the new objects arrive;
+    - `send` (thread-safe; `send_all` several at once): one finished file put at its final name,
+      its bytes read once and digested as they go (`_put_digesting`), checked against the ETag
+      the store computed and recorded for a rerun; an object an interrupted upload already put
+      (same size and version tag as recorded, the same local bytes) is kept instead;
+    - `finish`: what was not sent yet of the committed local output (`upload_order`), the
+      objects of an earlier output it does not have deleted, `ENTRY_FILES` last (`.metadata`,
+      the commit), the marker removed.
+
+    ``on_event(label)`` after each object (the tests' fault-injection hook); ``bar.update(n)`` as
+    bytes are sent or kept."""
+
+    def __init__(self, stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None):
+        self.stage, self.on_event, self.progress = stage, on_event, _Progress(bar)
+        self.fs, self.base = _open_destination(stage.url)
+        self.sent, self.kept = Counters(), Counters()
+        self.checked = self.unchecked = 0
+        self.done: dict[str, tuple[int, int]] = {}  # tail -> (size, mtime_ns) of the file sent or kept in this run
+        self.lock = threading.Lock()
+        self.there: dict[str, dict[str, Any]] = {}
+        self.recorded: dict[str, dict[str, Any]] = {}
+        self.begun = False
+        self.stopped = False  # set from another thread: `send_all` begins no file more
+
+    # -- the three moves ---------------------------------------------------------------------
+    def begin(self) -> None:
+        import json
+
+        if self.begun:
+            return
+        url = self.stage.url
+        self.there = _listing(self.fs, self.base, url)
+        self.recorded = self.stage.recorded()
+        foreign = self.stage.foreign(self.there)
+        if foreign:  # appeared since `staged_output` looked, or a stage made elsewhere: not ours to delete or overwrite
+            raise BadInput(f"the destination prefix holds {len(foreign)} objects no upload of this machine recorded "
+                           "and --overwrite did not check: " + _names(foreign), where=url,
+                           hint="Nothing was deleted. Choose an empty prefix, or remove those objects yourself.")
+        with self._errors():
+            with open(self.stage.uploads, "a") as log:  # the marker is ours once its ETag is recorded
+                log.write(json.dumps({"name": UPLOAD_MARKER, "intent": True}) + "\n")
+                log.flush()
+                self.fs.pipe_file(f"{self.base}/{UPLOAD_MARKER}",
+                                  b"reshard: an upload in progress; while this object is here, nothing under this "
+                                  b"prefix is committed\n")
+                self.fs.invalidate_cache(f"{self.base}/{UPLOAD_MARKER}")
+                log.write(json.dumps({"name": UPLOAD_MARKER,
+                                      "tag": version_tag(self.fs.info(f"{self.base}/{UPLOAD_MARKER}"))}) + "\n")
+            for tail in sorted(self.there):  # what a loader opens first goes first: nobody takes a half-replaced output
+                if tail.rsplit("/", 1)[-1] in ENTRY_FILES:
+                    self.fs.rm_file(f"{self.base}/{tail}")
+                    del self.there[tail]
+        self.begun = True
+        if self.on_event is not None:
+            self.on_event(f"upload {UPLOAD_MARKER}")
+
+    def send_all(self, files: list[tuple[str, Path | BinaryIO]], *, at_once: int = UPLOADERS) -> None:
+        """`send` of each ``(tail, path or open file)``, at most ``at_once`` at a time; the first error is raised."""
+        def one(tail: str, path: Path | BinaryIO) -> None:
+            if not self.stopped:
+                self.send(tail, path)
+
+        if at_once <= 1 or len(files) <= 1:
+            for tail, path in files:
+                one(tail, path)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reshard-upload") as pool:
+            futures = [pool.submit(one, tail, path) for tail, path in files]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                self.stopped = True
+                raise
+
+    def send(self, tail: str, path: Path | BinaryIO) -> None:
+        """``path`` (a finished file of the output, or that file open: it may be renamed meanwhile, as
+        the local commit renames its folder) at ``tail`` under the prefix: kept when an interrupted
+        upload already put these bytes there, else put, checked by its ETag and recorded."""
+        if isinstance(path, Path):
+            with open(path, "rb") as f:
+                return self.send(tail, f)
+        import json
+
+        check_key_tail(tail, where=self.stage.url)
+        st = os.fstat(path.fileno())
+        with self.lock:
+            if self.done.get(tail) == (st.st_size, st.st_mtime_ns):
+                return
+        if self._unchanged(tail, path, st):
+            self.kept.add(tail, st.st_size)
+            self.progress.add(st.st_size)
+            with self.lock:
+                self.done[tail] = (st.st_size, st.st_mtime_ns)
+            return
+        key, url = f"{self.base}/{tail}", self.stage.url
+        with self._errors():
+            with self.lock, open(self.stage.uploads, "a") as log:  # a kill after the put leaves it ours
+                log.write(json.dumps({"name": tail, "intent": True}) + "\n")
+            bucket, obj, _v = self.fs.split_path(key)
+            got = _put_digesting(self.fs, path, bucket, obj, self.progress)
+            self.sent.add(tail, got.size)
+            self.fs.invalidate_cache(key)
+            info = self.fs.info(key)
+            same = etag_verdict(got.digests, got.multipart, info)
+            if same is False or int(info.get("size") or -1) != got.size:
+                if tail == METADATA_FILE:  # never leave a commit marker over bytes the store did not get
+                    self.fs.rm_file(key)
+                raise BadInput(f"the store holds other bytes for '{tail}' than were sent (its ETag or size "
+                               "differs from the local file's)", where=f"{url}/{tail}",
+                               hint="Nothing is committed there; run the same command again (it sends that object again).")
+            with self.lock:
+                self.checked, self.unchecked = self.checked + (same is True), self.unchecked + (same is None)
+                self.done[tail] = (got.size, got.mtime_ns)
+                if tail != METADATA_FILE:
+                    with open(self.stage.uploads, "a") as log:
+                        log.write(json.dumps({"name": tail, "size": got.size, "mtime_ns": got.mtime_ns,
+                                              "crc32": got.crc32, "tag": version_tag(info)}) + "\n")
+        if self.on_event is not None:
+            self.on_event(f"upload {tail}")
+
+    def finish(self) -> Published:
+        """Everything of the committed local output not sent yet, in `upload_order` (`ENTRY_FILES`
+        last), the objects of an earlier output this one does not have deleted first, the marker
+        removed: the output is committed in the store."""
+        local = self.stage.out
+        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        if not names:
+            raise Incomplete("the output is empty: nothing committed to publish", where=str(local))
+        for tail in names:
+            check_key_tail(tail, where=self.stage.url)
+        self.begin()
+        order = upload_order(names)
+        with self._errors():
+            for tail in sorted(set(self.there) - set(names) - {UPLOAD_MARKER}):
+                self.fs.rm_file(f"{self.base}/{tail}")  # an earlier output's object this one does not have
+            entries = [t for t in order if t in ENTRY_FILES]
+            self.send_all([(t, local / t) for t in order if t not in ENTRY_FILES], at_once=1)  # in order: a kill
+            # leaves a prefix of it (the data objects of a conversion went at once, earlier: `EarlyUpload`)
+            for tail in entries:
+                self.send(tail, local / tail)
+            self.fs.rm_file(f"{self.base}/{UPLOAD_MARKER}")
+        return Published(self.sent, self.kept, self.checked, self.unchecked)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _unchanged(self, tail: str, f: BinaryIO, st: os.stat_result) -> bool:
+        """An object an interrupted upload put: listed with the size and tag recorded, from a local
+        file with the same modification time, else the same CRC-32 (an export made again writes the
+        same bytes at a new time). `.metadata` is always sent again (it is the commit)."""
+        r, info = self.recorded.get(tail), self.there.get(tail)
+        if (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
+                or not r.get("size") == st.st_size == int(info.get("size") or -1)):
+            return False
+        return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(f)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The store's and the record's errors, in one paragraph each (nothing is committed)."""
+        url = self.stage.url
+        try:
+            yield
+        except ReshardError:
+            raise
+        except OSError as exc:
+            if exc.filename is not None and str(self.stage.folder) in str(exc.filename):
+                raise BadInput(f"cannot record the upload in {self.stage.folder}: {exc.strerror or exc}",
+                               where=url) from None
+            raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                           hint="Nothing is committed there; run the same command again (it resumes).") from None
+        except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
+            raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
+                           hint="Nothing is committed there; run the same command again (it resumes).") from None
 
 
 def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: Any = None) -> Published:
     """Upload the committed local output of ``stage`` in DCP's commit order, on a store with no
-    rename: `UPLOAD_MARKER` first, then the data objects at their final names, then every other
-    file, `ENTRY_FILES` last (`.metadata` for DCP: the commit marker, a loader takes the output
-    only once it is there), then the marker removed.
+    rename (`Publisher`: `UPLOAD_MARKER` first, then the data objects at their final names, then
+    every other file, `ENTRY_FILES` last (`.metadata` for DCP: the commit marker, a loader takes
+    the output only once it is there), then the marker removed).
 
     Resuming: each object sent is recorded in ``stage.uploads`` with the local file's size,
     modification time and CRC-32 and the version tag (ETag) the store gave it. An object the
@@ -388,87 +640,4 @@ def publish(stage: Stage, *, on_event: Callable[[str], Any] | None = None, bar: 
     writes the same bytes at a new time); every other object under the prefix that is not part
     of the output is deleted. ``on_event(label)`` after each object (the fault-injection hook
     of the tests); ``bar.update(nbytes)`` as bytes are sent or kept (a progress phase, or None)."""
-    import json
-
-    fs, base = _open_destination(stage.url)
-    url, local = stage.url, stage.out
-    sent, kept = Counters(), Counters()
-    checked = unchecked = 0
-    there = _listing(fs, base, url)
-    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-    if not names:
-        raise Incomplete("the output is empty: nothing committed to publish", where=str(local))
-    for tail in names:
-        check_key_tail(tail, where=url)
-    order = upload_order(names)
-    recorded = stage.recorded()
-    foreign = stage.foreign(there)
-    if foreign:  # appeared since `staged_output` looked, or a stage made elsewhere: not ours to delete or overwrite
-        raise BadInput(f"the destination prefix holds {len(foreign)} objects no upload of this machine recorded and "
-                       "--overwrite did not check: " + _names(foreign), where=url,
-                       hint="Nothing was deleted. Choose an empty prefix, or remove those objects yourself.")
-
-    def unchanged(tail: str) -> bool:
-        r, info = recorded.get(tail), there.get(tail)
-        st = (local / tail).stat()
-        if (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
-                or not r.get("size") == st.st_size == int(info.get("size") or -1)):
-            return False
-        return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(local / tail)
-
-    try:
-        with open(stage.uploads, "a") as log:  # the marker is ours once its ETag is recorded
-            log.write(json.dumps({"name": UPLOAD_MARKER, "intent": True}) + "\n")
-            log.flush()
-            fs.pipe_file(f"{base}/{UPLOAD_MARKER}",
-                         b"reshard: an upload in progress; while this object is here, nothing under this prefix is committed\n")
-            fs.invalidate_cache(f"{base}/{UPLOAD_MARKER}")
-            log.write(json.dumps({"name": UPLOAD_MARKER, "tag": version_tag(fs.info(f"{base}/{UPLOAD_MARKER}"))}) + "\n")
-        entries_first = sorted(there, key=lambda t: (t.rsplit("/", 1)[-1] not in ENTRY_FILES, t))
-        for tail in entries_first:  # what a loader opens first goes first: nobody takes a half-replaced output
-            if tail != UPLOAD_MARKER and (tail not in names or not unchanged(tail)):
-                fs.rm_file(f"{base}/{tail}")
-        if on_event is not None:
-            on_event(f"upload {UPLOAD_MARKER}")
-        with open(stage.uploads, "a") as log:
-            for tail in order:
-                st = (local / tail).stat()
-                if unchanged(tail):
-                    kept.add(tail, st.st_size)
-                    if bar is not None:
-                        bar.update(st.st_size)
-                    continue
-                log.write(json.dumps({"name": tail, "intent": True}) + "\n")  # a kill after the put leaves it ours
-                log.flush()
-                counted = _bytes_sent(bar)
-                fs.put_file(str(local / tail), f"{base}/{tail}", callback=counted)
-                counted.top_up(st.st_size)
-                sent.add(tail, st.st_size)
-                fs.invalidate_cache(f"{base}/{tail}")
-                info = fs.info(f"{base}/{tail}")
-                same = etag_matches(local / tail, info)
-                if same is False or int(info.get("size") or -1) != st.st_size:
-                    if tail == METADATA_FILE:  # never leave a commit marker over bytes the store did not get
-                        fs.rm_file(f"{base}/{tail}")
-                    raise BadInput(f"the store holds other bytes for '{tail}' than were sent (its ETag or size "
-                                   "differs from the local file's)", where=f"{url}/{tail}",
-                                   hint="Nothing is committed there; run the same command again (it sends that object again).")
-                checked, unchecked = checked + (same is True), unchecked + (same is None)
-                if tail != METADATA_FILE:
-                    log.write(json.dumps({"name": tail, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                          "crc32": _file_crc(local / tail), "tag": version_tag(info)}) + "\n")
-                    log.flush()
-                if on_event is not None:
-                    on_event(f"upload {tail}")
-        fs.rm_file(f"{base}/{UPLOAD_MARKER}")
-    except ReshardError:
-        raise
-    except OSError as exc:
-        if exc.filename is not None and str(stage.folder) in str(exc.filename):
-            raise BadInput(f"cannot record the upload in {stage.folder}: {exc.strerror or exc}", where=url) from None
-        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
-                       hint="Nothing is committed there; run the same command again (it resumes).") from None
-    except Exception as exc:  # noqa: BLE001 - the store's errors, in one paragraph
-        raise BadInput(f"the upload failed: {type(exc).__name__}: {exc}", where=url,
-                       hint="Nothing is committed there; run the same command again (it resumes).") from None
-    return Published(sent, kept, checked, unchecked)
+    return Publisher(stage, on_event=on_event, bar=bar).finish()

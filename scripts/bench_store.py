@@ -1,0 +1,251 @@
+"""Benchmark (issue 45, part 3): a conversion from a store into a store, against the naive route.
+
+Issue 45 asks that ``reshard convert s3://SRC s3://DST`` beat what a user does without it: download
+the whole prefix, convert locally, upload the output (the naive route), by the overlap of fetching,
+splicing, verifying and uploading, with the client's CPU close to a local conversion's. So each
+round runs, every command in a fresh subprocess, rows interleaved (A, B, C, A, B, C, ...):
+
+- **store to store**: ``python -m reshard convert s3://bucket/src s3://bucket/dst --to dp=N --json``
+  (this tree: ``PYTHONPATH`` set to it);
+- **store to store, base** (``--base-tree DIR``, optional): the same command run with another
+  checkout's code (``PYTHONPATH=DIR``), e.g. ``/work/main`` before this change;
+- **naive route**: a child that downloads the prefix with fsspec/s3fs (``fs.get(recursive=True)``,
+  what ``aws s3 cp --recursive`` does), then ``reshard convert DIR OUT`` (this tree), then a child
+  that uploads ``OUT`` with boto3's ``upload_file`` on 8 threads (multipart, concurrent): its three
+  parts and their sum (wall and CPU summed);
+- **local convert**: ``reshard convert LOCAL OUT`` of the checkpoint as built (the client-CPU anchor).
+
+Wall is the child's; CPU is user + sys of the child alone (``os.wait4``): "client CPU". The moto
+server runs in a child process of its own (``bench_s3.Server``), and its CPU time while each command
+ran (``/proc/PID/stat``) is reported separately as "server CPU". The destination prefixes and the
+local outputs are removed between runs (not timed). After the first round the objects the
+store-to-store conversion committed (``.metadata`` and data) are compared byte for byte with the
+local conversion's files.
+
+The checkpoint: a real ``dcp.save`` on ``--ranks`` gloo ranks (``reshard.testing.synthetic.make_sharded``,
+``Shard(0)`` as FSDP2), ``--tensors`` float32 tensors of ``--shape`` (default 8 ranks x 32 x
+4096x2048: 1.0 GiB, 8 objects of 128 MiB), converted ``--to dp=<ranks/2>``.
+
+What carries over to a real store and what does not: moto is a Python server sharing this machine's
+2 CPUs with the client, so every byte it serves or takes costs CPU here that a real store spends
+elsewhere; the wall-time ratio is this machine's. The client CPU is the client's wherever it runs.
+
+Usage::
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_store.py --runs 3 --base-tree /work/main
+    PYTHONPATH=. .venv/bin/python scripts/bench_store.py --quick      # 4 ranks x 4 x 1024x1024, 1 round
+
+Writes ``bench_store.md`` (also printed) and ``bench_store.json`` into ``--out``. Exit 2 if the
+checkpoint could not be built or uploaded, a measured command failed or the outputs differ.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+
+from bench_metadata_path import clear, dir_bytes, machine  # noqa: E402
+from bench_s3 import (BUCKET, BUILD_SHARDED, DOWNLOAD_CODE, MIB, UPLOAD_CODE, Server, build, combine,  # noqa: E402
+                      digest_outputs, measured, say, slim, summary, upload)
+
+#: Removes every object under a prefix (between runs; not timed).
+EMPTY_CODE = r"""
+import sys
+import boto3
+bucket, prefix = sys.argv[1], sys.argv[2].strip("/") + "/"
+c = boto3.client("s3", region_name="us-east-1")
+for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+    if keys:
+        c.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+"""
+
+#: sha256 of `.metadata` and the data objects under a prefix (what `digest_outputs` gives for a folder).
+DIGEST_CODE = r"""
+import hashlib, json, sys
+import boto3
+bucket, prefix = sys.argv[1], sys.argv[2].strip("/") + "/"
+c = boto3.client("s3", region_name="us-east-1")
+out = {}
+for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    for o in page.get("Contents", []):
+        name = o["Key"][len(prefix):]
+        if name == ".metadata" or name.endswith(".distcp"):
+            out[name] = hashlib.sha256(c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+def helper(a, srv: Server, code: str, *args: str) -> str:
+    r = subprocess.run([a.python, "-c", code, *args], env=srv.env, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"helper failed: {r.stderr.strip().splitlines()[-1:]}")
+    return r.stdout
+
+
+def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
+    local = work / "src"
+    rows_, cols_ = a.shape
+    facts = build(BUILD_SHARDED, [str(local), str(a.ranks), str(a.tensors), str(rows_), str(cols_)], a=a, cwd=work,
+                  what=f"the dcp.save checkpoint ({a.ranks} ranks, {a.tensors} x {rows_}x{cols_} float32)",
+                  problems=problems)
+    if facts is None:
+        return None
+    up = upload(a, srv, local, "src", work, problems)
+    if up is None:
+        return None
+    src, to = f"s3://{BUCKET}/src", f"dp={max(1, a.ranks // 2)}"
+    conv = ["--to", to, "--no-profile", "--json", "--quiet"]
+    env_tree = dict(srv.env, PYTHONPATH=str(ROOT), RESHARD_STAGING_DIR=str(work / "staging"))
+    trees = {"s2s": env_tree}
+    if a.base_tree:
+        trees["s2s_base"] = dict(srv.env, PYTHONPATH=str(a.base_tree), RESHARD_STAGING_DIR=str(work / "staging"))
+    rsh = [a.python, "-m", "reshard", "convert"]
+    names = ["s2s", "naive_download", "naive_convert", "naive_upload", "naive_total", "local"]
+    if a.base_tree:
+        names.insert(1, "s2s_base")
+    rows: dict[str, list[dict]] = {k: [] for k in names}
+    identical = None
+    out, dl = work / "out", work / "download"
+
+    def timed(name: str, argv: list[str], env: dict, i: int) -> dict:
+        srv.env, saved = env, srv.env
+        try:
+            r = slim(measured(argv, srv=srv, cwd=work, timeout=a.timeout))
+        finally:
+            srv.env = saved
+        rows[name].append(r)
+        say(name, i, a.runs, r)
+        return r
+
+    for i in range(a.runs):
+        for tree, env in trees.items():  # interleaved: each round runs every row once
+            helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+            r = timed(tree, [*rsh, src, f"s3://{BUCKET}/dst", *conv], env, i)
+            if i == 0 and tree == "s2s" and r["exit"] == 0:
+                identical = {"store": json.loads(helper(a, srv, DIGEST_CODE, BUCKET, "dst"))}
+        helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+        clear(dl)
+        clear(out)
+        d = timed("naive_download", [a.python, "-c", DOWNLOAD_CODE, src, str(dl)], srv.env, i)
+        c = timed("naive_convert", [*rsh, str(dl), str(out), *conv], env_tree, i)
+        u = timed("naive_upload", [a.python, "-c", UPLOAD_CODE, str(out), BUCKET, "dst"], srv.env, i)
+        rows["naive_total"].append(combine([d, c, u]))
+        helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+        clear(dl)
+        clear(out)
+        lo = timed("local", [*rsh, str(local), str(out), *conv], env_tree, i)
+        if identical is not None and "local" not in identical and lo["exit"] == 0:
+            identical["local"] = digest_outputs(out)
+            identical["equal"] = identical["store"] == identical["local"]
+            identical["files"] = len(identical["local"])
+        clear(out)
+    for k, v in rows.items():
+        for r in v:
+            if r["exit"] != 0:
+                problems.append(f"{k}: exit {r['exit']}: {r.get('error', '')}")
+    if identical is None or not identical.get("equal"):
+        problems.append("the store-to-store output was not shown byte-identical to the local conversion's")
+    return {"ranks": a.ranks, "tensors": a.tensors, "shape": [rows_, cols_], "to": to, "build": facts, "upload": up,
+            "bytes_on_disk": dir_bytes(local), "identical_to_local": identical,
+            "rows": {k: summary(v) for k, v in rows.items()}}
+
+
+def f(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(rep: dict) -> str:
+    b = rep["result"]
+    rows = b["rows"]
+    gib = b["bytes_on_disk"] / (1 << 30)
+    labels = {"s2s": "`reshard convert s3://src s3://dst` (this tree)",
+              "s2s_base": f"`reshard convert s3://src s3://dst` (base: `{rep['base_tree']}`)",
+              "naive_download": "naive: download (`fs.get`)", "naive_convert": "naive: `reshard convert DIR OUT`",
+              "naive_upload": "naive: upload (boto3, 8 threads)", "naive_total": "**naive route, total**",
+              "local": "`reshard convert LOCAL OUT` (client-CPU anchor)"}
+    lines = [f"Measured {rep['when']} on {rep['machine']}; load average {rep['load_start']} at the start, "
+             f"{rep['load_end']} at the end. Checkpoint: `dcp.save` on {b['ranks']} gloo ranks, {b['tensors']} float32 "
+             f"tensors {b['shape'][0]}x{b['shape'][1]} `Shard(0)` ({gib:.2f} GiB, {b['ranks']} objects), "
+             f"`--to {b['to']}`; {rep['runs']} interleaved rounds, medians.", "",
+             "| command | exits | median wall (s) | min-max wall (s) | median client CPU (s) | median peak RSS (MiB) | median server CPU (s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for k, v in rows.items():
+        lines.append(f"| {labels[k]} | {', '.join(map(str, v['exits']))} | {f(v['median_wall_s'])} | "
+                     f"{f(v['min_wall_s'])}-{f(v['max_wall_s'])} | {f(v['median_cpu_s'])} | "
+                     f"{f(v['median_peak_rss_mib'], 0)} | {f(v['median_server_cpu_s'])} |")
+    s2s, naive, local = rows["s2s"], rows["naive_total"], rows["local"]
+    ratios = [(r["wall_s"] / n["wall_s"]) for r, n in zip(s2s["runs"], naive["runs"])]
+    cpu = [(r["cpu_s"] / lo["cpu_s"]) for r, lo in zip(s2s["runs"], local["runs"])]
+    lines += ["", f"Store to store against the naive route, wall: **{statistics.median(ratios):.2f}x** (median of the "
+              f"per-round ratios {', '.join(f'{x:.2f}' for x in ratios)}); client CPU against a local convert: "
+              f"**{statistics.median(cpu):.2f}x** (per round {', '.join(f'{x:.2f}' for x in cpu)})."]
+    if "s2s_base" in rows:
+        base = [(r["wall_s"] / n["wall_s"]) for r, n in zip(rows["s2s_base"]["runs"], naive["runs"])]
+        bcpu = [(r["cpu_s"] / lo["cpu_s"]) for r, lo in zip(rows["s2s_base"]["runs"], local["runs"])]
+        lines.append(f"Base, same rounds: {statistics.median(base):.2f}x the naive route's wall, "
+                     f"{statistics.median(bcpu):.2f}x a local convert's client CPU.")
+    ident = b["identical_to_local"] or {}
+    lines.append(f"Objects committed by the store-to-store conversion against the local conversion's files "
+                 f"(`.metadata` and data, {ident.get('files', 0)} files): "
+                 f"{'byte-identical' if ident.get('equal') else 'NOT shown identical'}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench-results"))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--tensors", type=int, default=32)
+    ap.add_argument("--shape", default="4096x2048")
+    ap.add_argument("--base-tree", default=None, help="another checkout whose store-to-store run is a row too")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--tmp", default=None)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.ranks, a.tensors, a.shape, a.runs = 4, 4, "1024x1024", 1
+    a.shape = tuple(int(x) for x in a.shape.lower().split("x"))
+    problems: list[str] = []
+    work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=a.tmp))
+    srv = Server(a.python)
+    m = machine(work)
+    load_start = round(os.getloadavg()[0], 2)
+    t0 = time.time()
+    try:
+        result = rows_of(a, srv, work, problems)
+    finally:
+        srv.stop()
+        clear(work)
+    if result is None:
+        print("\n".join(problems), file=sys.stderr)
+        return 2
+    rep = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": (f"{m['nproc']} CPUs, {m['ram_gib']} GiB RAM, {m['platform']}, Python {m['python']}, "
+                                   f"commit `{m['commit']}`"),
+           "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "runs": a.runs,
+           "base_tree": a.base_tree, "seconds": round(time.time() - t0), "result": result, "problems": problems}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_store.json").write_text(json.dumps(rep, indent=1))
+    md = markdown(rep)
+    (out / "bench_store.md").write_text(md)
+    print(md)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
