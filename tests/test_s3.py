@@ -36,11 +36,17 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   `verify` agrees, and a second run into the committed prefix is refused; with `--overwrite` it
   replaces it (`.metadata` put last), but not a prefix holding an object of someone else's.
 - `test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload`:
-  SIGKILLed after its last data object (a forked process), the upload leaves no `.metadata`:
+  SIGKILLed after its local commit, as it sends the files after the data objects (a forked
+  process), the upload leaves no `.metadata`:
   stock `dcp.load` through `FsspecReader` refuses it, `inspect` says not committed; the same
   command again takes the committed local output from the staging folder (checked against its
   CRC-32s, not converted again), keeps every data object already sent (size and ETag as
   recorded), sends the rest and commits the same objects; the staging folder goes.
+- `test_a_kill_while_data_objects_go_during_the_verification_commits_nothing`: the data objects
+  are uploaded while the output is verified; killed after the first, nothing is committed
+  locally or in the store, and the rerun resumes, keeps what was sent and commits the same bytes.
+- `test_a_source_the_cache_holds_is_fetched_whole_once_and_spliced`: each data object fetched by
+  one GET into the read cache's file, spliced from there, the local conversion's bytes.
 - `test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_sent_again`:
   killed after its first item, the rerun resumes the conversion from its journal (the remote
   source's identity, sizes and ETags, is the same across runs); an object overwritten in the
@@ -442,13 +448,15 @@ def test_convert_to_the_store_commits_metadata_last_and_torch_loads_it(s3, plain
 
 
 def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_upload(s3, plain_url, local_dp2, staging):
-    """A conversion into the store SIGKILLed right after its last data object (a real process,
-    `tests/forked.py`) leaves data objects and no `.metadata`: stock `dcp.load` through
+    """A conversion into the store SIGKILLed after its local commit, while it sends the files
+    after the data objects (a real process, `tests/forked.py`; the data objects went while the
+    output was verified), leaves data objects and no `.metadata`: stock `dcp.load` through
     `FsspecReader` refuses the prefix, `inspect` calls it not committed. The same command run
     again resumes: it takes the committed local output the killed run left in its staging
     folder (items checked against their CRC-32 now, not converted again), sends only what the
-    store lacks (`.metadata` and the sidecars; every data object is kept, proven by its size and
-    ETag), and commits what a clean run commits; the staging folder goes with the commit."""
+    store lacks (`.metadata` and the sidecars; every data object and the first sidecar are kept,
+    proven by their size and ETag), and commits what a clean run commits; the staging folder
+    goes with the commit."""
     import os
 
     import forked
@@ -460,20 +468,23 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     from reshard.storage.objectstore.upload import stage_folder
 
     dst = s3.url("out/killed")
+    from reshard.storage.objectstore.upload import ENTRY_FILES
+
     data = {n for n in _data_files(local_dp2) if n.endswith(".distcp")}
     last = max(data)
+    side = min(p.name for p in local_dp2.iterdir() if p.is_file() and p.suffix != ".distcp" and p.name not in ENTRY_FILES)
     argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"]
     # the killed child's temporary files in a folder of its own: no cleanup runs on SIGKILL, and the
     # shared temporary folder holds other test workers' staged sources, which must not be touched
     own_tmp = staging.parent / f"{staging.name}-tmp"
     own_tmp.mkdir()
-    r = forked.run(argv, env={**os.environ, "TMPDIR": str(own_tmp), "RESHARD_FAULT_KILL_AT": f"upload {last}"})
+    r = forked.run(argv, env={**os.environ, "TMPDIR": str(own_tmp), "RESHARD_FAULT_KILL_AT": f"upload {side}"})
     assert r.returncode == -9, r.stderr
     assert [p.name[:15] for p in own_tmp.iterdir()] == ["reshard-remote-"]  # the staged source, left by the kill
     shutil.rmtree(own_tmp)
     assert (stage_folder(dst) / "out" / ".metadata").is_file()  # the committed local output waits
     keys = s3.keys("out/killed")
-    assert last in keys and ".metadata" not in keys and ".reshard-uploading" in keys
+    assert last in keys and side in keys and ".metadata" not in keys and ".reshard-uploading" in keys
     with pytest.raises(CheckpointException, match="global metadata read failed: .*killed/.metadata"):
         dcp.load({"x": torch.empty(1)}, storage_reader=FsspecReader(dst))
     code, _o, err = cli(["inspect", dst])
@@ -483,8 +494,8 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
     assert code == 0, err
     report = json.loads(out)
     assert report["taken_again"]["items_checked_now"] > 0
-    assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] == len(data)
-    assert report["uploaded"]["objects"] == len(s3.keys("out/killed")) - len(data) >= 1  # .metadata and the sidecars
+    assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] == len(data) + 1
+    assert report["uploaded"]["objects"] == len(s3.keys("out/killed")) - len(data) - 1 >= 1  # .metadata and the rest
     assert not stage_folder(dst).exists()
     from reshard.render.report import render_convert
 
@@ -497,6 +508,41 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
         assert c.get_object(Bucket=s3.bucket, Key=f"out/killed/{name}")["Body"].read() == want, name
     got = _load_with_fsspec_reader(dst, local_dp2)
     assert got
+
+
+def test_a_kill_while_data_objects_go_during_the_verification_commits_nothing(s3, plain_url, local_dp2, staging):
+    """The data objects of a conversion bound for the store are uploaded while the output is
+    verified and committed locally (`publishing.EarlyUpload`). SIGKILLed right after its first data
+    object, the run has committed nothing, locally (no `.metadata` in the staging folder's output)
+    or in the store (no `.metadata`, the upload marker there); the rerun resumes the conversion
+    from its journal, keeps what was sent (size and ETag as recorded), and commits the clean
+    conversion's bytes."""
+    import os
+
+    import forked
+
+    from reshard.storage.objectstore.upload import stage_folder
+
+    data = sorted(n for n in _data_files(local_dp2) if n.endswith(".distcp"))
+    dst = s3.url("out/killed-early-upload")
+    argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet", "--json"]
+    own_tmp = staging.parent / f"{staging.name}-tmp-early"
+    own_tmp.mkdir()
+    r = forked.run(argv, env={**os.environ, "TMPDIR": str(own_tmp), "RESHARD_FAULT_KILL_AT": f"upload {data[0]}"})
+    assert r.returncode == -9, r.stderr
+    shutil.rmtree(own_tmp)
+    keys = s3.keys("out/killed-early-upload")
+    assert data[0] in keys and ".metadata" not in keys and ".reshard-uploading" in keys, keys
+    assert not (stage_folder(dst) / "out" / ".metadata").exists()  # not committed locally either
+    code, out, err = cli(argv)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "taken_again" not in report and report["resume"]["resumed"], report.get("resume")
+    assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] >= 1, report["uploaded"]
+    assert ".reshard-uploading" not in s3.keys("out/killed-early-upload") and not stage_folder(dst).exists()
+    c = s3.client()
+    for name, want in _data_files(local_dp2).items():
+        assert c.get_object(Bucket=s3.bucket, Key=f"out/killed-early-upload/{name}")["Body"].read() == want, name
 
 
 def test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_sent_again(s3, plain_url, local_dp2):
@@ -525,13 +571,17 @@ def test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_s
 
     dst = s3.url("out/overwritten")
     argv = ["convert", plain_url, dst, "--to", "dp=2", "--quiet"]
-    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {data[-1]}"})
+    from reshard.storage.objectstore.upload import ENTRY_FILES
+
+    side = min(p.name for p in local_dp2.iterdir() if p.is_file() and p.suffix != ".distcp" and p.name not in ENTRY_FILES)
+    # killed after the local commit, as the files after the data objects go (the data objects went earlier)
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_KILL_AT": f"upload {side}"})
     assert r.returncode == -9, r.stderr
     c.put_object(Bucket=s3.bucket, Key=f"out/overwritten/{data[0]}", Body=b"not what reshard wrote")
     code, out, err = cli([*argv[:-1], "--json", "--progress", "json"])
     assert code == 0, err
     up = json.loads(out)["uploaded"]
-    assert up["kept_from_an_interrupted_upload"]["objects"] == len(data) - 1
+    assert up["kept_from_an_interrupted_upload"]["objects"] == len(data) - 1 + 1  # and the sidecar sent before the kill
     ends = [e for e in map(json.loads, err.splitlines()) if e.get("phase") == "upload" and e["event"] == "end"]
     total = up["bytes"] + up["kept_from_an_interrupted_upload"]["bytes"]
     assert [(e["bytes_done"], e["bytes_total"]) for e in ends] == [(total, total)], err  # progress by bytes

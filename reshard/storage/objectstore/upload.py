@@ -38,8 +38,25 @@ __all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage
 #: upload by reshard that may be unfinished, which a rerun may replace (nothing else it may).
 UPLOAD_MARKER = ".reshard-uploading"
 
+#: The destinations opened in this process, by URL and the environment that configures a store's client:
+#: one client per destination rather than one per step (each costs its service model loaded and an
+#: SSL context made: about 0.3 s of CPU; a forked child opens its own). Only destinations: a source's client is its own (its pin).
+_DESTINATIONS: dict[tuple[str, ...], tuple[Any, str]] = {}
+_DESTINATIONS_LOCK = threading.Lock()
+
+
 def _open_destination(url: str) -> tuple[Any, str]:
-    """The destination's filesystem and ``bucket/prefix``, by the one URL rule and with the store's bounds (`open_store`)."""
+    """The destination's filesystem and ``bucket/prefix``, by the one URL rule and with the store's bounds
+    (`open_store`), opened once per process and configuration (`_DESTINATIONS`)."""
+    ident = (str(os.getpid()), url.rstrip("/"), *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("AWS_", "RESHARD_STORE_"))))
+    with _DESTINATIONS_LOCK:
+        got = _DESTINATIONS.get(ident)
+        if got is None:
+            got = _DESTINATIONS[ident] = _opened_destination(url)
+    return got
+
+
+def _opened_destination(url: str) -> tuple[Any, str]:
     try:
         fs, base, _parsed, _limits = open_store(url, what="destination URL")
     except BadInput as exc:
