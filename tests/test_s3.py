@@ -300,7 +300,8 @@ def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch)
     """`upload.etag_matches` against ETags the server computed: a single PUT's (the MD5) and a
     multipart upload's (``md5(md5(part)...)-N``, three parts of 5 MiB, the smallest S3 allows),
     both True for the bytes sent, False for other bytes of the same size; an ETag of another
-    form is None (not checked), never True."""
+    form is None (not checked), never True. reshard's own upload (`upload.Publisher.send`, parts
+    sent several at once) is checked by the digests it took while sending, both forms."""
     import os
 
     import fsspec
@@ -320,6 +321,21 @@ def test_the_upload_check_reads_the_servers_own_etags(s3, tmp_path, monkeypatch)
     monkeypatch.setattr(upload, "PART_BYTES", 5 << 20)  # the part size this upload used (s3fs's default is 50 MiB)
     assert upload.etag_matches(data, multi) is True and upload.etag_matches(other, multi) is False
     assert upload.etag_matches(data, {"ETag": '"not-an-md5"'}) is None
+
+    # reshard's own upload (`Publisher.send`): parts digested as they are read, several under way at
+    # once, the ETag checked from those digests (three parts of 5 MiB), then the single-PUT form
+    monkeypatch.setattr(upload, "SEND_PART", 5 << 20)
+    stage = upload.Stage(s3.url("etag/own"), tmp_path / "stage")
+    stage.folder.mkdir()
+    pub = upload.Publisher(stage)
+    pub.begin()
+    pub.send("multi", data)
+    monkeypatch.setattr(upload, "SEND_PART", 64 << 20)
+    pub.send("single", other)
+    assert pub.checked == 2 and pub.unchecked == 0 and pub.sent.bytes == 22 << 20
+    assert str(fs.info(f"{s3.bucket}/etag/own/multi")["ETag"]).strip('"').endswith("-3")
+    assert fs.cat_file(f"{s3.bucket}/etag/own/multi") == data.read_bytes()
+    assert fs.cat_file(f"{s3.bucket}/etag/own/single") == other.read_bytes()
 
 
 def _safetensors(path: Path) -> tuple[dict, bytes]:

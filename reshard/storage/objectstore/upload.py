@@ -345,8 +345,20 @@ def _file_crc(f: BinaryIO) -> int:
 
 #: s3fs's multipart upload: parts of 50 MiB, larger when 10,000 would not hold the file.
 PART_BYTES, MAX_PARTS = 50 << 20, 10_000
-#: Objects `Publisher.send_all` uploads at once (each its parts in turn).
+#: Objects `Publisher.send_all` uploads at once.
 UPLOADERS = 4
+#: reshard's own uploads (`Publisher.send`): one PUT up to this size, else parts of it (of more when
+#: 10,000 would not hold the file), `PARTS_IN_FLIGHT` of them under way at once per object. Smaller
+#: parts than s3fs's keep more requests going with as little memory (`UPLOADERS` x `PARTS_IN_FLIGHT`
+#: parts at most); the ETag is checked from the digests of the parts sent, whatever their size.
+SEND_PART, PARTS_IN_FLIGHT = 16 << 20, 4
+
+
+def send_part(size: int) -> int:
+    """The part size of reshard's multipart upload of ``size`` bytes (`SEND_PART`, larger when 10,000 would not hold it)."""
+    import math
+
+    return max(SEND_PART, math.ceil(size / MAX_PARTS))
 
 
 def part_bytes(size: int) -> int:
@@ -412,36 +424,50 @@ class Sent:
 
 def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) -> Sent:
     """The open file ``f`` put at ``bucket/key`` from its start, each block read once and digested
-    as it goes (MD5 per part, CRC-32 of the whole): one PUT up to `PART_BYTES`, else a multipart
-    upload in parts of `part_bytes` (the form `etag_verdict` recomputes). An unfinished multipart
-    upload is aborted."""
+    as it goes (MD5 per part, CRC-32 of the whole): one PUT up to `SEND_PART`, else a multipart
+    upload in parts of `send_part`, `PARTS_IN_FLIGHT` of them under way at once (the ETag
+    `etag_verdict` recomputes from the digests in hand). An unfinished multipart upload is aborted."""
+    import asyncio
     import hashlib
 
     from fsspec.asyn import sync
 
     st = os.fstat(f.fileno())
-    size, part = st.st_size, part_bytes(st.st_size)
+    size, part = st.st_size, send_part(st.st_size)
     crc, digests = 0, []
     f.seek(0)
-    if size <= PART_BYTES:
+    if size <= SEND_PART:
         data = f.read()
         crc, digests = zlib.crc32(data), [hashlib.md5(data).digest()]
         sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data)
         counted.add(len(data))
         return Sent(size, st.st_mtime_ns, digests, False, crc)
     mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key)
+    flying: list[tuple[int, int, Any]] = []  # (part number, bytes, its request on the filesystem's loop)
+    parts: list[dict[str, Any]] = []
+
+    def landed(i: int, n: int, fut: Any) -> None:
+        parts.append({"PartNumber": i, "ETag": fut.result()["ETag"]})
+        counted.add(n)
+
     try:
-        parts = []
         while block := f.read(part):
             crc = zlib.crc32(block, crc)
             digests.append(hashlib.md5(block).digest())
-            out = sync(fs.loop, fs._call_s3, "upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                       PartNumber=len(digests), Body=block)
-            parts.append({"PartNumber": len(digests), "ETag": out["ETag"]})
-            counted.add(len(block))
+            fut = asyncio.run_coroutine_threadsafe(
+                fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
+                            PartNumber=len(digests), Body=block), fs.loop)
+            flying.append((len(digests), len(block), fut))
+            del block
+            while len(flying) >= PARTS_IN_FLIGHT:
+                landed(*flying.pop(0))
+        while flying:
+            landed(*flying.pop(0))
         sync(fs.loop, fs._call_s3, "complete_multipart_upload", Bucket=bucket, Key=key,
              UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
     except BaseException:
+        for _i, _n, fut in flying:
+            fut.cancel()
         try:
             sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
         except Exception:  # noqa: BLE001 - the store lists no object for it either way
