@@ -46,7 +46,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +59,8 @@ from reshard.model.geometry import Box, contiguous_run
 from reshard.storage.checkpoints import archive
 from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
 from reshard.storage.checkpoints.fastread import item_layout
-from reshard.storage.files.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
+from reshard.storage.files.fileio import (ALIGN, FdCache, ThreadBuffers, crc32, read_at, read_exact, write_exact,
+                                          write_placed)
 
 __all__ = [
     "SourceChunk",
@@ -261,7 +261,7 @@ class SpliceJob:
                     _copy_into(view, slab, s, inter, isz, files, buffers)
                 if filled != slab.numel:
                     raise OSError(f"source chunks cover {filled} of {slab.numel} elements of a target slab")
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 write_exact(fd, [view], pos)
                 pos += len(view)
         return crc
@@ -296,7 +296,7 @@ class SpliceJob:
             other = buffers.get_aux(isz)
             read_exact(files.fd(src.path), other, src.storage_at)
             if src.crc is not None:
-                ledger.add(src.record(isz), 0, isz, zlib.crc32(other))
+                ledger.add(src.record(isz), 0, isz, crc32(other))
             if bytes(view) != bytes(other):
                 raise SpliceMismatch(f"the item written at {path}:{at} differs from the source")
             return
@@ -391,7 +391,7 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
                 k = min(slab_bytes, n - done)
                 view = buffers.get(k)
                 read_exact(sfd, view, s.storage_at + src_off + done)
-                part = zlib.crc32(view, part)
+                part = crc32(view, part)
                 done += k
         crc = archive.crc32_combine(crc, part, n)
     return crc
@@ -430,7 +430,7 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
             read_piece(files, s.path, view[lo - o:hi - o], s.storage_at + so + (lo - d), buffers)
             segments.append((i, lo, hi))
         for i, lo, hi in segments:  # runs are in target order, so these tile the slab in order
-            c = zlib.crc32(view[lo - o:hi - o])
+            c = crc32(view[lo - o:hi - o])
             parts[i] = archive.crc32_combine(parts[i], c, hi - lo)
             crc = archive.crc32_combine(crc, c, hi - lo)
         write_placed(fd, direct_fd, view, 0, pos + o, k)
@@ -528,7 +528,7 @@ def slab_difference(out: Any, slab: Box, meeting: list, isz: int, files: FdCache
         srow = item_row_bytes(s.box.sizes, isz)
         span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow, buffers.get_aux)
         if s.crc is not None and ledger is not None:  # the source rows, checked against their writer's record
-            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
+            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, crc32(span))
         srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
         if not bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
             return inter, seen

@@ -53,7 +53,6 @@ import os
 import struct
 import sys
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -64,7 +63,7 @@ from reshard.errors import BadInput
 from reshard import safefs
 from reshard.model.dtypes import DType, from_torch
 from reshard.storage.checkpoints.crcledger import CorruptItem
-from reshard.storage.files.fileio import ShortRead, read_exact
+from reshard.storage.files.fileio import ShortRead, read_exact, crc32
 from reshard.storage.pickles.plain_items import NotPlain, tensor_layout
 
 __all__ = ["CrcStatus", "ItemLayout", "Member", "MemberCrcs", "check_file_crcs", "check_item_crcs", "item_members",
@@ -248,7 +247,7 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
         if zi.file_size > limit:
             raise _Unusual(f"{name} too large")
         data = win.pread(member_data_offset(zi), zi.file_size)
-        if zi.CRC and zlib.crc32(data) != zi.CRC:  # 0: written without CRCs (no record)
+        if zi.CRC and crc32(data) != zi.CRC:  # 0: written without CRCs (no record)
             raise _Unusual(f"{name} fails its CRC")
         return data
 
@@ -345,7 +344,7 @@ def read_tensor_item(path: str | os.PathLike, offset: int, length: int, *, expec
         if lay.storage_nbytes:
             _read_exact(fd, _byte_view(buf), lay.storage_file_offset)
             if check_crc and lay.storage_crc:
-                got = zlib.crc32(_byte_view(buf))
+                got = crc32(_byte_view(buf))
                 if got != lay.storage_crc:
                     raise CorruptItem(key, path, lay.storage_crc, got)
         out = torch.empty((0,), dtype=lay.dtype.torch)
@@ -484,7 +483,7 @@ def check_item_crcs(data: Any, *, key: str | None, where: Any) -> CrcStatus:
     members = item_members(mv)
     if members is None:
         return CrcStatus(archive=False)
-    return _tally(members, lambda m: zlib.crc32(mv[m.start:m.start + m.size]), key=key, where=where)
+    return _tally(members, lambda m: crc32(mv[m.start:m.start + m.size]), key=key, where=where)
 
 
 class MemberCrcs:
@@ -509,7 +508,7 @@ class MemberCrcs:
         for i, m in enumerate(self.members):
             lo, hi = max(pos, m.start), min(end, m.start + m.size)
             if lo < hi:
-                self._crc[i] = zlib.crc32(mv[lo - pos:hi - pos], self._crc[i])
+                self._crc[i] = crc32(mv[lo - pos:hi - pos], self._crc[i])
         self._next = end
 
     def finish(self) -> CrcStatus:

@@ -1,0 +1,56 @@
+"""The native CRC-32 of the data path (reshard/storage/files/fastcrc.c) gives zlib.crc32's values, bit for bit.
+
+Every checksum a conversion records (the manifest's item CRC-32s, the zip records of the items it
+writes) and every check against a source's records goes through `reshard.storage.files.fileio.crc32`,
+which is this module where it was built: a value that differed from zlib's would change the
+output's bytes or refuse a sound source. Cost: well under a second.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from reshard.storage.files import fileio
+
+fastcrc = pytest.importorskip("reshard.storage.files.fastcrc", reason="the native CRC was not built (no C compiler)")
+
+
+def test_every_short_length_and_start_value():
+    rng = random.Random(45)
+    data = rng.randbytes(4096 + 64)
+    for n in range(0, 600):
+        for start in (0, 1, 7, 8):  # unaligned starts: the table path's prologue, the folding's unaligned loads
+            view = memoryview(data)[start:start + n]
+            value = rng.getrandbits(32)
+            assert fastcrc.crc32(view) == zlib.crc32(view), (n, start)
+            assert fastcrc.crc32(view, value) == zlib.crc32(view, value), (n, start)
+
+
+def test_large_buffers_and_chaining():
+    rng = random.Random(7)
+    for n in (4095, 4096, 65535, 65536, 65537, (1 << 20) + 13, 9 << 20):
+        data = rng.randbytes(n)
+        assert fastcrc.crc32(data) == zlib.crc32(data), n
+        cut = n // 3  # a CRC carried from one piece to the next, as the copy's slabs do
+        assert fastcrc.crc32(data[cut:], fastcrc.crc32(data[:cut])) == zlib.crc32(data), n
+
+
+def test_special_patterns():
+    for data in (b"\x00" * 100_000, b"\xff" * 100_000, bytes(range(256)) * 300):
+        assert fastcrc.crc32(data) == zlib.crc32(data)
+        assert fastcrc.crc32(data, 0xFFFFFFFF) == zlib.crc32(data, 0xFFFFFFFF)
+
+
+def test_buffer_kinds_and_refusals():
+    data = bytearray(random.Random(1).randbytes(5000))
+    assert fastcrc.crc32(data) == zlib.crc32(data)
+    assert fastcrc.crc32(memoryview(data).cast("B")) == zlib.crc32(data)
+    with pytest.raises(TypeError):
+        fastcrc.crc32("text")  # as zlib: bytes-like only
+
+
+def test_fileio_uses_the_native_crc():
+    assert fileio.crc32 is fastcrc.crc32
+    assert isinstance(fastcrc.accelerated(), bool)
