@@ -96,15 +96,16 @@ class SourceChunk:
         return StorageRecord(self.path, self.key, self.storage_at, self.box.numel * itemsize, self.crc)
 
 
-def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
-    """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual."""
+def source_chunks(root: Path, entry: Any, files: FdCache | None = None) -> list[SourceChunk] | None:
+    """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual.
+    ``files``: descriptors kept open across entries (a file is opened once, not once per item)."""
     out = []
     for c in entry.chunks:
         loc = c.location
         if loc is None or loc.transforms:
             return None
         path = str(Path(root) / loc.file)
-        lay = item_layout(path, loc.offset, loc.length)
+        lay = item_layout(path, loc.offset, loc.length, fd=files.fd(path) if files is not None else None)
         if lay is None or not lay.contiguous or lay.dtype != entry.dtype or lay.shape != tuple(c.box.sizes):
             return None
         start = lay.storage_offset * lay.dtype.itemsize
@@ -126,8 +127,10 @@ class Locator:
     """
 
     def __init__(self, root: Path, entries: Iterable[Any], threads: int = 8):
+        self._files = FdCache()  # each data file opened once for every item located in it
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate")
-        self._futures = {e.key: self._pool.submit(source_chunks, root, e) for e in entries if e.is_tensor}
+        self._futures = {e.key: self._pool.submit(source_chunks, root, e, self._files)
+                         for e in entries if e.is_tensor}
 
     def get(self, key: str) -> list[SourceChunk] | None:
         fut = self._futures.get(key)
@@ -135,6 +138,7 @@ class Locator:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._files.close()
 
 
 class WorkerBuffers(ThreadBuffers):

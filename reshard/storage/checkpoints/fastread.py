@@ -229,11 +229,14 @@ def _parse(fd: int, offset: int, length: int) -> ItemLayout:
         members[zi.filename[len(prefix):]] = zi
 
     def member_data_offset(zi: zipfile.ZipInfo) -> int:
-        hdr = _LOCAL_HEADER.unpack(win.pread(zi.header_offset, _LOCAL_HEADER.size))
-        magic, _ver, flags, method, *_rest, name_len, extra_len = hdr
+        name = zi.filename.encode("utf-8")
+        if zi.header_offset + _LOCAL_HEADER.size + len(name) > length:
+            raise _Unusual("read outside the item")
+        raw = win.pread(zi.header_offset, _LOCAL_HEADER.size + len(name))  # the header and the name at once
+        magic, _ver, flags, method, *_rest, name_len, extra_len = _LOCAL_HEADER.unpack(raw[:_LOCAL_HEADER.size])
         if magic != _LOCAL_MAGIC or method != zipfile.ZIP_STORED or flags & 0x1:
             raise _Unusual("bad local header")
-        if win.pread(zi.header_offset + _LOCAL_HEADER.size, name_len) != zi.filename.encode("utf-8"):
+        if name_len != len(name) or raw[_LOCAL_HEADER.size:] != name:
             raise _Unusual("local header name differs from the central directory")
         start = zi.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         if start + zi.file_size > length:
@@ -300,8 +303,17 @@ def _open(path: str | os.PathLike) -> int:
     return safefs.open_read(path)  # a regular file inside its checkpoint directory
 
 
-def item_layout(path: str | os.PathLike, offset: int, length: int) -> ItemLayout | None:
-    """The layout of the tensor item at ``[offset, offset + length)`` of ``path``, or None if unusual."""
+def item_layout(path: str | os.PathLike, offset: int, length: int, fd: int | None = None) -> ItemLayout | None:
+    """The layout of the tensor item at ``[offset, offset + length)`` of ``path``, or None if unusual.
+
+    ``fd``: ``path`` already open for reading (through `reshard.safefs`, as a caller's
+    `reshard.storage.files.fileio.FdCache` opens it), so a caller locating many items of one
+    file opens it once: opening checks the path and costs about 75 us, a third of locating an item."""
+    if fd is not None:
+        try:
+            return _parse(fd, offset, length)
+        except _Unusual:
+            return None
     fd = _open(path)
     try:
         return _parse(fd, offset, length)
