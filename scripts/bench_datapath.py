@@ -5,21 +5,24 @@
 Builds two real checkpoints once, with torch's own ``dcp.save``:
 
 * large: ``make_sharded`` (4 gloo ranks, float32 tensors of 16 MiB, ``Shard(0)``; the layout of
-  ``scripts/bench_speed.py``) of ``--gib`` GiB, converted ``--to dp=2``;
+  ``scripts/bench_speed.py``) of ``--gib`` GiB, converted ``--to dp=2``, and the same layout at
+  ``--mid-gib`` GiB: the difference of their CPU seconds over the difference of their sizes is the
+  marginal CPU per GiB, the data path's own cost without the fixed cost;
 * small: the reference trainer's 4-rank checkpoint at step 3 (model, Adam moments, scheduler,
   sampler, per-rank RNG: about 300 items, about 1 MB), converted ``--to dp=2``.
 
 Then runs, in rounds, each command once per round and in the same order (A, B, A, B...), every
-command in a fresh process, the page cache dropped before each one when this process may
-(root: ``/proc/sys/vm/drop_caches``; the output says when it could not):
+command in a fresh process, the page cache dropped before each large one when this process may
+(root: ``/proc/sys/vm/drop_caches``; the output says when it could not); the small ones run warm:
 
 * ``reshard convert LARGE DST --to dp=2`` of every tree (``--tree NAME=PATH``, first on
   ``PYTHONPATH``; default: this tree only), wall time and CPU seconds (user + sys of the child,
   ``os.wait4``);
 * ``scripts/directcopy.py LARGE DST`` (``O_DIRECT``, 4 streams, fsync at the end): the device's
   durable direct copy;
-* ``python -c "import torch"`` and ``reshard convert SMALL DST --to dp=2`` of every tree: the
-  fixed cost is the convert's wall (and CPU) minus the import's in the same round.
+* ``python -c "import torch"`` and ``reshard convert SMALL DST --to dp=2`` of every tree, warm (an
+  unrecorded import first): the fixed cost is the convert's wall (and CPU) minus the import's in the
+  same round.
 
 Every tree is byte-compiled first (``compileall``), as an installed package is: with
 ``PYTHONDONTWRITEBYTECODE`` set and no ``__pycache__``, each run would compile reshard's modules again.
@@ -63,8 +66,9 @@ def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = No
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     p.stderr.close()
+    # (no peak RSS: a child's ru_maxrss counts this process's pages at the fork, torch's included)
     return {"wall_s": round(wall, 3), "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "user_s": round(ru.ru_utime, 3),
-            "sys_s": round(ru.ru_stime, 3), "peak_rss_mib": round(ru.ru_maxrss / 1024, 1), "exit_code": p.returncode,
+            "sys_s": round(ru.ru_stime, 3), "exit_code": p.returncode,
             **({"stderr_tail": err.decode(errors="replace")[-800:]} if p.returncode else {})}
 
 
@@ -75,22 +79,36 @@ def same_outputs(a: Path, b: Path) -> bool:
     return fa == fb and all(filecmp.cmp(a / f, b / f, shallow=False) for f in fa)
 
 
-def build(tmp: Path, gib: float, world_size: int) -> tuple[Path, Path]:
+def build(tmp: Path, gib: float, mid_gib: float, world_size: int) -> tuple[Path, Path | None, Path]:
+    """The large and the mid-sized ``make_sharded`` checkpoints and the reference trainer's small one,
+    each made once under ``tmp`` (a later run with the same ``--tmp`` reuses them)."""
     from reshard.reference import TrainConfig, run_reference
     from reshard.testing.synthetic import make_sharded
 
     shape = (1024, 4096)  # 16 MiB of float32 per tensor, bench_speed's default
-    n = max(1, round(gib * GIB / (shape[0] * shape[1] * 4)))
-    large = tmp / "large"
-    if not (large / ".metadata").exists():
-        make_sharded(large, world_size=world_size, n_tensors=n, shape=shape, seed=0, timeout=3600)
-        add_manifest(large, world_size=world_size)
+
+    def sharded(name: str, size: float) -> Path:
+        out = tmp / name
+        if not (out / ".metadata").exists():
+            n = max(1, round(size * GIB / (shape[0] * shape[1] * 4)))
+            make_sharded(out, world_size=world_size, n_tensors=n, shape=shape, seed=0, timeout=3600)
+            add_manifest(out, world_size=world_size)
+        return out
+
+    large = sharded("large" if gib == 4.0 else f"large-{gib:g}", gib)
+    mid = sharded(f"mid-{mid_gib:g}", mid_gib) if mid_gib > 0 else None
     small_run = tmp / "small-run"
     small = next(iter(sorted(small_run.glob("step*"))), None) if small_run.exists() else None
     if small is None:
         cfg = TrainConfig(dp=4, tp=1, steps=3, save_at=[3], out=str(small_run), experiment_id="bench-datapath")
         small = Path(run_reference(cfg)[-1])
-    return large, small
+    return large, mid, small
+
+
+def items(ckpt: Path) -> int:
+    from reshard.storage.checkpoints.index import CheckpointIndex
+
+    return CheckpointIndex.open(ckpt).item_count()
 
 
 def dir_facts(p: Path) -> dict:
@@ -106,6 +124,8 @@ def med(rs: list[dict], field: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=4.0, help="size of the large checkpoint (default 4)")
+    ap.add_argument("--mid-gib", type=float, default=1.0,
+                    help="a second make_sharded size for the marginal CPU per GiB (default 1; 0: none)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--tree", action="append", default=[],
@@ -127,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     cold = can_drop_caches()
     print(f"checkpoints in {tmp}; page cache dropped before each command: {cold}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    large, small = build(tmp, args.gib, args.world_size)
+    large, mid, small = build(tmp, args.gib, args.mid_gib, args.world_size)
     print(f"built in {time.perf_counter() - t0:.1f} s: large {dir_facts(large)}, small {dir_facts(small)}",
           file=sys.stderr, flush=True)
     py = args.python
@@ -138,17 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {}
     same: dict[str, bool] = {}
 
-    def one(name: str, cmd: list[str], tree: str | None = None, dst: Path | None = None) -> dict:
+    def one(name: str, cmd: list[str], tree: str | None = None, dst: Path | None = None, drop: bool = True) -> dict:
         if dst is not None:
             shutil.rmtree(dst, ignore_errors=True)
         env = dict(os.environ, SOURCE_DATE_EPOCH="1")
         if tree is not None:
             env["PYTHONPATH"] = trees[tree]
-        drop_caches(cold)
+        drop_caches(cold and drop)
         r = run(cmd, env=env, cwd=Path(trees[tree]) if tree is not None else None)
         runs.setdefault(name, []).append(r)
         print(f"  {name}: wall {r['wall_s']:.2f} s, CPU {r['cpu_s']:.2f} s (user {r['user_s']:.2f}, sys {r['sys_s']:.2f}), "
-              f"peak {r['peak_rss_mib']:.0f} MiB, exit {r['exit_code']}", file=sys.stderr, flush=True)
+              f"exit {r['exit_code']}", file=sys.stderr, flush=True)
         if r["exit_code"]:
             print(r.get("stderr_tail", ""), file=sys.stderr)
         return r
@@ -166,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                 one("directcopy_large", [py, str(HERE / "directcopy.py"), str(large), str(dcp), "--streams",
                                          str(args.streams)], None, dcp)
                 shutil.rmtree(dcp, ignore_errors=True)
+                if mid is not None:
+                    mdst = tmp / f"out-mid-{name}"
+                    one(f"convert_mid[{name}]", [py, "-m", "reshard", "convert", str(mid), str(mdst), "--to", "dp=2",
+                                                 "--json"], name, mdst)
+                    shutil.rmtree(mdst, ignore_errors=True)
             first = next(iter(outs.values()))
             for name, d in outs.items():
                 if d != first and d.exists() and first.exists():
@@ -173,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             for d in outs.values():
                 shutil.rmtree(d, ignore_errors=True)
         if not args.no_small:
+            # warm: the fixed cost is CPU work, not the disk reading torch's libraries (a cold `import torch`
+            # reads hundreds of MB, which would be most of both figures); one unrecorded import warms the cache
+            run([py, "-c", "import torch"])
             outs = {}
             for name in trees:
-                one("import_torch", [py, "-c", "import torch"], None)
+                one("import_torch", [py, "-c", "import torch"], None, drop=False)
                 dst = tmp / f"out-small-{name}"
                 one(f"convert_small[{name}]", [py, "-m", "reshard", "convert", str(small), str(dst), "--to", "dp=2",
-                                               "--json"], name, dst)
+                                               "--json"], name, dst, drop=False)
                 outs[name] = dst
             first = next(iter(outs.values()))
             for name, d in outs.items():
@@ -188,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(d, ignore_errors=True)
 
     gib = dir_facts(large)["bytes"] / GIB
+    mid_gib = dir_facts(mid)["bytes"] / GIB if mid is not None else None
+    n_small = items(small)
     summary: dict = {}
     for name in trees:
         big = runs.get(f"convert_large[{name}]", [])
@@ -197,18 +227,26 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_s_per_gib": round(med(big, "cpu_s") / gib, 3) if med(big, "cpu_s") else None,
                 "wall_x_directcopy": round(med(big, "wall_s") / med(runs["directcopy_large"], "wall_s"), 2)
                 if med(big, "wall_s") and med(runs.get("directcopy_large", []), "wall_s") else None}
+        mids = runs.get(f"convert_mid[{name}]", [])
+        if mids and big and med(mids, "cpu_s") and med(big, "cpu_s"):
+            summary[f"convert_mid[{name}]"] = {
+                "wall_s": med(mids, "wall_s"), "cpu_s": med(mids, "cpu_s"),
+                "marginal_cpu_s_per_gib": round((med(big, "cpu_s") - med(mids, "cpu_s")) / (gib - mid_gib), 3)}
         sm = runs.get(f"convert_small[{name}]", [])
         if sm:
+            over = med(sm, "cpu_s") - med(runs["import_torch"], "cpu_s")
             summary[f"convert_small[{name}]"] = {
                 "wall_s": med(sm, "wall_s"), "cpu_s": med(sm, "cpu_s"),
                 "wall_minus_import_torch_s": round(med(sm, "wall_s") - med(runs["import_torch"], "wall_s"), 3),
-                "cpu_minus_import_torch_s": round(med(sm, "cpu_s") - med(runs["import_torch"], "cpu_s"), 3)}
+                "cpu_minus_import_torch_s": round(over, 3), "items": n_small,
+                "cpu_us_per_item_over_import": round(over / n_small * 1e6)}
     for k in ("directcopy_large", "import_torch"):
         if runs.get(k):
             summary[k] = {"wall_s": med(runs[k], "wall_s"), "cpu_s": med(runs[k], "cpu_s")}
     result = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "trees": trees, "cold_cache": cold, "large": {**dir_facts(large), "gib": round(gib, 3)},
-              "small": dir_facts(small), "rounds": args.rounds, "summary": summary, "outputs_identical": same,
+              "mid": {**dir_facts(mid), "gib": round(mid_gib, 3)} if mid is not None else None,
+              "small": {**dir_facts(small), "items": n_small}, "rounds": args.rounds, "summary": summary, "outputs_identical": same,
               "load_average": os.getloadavg(), "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
