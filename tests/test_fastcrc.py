@@ -64,3 +64,22 @@ def test_buffer_kinds_and_refusals():
 def test_fileio_uses_the_native_crc():
     assert fileio.crc32 is fastcrc.crc32
     assert fastcrc.accelerated() in (0, 128, 256)
+
+
+def test_combine_is_zlibs():
+    """crc32_combine (archive's, native where built): the CRC of A + B from the parts' CRCs, at any length
+    (beyond 4 GiB too)."""
+    from reshard.storage.checkpoints import archive
+
+    rng = random.Random(11)
+    for _ in range(2000):
+        a, b = rng.randbytes(rng.randrange(0, 200)), rng.randbytes(rng.randrange(0, 200))
+        assert fastcrc.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert archive.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    zeros = bytes(1 << 20)
+    assert fastcrc.combine(zlib.crc32(b"head"), zlib.crc32(zeros), len(zeros)) == zlib.crc32(b"head" + zeros)
+    for n1, n2 in ((1 << 32) + 5, (1 << 40) + 3), ((1 << 31), 77):  # beyond 4 GiB: combining is associative
+        c1, c2, c3 = rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(32)
+        assert fastcrc.combine(fastcrc.combine(c1, c2, n1), c3, n2) == fastcrc.combine(c1, fastcrc.combine(c2, c3, n2),
+                                                                                         n1 + n2)
+    assert fastcrc.combine(5, 7, 0) == 5

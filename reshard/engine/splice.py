@@ -286,7 +286,7 @@ class SpliceJob:
         Both sides are still in the page cache, and the check runs on the pool while other
         items are copied, so it overlaps the copy instead of following it.
         """
-        lay = item_layout(path, at, self.framing.length)
+        lay = item_layout(path, at, self.framing.length, fd=fd)  # the writer's own descriptor: read and write
         if lay is None or lay.shape != tuple(self.box.sizes) or not lay.contiguous \
                 or lay.storage_file_offset != at + self.framing.storage_offset or lay.dtype.itemsize != self.itemsize:
             raise SpliceMismatch(f"the item written at {path}:{at} does not read back as the planned chunk")

@@ -14,7 +14,8 @@
  * path, still about zlib's speed.
  *
  * crc32(data, value=0) -> int: zlib.crc32's signature; the GIL is released for buffers of
- * 64 KiB and more, so the copy's worker threads checksum in parallel.
+ * 64 KiB and more, so the copy's worker threads checksum in parallel. combine(crc1, crc2, len2):
+ * zlib's crc32_combine (see py_combine).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -238,6 +239,44 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* zlib's crc32_combine: the CRC of A + B from crc(A), crc(B) and len(B), by multiplying crc(A)
+ * by x^(8 len(B)) modulo the polynomial. The copy combines the CRCs of its pieces once per piece
+ * (a storage of several source runs, an item of head, storage and tail); in Python each
+ * multiplication is a 32-step loop of about 80 us, here well under a microsecond. */
+static uint32_t x2n_table[32];
+
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = (uint32_t)1 << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+static uint32_t x2nmodp(unsigned long long n, unsigned k) {
+    uint32_t p = (uint32_t)1 << 31;
+    while (n) {
+        if (n & 1) p = multmodp(x2n_table[k & 31], p);
+        n >>= 1;
+        k++;
+    }
+    return p;
+}
+
+static PyObject *py_combine(PyObject *self, PyObject *args) {
+    unsigned long crc1, crc2;
+    long long len2;
+    if (!PyArg_ParseTuple(args, "kkL:combine", &crc1, &crc2, &len2)) return NULL;
+    if (len2 <= 0) return PyLong_FromUnsignedLong(crc1 & 0xffffffffUL);
+    uint32_t c = multmodp(x2nmodp((unsigned long long)len2, 3), (uint32_t)(crc1 & 0xffffffffUL)) ^ (uint32_t)(crc2 & 0xffffffffUL);
+    return PyLong_FromUnsignedLong(c);
+}
+
 /* crc32_width(data, value, width): the same value by at most `width`-bit folding, so the tests
  * check every path this CPU has, not only the widest. */
 static PyObject *py_crc32_width(PyObject *self, PyObject *args) {
@@ -261,6 +300,7 @@ static PyObject *py_accelerated(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"crc32", py_crc32, METH_VARARGS, "crc32(data, value=0) -> int: zlib.crc32's value, by PCLMULQDQ folding where the CPU has it"},
     {"crc32_width", py_crc32_width, METH_VARARGS, "crc32_width(data, value, width) -> int: crc32 by at most width-bit folding (tests)"},
+    {"combine", py_combine, METH_VARARGS, "combine(crc1, crc2, len2) -> int: zlib's crc32_combine"},
     {"accelerated", py_accelerated, METH_NOARGS, "accelerated() -> int: the folding width this CPU takes (256: VPCLMULQDQ, 128: PCLMULQDQ, 0: tables)"},
     {NULL, NULL, 0, NULL}};
 
@@ -268,6 +308,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastcrc", "zlib's CR
 
 PyMODINIT_FUNC PyInit_fastcrc(void) {
     make_tables();
+    uint32_t p = (uint32_t)1 << 30; /* x^1 */
+    x2n_table[0] = p;
+    for (int n = 1; n < 32; n++) x2n_table[n] = p = multmodp(p, p);
 #ifdef HAVE_X86
     unsigned int a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d)) have_clmul = (c & bit_PCLMUL) && (c & bit_SSE4_1);
