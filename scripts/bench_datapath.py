@@ -173,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             print(r.get("stderr_tail", ""), file=sys.stderr)
         return r
 
+    def compare_and_clear(kind: str, outs: dict[str, Path]) -> None:
+        """Every tree's output against the first tree's, byte for byte (a difference in any round counts)."""
+        first = next(iter(outs.values()))
+        for name, d in outs.items():
+            if d != first and d.exists() and first.exists():
+                same[f"{kind} {name}"] = same.get(f"{kind} {name}", True) and same_outputs(first, d)
+        for d in outs.values():
+            shutil.rmtree(d, ignore_errors=True)
+
     for i in range(args.rounds):
         print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
         if not args.no_large:
@@ -191,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     one(f"convert_mid[{name}]", [py, "-m", "reshard", "convert", str(mid), str(mdst), "--to", "dp=2",
                                                  "--json"], name, mdst)
                     shutil.rmtree(mdst, ignore_errors=True)
-            first = next(iter(outs.values()))
-            for name, d in outs.items():
-                if d != first and d.exists() and first.exists():
-                    same[f"large {name}"] = same.get(f"large {name}", True) and same_outputs(first, d)
-            for d in outs.values():
-                shutil.rmtree(d, ignore_errors=True)
+            compare_and_clear("large", outs)
         if not args.no_small:
             # warm: the fixed cost is CPU work, not the disk reading torch's libraries (a cold `import torch`
             # reads hundreds of MB, which would be most of both figures); one unrecorded import warms the cache
@@ -208,12 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 one(f"convert_small[{name}]", [py, "-m", "reshard", "convert", str(small), str(dst), "--to", "dp=2",
                                                "--json"], name, dst, drop=False)
                 outs[name] = dst
-            first = next(iter(outs.values()))
-            for name, d in outs.items():
-                if d != first and d.exists() and first.exists():
-                    same[f"small {name}"] = same.get(f"small {name}", True) and same_outputs(first, d)
-            for d in outs.values():
-                shutil.rmtree(d, ignore_errors=True)
+            compare_and_clear("small", outs)
 
     gib = dir_facts(large)["bytes"] / GIB
     mid_gib = dir_facts(mid)["bytes"] / GIB if mid is not None else None
