@@ -571,27 +571,43 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
 
 
 # ---------------------------------------------------------------------------- the time, as a range
-ITEM_SECONDS = (0.0005, 0.006)
+ITEM_SECONDS = (0.0008, 0.003)
 """CPU seconds per item written, on an idle core (low, high): the copy's Python work per item (locating it,
 its head and tail, the journal), which dominates a checkpoint of many small items."""
-TORCH_IMPORT_SECONDS = (1.0, 2.0)
+TORCH_IMPORT_SECONDS = (1.0, 1.8)
 """Importing torch, which the copy does first when this process has not yet: 1.4 s on an idle core here."""
 TAIL_SECONDS = (0.2, 1.0)
 """After the last byte: the verification's bookkeeping, the reports, the commit and the interpreter's exit."""
-BYTES_SPREAD = (0.7, 2.0)
+BYTES_SPREAD = (0.5, 1.5)
 """The copy's time over the probe's prediction of it (low, high): a quarter second of a long copy meets a
 quieter or busier disk than the whole does, and the copy does more per byte than read, CRC and write."""
 
 
-def cpu_contention() -> tuple[float, float]:
-    """How many times slower than on an idle core this process's CPU work is about to run (low, high),
-    from the load average: the other runnable processes share the cores with it."""
+CPU_SPREAD = (0.5, 1.6)
+"""The CPU parts' slowdown over the one measured now (low, high; the low never under an idle core's): the
+share of a core this process gets changes while it runs, as the other users of the machine start and end."""
+
+
+def cpu_slowdown() -> tuple[float, str]:
+    """How many times longer than on an idle core this process's CPU work takes now, and from what.
+
+    From the kernel's CPU pressure (``/proc/pressure/cpu``, ``some avg10``: the share of the last 10 s in
+    which a runnable task waited for a core): work that waits that share of the time takes 1 / (1 - share)
+    as long. Where the kernel has no pressure figures, from the load average over the cores. Reading
+    either costs nothing: a probe of the CPU short enough to be free (tens of milliseconds) measured the
+    scheduler's time slice more than the machine's load."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            first = f.readline().split()
+        some = float(dict(kv.split("=") for kv in first[1:])["avg10"]) / 100
+        return 1 / max(0.05, 1 - min(some, 0.95)), f"CPU pressure {some:.0%}"
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
     try:
         load = os.getloadavg()[0]
     except OSError:  # pragma: no cover - not POSIX
-        return 1.0, 2.0
-    cores = os.cpu_count() or 1
-    return max(1.0, load / cores / 2), max(1.0, (load + 1) / cores)
+        return 2.0, "no load figure: assumed"
+    return max(1.0, load / (os.cpu_count() or 1)), f"load {load:.1f}"
 
 
 @dataclass
@@ -600,7 +616,7 @@ class TimeEstimate:
 
     ``parts``: ``bytes`` (the data at the probed rate: read, CRC-32 and write at once), ``items`` (per-item
     work), ``torch import`` (when this process has not imported it yet), ``after`` (verification's
-    bookkeeping, reports, commit, exit). The CPU parts scale with `cpu_contention`. ``bound``: what bounds
+    bookkeeping, reports, commit, exit). The CPU parts scale with `cpu_slowdown`. ``bound``: what bounds
     the bytes: ``read``, ``write``, ``crc`` (CPU), ``store`` or ``upload``; None when not probed."""
 
     parts: dict[str, tuple[float, float]]
@@ -608,6 +624,7 @@ class TimeEstimate:
     bound: str | None = None
     probes: dict[str, Any] = field(default_factory=dict)
     load: float | None = None
+    cpu_slowdown: float | None = None
 
     @property
     def low(self) -> float:
@@ -630,7 +647,7 @@ class TimeEstimate:
         lo, hi = self.low, self.high
         return {"low_s": round(lo, 3), "high_s": round(hi, 3), "seconds": round((lo * hi) ** 0.5, 3),
                 "bound": self.bound, "parts": {k: [round(a, 3), round(b, 3)] for k, (a, b) in self.parts.items()},
-                "basis": self.basis, "load": self.load, **self.probes}
+                "basis": self.basis, "load": self.load, "cpu_slowdown": self.cpu_slowdown, **self.probes}
 
 
 def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike],
@@ -647,7 +664,8 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
     import sys
     from reshard.engine.splice import default_threads
 
-    cpu_lo, cpu_hi = cpu_contention()
+    slow, slow_from = cpu_slowdown()
+    cpu_lo, cpu_hi = max(1.0, CPU_SPREAD[0] * slow), CPU_SPREAD[1] * slow
     parts: dict[str, tuple[float, float]] = {}
     probes: dict[str, Any] = {"read": None, "write": None, "crc": None, "probe": None}
     moved = max(read_bytes, needed)
@@ -703,12 +721,13 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
     if "torch" not in sys.modules:
         parts["torch import"] = (TORCH_IMPORT_SECONDS[0] * cpu_lo, TORCH_IMPORT_SECONDS[1] * cpu_hi)
     parts["after"] = (TAIL_SECONDS[0] * cpu_lo, TAIL_SECONDS[1] * cpu_hi)
-    basis += (f"; {items} items" if items else "") + f"; CPU parts x{cpu_lo:.1f}-{cpu_hi:.1f} for the load; an estimate"
+    basis += ((f"; {items} items" if items else "") + f"; CPU work x{cpu_lo:.1f}-{cpu_hi:.1f} an idle core's "
+              f"({slow_from}); an estimate")
     try:
         load = round(os.getloadavg()[0], 2)
     except OSError:  # pragma: no cover - not POSIX
         load = None
-    return TimeEstimate(parts, basis, bound, probes, load)
+    return TimeEstimate(parts, basis, bound, probes, load, round(slow, 2))
 
 
 @contextlib.contextmanager

@@ -38,13 +38,15 @@ def estimate_lines(figures: dict[str, Any]) -> list[str]:
 
 
 def time_range(low: float, high: float) -> str:
-    """``12-25 s``, ``1 min 10 s to 2 min 05 s``, ``under 1 s``: an estimate's range in words (low first)."""
+    """``12-25 s``, ``1 min 10 s to 2 min 05 s``, ``up to 3 s``, ``under 1 s``: an estimate's range in words."""
     if high < 1:
         return "under 1 s"
     lo, hi = duration(low), duration(high)
+    if low < 1:
+        return f"up to {hi}"
     if lo == hi:
         return f"about {hi}"
-    if lo.endswith(" s") and hi.endswith(" s") and "min" not in hi and not lo.startswith("under"):
+    if "min" not in hi and " h " not in hi:
         return f"{lo[:-2]}-{hi}"
     return f"{lo} to {hi}"
 
