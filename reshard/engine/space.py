@@ -269,7 +269,20 @@ project has met, so the estimate errs long, by at most the few milliseconds a sm
 
 
 @dataclass
-class PathProbe:
+class Timed:
+    """Bytes moved along the copy's path, and the thread-seconds each part took (a stream's, or all of them)."""
+
+    nbytes: int = 0
+    read_s: float = 0.0
+    crc_s: float = 0.0
+    write_s: float = 0.0
+    direct_read: bool = False
+    direct_write: bool = False
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class PathProbe(Timed):
     """The copy's path timed in small: ``streams`` threads (as many as the copy's pool) each read blocks of
     the source's largest data files with the copy's I/O mode (``O_DIRECT`` where the file system has it, else
     buffered with the range dropped from the page cache first), take their CRC-32 and write them with direct
@@ -282,14 +295,7 @@ class PathProbe:
     source: str
     folder: str
     streams: int = 0
-    nbytes: int = 0
     seconds: float = 0.0
-    read_s: float = 0.0
-    crc_s: float = 0.0
-    write_s: float = 0.0
-    direct_read: bool = False
-    direct_write: bool = False
-    error: str | None = None
 
     @property
     def per_second(self) -> float | None:
@@ -319,21 +325,14 @@ class PathProbe:
                 "bound": self.bound}
 
 
-@dataclass
-class _Stream:
+@dataclass(kw_only=True)
+class _Stream(Timed):
     """One stream of the copy probe: its source region, its own probe file, and what it has timed."""
 
     source: Path | None
     start: int
     end: int
     target: Path
-    nbytes: int = 0
-    read_s: float = 0.0
-    crc_s: float = 0.0
-    write_s: float = 0.0
-    direct_read: bool = False
-    direct_write: bool = False
-    error: str | None = None
 
     def run(self, deadline: float, cap: int) -> None:
         try:
@@ -404,7 +403,7 @@ def path_probe(sources: list[Path], folder: Path, *, streams: int, seconds: floa
     import threading
 
     what = str(sources[0]) if sources else "(no local source)"
-    probe = PathProbe(what, str(folder), streams=max(1, streams))
+    probe = PathProbe(source=what, folder=str(folder), streams=max(1, streams))
     regions: list[tuple[Path | None, int, int]] = []
     from reshard.storage.files.fileio import ALIGN
 
@@ -418,16 +417,17 @@ def path_probe(sources: list[Path], folder: Path, *, streams: int, seconds: floa
         try:
             size = f.stat().st_size
         except OSError as exc:
-            return PathProbe(what, str(folder), error=exc.strerror or str(exc))
+            return PathProbe(source=what, folder=str(folder), error=exc.strerror or str(exc))
         lo = size * k // share // ALIGN * ALIGN
         hi = size * (k + 1) // share
         if hi - lo < ALIGN:
             lo, hi = 0, size
         if size < ALIGN:
-            return PathProbe(what, str(folder), error="the source's data files are too small to probe")
+            return PathProbe(source=what, folder=str(folder), error="the source's data files are too small to probe")
         regions.append((f, lo, hi))
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    parts = [_Stream(src, lo, hi, folder / f".reshard-probe-{tag}-{i}") for i, (src, lo, hi) in enumerate(regions)]
+    parts = [_Stream(source=src, start=lo, end=hi, target=folder / f".reshard-probe-{tag}-{i}")
+             for i, (src, lo, hi) in enumerate(regions)]
     started = time.perf_counter()
     deadline = started + seconds
     threads = [threading.Thread(target=s.run, args=(deadline, max(PROBE_BLOCK, cap // len(parts))), daemon=True)
@@ -583,31 +583,25 @@ BYTES_SPREAD = (0.5, 1.5)
 quieter or busier disk than the whole does, and the copy does more per byte than read, CRC and write."""
 
 
-CPU_SPREAD = (0.5, 1.6)
-"""The CPU parts' slowdown over the one measured now (low, high; the low never under an idle core's): the
-share of a core this process gets changes while it runs, as the other users of the machine start and end."""
+CPU_SLOWDOWN = (0.35, 1.1)
+"""The CPU parts' slowdown over an idle core's, per unit of load average over the cores (low, high), never
+under 1 (low) and 1.3 (high): measured on this project's 2-core machine at loads 1-16 (a torch import of
+1.4 s idle took 2.3-7.4 times as long at 3.3-7 times the cores in load; docs/benchmarks.md). The load
+average counts processes waiting on disks too and lags by a minute, hence the width."""
 
 
-def cpu_slowdown() -> tuple[float, str]:
-    """How many times longer than on an idle core this process's CPU work takes now, and from what.
+def cpu_slowdown() -> tuple[float, float, str]:
+    """How many times longer than on an idle core this process's CPU work may take now (low, high), and from what.
 
-    From the kernel's CPU pressure (``/proc/pressure/cpu``, ``some avg10``: the share of the last 10 s in
-    which a runnable task waited for a core): work that waits that share of the time takes 1 / (1 - share)
-    as long. Where the kernel has no pressure figures, from the load average over the cores. Reading
-    either costs nothing: a probe of the CPU short enough to be free (tens of milliseconds) measured the
-    scheduler's time slice more than the machine's load."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            first = f.readline().split()
-        some = float(dict(kv.split("=") for kv in first[1:])["avg10"]) / 100
-        return 1 / max(0.05, 1 - min(some, 0.95)), f"CPU pressure {some:.0%}"
-    except (OSError, ValueError, KeyError, IndexError):
-        pass
+    From the load average over the cores. Not from a probe of the CPU: one short enough to be free (tens of
+    milliseconds) measured the scheduler's time slice more than the machine's load; nor from the kernel's CPU
+    pressure, which on a busy 2-core machine stays near 90 % whether the work is slowed twice or seven times."""
     try:
         load = os.getloadavg()[0]
     except OSError:  # pragma: no cover - not POSIX
-        return 2.0, "no load figure: assumed"
-    return max(1.0, load / (os.cpu_count() or 1)), f"load {load:.1f}"
+        return 1.0, 4.0, "no load average: assumed"
+    per_core = load / (os.cpu_count() or 1)
+    return max(1.0, CPU_SLOWDOWN[0] * per_core), max(1.3, CPU_SLOWDOWN[1] * per_core), f"load {load:.1f}"
 
 
 @dataclass
@@ -624,7 +618,7 @@ class TimeEstimate:
     bound: str | None = None
     probes: dict[str, Any] = field(default_factory=dict)
     load: float | None = None
-    cpu_slowdown: float | None = None
+    cpu_slowdown: list[float] | None = None
 
     @property
     def low(self) -> float:
@@ -664,8 +658,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
     import sys
     from reshard.engine.splice import default_threads
 
-    slow, slow_from = cpu_slowdown()
-    cpu_lo, cpu_hi = max(1.0, CPU_SPREAD[0] * slow), CPU_SPREAD[1] * slow
+    cpu_lo, cpu_hi, slow_from = cpu_slowdown()
     parts: dict[str, tuple[float, float]] = {}
     probes: dict[str, Any] = {"read": None, "write": None, "crc": None, "probe": None}
     moved = max(read_bytes, needed)
@@ -677,7 +670,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
             pp = path_probe(files, checked, streams=default_threads(),
                             cap=min(PROBE_CAP, free // 8) if not stores else 8 * PROBE_BLOCK)
         else:
-            pp = PathProbe(str(files[0]) if files else "(no local source)", str(checked),
+            pp = PathProbe(source=str(files[0]) if files else "(no local source)", folder=str(checked),
                            error="too little free space to probe" if not room else "no source file to read")
         probes["probe"] = pp.figures()
         probes["write"] = pp.part("write").figures()
@@ -727,7 +720,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
         load = round(os.getloadavg()[0], 2)
     except OSError:  # pragma: no cover - not POSIX
         load = None
-    return TimeEstimate(parts, basis, bound, probes, load, round(slow, 2))
+    return TimeEstimate(parts, basis, bound, probes, load, [round(cpu_lo, 2), round(cpu_hi, 2)])
 
 
 @contextlib.contextmanager
