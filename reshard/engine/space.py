@@ -571,23 +571,24 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
 
 
 # ---------------------------------------------------------------------------- the time, as a range
-ITEM_SECONDS = (0.0008, 0.003)
+ITEM_SECONDS = (0.0012, 0.0025)
 """CPU seconds per item written, on an idle core (low, high): the copy's Python work per item (locating it,
 its head and tail, the journal), which dominates a checkpoint of many small items."""
-TORCH_IMPORT_SECONDS = (1.0, 1.8)
+TORCH_IMPORT_SECONDS = (1.2, 1.6)
 """Importing torch, which the copy does first when this process has not yet: 1.4 s on an idle core here."""
-TAIL_SECONDS = (0.2, 1.0)
+TAIL_SECONDS = (0.3, 0.8)
 """After the last byte: the verification's bookkeeping, the reports, the commit and the interpreter's exit."""
-BYTES_SPREAD = (0.5, 1.5)
+BYTES_SPREAD = (0.45, 1.5)
 """The copy's time over the probe's prediction of it (low, high): a quarter second of a long copy meets a
 quieter or busier disk than the whole does, and the copy does more per byte than read, CRC and write."""
 
 
-CPU_SLOWDOWN = (0.35, 1.1)
+CPU_SLOWDOWN = (0.3, 0.9)
 """The CPU parts' slowdown over an idle core's, per unit of load average over the cores (low, high), never
-under 1 (low) and 1.3 (high): measured on this project's 2-core machine at loads 1-16 (a torch import of
-1.4 s idle took 2.3-7.4 times as long at 3.3-7 times the cores in load; docs/benchmarks.md). The load
-average counts processes waiting on disks too and lags by a minute, hence the width."""
+under 1 (low) and 1.3 (high): measured on this project's 2-core machine at loads 11-21 (the torch import
+of 1.4 s idle, and what comes with it before the copy's first byte, took 0.28-0.86 times the load per core
+as long; docs/benchmarks.md). The load average counts processes waiting on disks too and lags by a minute,
+hence the width."""
 
 
 def cpu_slowdown() -> tuple[float, float, str]:
