@@ -695,7 +695,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
             u = upload_probe(publish_to)
             probes["upload"] = u.figures()
             steps.append(("upload", needed, u))
-            text.append(u.describe())
+            text.append(f"{human_bytes(needed)} to upload, {u.describe()}")
         measured = [(name, n / rate.per_second) for name, n, rate in steps if rate.per_second]
         if measured:
             t = sum(sec for _n, sec in measured)
