@@ -560,30 +560,36 @@ class _ParamColumn:
         self.has_param = np.array(["param" in r.pattern.groupindex for r in m.rules] + [False], dtype=bool)
         self.ids: dict[str, int] = {}     # param text -> id
         self.texts: list[str] = []
-        self.done: dict[int, int] = {}    # key * patterns + pattern -> param id (-1: None)
+        self.codes = np.zeros(0, dtype=np.int64)  # key * patterns + pattern, sorted, for every pair extracted ...
+        self.values = np.zeros(0, dtype=np.int64)  # ... and its param id (-1: None)
         self.npat = max(1, len(texts))
 
     def of(self, chosen: np.ndarray) -> np.ndarray:
-        """Per key, the id of the param its chosen rule extracts (-1: none)."""
+        """Per key, the id of the param its chosen rule extracts (-1: none); pairs not met before are extracted now."""
         want = (chosen >= 0) & self.has_param[chosen]
         idx = np.flatnonzero(want)
         codes = idx.astype(np.int64) * self.npat + self.pattern_of[chosen[idx]]
-        done, keys, ids, texts = self.done, self.keys, self.ids, self.texts
-        for code, i, g in zip(codes.tolist(), idx.tolist(), chosen[idx].tolist()):
-            if code in done:
-                continue
-            mt = self.m.rules[g].pattern.match(keys[i][0])
-            text = mt["param"] if mt is not None else None
-            if text is None:
-                done[code] = -1
-                continue
-            j = ids.get(text)
-            if j is None:
-                j = ids[text] = len(texts)
-                texts.append(text)
-            done[code] = j
+        new = ~np.isin(codes, self.codes)
+        if new.any():
+            ids, texts, keys, rules = self.ids, self.texts, self.keys, self.m.rules
+            found = []
+            for i, g in zip(idx[new].tolist(), chosen[idx[new]].tolist()):
+                mt = rules[g].pattern.match(keys[i][0])
+                text = mt["param"] if mt is not None else None
+                if text is None:
+                    found.append(-1)
+                    continue
+                j = ids.get(text)
+                if j is None:
+                    j = ids[text] = len(texts)
+                    texts.append(text)
+                found.append(j)
+            allc = np.concatenate([self.codes, codes[new]])
+            allv = np.concatenate([self.values, np.array(found, dtype=np.int64)])
+            o = np.argsort(allc, kind="stable")
+            self.codes, self.values = allc[o], allv[o]
         out = np.full(len(chosen), -1, dtype=np.int64)
-        out[idx] = [done[c] for c in codes.tolist()]
+        out[idx] = self.values[np.searchsorted(self.codes, codes)]
         return out
 
 
