@@ -93,7 +93,8 @@ def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None
     """argv in a fresh process: exit, wall, CPU (user + sys) and peak RSS of that child alone, its stdout's sha256."""
     t0 = time.monotonic()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
+        # not from the checkout: ``python -m`` puts the working directory first, before PYTHONPATH
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=tempfile.gettempdir(), env=env, start_new_session=True)
         deadline, timed_out = t0 + timeout, False
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -131,21 +132,28 @@ def commands(ckpt: Path, ranks: int, base: str | None) -> dict[str, tuple[list[s
 
 
 def build(work: Path, target: int, ranks: int, shape: MoeShape, reuse: bool) -> dict:
-    """The checkpoint of about ``target`` storage entries (built once per size with ``--reuse``)."""
+    """The checkpoint of about ``target`` storage entries (built once per size with ``--reuse``), built
+    in a child process: the builder imports torch, and a child's ``ru_maxrss`` starts from its parent's."""
+    facts_file = work / f"moe-{target}.build.json"
+    if not (reuse and facts_file.is_file()):
+        subprocess.run([sys.executable, __file__, "--build-one", str(target), "--ranks", str(ranks),
+                        "--experts", str(shape.experts), "--workdir", str(work)], check=True)
+    return json.loads(facts_file.read_text())
+
+
+def build_one(work: Path, target: int, ranks: int, shape: MoeShape) -> None:
+    """``--build-one``: write the checkpoint and its facts (``moe-<target>.build.json`` beside it)."""
     from reshard.testing import synthetic_metadata as sm
 
     layers = max(1, round(target / shape.entries_per_layer(ranks)))
     ckpt = work / f"moe-{target}"
     facts_file = work / f"moe-{target}.build.json"
-    if reuse and facts_file.is_file():
-        return json.loads(facts_file.read_text())
     t0 = time.monotonic()
     res = sm.make_checkpoint(ckpt, sm.model_entries(shape.params(layers)), dp=ranks)
     facts = {"path": str(ckpt), "target": target, "layers": layers, "experts": shape.experts, "ranks": ranks,
              "keys": res.keys, "storage_entries": res.storage_entries, "metadata_bytes": res.metadata_bytes,
              "build_s": round(time.monotonic() - t0, 1)}
     facts_file.write_text(json.dumps(facts))
-    return facts
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -206,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="store_true", help="keep checkpoints in --workdir and reuse them")
     ap.add_argument("--max-seconds", type=float, default=900.0, help="per command")
     ap.add_argument("--out", default=str(ROOT / "bench-results"))
+    ap.add_argument("--build-one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.build_one is not None:
+        build_one(Path(args.workdir), args.build_one, args.ranks, MoeShape(experts=args.experts))
+        return 0
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     machine = {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(), "commit": commit}

@@ -510,17 +510,15 @@ class Matcher:
     def roles(self, keys: Sequence[tuple[str, str]], chosen: np.ndarray) -> dict[str, KeyRole]:
         """A `KeyRole` per key from the rule chosen for it (what `Convention.classify` answers for that rule)."""
         out: dict[str, KeyRole] = {}
+        conv_names = [self.conventions[c].name for c in self.rule_conv[:-1].tolist()]
         for (key, _kind), g in zip(keys, chosen.tolist()):
             if g < 0:
                 out[key] = KeyRole(key, "unknown")
                 continue
             rule = self.rules[g]
-            mt = rule.pattern.match(key)
-            groups = mt.groupdict() if mt is not None else {}
-            rank = groups.get("rank")
-            out[key] = KeyRole(key, rule.role, param=groups.get("param"), name=groups.get("name"),
-                               rank=int(rank) if rank is not None else None, per_rank=rule.per_rank,
-                               convention=self.conventions[int(self.rule_conv[g])].name, rank_text=rank)
+            param, name, rank = rule.pattern.match_groups(key, _GROUPS) or (None, None, None)
+            out[key] = KeyRole(key, rule.role, param=param, name=name, rank=int(rank) if rank is not None else None,
+                               per_rank=rule.per_rank, convention=conv_names[g], rank_text=rank)
         return out
 
 
@@ -545,6 +543,8 @@ def _matcher(conventions: tuple[Convention, ...]) -> Matcher:
         marker_set=PatternSet(markers, search=True))
 
 
+_GROUPS = ("param", "name", "rank")  # the groups a rule's match gives a KeyRole
+_PARAM = ("param",)
 _PARAMETER, _MOMENT, _STEP = (ROLES.index(r) for r in ("parameter", "optimizer_moment", "optimizer_step"))
 
 
@@ -569,13 +569,16 @@ class _ParamColumn:
         want = (chosen >= 0) & self.has_param[chosen]
         idx = np.flatnonzero(want)
         codes = idx.astype(np.int64) * self.npat + self.pattern_of[chosen[idx]]
-        new = ~np.isin(codes, self.codes)
+        at = np.searchsorted(self.codes, codes)
+        new = np.ones(len(codes), dtype=bool)
+        inside = at < len(self.codes)
+        new[inside] = self.codes[at[inside]] != codes[inside]
         if new.any():
             ids, texts, keys, rules = self.ids, self.texts, self.keys, self.m.rules
             found = []
             for i, g in zip(idx[new].tolist(), chosen[idx[new]].tolist()):
-                mt = rules[g].pattern.match(keys[i][0])
-                text = mt["param"] if mt is not None else None
+                got = rules[g].pattern.match_groups(keys[i][0], _PARAM)
+                text = got[0] if got is not None else None
                 if text is None:
                     found.append(-1)
                     continue
