@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                 if a.get("n") and b.get("n"):
                     row[f"same_{verb}"] = a["out_sha256"] == b["out_sha256"]
             sizes.append(row)
+            partial = Path(args.out) / "bench_keys.partial.json"  # what a stopped run measured so far
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(sizes, indent=2))
             if not args.reuse:
                 shutil.rmtree(ckpt, ignore_errors=True)
     finally:
