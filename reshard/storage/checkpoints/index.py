@@ -394,7 +394,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
                 + (f" ({len(keys)} keys in all)" if len(keys) > 1 else ""),
                 file=dcp.METADATA_FILE, keys=keys[:50]))
 
-    def _check_coverage(self, tiled: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def _check_coverage(self, tiled: set[str] | frozenset[str] = frozenset()) -> None:
         """Chunks that do not tile their tensor exactly, as findings; ``tiled``: keys already shown to (`_slabs_tile`)."""
         for e in self.entries.values():
             if not e.is_tensor or e.key in tiled:
