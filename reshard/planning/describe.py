@@ -343,12 +343,22 @@ def _present_counters(ix: Any, cls: Classification) -> dict[str, str]:
 def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dict[str, Any]:
     """Read small items as Python scalars, by name; an unreadable one is an error finding, not a crash."""
     values: dict[str, Any] = {}
+    many = getattr(ix, "read_plains", None)  # a DCP index reads many alike items at once (a step counter per parameter)
     with ix.reading_ahead(keys.values()):  # a checkpoint in object storage: fetched in parallel, not one round trip each
-        for name, key in keys.items():
-            try:
-                values[name] = _scalar(ix.read_plain(key))
-            except ReshardError as exc:
+        if many is not None:
+            read = many(keys.values())
+        else:
+            read = []
+            for key in keys.values():
+                try:
+                    read.append((key, ix.read_plain(key), None))
+                except ReshardError as exc:
+                    read.append((key, None, exc))
+        for name, (key, value, exc) in zip(keys, read):
+            if exc is not None:
                 findings.append(Finding("error", "unreadable_item", exc.message, keys=(key,)))
+            else:
+                values[name] = _scalar(value)
     return values
 
 
