@@ -186,6 +186,7 @@ def convert(
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay
         args.check_source(src)
+        args.check_destination(dst, overwrite=overwrite)
         if workers not in (None, 1):  # worker 0 commits, in another process: a Ctrl-C looks at dst itself
             from reshard.commands.convert import watch_output
 
