@@ -1,6 +1,7 @@
 """Issue 47 (For people III): what a new user met, one test per case, each failing on the code before it.
 
-Classes covered here: cheap checks before the heavy start-up (2), impossible model values (4),
+Classes covered here: cheap checks before the heavy start-up (2: a `.metadata` file for a folder, the
+values `--format hf` needs, a `--trainer` command without placeholders, an occupied destination), impossible model values (4),
 advice that fails on an unwritable destination (5). The refusals that must come before torch
 is imported run in one real process whose import hook refuses torch (the process is the point:
 this one has torch loaded); the others run the CLI in-process on the session's reference
@@ -61,7 +62,16 @@ def occupied(tmp_path_factory) -> Path:
     return d
 
 
-def test_cheap_refusals_come_before_torch(reference_ckpt, occupied, tmp_path):
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A torchtitan-convention Llama checkpoint (real `dcp.save`), for the Hugging Face export's questions."""
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
+
+    shape = LlamaShape(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=40, vocab_multiple=8)
+    return make_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", shape=shape, tp=1, dp=1, fused=False)
+
+
+def test_cheap_refusals_come_before_torch(reference_ckpt, llama, occupied, tmp_path):
     """Class 2 and 5: a `.metadata` file for a folder, an occupied destination without --overwrite and a
     destination no file can be created in are each answered by a process that never imports torch, in the
     words the later check used, and the unwritable place is not called full (`--force` cannot help)."""
@@ -74,6 +84,9 @@ def test_cheap_refusals_come_before_torch(reference_ckpt, occupied, tmp_path):
         "convert into /proc": ["convert", src, "/proc/reshard-out", "--to", "dp=2"],
         "convert into /proc --force": ["convert", src, "/proc/reshard-out", "--to", "dp=2", "--force"],
         "export into /proc": ["export", src, "/proc/reshard-out"],
+        "hf values missing": ["export", llama, tmp_path / "hf", "--format", "hf"],
+        "trainer without placeholders": ["rehearse", "--from", "dp=2", "--to", "dp=1", "--trainer", "python train.py",
+                                         "--out", tmp_path / "rehearsal"],
     }
     got = dict(zip(cases, refusals_without_torch(list(cases.values()))))
     for name, (code, err) in got.items():
@@ -87,8 +100,13 @@ def test_cheap_refusals_come_before_torch(reference_ckpt, occupied, tmp_path):
         err = got[name][1]
         assert "cannot be written" in err and "'proc' file system" in err, (name, err)
         assert "free" not in err and "--force" not in err, (name, err)
+    err = got["hf values missing"][1]
+    for name in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
+        assert f"--model-config {name}=" in err, err
+    err = got["trainer without placeholders"][1]
+    assert "lacks placeholders {ckpt_in}" in err and "one of {world} or {dp} or {layout}" in err, err
     assert (occupied / "someone-elses.txt").read_text() == "kept"
-    assert not (tmp_path / "a").exists()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "rehearsal").exists()
     assert not list(Path("/proc").glob(".reshard-probe-*"))
 
 

@@ -139,12 +139,11 @@ class TrainerCommand:
         if unknown:
             raise BadInput(f"--trainer: unknown placeholders {', '.join('{' + u + '}' for u in unknown)}",
                            hint="Known: " + ", ".join("{" + p + "}" for p in PLACEHOLDERS) + f" ({CONTRACT_DOC}).")
-        missing = [p for p in REQUIRED if p not in used]
+        missing = ["{" + p + "}" for p in REQUIRED if p not in used]
         if not any(p in used for p in SIZE):
-            missing.append("world or {dp} or {layout}")
+            missing.append("one of " + " or ".join("{" + p + "}" for p in SIZE))
         if missing:
-            raise BadInput("--trainer: the command lacks placeholders " + ", ".join("{" + m.strip("{}") + "}"
-                                                                                  for m in missing),
+            raise BadInput("--trainer: the command lacks placeholders " + ", ".join(missing),
                            hint="reshard must tell each run where to resume, save and log, when to stop and "
                                 f"which batch recipe to use ({CONTRACT_DOC}).")
 
