@@ -242,7 +242,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         kind += " of the " + " and ".join(f.replace("_", " ") for f in v["warm_start_of"]) + " only"
     out.append(f"verdict     {kind}")
     for facet, k in (v.get("kept") or {}).items():
-        out.append(f"  {facet.replace('_', ' '):<19}{_kept_status(facet, k['status'], acc):<10}{k['note']}")
+        out.append(f"  {facet.replace('_', ' '):<19}{k['status']:<10}{k['note']}")
     for r_ in p["reasons"]:
         out.append(f"  infeasible: {r_}")
     for w in v["warm_start_reasons"]:
@@ -252,14 +252,6 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     out += sidecar_lines(p["source"].get("sidecars") or [], verb="carried byte-identical")
     out.append(f"fingerprint {p['fingerprint']}")
     return "\n".join(out)
-
-
-def _kept_status(facet: str, status: str, acc: dict[str, Any]) -> str:
-    """The verdict's status word for a facet. An accumulation phase no manifest records is not
-    "carried" (nothing said where it was): it is assumed to be at a step boundary."""
-    if facet == "accumulation_phase" and status == "carried" and acc.get("micro_step") is None:
-        return "assumed"
-    return status
 
 
 def _resume_lines(d: dict[str, Any]) -> list[str]:
