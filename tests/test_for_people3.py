@@ -1,6 +1,8 @@
 """Issue 47 (For people III): what a new user met, one test per case, each failing on the code before it.
 
-Classes covered here: cheap checks before the heavy start-up (2: a `.metadata` file for a folder, the
+Classes covered here: words that contradict the facts (3: a slice called equal, its renumbered
+layers "tied copy", its moved keys "dropped ... renamed", an accumulation phase "carried" where it was
+assumed, `None` printed in a batch line, a truncated `.metadata` called a memory attack), cheap checks before the heavy start-up (2: a `.metadata` file for a folder, the
 values `--format hf` needs, a `--trainer` command without placeholders, an occupied destination), impossible model values (4),
 advice that fails on an unwritable destination (5). The refusals that must come before torch
 is imported run in one real process whose import hook refuses torch (the process is the point:
@@ -67,7 +69,7 @@ def llama(tmp_path_factory) -> Path:
     """A torchtitan-convention Llama checkpoint (real `dcp.save`), for the Hugging Face export's questions."""
     from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
 
-    shape = LlamaShape(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=40, vocab_multiple=8)
+    shape = LlamaShape(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=40, vocab_multiple=8)
     return make_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", shape=shape, tp=1, dp=1, fused=False)
 
 
@@ -131,3 +133,68 @@ def test_a_possible_model_value_still_plans(reference_ckpt, capsys):
                               "--model-config", "n_kv_heads=2", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["feasible"]
+
+
+@pytest.fixture(scope="module")
+def sliced(llama, tmp_path_factory) -> dict[str, object]:
+    """``convert --layers 1`` of the Llama checkpoint (layer 1 becomes layer 0), and what each command says of it."""
+    from conftest import cli
+
+    out = tmp_path_factory.mktemp("slice") / "slice"
+    words = {"convert": cli(["convert", llama, out, "--layers", "1", "--to", "dp=1"]),
+             "verify": cli(["verify", llama, out]),
+             "verify json": cli(["verify", llama, out, "--json"]),
+             "plan": cli(["plan", llama, "--layers", "1", "--to", "dp=1"])}
+    return words
+
+
+def test_a_slice_is_equal_only_where_kept(sliced):
+    """Class 3: `verify` called a slice "equal" to its source and convert "equal to the source"."""
+    code, out, err = sliced["verify"]
+    assert code == 0, out + err
+    assert out.startswith("verdict     equal where kept: a slice of A (layers 1 of 2"), out
+    assert json.loads(sliced["verify json"][1])["slice"].startswith("layers 1 of 2")
+    code, out, err = sliced["convert"]
+    assert code == 0, out + err
+    assert "verified    equal to the source in global terms where kept (a slice: layers 1 of 2" in out, out
+
+
+def test_renumbered_layers_are_renamed_not_tied_nor_dropped(sliced):
+    """Class 3: the renumbered layer's tensors were "tied copy" of the old names, and the old names
+    "dropped: renamed: ..." in verify and in the plan's key list and counts."""
+    _, out, _ = sliced["verify"]
+    assert "tied copy" not in out and "dropped: renamed" not in out, out
+    assert "model.layers.0.attention.wq.weight: renamed from 'model.layers.1.attention.wq.weight'" in out, out
+    assert "model.layers.1.attention.wq.weight: renamed to 'model.layers.0.attention.wq.weight'" in out, out
+    _, out, _ = sliced["plan"]
+    keys = out[out.index("\nkeys "):]
+    assert "dropped" not in keys.split("\nverdict")[0], keys
+    assert "36 renamed" in keys or " renamed," in keys, keys
+    assert "renamed   model.layers.1." in keys and ": layer 1 is layer 0 of the slice" in keys, keys
+
+
+def test_no_none_and_one_word_for_the_accumulation_phase(plain_fsdp2_ckpt, tmp_path, capsys):
+    """Class 3: `inspect` of a converted output printed `(seq len None)`; the report called the accumulation
+    phase "carried" where plan and convert said "assumed" (no manifest records it)."""
+    out = tmp_path / "out"
+    code, o, e = run_cli(["convert", plain_fsdp2_ckpt, out, "--to", "dp=2", "--source-micro-batch", "4",
+                          "--source-grad-accum", "16", "--quiet"], capsys)
+    assert code == 0, o + e
+    code, o, e = run_cli(["inspect", out], capsys)
+    assert code == 0 and "None" not in o, o
+    assert "global batch 256 (seq len not recorded)" in o, o
+    report = (out / "reshard-report.md").read_text()
+    assert "| accumulation phase | assumed |" in report, report
+    kept = json.loads((out / "reshard-report.json").read_text())["plan"]["verdict"]["kept"]
+    assert kept["accumulation_phase"]["status"] == "assumed"
+
+
+def test_a_truncated_metadata_is_called_truncated(reference_ckpt, tmp_path, capsys):
+    """Class 3: a `.metadata` cut short was refused as "a pickle built to exhaust memory"."""
+    cut = tmp_path / "ckpt"
+    cut.mkdir()
+    data = (reference_ckpt / ".metadata").read_bytes()
+    (cut / ".metadata").write_bytes(data[: len(data) // 2])
+    code, out, err = run_cli(["inspect", cut], capsys)
+    assert code == 2, out + err
+    assert "truncated" in err and "exhaust memory" not in err and "units per byte" not in err, err
