@@ -164,8 +164,14 @@ def check_beside_plan(plan_file: str, values: Mapping[str, Any]) -> None:
                        "and convert that one.")
 
 
-def check_rehearse(*, steps: int, switch_at: int, window: int) -> list[str]:
-    """`rehearse`: the switch falls inside the run; a window longer than the steps after it is a warning."""
+def check_rehearse(*, steps: int, switch_at: int, window: int, trainer: str | None = None) -> list[str]:
+    """`rehearse`: the switch falls inside the run, the ``--trainer`` command's placeholders are known and
+    complete (`reshard.rehearsal.contract`, which imports no torch); a window longer than the steps after
+    the switch is a warning."""
+    if trainer is not None:
+        from reshard.rehearsal.contract import TrainerCommand
+
+        TrainerCommand(trainer)
     if switch_at >= steps:
         raise BadInput(f"--switch-at {switch_at} is not before the last step (--steps {steps})",
                        hint="Choose --switch-at between 1 and --steps - 1.")

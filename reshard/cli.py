@@ -372,11 +372,7 @@ def rehearse(
 
     Exit 0 within tolerances with exact coverage, 1 otherwise, 2 bad input.
     """
-    _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
-    if trainer is not None:  # the command's placeholders, checked before torch is imported (no torch here)
-        from reshard.rehearsal.contract import TrainerCommand
-
-        TrainerCommand(trainer)
+    _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window, trainer=trainer))
     progress = _progress(f"rehearsing {from_spec} -> {to} in {out}: baseline, converted resume, control …",
                          json_out=json_out, quiet=quiet)
     from reshard.commands.rehearse import rehearse as run_rehearse
