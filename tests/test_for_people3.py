@@ -1,13 +1,19 @@
 """Issue 47 (For people III): what a new user met, one test per case, each failing on the code before it.
 
-Classes covered here: words that contradict the facts (3: a slice called equal, its renumbered
-layers "tied copy", its moved keys "dropped ... renamed", an accumulation phase "carried" where it was
-assumed, `None` printed in a batch line, a truncated `.metadata` called a memory attack), cheap checks before the heavy start-up (2: a `.metadata` file for a folder, the
-values `--format hf` needs, a `--trainer` command without placeholders, an occupied destination), impossible model values (4),
-advice that fails on an unwritable destination (5). The refusals that must come before torch
-is imported run in one real process whose import hook refuses torch (the process is the point:
-this one has torch loaded); the others run the CLI in-process on the session's reference
-checkpoint. Cost: about 3 s (one subprocess, in-process plans of a 1 MiB checkpoint).
+Classes covered here:
+
+* 2, cheap checks before the heavy start-up: a `.metadata` file given for a folder, the values
+  `--format hf` needs, a `--trainer` command without placeholders, an occupied destination;
+* 3, words that contradict the facts: a slice called equal, its renumbered layers "tied copy",
+  its moved keys "dropped ... renamed", an accumulation phase "carried" where it was assumed,
+  `None` printed in a batch line, a truncated `.metadata` called a memory attack;
+* 4, an impossible `--model-config` value; 5, the advice to pass `--force` for a destination no
+  file can be created in; 6, a trainer's failure told in torchrun's boilerplate.
+
+The refusals that must come before torch is imported run in one real process whose import hook
+refuses torch (the process is the point: this one has torch loaded); the rest run the CLI
+in-process on session checkpoints and two tiny module ones (a Llama of two layers and its
+slice). Cost: about 25 s on a quiet machine, 10 s of it the one real torchrun of the trainer case.
 """
 from __future__ import annotations
 
@@ -198,3 +204,31 @@ def test_a_truncated_metadata_is_called_truncated(reference_ckpt, tmp_path, caps
     code, out, err = run_cli(["inspect", cut], capsys)
     assert code == 2, out + err
     assert "truncated" in err and "exhaust memory" not in err and "units per byte" not in err, err
+
+
+FAILING_TRAINER = """
+import sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    raise ValueError(f"the batch recipe {sys.argv[1]} x {sys.argv[2]} does not fit the dataset")
+dist.barrier()  # rank 1 then fails too, with gloo's "Connection closed by peer"
+"""
+
+
+def test_a_trainers_failure_is_told_in_its_own_words(tmp_path, capsys):
+    """Class 6: a trainer that failed under torchrun was explained by torchrun's boilerplate
+    (`error_file: <N/A>`, or the other rank's lost connection); the message is now the trainer's own
+    exception, from the rank torchrun names as the root cause, with its file and line. One real
+    torchrun of two gloo ranks (about 10 s)."""
+    script = tmp_path / "train.py"
+    script.write_text(FAILING_TRAINER)
+    trainer = (f"{sys.executable} -m torch.distributed.run --nproc-per-node {{world}} {script} {{micro_batch}} "
+               "{grad_accum} {ckpt_in} {ckpt_out} {save_at} {log} {steps}")
+    code, out, err = run_cli(["rehearse", "--from", "dp=2", "--to", "dp=1", "--trainer", trainer, "--steps", "4",
+                              "--switch-at", "2", "--window", "2", "--out", tmp_path / "rehearsal"], capsys)
+    assert code != 0, out + err
+    assert "ValueError: the batch recipe 2 x 2 does not fit the dataset (rank 0, " in err, err
+    assert f"{script} line 7)" in err, err
+    assert "error_file" not in err and "Connection closed" not in err and "ChildFailedError" not in err, err
