@@ -267,6 +267,7 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
 
     if not in_torchrun():  # a worker's errors go through its launcher, as under the CLI
         args.check_source(src_text)
+        args.check_destination(dst_text, overwrite=overwrite)
     from reshard.commands.convert import run_convert
     from reshard.planning.options import opened_source
 
@@ -346,6 +347,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
     args.check_overlap(src_text, dst_text)
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
     args.check_source(src_text)
+    args.check_destination(dst_text, overwrite=overwrite)
     progress = _started(progress)
     from reshard.commands.export import export as run_export
     from reshard.planning.options import opened_source
@@ -369,6 +371,7 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
     ``import`` is a Python keyword.) Raises `BadInput` for options, source or destination.
     """
     args.check_import(fmt=format)
+    args.check_destination(_source_text(dst), overwrite=overwrite)
     progress = _started(progress)
     from reshard.commands.importer import import_ as run_import
 
