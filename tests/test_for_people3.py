@@ -4,7 +4,7 @@ Classes covered here:
 
 * 2, cheap checks before the heavy start-up: a `.metadata` file given for a folder, the values
   `--format hf` needs, a `--trainer` command without placeholders, an occupied destination;
-* 3, words that contradict the facts: a slice called equal, its renumbered layers "tied copy",
+* 3, words that contradict the facts: reshard's own HF export called "lightning", a slice called equal, its renumbered layers "tied copy",
   its moved keys "dropped ... renamed", an accumulation phase "carried" where it was assumed,
   `None` printed in a batch line, a truncated `.metadata` called a memory attack;
 * 4, an impossible `--model-config` value; 5, the advice to pass `--force` for a destination no
@@ -232,3 +232,18 @@ def test_a_trainers_failure_is_told_in_its_own_words(tmp_path, capsys):
     assert "ValueError: the batch recipe 2 x 2 does not fit the dataset (rank 0, " in err, err
     assert f"{script} line 7)" in err, err
     assert "error_file" not in err and "Connection closed" not in err and "ChildFailedError" not in err, err
+
+
+def test_reshards_own_hf_export_is_named_by_its_sources_convention(llama, tmp_path, capsys):
+    """Class 3: `inspect` of reshard's own `export --format hf` called its convention "lightning" (whose
+    `model.` marker the export map's source names also match); it is the source's, as the export records."""
+    hf = tmp_path / "hf"
+    code, out, err = run_cli(["export", llama, hf, "--format", "hf", "--model-config", "n_heads=4",
+                              "--model-config", "n_kv_heads=2", "--model-config", "rms_norm_eps=1e-5",
+                              "--model-config", "rope_theta=500000", "--model-config", "rope_scaling_factor=8"], capsys)
+    assert code == 0, out + err
+    code, out, err = run_cli(["inspect", llama, "--json"], capsys)
+    source = json.loads(out)["convention"]["name"]
+    code, out, err = run_cli(["inspect", hf, "--json"], capsys)
+    assert code == 0, out + err
+    assert json.loads(out)["convention"]["name"] == source != "lightning", out
