@@ -267,6 +267,7 @@ def convert(src: PathLike | Plan, dst: PathLike, *, to: str | None = None,
 
     if not in_torchrun():  # a worker's errors go through its launcher, as under the CLI
         args.check_source(src_text)
+        args.check_destination(dst_text, overwrite=overwrite)
     from reshard.commands.convert import run_convert
     from reshard.planning.options import opened_source
 
@@ -346,6 +347,7 @@ def export(src: PathLike, dst: PathLike, *, format: str = "safetensors", dtype: 
     args.check_overlap(src_text, dst_text)
     target: Path | str = dst_text if args.is_url(dst_text) else Path(dst_text)
     args.check_source(src_text)
+    args.check_destination(dst_text, overwrite=overwrite)
     progress = _started(progress)
     from reshard.commands.export import export as run_export
     from reshard.planning.options import opened_source
@@ -369,6 +371,7 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
     ``import`` is a Python keyword.) Raises `BadInput` for options, source or destination.
     """
     args.check_import(fmt=format)
+    args.check_destination(_source_text(dst), overwrite=overwrite)
     progress = _started(progress)
     from reshard.commands.importer import import_ as run_import
 
@@ -380,9 +383,11 @@ def import_(src: PathLike, dst: PathLike, *, to: str = "dp=1", rename: PathLike 
 def estimate(plan: Plan, dst: PathLike) -> dict[str, Any]:
     """Whether the conversion ``plan`` describes fits at ``dst``, and about how long it takes (``plan --dst``).
 
-    Reads metadata only, plus two short probes (a read of the source, a write beside ``dst``,
-    removed after). Returns the figures ``plan --dst`` prints: ``needed_bytes``, ``free_bytes``,
-    ``enough``, the time estimate, and ``warning`` (one paragraph, or None when there is room).
+    Reads metadata only, plus, for a conversion moving 64 MiB or more, a probe of the copy's path of
+    about 0.25 s (direct reads of the source, CRC-32, direct writes beside ``dst``, removed after).
+    Returns the figures ``plan --dst`` prints: ``needed_bytes``, ``free_bytes``, ``enough``, the time
+    as a range (``low_s``, ``high_s``, what bounds it: ``bound``), and ``warning`` (one paragraph, or
+    None when there is room).
     Never refuses: `convert` refuses a destination without room (unless ``force``). A source in
     object storage is listed again (the plan's own staged copy went when `plan` returned).
     """

@@ -26,7 +26,7 @@ from reshard.model.kinds import SCHEDULE_POLICIES as SCHEDULES
 OUTPUT_FORMATS = tuple(OutputFormat)
 DATA_MODES = tuple(DataMode)
 
-__all__ = ["is_url", "check_source", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
+__all__ = ["is_url", "check_source", "check_destination", "check_overlap", "check_remote_source", "check_remote_destination", "DATA_POLICIES", "SCHEDULES", "RNG_POLICIES", "DTYPES", "ONLY", "OUTPUT_FORMATS", "DATA_MODES",
            "EXPORT_FORMATS", "CONTROLS", "check_plan_flags", "plan_flag_values", "check_beside_plan", "check_rehearse", "check_export",
            "import_formats", "SOURCE_FORMATS", "check_import", "check_slice", "check_restart", "check_conflicts"]
 
@@ -49,6 +49,21 @@ def check_source(*paths: Path | str) -> None:
         if not os.path.exists(path):
             raise BadInput("no such checkpoint directory", where=str(path),
                            hint="Check the path (a checkpoint is the directory that holds `.metadata`).")
+        if not os.path.isdir(path):  # the reader's words, said before the heavy start-up
+            raise BadInput("a DCP checkpoint is a directory, this is a file", where=str(path),
+                           hint=f"Give the directory that holds it: {os.path.dirname(os.path.abspath(path))}."
+                           if os.path.basename(str(path)) == ".metadata" else None)
+
+
+def check_destination(dst: Path | str, *, overwrite: bool) -> None:
+    """A local destination that is occupied (without ``--overwrite``) or cannot be written, said
+    before torch is imported, a plan is made or the space is probed: these answers need none of it."""
+    if is_url(dst):
+        return
+    from reshard.storage.files import atomic
+
+    atomic.check_vacant(Path(dst), overwrite=overwrite)
+    atomic.check_writable(Path(dst))
 
 
 def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
@@ -149,8 +164,14 @@ def check_beside_plan(plan_file: str, values: Mapping[str, Any]) -> None:
                        "and convert that one.")
 
 
-def check_rehearse(*, steps: int, switch_at: int, window: int) -> list[str]:
-    """`rehearse`: the switch falls inside the run; a window longer than the steps after it is a warning."""
+def check_rehearse(*, steps: int, switch_at: int, window: int, trainer: str | None = None) -> list[str]:
+    """`rehearse`: the switch falls inside the run, the ``--trainer`` command's placeholders are known and
+    complete (`reshard.rehearsal.contract`, which imports no torch); a window longer than the steps after
+    the switch is a warning."""
+    if trainer is not None:
+        from reshard.rehearsal.contract import TrainerCommand
+
+        TrainerCommand(trainer)
     if switch_at >= steps:
         raise BadInput(f"--switch-at {switch_at} is not before the last step (--steps {steps})",
                        hint="Choose --switch-at between 1 and --steps - 1.")

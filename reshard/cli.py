@@ -1,6 +1,7 @@
 """The `reshard` command line: parse arguments, call the public API (reshard.api), render. No logic here."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -55,7 +56,21 @@ def _progress(first_line: str, *, json_out: bool, quiet: bool, shown: bool = Tru
 
     progress = Progress.for_terminal(quiet=quiet or not shown, json_out=json_out, mode=mode)
     progress.say(first_line)
+    _stop_waiting()
+    # the waiting row for the whole command, not only in the blocks that ask for it: whatever runs
+    # (an import, a plan, a trainer, a commit), a terminal is never still for more than 2 s (issue 47)
+    held = contextlib.ExitStack()
+    held.enter_context(progress.waiting())
+    _state.update(waiting=held, progress=progress)
     return progress
+
+
+def _stop_waiting() -> None:
+    """End the command-long waiting row (`_progress`) before the result or an error is printed."""
+    held = _state.pop("waiting", None)
+    _state.pop("progress", None)
+    if held is not None:
+        held.close()
 
 
 def _render(data: object, *, json_out: bool, text: Callable[[], str]) -> None:
@@ -63,6 +78,7 @@ def _render(data: object, *, json_out: bool, text: Callable[[], str]) -> None:
     the verb's own rendering of it: each verb is parse, call, then this."""
     from reshard.render.report import to_json
 
+    _stop_waiting()
     _echo(to_json(data) if json_out else text())
 
 
@@ -186,6 +202,7 @@ def convert(
 
     if not in_torchrun():  # a worker's errors go through its launcher's relay
         args.check_source(src)
+        args.check_destination(dst, overwrite=overwrite)
         if workers not in (None, 1):  # worker 0 commits, in another process: a Ctrl-C looks at dst itself
             from reshard.commands.convert import watch_output
 
@@ -371,7 +388,7 @@ def rehearse(
 
     Exit 0 within tolerances with exact coverage, 1 otherwise, 2 bad input.
     """
-    _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window))
+    _warn(args.check_rehearse(steps=steps, switch_at=switch_at, window=window, trainer=trainer))
     progress = _progress(f"rehearsing {from_spec} -> {to} in {out}: baseline, converted resume, control …",
                          json_out=json_out, quiet=quiet)
     from reshard.commands.rehearse import rehearse as run_rehearse
@@ -481,6 +498,7 @@ def _main(argv: list[str] | None = None) -> None:
 
         _fail(exc, *render_error(exc))
     finally:
+        _stop_waiting()
         _warn_trusted()
     sys.exit(code if isinstance(code, int) else 0)
 
@@ -491,6 +509,7 @@ def _interrupted() -> int:
     of ``--workers`` says nothing: its launcher speaks for the run."""
     from reshard.engine.distributed import ERRORS_ENV, in_torchrun
 
+    _stop_waiting()
     if in_torchrun() and os.environ.get(ERRORS_ENV):
         return 130
     dst = _state.get("output")
@@ -510,7 +529,9 @@ def _echo(text: str, *, err: bool = False) -> None:
     environment variables): the last defence; nothing reads or records credentials at all."""
     from reshard.render.redaction import redact
 
-    typer.echo(redact(text), err=err)
+    progress = _state.get("progress")
+    with progress.cleared() if progress is not None else contextlib.nullcontext():  # no waiting row mid-line
+        typer.echo(redact(text), err=err)
 
 
 def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:
@@ -519,6 +540,7 @@ def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False)
     The object goes where the command's report would have gone, so a script parsing stdout
     gets the error as data; the paragraph stays on stderr for the person watching.
     """
+    _stop_waiting()
     if _state["debug"]:
         traceback.print_exc()
     if _say_error(exc, code, paragraph):

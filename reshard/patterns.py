@@ -119,6 +119,23 @@ class Pattern:
         spans = self._prog.Match(_ANY, text.encode(), 0, len(text))
         return None if spans[0] == _NULL else Match(self, text, spans)
 
+    def match_groups(self, text: str, names: tuple[str, ...]) -> tuple[str | None, ...] | None:
+        """The texts of the named groups (None: a group that does not take part, or the pattern has not)
+        of a `match` of ``text``, or None when it does not match: what a convention reads of every key,
+        without a `Match` object per key (a mixture of experts has hundreds of thousands)."""
+        if not text.isascii():
+            m = self.match(text)
+            return None if m is None else tuple(m[n] if n in self.groupindex else None for n in names)
+        spans = self._prog.Match(_START, text.encode(), 0, len(text))
+        if spans[0] == _NULL:
+            return None
+        out = []
+        for n in names:
+            i = self.groupindex.get(n)
+            a, b = spans[i] if i is not None else _NULL
+            out.append(None if a < 0 else text[a:b])
+        return tuple(out)
+
     def finditer(self, text: str) -> Iterator[Match]:
         for m in self._re2.finditer(text):
             yield Match(self, text, [m.span(i) for i in range(self.groups + 1)])

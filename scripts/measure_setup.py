@@ -14,10 +14,12 @@ Parts, each timed separately with ``time.perf_counter`` around a shell running i
 * ``install``: its ``pip install`` part (torch and reshard, what a user needs);
 * ``demo``: its ``reshard demo`` (stdout read line by line as it comes, so each of the demo's
   six stages gets its own time);
+* ``s3_install`` and ``pip_check``: the README's install line of the ``s3`` extra, in that venv,
+  then ``pip check``, which must find no version conflict in what it left (issue 47);
 * ``test_install``: the second (developer) command's ``pip install``, run in the same venv after
   the first, as a developer who ran the first command would: the ``test`` and ``interop``
-  extras (pytest and the heavy trainers). The suite itself is not run here (15-20 min on 2
-  cores: docs/testing.md measures it).
+  extras (pytest and the heavy trainers). The suite itself is not run here (docs/testing.md
+  records each run of it).
 
 Usage::
 
@@ -68,6 +70,14 @@ def readme_commands(readme: Path) -> tuple[list[str], list[str]]:
     user = next(c for c in commands if "pytest" not in c)
     dev = next(c for c in commands if "pytest" in c)
     return [p.strip() for p in user.split("&&")], [p.strip() for p in dev.split("&&")]
+
+
+def s3_install(readme: Path) -> str:
+    """The README's install line of the ``s3`` extra (quoted inline where it tells the store path)."""
+    found = re.findall(r"`(pip install [^`]*\[s3\][^`]*)`", readme.read_text())
+    if len(found) != 1:
+        raise SystemExit(f"error: {readme} must quote the s3 extra's install line once, found {len(found)}")
+    return found[0]
 
 
 def machine() -> dict:
@@ -173,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                                           text=True).stdout.strip()
         venv, install, demo = user[0], " && ".join(user[1:-1]), user[-1]
         dev_install = next(p for p in dev if " install " in p)
-        parts = [Part("venv", venv), Part("install", install), Part("demo", demo)]
+        parts = [Part("venv", venv), Part("install", install), Part("demo", demo),
+                 # the README's S3 line, then whether pip finds a version conflict in what it left (issue 47)
+                 Part("s3_install", ".venv/bin/" + s3_install(ns.repo / "README.md")), Part("pip_check", ".venv/bin/pip check")]
         if not ns.skip_test_install:
             parts.append(Part("test_install", dev_install))
         for part in parts:

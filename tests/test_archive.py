@@ -8,6 +8,8 @@ tensor back bit for bit.
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import zipfile
 import zlib
 
@@ -87,6 +89,29 @@ def test_data_pkl_is_the_one_torch_writes():
     buf = io.BytesIO()
     torch.save(t, buf)
     assert data_pkl(t.dtype, tuple(t.shape)) == zipfile.ZipFile(io.BytesIO(buf.getvalue())).read("archive/data.pkl")
+
+
+def test_data_pkl_of_every_writable_dtype_is_torchs_without_importing_torch():
+    """The pickle is written with stand-in globals (no torch import on the splice path): for every dtype
+    reshard writes, and shapes of every width of integer opcode, it is the one torch.save writes."""
+    from reshard.storage.checkpoints.archive import _LEGACY, writable
+
+    legacy = {str(k).removeprefix("torch."): v for k, v in torch.storage._dtype_to_storage_type_map().items()
+              if writable(k)}
+    assert legacy == _LEGACY
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype) and writable(d)]
+    assert len(set(dtypes)) >= 20
+    for d in set(dtypes):
+        for shape in [(2, 3, 4), (5,), (), (300, 7), (2, 70000), (1, 1, 1, 1)]:  # 1-, 2- and 4-byte ints
+            t = torch.empty(shape, dtype=d)
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            assert data_pkl(d, shape) == zipfile.ZipFile(io.BytesIO(buf.getvalue())).read("archive/data.pkl"), (d, shape)
+    code = ("import sys; from reshard.storage.checkpoints.archive import framing; from reshard.model.dtypes import "
+            "dtype_named; framing(dtype_named('float32'), (3, 4)); framing(dtype_named('uint16'), (5,)); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_storages_of_4_gib_are_refused():

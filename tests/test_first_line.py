@@ -35,9 +35,13 @@ def _text(r: dict) -> str:
     return "\n".join(ln.rsplit("\r", 1)[-1] for ln in r["err"].replace("\r\n", "\n").split("\n"))
 
 
+WAITING_ROW = re.compile(r"^(\s*… \d+ s)+")  # the waiting row, which the command keeps for its whole life
+
+
 def _shown(r: dict) -> list[str]:
-    """The terminal's lines that are not ``-X importtime``'s."""
-    return [ln for ln in _text(r).split("\n") if ln.strip() and not ln.startswith("import time:")]
+    """The terminal's lines that are not ``-X importtime``'s (which run into a waiting row, as they bypass it)."""
+    lines = (WAITING_ROW.sub("", ln) for ln in _text(r).split("\n"))
+    return [ln for ln in lines if ln.strip() and not ln.startswith("import time:")]
 
 
 def _check_first_line(r: dict, pattern: str) -> str:

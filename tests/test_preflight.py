@@ -12,7 +12,8 @@ destination's file system has less free space; ``--force`` goes ahead. What is c
   figures ``reshard plan --dst`` shows; ``--force`` completes a conversion the override says
   cannot fit, single-process and under ``--workers 2`` (checked once, by worker 0);
 * the size and time figures of ``plan --dst`` and of the conversion report are the same
-  figures (sizes equal, time from measured probes with its basis), and the probes leave nothing;
+  figures (sizes equal, the time a range with its basis; a checkpoint this small is not probed), and
+  nothing is left beside the output;
 * ``--progress json``: one JSON object per line on stderr, per phase (copy, verify,
   commit) by bytes from 0 to the total, with rate and ETA, for convert, export, import and
   verify, also beside ``--json``.
@@ -148,15 +149,14 @@ def test_plan_and_the_report_give_the_same_size_and_time_figures(reference_ckpt,
     assert on_disk == est
     for k in ("destination", "needed_bytes", "read_bytes"):
         assert planned[k] == est[k], k
-    for fig in (planned, est):
-        assert fig["enough"] and fig["seconds"] is not None and "two probes" in fig["basis"]
-        assert fig["read"]["bytes"] > 0 and fig["read"]["error"] is None and str(reference_ckpt) in fig["read"]["file"]
-        assert fig["write"]["bytes"] > 0 and fig["write"]["error"] is None and str(tmp_path) in fig["write"]["file"]
+    for fig in (planned, est):  # a range; the probe skipped for so small a checkpoint (tests/test_estimate.py forces it)
+        assert fig["enough"] and 0 < fig["low_s"] <= fig["seconds"] <= fig["high_s"] and "not probed" in fig["basis"]
+        assert fig["probe"]["skipped"] and fig["read"] is None and fig["write"] is None
     written = sum(p.stat().st_size for p in dst.iterdir())
     assert written <= est["needed_bytes"] <= 1.25 * written
     assert not [p for p in tmp_path.iterdir() if "probe" in p.name], "the write probe is removed"
     code, text, _ = cli(["plan", reference_ckpt, "--to", "dp=2", "--dst", tmp_path / "other"])
-    assert code == 0 and "estimate: writes about" in text and "to copy (read " in text, text
+    assert code == 0 and "estimate: writes about" in text and "to convert (not probed: " in text, text
 
 
 def test_reproducible_reports_record_no_measured_figure(reference_ckpt, tmp_path, monkeypatch):

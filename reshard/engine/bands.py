@@ -25,14 +25,13 @@ may be strided); otherwise `reshard.engine.splice` assembles target chunks row s
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reshard.model.geometry import Box, contiguous_run
 from reshard.storage.checkpoints import archive
 from reshard.storage.checkpoints.crcledger import CorruptItem
-from reshard.storage.files.fileio import ALIGN, FdCache, write_exact, write_placed
+from reshard.storage.files.fileio import ALIGN, FdCache, write_exact, write_placed, crc32
 from reshard.engine.splice import SourceChunk, SpliceMismatch, WorkerBuffers, as_array, read_piece, item_row_bytes, finish_item
 
 __all__ = ["BandItem", "BandJob", "applies"]
@@ -112,7 +111,7 @@ class BandJob:
             b1 = min(rows, b0 + per_band)
             band = buffers.get((b1 - b0) * row)
             read_piece(files, s.path, band, s.storage_at + b0 * row, buffers)
-            crc = archive.crc32_combine(crc, zlib.crc32(band), len(band))
+            crc = archive.crc32_combine(crc, crc32(band), len(band))
             band_box = Box((s.box.offsets[0] + b0,) + tuple(s.box.offsets[1:]), (b1 - b0,) + tuple(s.box.sizes[1:]))
             src = as_array(band, band_box.sizes, isz)
             for t in self.targets:
@@ -128,7 +127,7 @@ class BandJob:
                 dst = as_array(piece, inter.sizes, isz)
                 dst[...] = src[inter.relative_to(band_box).slices()]
                 del dst
-                t.add(start, n, zlib.crc32(piece))
+                t.add(start, n, crc32(piece))
                 write_placed(t.fd, t.direct_fd, out, lead, pos, n)
             del src
         if crc != s.crc:

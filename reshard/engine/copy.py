@@ -237,11 +237,13 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, locator: Any, checked: set[str],
                     direct: bool = True):
-    from reshard.semantics.transforms import write_transformed  # tensor arithmetic: imports torch
-
     for e, a, t in kept_items(plan, ix, w, progress):
         if t is not None:
             if t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+                # imported here, not above: tensor arithmetic imports torch (about 2 s of CPU), which a
+                # conversion that only splices bytes never needs
+                from reshard.semantics.transforms import write_transformed
+
                 write_transformed(ix, w, t, source_key=t.copy_from)
             else:
                 yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,

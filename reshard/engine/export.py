@@ -47,9 +47,10 @@ import os
 import struct
 import time as _time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is cast or written, after the checks of the metadata path
+    import torch
 
 from reshard.engine.space import keep_remote_reads, preflight, space_errors
 from reshard.errors import BadInput, Incomplete, Infeasible
@@ -70,6 +71,8 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -99,6 +102,8 @@ def _write_safetensors_shard(ix, path: Path, shard: list[ExportItem], metadata: 
 
 
 def _write_torch_shard(ix, path: Path, shard: list[ExportItem], progress: Any) -> None:
+    import torch
+
     d: dict[str, torch.Tensor] = {}
     for it in shard:
         d[it.name] = read_cast(ix, it).clone()
@@ -273,6 +278,8 @@ def _estimate_bytes(shards: list[list[ExportItem]], fmt: str, metadata: Any) -> 
 
 def _verify_export(ix, out: Path, plan: ExportPlan, fmt: str, progress: Any = None) -> dict[str, Any]:
     """Read every exported tensor back (one at a time) and compare it bitwise with the cast source."""
+    import torch
+
     diffs: list[str] = []
     if fmt == "safetensors":
         from reshard.storage.checkpoints.safetensors_format import ExportIndex

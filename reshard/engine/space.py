@@ -4,8 +4,10 @@ The size comes from the plan and the source's metadata only, so `reshard plan --
 warn and `convert`, `export` and `import` can refuse (exit 2, both figures named) before any
 byte is written: a terabyte conversion that fills a shared disk after an hour harms more
 than the run. ``--force`` goes ahead anyway (a full disk then stops it with nothing
-committed). The time is an estimate from the bytes to move and two short probes (a read of
-the source, a write beside the destination, removed after), recorded with its basis.
+committed). The time is a range, low to high, from the bytes to move at the rate of a short
+probe of the copy's own path (direct reads of the source, CRC-32, direct writes beside the
+destination, removed after; skipped for a small conversion), the items to write and the load,
+recorded with what bounds it and its basis (`estimate_time`).
 ``RESHARD_FREE_BYTES`` overrides the free space the file system reports (`free_bytes`).
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -109,7 +111,7 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
     ix = index if index is not None else _reader(plan)
     need = estimate_output_bytes(plan, ix) if needed is None else int(needed)
     figures = preflight(dst, needed=need, read_bytes=conversion_read_bytes(plan, ix), sources=[ix.root], force=True,
-                        probe=probe, stores=_stores(ix))
+                        probe=probe, stores=_stores(ix), items=written_items(plan))
     if not figures["enough"]:
         figures["warning"] = (
             f"{figures['destination']}: the destination's file system has {human_bytes(figures['free_bytes'])} "
@@ -117,6 +119,13 @@ def space_check(plan: Any, dst: str | os.PathLike, *, needed: int | None = None,
             f"{human_bytes(need)} ({need} bytes); convert would refuse it (exit 2) unless given --force. Free space "
             "there or choose another destination.")
     return figures
+
+
+def written_items(plan: Any) -> int:
+    """The items a conversion of ``plan`` writes (a tensor chunk or an object each): the per-item part of its time."""
+    tensor_keys = {t.key for t in plan.tensors}
+    return (sum(len(t.chunks) for t in plan.tensors)
+            + sum(1 for a in plan.keys if a.key not in tensor_keys and a.action != Action.DROPPED))
 
 
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
@@ -136,7 +145,7 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
     kept = keep_remote_reads(getattr(ix, "remote", None), dst, needed)  # before the probe, whose read is then kept too
     figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress,
-                        stores=_stores(ix), publish_to=publish_to)
+                        stores=_stores(ix), publish_to=publish_to, items=written_items(plan))
     if kept is not None:
         figures["read_cache_bytes"] = kept
     return figures
@@ -181,7 +190,7 @@ def keep_remote_reads(rc: remote.RemoteCheckpoint | None, dst: str | os.PathLike
 
 # ---------------------------------------------------------------------------- before the first byte
 FREE_BYTES_ENV = "RESHARD_FREE_BYTES"  # override of the free space reported for every destination (tests, operators)
-PROBE_BYTES = 4 << 20  # what the read and write probes move: long enough to time, short enough to be free
+PROBE_BYTES = 4 << 20  # what the store's read and upload probes move: one request each, its latency included
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
           "t": 1 << 40, "tib": 1 << 40}
 
@@ -208,20 +217,20 @@ def free_bytes(path: str | os.PathLike) -> tuple[int, str]:
     return shutil.disk_usage(path).free, "the file system"
 
 
-def largest_file(paths: Iterable[str | os.PathLike]) -> Path | None:
-    """The largest regular file among ``paths`` (directories: the files directly in them), for the read probe."""
-    best: tuple[int, Path] | None = None
+def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """The regular files among ``paths`` (directories: the files directly in them), largest first: what the
+    copy probe reads (the largest files hold the tensors the copy moves)."""
+    found: list[tuple[int, str, Path]] = []
     for p in paths:
         p = Path(p)
         for f in (sorted(p.iterdir()) if p.is_dir() else [p]):
             try:
                 if f.is_file() and not f.is_symlink():
-                    size = f.stat().st_size
-                    if best is None or size > best[0]:
-                        best = (size, f)
+                    found.append((f.stat().st_size, str(f), f))
             except OSError:
                 continue
-    return best[1] if best else None
+    found.sort(key=lambda t: (-t[0], t[1]))
+    return [f for _size, _name, f in found]
 
 
 @dataclass
@@ -242,42 +251,207 @@ class Rate:
             return f"{self.what}: not measured ({self.error})"
         return f"{self.what}: {human_bytes(self.nbytes)} in {self.seconds * 1000:.1f} ms ({human_bytes(self.per_second)}/s)"
 
+    def figures(self) -> dict[str, Any]:
+        """As the estimate's JSON holds a probe (``read``, ``write``, ``crc``, ``upload``)."""
+        return {"bytes": self.nbytes, "seconds": round(self.seconds, 6), "error": self.error, "file": self.what}
 
-def read_probe(source: Path | None, nbytes: int = PROBE_BYTES) -> Rate:
-    """Read up to ``nbytes`` of ``source`` (opened read-only; nothing in the source is changed).
 
-    The range is first dropped from the page cache where the kernel allows (a hint that
-    changes no byte), so the probe times the disk rather than memory when the source is not
-    in use; on a file system without a page cache of its own (tmpfs) it times memory.
-    """
-    if source is None:
-        return Rate("read", error="no source file to read")
-    what = f"read of {source}"
+# ---------------------------------------------------------------------------- the copy probe
+PROBE_FROM = 64 << 20
+"""A conversion that moves less than this (read + written) is not probed: its time is start-up and per-item
+work, which no disk probe predicts, and a 1 MB checkpoint should pay nothing for the estimate."""
+PROBE_SECONDS = 0.25  # the copy probe stops at its first block after this long (wall)
+PROBE_CAP = 64 << 20  # ... or once it has moved this many bytes, whichever comes first
+PROBE_BLOCK = 4 << 20  # one direct read, CRC and direct write of a stream: a slab of the copy, in small
+SMALL_RATE = 100 << 20
+"""Bytes/s assumed, unprobed, for a small conversion (stated in its basis): slower than any local disk this
+project has met, so the estimate errs long, by at most the few milliseconds a small checkpoint moves."""
+
+
+@dataclass
+class Timed:
+    """Bytes moved along the copy's path, and the thread-seconds each part took (a stream's, or all of them)."""
+
+    nbytes: int = 0
+    read_s: float = 0.0
+    crc_s: float = 0.0
+    write_s: float = 0.0
+    direct_read: bool = False
+    direct_write: bool = False
+    error: str | None = None
+
+
+@dataclass(kw_only=True)
+class PathProbe(Timed):
+    """The copy's path timed in small: ``streams`` threads (as many as the copy's pool) each read blocks of
+    the source's largest data files with the copy's I/O mode (``O_DIRECT`` where the file system has it, else
+    buffered with the range dropped from the page cache first), take their CRC-32 and write them with direct
+    I/O to a hidden file beside the destination, fsynced at the end and removed, whatever happens.
+
+    ``seconds`` is the wall time of the whole; ``read_s``, ``crc_s`` and ``write_s`` the thread-seconds each
+    part took, which say what bounds the copy (`bound`). No source (a checkpoint in a store, whose reads are
+    timed by `store_probe`): random blocks are written, and only the write is timed."""
+
+    source: str
+    folder: str
+    streams: int = 0
+    seconds: float = 0.0
+
+    @property
+    def per_second(self) -> float | None:
+        """Bytes/s moved through read, CRC and write at once: the rate the copy's bytes are predicted at."""
+        return self.nbytes / max(self.seconds, 1e-6) if self.nbytes and self.error is None else None
+
+    def part(self, name: str) -> Rate:
+        """One part alone (``read``, ``crc``, ``write``): the probe's bytes over its thread-seconds per stream."""
+        secs = {"read": self.read_s, "crc": self.crc_s, "write": self.write_s}[name]
+        where = {"read": f"read of {self.source}", "crc": "CRC-32 in this process", "write": f"write to {self.folder}"}[name]
+        if self.error is not None or not self.nbytes:
+            return Rate(where, error=self.error or "nothing moved")
+        if name == "read" and not self.read_s:
+            return Rate(where, error="not probed here")
+        return Rate(where, self.nbytes, secs / max(1, self.streams))
+
+    @property
+    def bound(self) -> str | None:
+        """The part that took the most time: ``read``, ``write`` or ``crc`` (CPU)."""
+        if self.error is not None or not self.nbytes:
+            return None
+        return max((("read", self.read_s), ("crc", self.crc_s), ("write", self.write_s)), key=lambda t: t[1])[0]
+
+    def figures(self) -> dict[str, Any]:
+        return {"streams": self.streams, "bytes": self.nbytes, "seconds": round(self.seconds, 6),
+                "direct_read": self.direct_read, "direct_write": self.direct_write, "error": self.error,
+                "bound": self.bound}
+
+
+@dataclass(kw_only=True)
+class _Stream(Timed):
+    """One stream of the copy probe: its source region, its own probe file, and what it has timed."""
+
+    source: Path | None
+    start: int
+    end: int
+    target: Path
+
+    def run(self, deadline: float, cap: int) -> None:
+        try:
+            self._run(deadline, cap)
+        except OSError as exc:
+            self.error = f"{exc.filename or self.target}: {exc.strerror or exc}"
+
+    def _run(self, deadline: float, cap: int) -> None:
+        import zlib
+
+        from reshard.storage.files.fileio import ALIGN, aligned_buffer, open_direct
+
+        buf = aligned_buffer(PROBE_BLOCK)
+        if self.source is None:
+            buf[:] = secrets.token_bytes(len(buf))  # not zeros: a compressing file system would time nothing
+        fd = wfd = rfd = None
+        try:
+            if self.source is not None:
+                rfd = open_direct(self.source, os.O_RDONLY)
+                self.direct_read = rfd is not None
+                if rfd is None:
+                    rfd = os.open(self.source, os.O_RDONLY)
+                    if hasattr(os, "posix_fadvise"):  # time the disk, not memory, where the kernel allows
+                        with contextlib.suppress(OSError):
+                            os.posix_fadvise(rfd, self.start, self.end - self.start, os.POSIX_FADV_DONTNEED)
+            fd = os.open(self.target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            wfd = open_direct(self.target, os.O_WRONLY)
+            self.direct_write = wfd is not None
+            out = wfd if wfd is not None else fd
+            pos, at = self.start, 0
+            while self.nbytes < cap and time.perf_counter() < deadline:
+                n = PROBE_BLOCK
+                if rfd is not None:
+                    if pos + ALIGN > self.end:
+                        pos = self.start  # wrap around in this stream's region
+                    n = min(PROBE_BLOCK, (self.end - pos) // ALIGN * ALIGN)
+                    t = time.perf_counter()
+                    got = os.preadv(rfd, [buf[:n]], pos)
+                    self.read_s += time.perf_counter() - t
+                    n, pos = got // ALIGN * ALIGN, pos + got  # a short read at the end: its whole blocks
+                    if n <= 0:
+                        break
+                t = time.perf_counter()
+                zlib.crc32(buf[:n])
+                t2 = time.perf_counter()
+                done = os.pwritev(out, [buf[:n]], at)
+                t3 = time.perf_counter()
+                self.crc_s += t2 - t
+                self.write_s += t3 - t2
+                self.nbytes += done
+                at += done
+            t = time.perf_counter()
+            os.fsync(out)  # what the copy's commit waits for too
+            self.write_s += time.perf_counter() - t
+        finally:
+            for d in (rfd, wfd, fd):
+                if d is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(d)
+
+
+def path_probe(sources: list[Path], folder: Path, *, streams: int, seconds: float = PROBE_SECONDS,
+               cap: int = PROBE_CAP) -> PathProbe:
+    """Time the copy's path (`PathProbe`) for at most about ``seconds`` and ``cap`` bytes; never raises for I/O.
+
+    ``sources``: the source's data files, largest first (empty: write only). Each stream reads its own
+    region (the files' bytes cut in ``streams`` parts), so the streams do not share blocks."""
+    import threading
+
+    what = str(sources[0]) if sources else "(no local source)"
+    probe = PathProbe(source=what, folder=str(folder), streams=max(1, streams))
+    regions: list[tuple[Path | None, int, int]] = []
+    from reshard.storage.files.fileio import ALIGN
+
+    for i in range(probe.streams):
+        if not sources:
+            regions.append((None, 0, 0))
+            continue
+        f = sources[i % len(sources)]
+        share = max(1, probe.streams // len(sources) + (1 if i % len(sources) < probe.streams % len(sources) else 0))
+        k = i // len(sources)
+        try:
+            size = f.stat().st_size
+        except OSError as exc:
+            return PathProbe(source=what, folder=str(folder), error=exc.strerror or str(exc))
+        lo = size * k // share // ALIGN * ALIGN
+        hi = size * (k + 1) // share
+        if hi - lo < ALIGN:
+            lo, hi = 0, size
+        if size < ALIGN:
+            return PathProbe(source=what, folder=str(folder), error="the source's data files are too small to probe")
+        regions.append((f, lo, hi))
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    parts = [_Stream(source=src, start=lo, end=hi, target=folder / f".reshard-probe-{tag}-{i}")
+             for i, (src, lo, hi) in enumerate(regions)]
+    started = time.perf_counter()
+    deadline = started + seconds
+    threads = [threading.Thread(target=s.run, args=(deadline, max(PROBE_BLOCK, cap // len(parts))), daemon=True)
+               for s in parts]
     try:
-        fd = os.open(source, os.O_RDONLY)
-    except OSError as exc:
-        return Rate(what, error=exc.strerror or str(exc))
-    try:
-        n = min(nbytes, os.fstat(fd).st_size)
-        if n <= 0:
-            return Rate(what, error="the file is empty")
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-        t = time.perf_counter()
-        got = 0
-        while got < n:
-            chunk = os.pread(fd, min(1 << 20, n - got), got)
-            if not chunk:
-                break
-            got += len(chunk)
-        return Rate(what, got, time.perf_counter() - t)
-    except OSError as exc:
-        return Rate(what, error=exc.strerror or str(exc))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
-        os.close(fd)
+        for s in parts:
+            with contextlib.suppress(OSError):
+                os.unlink(s.target)
+    probe.seconds = time.perf_counter() - started
+    errors = [s.error for s in parts if s.error]
+    if errors:
+        probe.error = errors[0]
+        return probe
+    probe.nbytes = sum(s.nbytes for s in parts)
+    probe.read_s, probe.crc_s, probe.write_s = (sum(s.read_s for s in parts), sum(s.crc_s for s in parts),
+                                                sum(s.write_s for s in parts))
+    probe.direct_read = all(s.direct_read for s in parts) and bool(sources)
+    probe.direct_write = all(s.direct_write for s in parts)
+    return probe
 
 
 def store_probe(rc: "remote.RemoteCheckpoint", nbytes: int = PROBE_BYTES) -> Rate:
@@ -311,30 +485,6 @@ def upload_probe(url: str, nbytes: int = PROBE_BYTES) -> Rate:
         return Rate(what, error=f"{type(exc).__name__}: {exc}")
 
 
-def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> Rate:
-    """Write ``nbytes`` to a hidden file in ``folder`` (an existing directory: nothing is created
-    for the destination), fsync it, time it, and remove it, whatever happens."""
-    what = f"write to {folder}"
-    path = folder / f".reshard-probe-{os.getpid()}-{secrets.token_hex(4)}"
-    block = secrets.token_bytes(min(nbytes, 1 << 20))  # not zeros: a compressing file system would time nothing
-    try:
-        t = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            done = 0
-            while done < nbytes:
-                done += os.write(fd, block[: nbytes - done])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return Rate(what, done, time.perf_counter() - t)
-    except OSError as exc:
-        return Rate(what, error=exc.strerror or str(exc))
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 def estimate_dcp_bytes(chunk_bytes: Iterable[int], keys: int) -> int:
     """What a DCP checkpoint of chunks of these sizes (and ``keys`` keys) takes on disk, as
     `estimate_output_bytes` counts it (``.metadata`` taken as ~400 bytes per chunk)."""
@@ -360,24 +510,26 @@ def _refuse_read_only(dst: Path, checked: Path) -> None:
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
               probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = (),
-              publish_to: str | None = None) -> dict[str, Any]:
+              publish_to: str | None = None, items: int | None = None) -> dict[str, Any]:
     """Before the first byte: will the output fit at ``dst``, and about how long will it take?
 
     ``stores``: the sources in object storage (their `RemoteCheckpoint`), whose read is probed instead of a file's.
     ``publish_to``: the store URL an output made at ``dst`` is then uploaded to (its upload is probed too).
 
+    ``items``: the items written (`written_items`), whose per-item work is part of the time.
+
     Refuses (`BadInput`, exit 2) when the destination's file system has less free space than
     the output ``needed``, naming both figures, unless ``force``: nothing has been written
-    then (no temporary directory, no probe). Otherwise times a read of the largest file of
-    ``sources`` and a write (fsynced, then removed) beside the destination, and estimates
-    the copy as ``read_bytes`` at the read rate plus ``needed`` at the write rate: an
-    estimate, whose basis is recorded with it (caches, other users of the disks and the
-    verification make the real time differ). With ``--overwrite`` the old output is removed
+    then (no temporary directory, no probe). Otherwise estimates the time from here to the end
+    as a range (`estimate_time`: the bytes at the rate of a short probe of the copy's own path,
+    skipped for a small conversion, plus the per-item work, the torch import and the end, scaled
+    by the load), with what bounds it and its basis recorded: an estimate (caches and other users of
+    the disks and cores make the real time differ). With ``--overwrite`` the old output is removed
     only after the new one is in place, so the full amount is needed either way.
 
     Returns the figures (JSON data) that `plan --dst`, the first lines of a command and its
     report all show: ``destination, checked, needed_bytes, free_bytes, free_from, enough,
-    forced, read_bytes, seconds, read, write, basis, warning``.
+    forced, read_bytes, low_s, high_s, seconds, bound, parts, read, write, crc, probe, basis, load, warning``.
     """
     dst = Path(os.path.abspath(os.fspath(dst)))
     checked = nearest_existing(dst.parent if not dst.is_dir() else dst)
@@ -392,7 +544,8 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
     figures: dict[str, Any] = {
         "destination": str(dst), "checked": str(checked), "needed_bytes": need, "free_bytes": free,
         "free_from": free_from, "enough": enough, "forced": bool(force and not enough), "read_bytes": int(read_bytes),
-        "seconds": None, "read": None, "write": None, "basis": None, "warning": None}
+        "low_s": None, "high_s": None, "seconds": None, "bound": None, "read": None, "write": None, "basis": None,
+        "warning": None}
     short = (f"destination {dst} has {human_bytes(free)} free ({free} bytes, from {free_from} at {checked}), "
              f"{what} writes about {human_bytes(need)} ({need} bytes)")
     if not enough:
@@ -401,40 +554,174 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
                                        "pass --force to go ahead anyway (a full disk then stops it with nothing "
                                        "committed)")
         figures["warning"] = short + "; going ahead (--force)"
-    exact_seconds: float | None = None
+    copy_rate: float | None = None
     if probe:
-        stores = list(stores)
-        r = store_probe(stores[0]) if stores else read_probe(largest_file(sources))
-        w = write_probe(checked, min(PROBE_BYTES, free // 8)) if free // 8 >= 64 << 10 else \
-            Rate(f"write to {checked}", error="too little free space to probe")
-        figures["read"] = {"bytes": r.nbytes, "seconds": round(r.seconds, 6), "error": r.error, "file": r.what}
-        figures["write"] = {"bytes": w.nbytes, "seconds": round(w.seconds, 6), "error": w.error, "file": w.what}
-        parts = []
-        if r.per_second:
-            parts.append(read_bytes / r.per_second)
-        if w.per_second:
-            parts.append(need / w.per_second)
-        url = publish_to
-        if url is not None:  # bound for a store: made here, then sent there
-            u = upload_probe(url)
-            figures["upload"] = {"bytes": u.nbytes, "seconds": round(u.seconds, 6), "error": u.error, "file": u.what}
-            if u.per_second:
-                parts.append(need / u.per_second)
-        if parts:
-            exact_seconds = sum(parts)
-            figures["seconds"] = round(exact_seconds, 3)
-        up = f"; {human_bytes(need)} to upload, {u.describe()}" if url is not None else ""
-        figures["basis"] = (f"{human_bytes(read_bytes)} to read, {human_bytes(need)} to write, at the rates of "
-                            f"{'three' if up else 'two'} probes ({r.describe()}; {w.describe()}{up}); the copy only, an estimate")
+        est = estimate_time(checked, free=free, needed=need, read_bytes=int(read_bytes), sources=sources,
+                            stores=list(stores), publish_to=publish_to, items=items)
+        figures.update(est.figures())
+        copy_rate = est.copy_rate(int(read_bytes))
     if progress is not None:
         progress.say(space_line(figures))
         if hasattr(progress, "estimated"):  # the estimate printed before the work (convert: on stdout, even on a pipe)
             progress.estimated(figures)
-        # the copy's ETA from its first second; from the unrounded estimate, which a small copy on a
-        # fast disk would round to 0.0 s (and so lose its ETA)
-        if exact_seconds is not None and hasattr(progress, "expect"):
-            progress.expect("copy", read_bytes / max(exact_seconds, 1e-6))
+        # the copy's ETA from its first second, from the estimate's parts that fall in the copy phase
+        if copy_rate is not None and hasattr(progress, "expect"):
+            progress.expect("copy", copy_rate)
     return figures
+
+
+# ---------------------------------------------------------------------------- the time, as a range
+ITEM_SECONDS = (0.0012, 0.0025)
+"""CPU seconds per item written, on an idle core (low, high): the copy's Python work per item (locating it,
+its head and tail, the journal), which dominates a checkpoint of many small items."""
+TORCH_IMPORT_SECONDS = (1.2, 1.6)
+"""Importing torch, which the copy does first when this process has not yet: 1.4 s on an idle core here."""
+TAIL_SECONDS = (0.3, 0.8)
+"""After the last byte: the verification's bookkeeping, the reports, the commit and the interpreter's exit."""
+BYTES_SPREAD = (0.45, 1.5)
+"""The copy's time over the probe's prediction of it (low, high): a quarter second of a long copy meets a
+quieter or busier disk than the whole does, and the copy does more per byte than read, CRC and write."""
+
+
+CPU_SLOWDOWN = (0.3, 0.9)
+"""The CPU parts' slowdown over an idle core's, per unit of load average over the cores (low, high), never
+under 1 (low) and 1.3 (high): measured on this project's 2-core machine at loads 11-21 (the torch import
+of 1.4 s idle, and what comes with it before the copy's first byte, took 0.28-0.86 times the load per core
+as long; docs/benchmarks.md). The load average counts processes waiting on disks too and lags by a minute,
+hence the width."""
+
+
+def cpu_slowdown() -> tuple[float, float, str]:
+    """How many times longer than on an idle core this process's CPU work may take now (low, high), and from what.
+
+    From the load average over the cores. Not from a probe of the CPU: one short enough to be free (tens of
+    milliseconds) measured the scheduler's time slice more than the machine's load; nor from the kernel's CPU
+    pressure, which on a busy 2-core machine stays near 90 % whether the work is slowed twice or seven times."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not POSIX
+        return 1.0, 4.0, "no load average: assumed"
+    per_core = load / (os.cpu_count() or 1)
+    return max(1.0, CPU_SLOWDOWN[0] * per_core), max(1.3, CPU_SLOWDOWN[1] * per_core), f"load {load:.1f}"
+
+
+@dataclass
+class TimeEstimate:
+    """The conversion's time as a range, by part (seconds low, high), with the probes it rests on.
+
+    ``parts``: ``bytes`` (the data at the probed rate: read, CRC-32 and write at once), ``items`` (per-item
+    work), ``torch import`` (when this process has not imported it yet), ``after`` (verification's
+    bookkeeping, reports, commit, exit). The CPU parts scale with `cpu_slowdown`. ``bound``: what bounds
+    the bytes: ``read``, ``write``, ``crc`` (CPU), ``store`` or ``upload``; None when not probed."""
+
+    parts: dict[str, tuple[float, float]]
+    basis: str
+    bound: str | None = None
+    probes: dict[str, Any] = field(default_factory=dict)
+    load: float | None = None
+    cpu_slowdown: list[float] | None = None
+
+    @property
+    def low(self) -> float:
+        return sum(lo for lo, _hi in self.parts.values())
+
+    @property
+    def high(self) -> float:
+        return sum(hi for _lo, hi in self.parts.values())
+
+    def copy_rate(self, read_bytes: int) -> float | None:
+        """Bytes/s the copy phase is expected to move at (its ETA before its own bytes give one): every part
+        but ``after``, at the middle of its range."""
+        lo = sum(v[0] for k, v in self.parts.items() if k != "after")
+        hi = sum(v[1] for k, v in self.parts.items() if k != "after")
+        return read_bytes / max((lo * hi) ** 0.5, 1e-6) if read_bytes else None
+
+    def figures(self) -> dict[str, Any]:
+        """``low_s``, ``high_s``, ``seconds`` (the middle of the range, as earlier reports had it), ``bound``,
+        ``parts``, ``basis``, ``load`` and the probes (``read``, ``write``, ``crc``, ``probe``, ``upload``)."""
+        lo, hi = self.low, self.high
+        return {"low_s": round(lo, 3), "high_s": round(hi, 3), "seconds": round((lo * hi) ** 0.5, 3),
+                "bound": self.bound, "parts": {k: [round(a, 3), round(b, 3)] for k, (a, b) in self.parts.items()},
+                "basis": self.basis, "load": self.load, "cpu_slowdown": self.cpu_slowdown, **self.probes}
+
+
+def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike],
+                  stores: list[remote.RemoteCheckpoint], publish_to: str | None,
+                  items: int | None) -> TimeEstimate:
+    """The time from now to the end of the conversion, as a range (`TimeEstimate`).
+
+    A local source moving at least `PROBE_FROM` bytes is probed along the copy's own path (`path_probe`:
+    direct reads of its largest files, CRC-32, direct writes beside the destination, several streams, at
+    most about `PROBE_SECONDS`); a smaller one is not probed at all, its bytes taken at `SMALL_RATE`. A source
+    in a store is probed by one ranged read (`store_probe`: its latency is most of a small checkpoint's
+    time), the local write by `path_probe` without a source, and the upload of an output bound for a store
+    by one put; those steps follow one another, so their times add."""
+    import sys
+    from reshard.engine.splice import default_threads
+
+    cpu_lo, cpu_hi, slow_from = cpu_slowdown()
+    parts: dict[str, tuple[float, float]] = {}
+    probes: dict[str, Any] = {"read": None, "write": None, "crc": None, "probe": None}
+    moved = max(read_bytes, needed)
+    bound: str | None = None
+    if stores or publish_to is not None or moved >= PROBE_FROM:
+        room = free // 8 >= PROBE_BLOCK * 2
+        files = [] if stores else data_files(sources)
+        if room and (files or stores):
+            pp = path_probe(files, checked, streams=default_threads(),
+                            cap=min(PROBE_CAP, free // 8) if not stores else 8 * PROBE_BLOCK)
+        else:
+            pp = PathProbe(source=str(files[0]) if files else "(no local source)", folder=str(checked),
+                           error="too little free space to probe" if not room else "no source file to read")
+        probes["probe"] = pp.figures()
+        probes["write"] = pp.part("write").figures()
+        probes["crc"] = pp.part("crc").figures()
+        text: list[str] = []
+        if stores:
+            r = store_probe(stores[0])
+            probes["read"] = r.figures()
+            w = pp.part("write")
+            steps = [("store", read_bytes, r), ("write", needed, w)]
+            text += [r.describe(), w.describe()]
+        else:
+            probes["read"] = pp.part("read").figures()
+            steps = [(pp.bound or "copy", moved, Rate(f"copy of {pp.source} to {checked}", pp.nbytes, pp.seconds, pp.error))]
+            text.append(f"{pp.streams} streams of direct reads, CRC-32 and direct writes moved "
+                        f"{human_bytes(pp.nbytes)} in {pp.seconds * 1000:.0f} ms" if pp.error is None else
+                        f"the copy probe: not measured ({pp.error})")
+            if pp.error is None:
+                text.append(", ".join(f"{n} {human_bytes(pp.part(n).per_second)}/s" for n in ("read", "crc", "write")))
+        if publish_to is not None:  # bound for a store: made here, then sent there
+            u = upload_probe(publish_to)
+            probes["upload"] = u.figures()
+            steps.append(("upload", needed, u))
+            text.append(f"{human_bytes(needed)} to upload, {u.describe()}")
+        measured = [(name, n / rate.per_second) for name, n, rate in steps if rate.per_second]
+        if measured:
+            t = sum(sec for _n, sec in measured)
+            parts["bytes"] = (t * BYTES_SPREAD[0], t * BYTES_SPREAD[1])
+            bound = max(measured, key=lambda m: m[1])[0]
+        else:  # no probe worked: the fixed rate, said so
+            parts["bytes"] = (0.0, moved / SMALL_RATE)
+            text.append(f"no probe measured a rate: taken at {human_bytes(SMALL_RATE)}/s")
+        basis = (f"{human_bytes(read_bytes)} to read, {human_bytes(needed)} to write; probed: " + "; ".join(text))
+    else:
+        parts["bytes"] = (0.0, moved / SMALL_RATE)
+        basis = (f"{human_bytes(read_bytes)} to read, {human_bytes(needed)} to write: under "
+                 f"{human_bytes(PROBE_FROM)}, so not probed; taken at a fixed {human_bytes(SMALL_RATE)}/s")
+        probes["probe"] = {"skipped": f"under {human_bytes(PROBE_FROM)} to move"}
+    if items:
+        parts["items"] = (items * ITEM_SECONDS[0] * cpu_lo, items * ITEM_SECONDS[1] * cpu_hi)
+    if "torch" not in sys.modules:
+        parts["torch import"] = (TORCH_IMPORT_SECONDS[0] * cpu_lo, TORCH_IMPORT_SECONDS[1] * cpu_hi)
+    parts["after"] = (TAIL_SECONDS[0] * cpu_lo, TAIL_SECONDS[1] * cpu_hi)
+    basis += ((f"; {items} items" if items else "") + f"; CPU work x{cpu_lo:.1f}-{cpu_hi:.1f} an idle core's "
+              f"({slow_from}); an estimate")
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - not POSIX
+        load = None
+    return TimeEstimate(parts, basis, bound, probes, load, [round(cpu_lo, 2), round(cpu_hi, 2)])
 
 
 @contextlib.contextmanager

@@ -46,7 +46,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +59,8 @@ from reshard.model.geometry import Box, contiguous_run
 from reshard.storage.checkpoints import archive
 from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
 from reshard.storage.checkpoints.fastread import item_layout
-from reshard.storage.files.fileio import ALIGN, FdCache, ThreadBuffers, read_at, read_exact, write_exact, write_placed
+from reshard.storage.files.fileio import (ALIGN, FdCache, ThreadBuffers, crc32, read_at, read_exact, write_exact,
+                                          write_placed)
 
 __all__ = [
     "SourceChunk",
@@ -96,15 +96,16 @@ class SourceChunk:
         return StorageRecord(self.path, self.key, self.storage_at, self.box.numel * itemsize, self.crc)
 
 
-def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
-    """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual."""
+def source_chunks(root: Path, entry: Any, files: FdCache | None = None) -> list[SourceChunk] | None:
+    """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual.
+    ``files``: descriptors kept open across entries (a file is opened once, not once per item)."""
     out = []
     for c in entry.chunks:
         loc = c.location
         if loc is None or loc.transforms:
             return None
         path = str(Path(root) / loc.file)
-        lay = item_layout(path, loc.offset, loc.length)
+        lay = item_layout(path, loc.offset, loc.length, fd=files.fd(path) if files is not None else None)
         if lay is None or not lay.contiguous or lay.dtype != entry.dtype or lay.shape != tuple(c.box.sizes):
             return None
         start = lay.storage_offset * lay.dtype.itemsize
@@ -117,10 +118,10 @@ def source_chunks(root: Path, entry: Any) -> list[SourceChunk] | None:
     return out
 
 
-def _located(root: Path, entry: Any, ready: Callable[[Any], None] | None) -> list[SourceChunk] | None:
+def _located(root: Path, entry: Any, files: FdCache, ready: Callable[[Any], None] | None) -> list[SourceChunk] | None:
     if ready is not None:
         ready(entry)
-    return source_chunks(root, entry)
+    return source_chunks(root, entry, files)
 
 
 class Locator:
@@ -135,8 +136,10 @@ class Locator:
                  ready: Callable[[Any], None] | None = None):
         """``ready(entry)``, when given, returns once the entry's items are in ``root``'s files (a
         store's objects still arriving in the read cache: `reshard.storage.objectstore.remote.Mirror`)."""
+        self._files = FdCache()  # each data file opened once for every item located in it
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate")
-        self._futures = {e.key: self._pool.submit(_located, root, e, ready) for e in entries if e.is_tensor}
+        self._futures = {e.key: self._pool.submit(_located, root, e, self._files, ready)
+                         for e in entries if e.is_tensor}
 
     def get(self, key: str) -> list[SourceChunk] | None:
         fut = self._futures.get(key)
@@ -144,6 +147,7 @@ class Locator:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._files.close()
 
 
 class WorkerBuffers(ThreadBuffers):
@@ -270,7 +274,7 @@ class SpliceJob:
                     _copy_into(view, slab, s, inter, isz, files, buffers)
                 if filled != slab.numel:
                     raise OSError(f"source chunks cover {filled} of {slab.numel} elements of a target slab")
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
                 write_exact(fd, [view], pos)
                 pos += len(view)
         return crc
@@ -291,7 +295,7 @@ class SpliceJob:
         Both sides are still in the page cache, and the check runs on the pool while other
         items are copied, so it overlaps the copy instead of following it.
         """
-        lay = item_layout(path, at, self.framing.length)
+        lay = item_layout(path, at, self.framing.length, fd=fd)  # the writer's own descriptor: read and write
         if lay is None or lay.shape != tuple(self.box.sizes) or not lay.contiguous \
                 or lay.storage_file_offset != at + self.framing.storage_offset or lay.dtype.itemsize != self.itemsize:
             raise SpliceMismatch(f"the item written at {path}:{at} does not read back as the planned chunk")
@@ -305,7 +309,7 @@ class SpliceJob:
             other = buffers.get_aux(isz)
             read_exact(files.fd(src.path), other, src.storage_at)
             if src.crc is not None:
-                ledger.add(src.record(isz), 0, isz, zlib.crc32(other))
+                ledger.add(src.record(isz), 0, isz, crc32(other))
             if bytes(view) != bytes(other):
                 raise SpliceMismatch(f"the item written at {path}:{at} differs from the source")
             return
@@ -400,7 +404,7 @@ def _copy_runs(runs: list[tuple[int, SourceChunk, int, int]], isz: int, fd: int,
                 k = min(slab_bytes, n - done)
                 view = buffers.get(k)
                 read_exact(sfd, view, s.storage_at + src_off + done)
-                part = zlib.crc32(view, part)
+                part = crc32(view, part)
                 done += k
         crc = archive.crc32_combine(crc, part, n)
     return crc
@@ -439,7 +443,7 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
             read_piece(files, s.path, view[lo - o:hi - o], s.storage_at + so + (lo - d), buffers)
             segments.append((i, lo, hi))
         for i, lo, hi in segments:  # runs are in target order, so these tile the slab in order
-            c = zlib.crc32(view[lo - o:hi - o])
+            c = crc32(view[lo - o:hi - o])
             parts[i] = archive.crc32_combine(parts[i], c, hi - lo)
             crc = archive.crc32_combine(crc, c, hi - lo)
         write_placed(fd, direct_fd, view, 0, pos + o, k)
@@ -537,7 +541,7 @@ def slab_difference(out: Any, slab: Box, meeting: list, isz: int, files: FdCache
         srow = item_row_bytes(s.box.sizes, isz)
         span = _window(files.fd(s.path), s.storage_at + rel.offsets[0] * srow, rel.sizes[0] * srow, buffers.get_aux)
         if s.crc is not None and ledger is not None:  # the source rows, checked against their writer's record
-            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, zlib.crc32(span))
+            ledger.add(s.record(isz), rel.offsets[0] * srow, rel.sizes[0] * srow, crc32(span))
         srcv = as_array(span, (rel.sizes[0],) + tuple(s.box.sizes[1:]), isz)
         if not bits_equal(outv[inter.relative_to(slab).slices()], srcv[(slice(0, rel.sizes[0]),) + rel.slices()[1:]]):
             return inter, seen

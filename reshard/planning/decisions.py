@@ -162,7 +162,9 @@ def kept(optimizer: OptimizerHealth, cls: Any, sdec: schedule_mod.ScheduleDecisi
         rng = rec("lost", rdec.note)
     else:
         rng = rec("carried" if rdec.streams_kept else "rewritten", rdec.note)
-    accumulation = rec("carried" if acc_out.get("ok") else "lost", acc_out.get("note", ""))
+    # no manifest records the phase: a step boundary is assumed, not carried (one word in plan, report and JSON)
+    accumulation = rec(("carried" if acc_out.get("micro_step") is not None else "assumed") if acc_out.get("ok")
+                       else "lost", acc_out.get("note", ""))
     return {"optimizer_state": optimizer, "lr_schedule": schedule, "data_position": data, "rng": rng,
             "accumulation_phase": accumulation}
 

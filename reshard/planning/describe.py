@@ -78,8 +78,8 @@ def inspect_checkpoint(source: Source | str | Path, *, deep: bool = False, from_
     if deep:
         _deep_check(ix, manifest, progress)
 
-    cls = classify(((k, e.kind) for k, e in ix.entries.items()), prefer=mdict.get("key_convention"),
-                   user=tuple(conventions))
+    cls = classify(((k, e.kind) for k, e in ix.entries.items()),
+                   prefer=mdict.get("key_convention") or _export_convention(ix), user=tuple(conventions))
     params = _parameters(cls.roles)
     topo = _topology(ix, mdict, _geometry_keys(cls.roles, params), from_spec, findings, cls, from_origin)
     by_role = _contents_by_role(ix, cls.roles)
@@ -150,6 +150,19 @@ def _exported_by_reshard(ix: Any) -> bool:
     index = getattr(ix, "index", None)
     index_meta = index.get("metadata") if isinstance(index, dict) else None
     return (isinstance(meta, dict) and "export_map" in meta) or (isinstance(index_meta, dict) and bool(index_meta.get("reshard")))
+
+
+def _export_convention(ix: Any) -> str | None:
+    """The key convention a reshard export records of its source (``source_convention``): its index
+    names the source's keys (the export map), which another convention's markers may also match
+    (Lightning's ``model.``: issue 47 found reshard's own HF export called "lightning"). Like a
+    manifest's ``key_convention`` it only breaks a tie; a name no convention has is ignored."""
+    meta = getattr(ix, "metadata", None)
+    index = getattr(ix, "index", None)
+    for m in (meta, index.get("metadata") if isinstance(index, dict) else None):
+        if isinstance(m, dict) and isinstance(m.get("source_convention"), str):
+            return m["source_convention"]
+    return None
 
 
 def _not_dcp(root: Path, hf_folder: tuple[str, str]) -> BadInput:
@@ -343,12 +356,22 @@ def _present_counters(ix: Any, cls: Classification) -> dict[str, str]:
 def _read_scalars(ix: Any, keys: dict[str, str], findings: list[Finding]) -> dict[str, Any]:
     """Read small items as Python scalars, by name; an unreadable one is an error finding, not a crash."""
     values: dict[str, Any] = {}
+    many = getattr(ix, "read_plains", None)  # a DCP index reads many alike items at once (a step counter per parameter)
     with ix.reading_ahead(keys.values()):  # a checkpoint in object storage: fetched in parallel, not one round trip each
-        for name, key in keys.items():
-            try:
-                values[name] = _scalar(ix.read_plain(key))
-            except ReshardError as exc:
+        if many is not None:
+            read = many(keys.values())
+        else:
+            read = []
+            for key in keys.values():
+                try:
+                    read.append((key, ix.read_plain(key), None))
+                except ReshardError as exc:
+                    read.append((key, None, exc))
+        for name, (key, value, exc) in zip(keys, read):
+            if exc is not None:
                 findings.append(Finding("error", "unreadable_item", exc.message, keys=(key,)))
+            else:
+                values[name] = _scalar(value)
     return values
 
 

@@ -63,7 +63,7 @@ def make_plan(source: Source | str | Path, options: Options, *, inspection: Insp
     ix = ins.index
     cls, chosen = _chosen_roles(ins.classification, options)  # --keep / --drop on the unknown keys
     mdict = _with_user_ties(ins.manifest.to_dict() if ins.manifest is not None else {}, options.ties)
-    stated = sizes.stated_by_files(options)  # a profile's or trainer config's sizes, against the tensors first
+    stated = sizes.stated_by_files(options)  # the sizes given (files, --model-config), against the tensors first
     if stated:
         sizes.check_against_checkpoint(stated, ix, cls, family=(mdict.get("model") or {}).get("family"),
                                        rules_file=options.rules).refuse(where=str(src), hint=sizes.HINT)

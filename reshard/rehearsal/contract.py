@@ -139,12 +139,11 @@ class TrainerCommand:
         if unknown:
             raise BadInput(f"--trainer: unknown placeholders {', '.join('{' + u + '}' for u in unknown)}",
                            hint="Known: " + ", ".join("{" + p + "}" for p in PLACEHOLDERS) + f" ({CONTRACT_DOC}).")
-        missing = [p for p in REQUIRED if p not in used]
+        missing = ["{" + p + "}" for p in REQUIRED if p not in used]
         if not any(p in used for p in SIZE):
-            missing.append("world or {dp} or {layout}")
+            missing.append("one of " + " or ".join("{" + p + "}" for p in SIZE))
         if missing:
-            raise BadInput("--trainer: the command lacks placeholders " + ", ".join("{" + m.strip("{}") + "}"
-                                                                                  for m in missing),
+            raise BadInput("--trainer: the command lacks placeholders " + ", ".join(missing),
                            hint="reshard must tell each run where to resume, save and log, when to stop and "
                                 f"which batch recipe to use ({CONTRACT_DOC}).")
 
@@ -253,14 +252,51 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+# torchrun's own account of a failed worker starts with this line; everything after it (its traceback,
+# "Root Cause", "error_file: <N/A>") is the launcher's, not the trainer's
+_LAUNCHER_FAILED = re.compile(r"torch/distributed/elastic/\S+\] failed \(exitcode|ChildFailedError")
+_RANK_TAG = r"(?:\[(?:rank|default)(?P<rank>\d+)\]:\s*)?"
+_RAISED = re.compile(_RANK_TAG + r"(?P<what>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?)$")
+_ROOT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")  # torchrun's "rank : 0 (local_rank: 0)"
+_FRAME = re.compile(_RANK_TAG + r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def trainer_error(text: str, lines: int = 3) -> str:
+    """What a failed run said of its failure, in the trainer's own words: the last exception it raised
+    (with the rank that raised it and the file and line), read from before torchrun's account of the
+    failure, whose boilerplate (``error_file: <N/A>``) says nothing of the cause. Without an exception,
+    the last ``lines`` non-blank lines the trainer printed."""
+    rows = [r.strip() for r in text.splitlines() if r.strip()]
+    cut = next((i for i, r in enumerate(rows) if _LAUNCHER_FAILED.search(r)), len(rows))
+    own = rows[:cut] or rows
+    raised = [(i, m) for i, m in enumerate(_RAISED.match(r) for r in own) if m is not None]
+    # the rank that failed first (torchrun's "Root Cause"), else the first rank that raised: the others'
+    # errors ("Connection closed by peer") are what its failure did to them
+    cause = next((i for i in range(cut, len(rows)) if rows[i].startswith("Root Cause")), len(rows))
+    root = next((m.group(1) for r in rows[cause:] for m in [_ROOT_RANK.match(r)] if m), None)
+    ranks = [m.group("rank") for _, m in raised if m.group("rank") is not None]
+    first = root if root in ranks else (ranks[0] if ranks else None)
+    for i, m in reversed(raised):
+        if first is not None and m.group("rank") != first:
+            continue
+        where = next((f for f in (_FRAME.match(r) for r in reversed(own[:i])) if f is not None), None)
+        said = m.group("what")
+        if m.group("rank") is not None:
+            said += f" (rank {m.group('rank')}"
+            said += f", {where.group('file')} line {where.group('line')})" if where is not None else ")"
+        elif where is not None:
+            said += f" ({where.group('file')} line {where.group('line')})"
+        return said
+    return " | ".join(own[-lines:])
+
+
 def _tail(output: Path, lines: int = 3) -> str:
-    """The last non-blank lines of a run's output, for the report (the full text is in the file)."""
+    """The trainer's own last error (`trainer_error`), for the report (the full text is in the file)."""
     try:
         text = output.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return f"(no output at {output})"
-    rows = [r.strip() for r in text.splitlines() if r.strip()]
-    return " | ".join(rows[-lines:]) + f" (full output: {output})"
+    return trainer_error(text, lines) + f" (full output: {output})"
 
 
 def find_checkpoint(ckpt_out: Path, step: int) -> Path | None:

@@ -224,6 +224,16 @@ class Progress:
                     self.stream.flush()
                     self._row, self._last = max(self._row, len(text)), now
 
+    @contextmanager
+    def cleared(self) -> Iterator[None]:
+        """A block that prints on the same terminal by other means (a result, a warning): the
+        waiting row is erased first and not redrawn while the block runs."""
+        with self._lock:
+            with suppress(ValueError, OSError):
+                self._clear_row()
+            yield
+            self._line_at = self._last = time.monotonic()
+
     def _clear_row(self) -> None:
         """Erase the waiting row, the cursor left at the start of the now empty row (spaces, not an
         escape sequence: any terminal, and a log of the terminal reads as the terminal showed it)."""

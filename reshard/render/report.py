@@ -60,8 +60,7 @@ def render_inspect(r: dict[str, Any], *, verbose: bool = False) -> str:
             out.append(f"            - {ev}")
     b = r.get("batch")
     if b:
-        out.append(f"batch       micro-batch {b.get('micro_batch')} x accumulation {b.get('grad_accum')} x dp "
-                   f"= global batch {b.get('global_batch')} (seq len {b.get('seq_len')})")
+        out.append(f"batch       {_batch_words(b)}")
     acc = r.get("accumulation")
     if acc:
         phase = "at an optimizer-step boundary" if not acc.get("micro_step") else f"mid-accumulation (micro-step {acc['micro_step']})"
@@ -210,11 +209,19 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
             out.append(f"            rank {row['rank']}: params {human_bytes(row['parameters'])}, grads {human_bytes(row['gradients'])}, "
                        f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
     out += data_link_lines(p.get("data_link"), verbose=verbose)
-    summ = ", ".join(f"{n} {a}" for a, n in sorted(p["summary"].items()))
+    # a slice's renumbered keys leave the source's name for the slice's: said "renamed", not "dropped"
+    moved = {old: new for old, new in ((p.get("slice") or {}).get("renamed") or {}).get("from_to") or []}
+    counts = dict(p["summary"])
+    if moved:
+        counts[Action.DROPPED] = counts.get(Action.DROPPED, 0) - len(moved)
+        counts["renamed"] = len(moved)
+    summ = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()) if n)
     out.append(f"keys        {summ}")
     groups: dict[tuple[str, str], list[str]] = {}
     for k in p["keys"]:
-        if k["action"] in (Action.DROPPED, Action.ADDED) or (verbose and k["action"] == Action.REWRITTEN):
+        if k["key"] in moved:
+            groups.setdefault(("renamed", k["reason"].removeprefix("renamed: ")), []).append(k["key"])
+        elif k["action"] in (Action.DROPPED, Action.ADDED) or (verbose and k["action"] == Action.REWRITTEN):
             groups.setdefault((k["action"], k["reason"]), []).append(k["key"])
     for (action, reason), keys in groups.items():
         more = f" (+{len(keys) - 1} keys)" if len(keys) > 1 else ""
@@ -235,7 +242,7 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
         kind += " of the " + " and ".join(f.replace("_", " ") for f in v["warm_start_of"]) + " only"
     out.append(f"verdict     {kind}")
     for facet, k in (v.get("kept") or {}).items():
-        out.append(f"  {facet.replace('_', ' '):<19}{_kept_status(facet, k['status'], acc):<10}{k['note']}")
+        out.append(f"  {facet.replace('_', ' '):<19}{k['status']:<10}{k['note']}")
     for r_ in p["reasons"]:
         out.append(f"  infeasible: {r_}")
     for w in v["warm_start_reasons"]:
@@ -245,14 +252,6 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
     out += sidecar_lines(p["source"].get("sidecars") or [], verb="carried byte-identical")
     out.append(f"fingerprint {p['fingerprint']}")
     return "\n".join(out)
-
-
-def _kept_status(facet: str, status: str, acc: dict[str, Any]) -> str:
-    """The verdict's status word for a facet. An accumulation phase no manifest records is not
-    "carried" (nothing said where it was): it is assumed to be at a step boundary."""
-    if facet == "accumulation_phase" and status == "carried" and acc.get("micro_step") is None:
-        return "assumed"
-    return status
 
 
 def _resume_lines(d: dict[str, Any]) -> list[str]:
@@ -279,13 +278,41 @@ def _resume_lines(d: dict[str, Any]) -> list[str]:
 _SHARED_BY = {"hardlink": "hard link", "reflink": "file clone (no bytes copied)"}
 
 
+
+
+def _verified_words(v: dict[str, Any], sliced: dict[str, Any] | None) -> str:
+    """What the verification found, in the verify command's words (a slice is equal only where it keeps)."""
+    if not v["equal"]:
+        return "DIFFERENT"
+    if sliced:
+        return f"equal to the source in global terms where kept (a slice: {sliced.get('description')})"
+    return "equal to the source in global terms"
+
+def _batch_words(b: dict[str, Any]) -> str:
+    """The batch recipe in words, each figure only where it is known (never a printed None)."""
+    parts = []
+    if b.get("micro_batch") is not None and b.get("grad_accum") is not None:
+        parts.append(f"micro-batch {b['micro_batch']} x accumulation {b['grad_accum']} x dp =")
+    unknown = [w for w, k in (("micro-batch", "micro_batch"), ("accumulation", "grad_accum")) if b.get(k) is None]
+    if b.get("global_batch") is not None:
+        parts.append(f"global batch {b['global_batch']}")
+    else:
+        unknown.append("global batch")
+    if b.get("seq_len") is not None:
+        parts.append(f"(seq len {b['seq_len']})")
+    else:
+        unknown.append("seq len")
+    if unknown:
+        parts.append(f"({', '.join(unknown)} not recorded)")
+    return " ".join(parts)
+
 def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
     """``reshard convert``'s result for a person; ``verbose`` adds the full note on shared data files."""
     v = r["verification"]
     lines = [
         f"converted   {r['source']} -> {r['destination']}",
         f"verdict     {r['plan']['verdict']['kind'].replace('_', ' ')}; experiment {r['manifest']['experiment_id']} ({r['manifest']['continuity']})",
-        f"verified    {'equal to the source in global terms' if v['equal'] else 'DIFFERENT'} "
+        f"verified    {_verified_words(v, r['plan'].get('slice'))} "
         f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {len(v.get('rewritten', []))} keys rewritten on purpose)",
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",

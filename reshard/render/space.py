@@ -14,8 +14,8 @@ def space_line(figures: dict[str, Any]) -> str:
                                                else f" ({figures['free_from']})"))
     if figures.get("warning"):
         line += " — NOT ENOUGH, going ahead (--force)"
-    if figures.get("seconds") is not None:
-        line += f"; {_about(figures['seconds'])} to copy (measured: {_rates(figures)})"
+    if figures.get("high_s") is not None:
+        line += f"; {time_range(figures['low_s'], figures['high_s'])} to convert ({_rates(figures)})"
     return line
 
 
@@ -27,29 +27,52 @@ def estimate_lines(figures: dict[str, Any]) -> list[str]:
         out.append(f"  destination {figures['destination']}: {human_bytes(figures['free_bytes'])} free "
                    f"({figures['free_from']}, at {figures['checked']}): "
                    + ("enough" if figures["enough"] else "NOT enough, convert refuses without --force"))
-    if figures.get("seconds") is not None:
-        out.append(f"  time: {_about(figures['seconds'])} to copy ({_rates(figures)})")
+    if figures.get("high_s") is not None:
+        out.append(f"  time: {time_range(figures['low_s'], figures['high_s'])} to convert ({_rates(figures)})")
+        parts = figures.get("parts") or {}
+        if parts:
+            out.append("  parts: " + ", ".join(f"{k} {time_range(lo, hi)}" for k, (lo, hi) in parts.items()))
     elif figures.get("basis"):
         out.append(f"  time: not estimated ({figures['basis']})")
     return out
 
 
-def _about(seconds: float) -> str:
-    text = duration(seconds)
-    return text if text.startswith("under") else f"about {text}"
+def time_range(low: float, high: float) -> str:
+    """``12-25 s``, ``1 min 10 s to 2 min 05 s``, ``up to 3 s``, ``under 1 s``: an estimate's range in words."""
+    if high < 1:
+        return "under 1 s"
+    lo, hi = duration(low), duration(high)
+    if low < 1:
+        return f"up to {hi}"
+    if lo == hi:
+        return f"about {hi}"
+    if "min" not in hi and " h " not in hi:
+        return f"{lo[:-2]}-{hi}"
+    return f"{lo} to {hi}"
 
 
 def _rates(figures: dict[str, Any]) -> str:
+    """What bounds the estimate and the rates measured, or why nothing was measured."""
+    probe = figures.get("probe") or {}
+    if probe.get("skipped"):
+        return f"not probed: {probe['skipped']}"
     out = []
-    for side in ("read", "write", "upload"):
-        if side == "upload" and "upload" not in figures:
-            continue  # only an output bound for object storage is uploaded
-        r = figures.get(side) or {}
+    if figures.get("bound"):
+        out.append(f"bound by {_BOUND.get(figures['bound'], figures['bound'])}")
+    for side in ("read", "crc", "write", "upload"):
+        r = figures.get(side)
+        if r is None:
+            continue  # crc: a store's path; upload: only an output bound for object storage
         if r.get("error") is None and r.get("bytes"):
             out.append(f"{side} {human_bytes(r['bytes'] / max(r['seconds'], 1e-6))}/s")
         else:
             out.append(f"{side} not measured ({r.get('error')})")
-    return ", ".join(out)
+    return "; ".join(out[:1]) + (": " if len(out) > 1 and figures.get("bound") else "") + ", ".join(
+        out[1:] if figures.get("bound") else out)
+
+
+_BOUND = {"read": "the read", "write": "the write", "crc": "CPU (CRC-32)", "store": "the store's reads",
+          "upload": "the upload", "copy": "the copy"}
 
 
 def duration(seconds: float | None) -> str:

@@ -21,6 +21,8 @@ def render_verify(r: dict[str, Any], *, limit: int = 50) -> str:
     how = "bitwise" if not (tol["rtol"] or tol["atol"]) else f"rtol={tol['rtol']:g}, atol={tol['atol']:g}"
     n = len(r["differences"])
     verdict = "equal" if r["equal"] else f"DIFFERENT ({n} difference{'s' if n != 1 else ''})"
+    if r["equal"] and r.get("slice"):  # B holds a part of A: equal where it holds it, not equal
+        verdict = f"equal where kept: a slice of A ({r['slice']}), the rest left out on purpose"
     out = [f"verdict     {verdict}",
            f"A           {r['a']}",
            f"B           {r['b']}",

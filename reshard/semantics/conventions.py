@@ -19,10 +19,13 @@ through the model's parameter order (`map_indexed_optimizer`), the keys left as 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root
@@ -364,44 +367,259 @@ def classify(keys: Iterable[tuple[str, str]], *, prefer: str | None = None,
     ``user`` conventions (``--convention FILE``) are candidates for the primary like the shipped
     ones, and their rules are offered every key *before* the primary's: a user who wrote a rule
     for a key means that rule. Their catch-alls count only when one of them is the primary.
+
+    Why it is built as it is: a mixture-of-experts checkpoint has hundreds of thousands of keys
+    and every candidate primary combines the same per-convention answers in another order. So
+    every convention's rules are compiled into one RE2 set (`Matcher`) that each key meets once,
+    each convention's answer is a column of rule numbers, the candidates are scored over those
+    columns with numpy, and a `KeyRole` is made only for the winner's answers (keys, not keys x
+    conventions). `tests/test_conventions_matcher.py` checks it against the rules one by one.
     """
     keys = list(keys)
     shipped = [c for c in builtin_conventions() if not c.generic]
     convs = list(user) + shipped
     generic = [c for c in builtin_conventions() if c.generic]
-    # Each convention's answer for each key, with and without its catch-alls, asked once: the
-    # candidates below combine the same answers in different orders (keys x conventions, not x conventions^2).
-    full = {id(c): [c.classify(k, kind) for k, kind in keys] for c in convs}
-    comp = {id(c): [c.classify(k, kind, composed=True) for k, kind in keys] for c in convs + generic}
+    m = Matcher.of(tuple(convs + generic))
+    ans = m.answers(keys)
+    nc = len(convs)
+    params = _ParamColumn(m, keys)
+    known_comp = (ans.comp >= 0).sum(axis=0)  # how many conventions explain each key without their catch-alls
+    markers_seen = m.markers_seen(k for k, _ in keys)
     scored = []
-    for conv in convs:
-        first = tuple(c for c in user if c is not conv)
-        others = first + tuple(c for c in shipped if c is not conv) + tuple(generic)
-        roles = {k: _classify_key(i, conv, others, len(first), full, comp) for i, (k, _kind) in enumerate(keys)}
-        roles = map_indexed_optimizer(roles, (conv, *others))
-        unknown = sum(1 for r in roles.values() if r.role == "unknown")
-        params = {r.param for r in roles.values() if r.role == "parameter"}
-        orphans = sum(1 for r in roles.values() if r.role in ("optimizer_moment", "optimizer_step")
-                      and params and r.param not in params)
-        markers = conv.markers_in([k for k, _ in keys])
-        lent = sum(1 for r in roles.values() if r.convention not in (None, conv.name))
-        stolen = sum(1 for i, (k, kind) in enumerate(keys) if _caught_by_catch_all(conv, k, kind)
-                     and any(comp[id(o)][i].role != "unknown" for o in others))
-        # A convention whose markers appear at all beats one whose markers are absent, and one
-        # whose catch-all claims keys another convention's own rules explain loses: torchtitan's
-        # "top-level tensor = parameter" must not claim a get_state_dict model and its moments.
-        # Among the rest, the one that explains most keys by its own rules is the primary.
-        scored.append(((markers == 0, unknown, stolen, orphans, lent, -markers, -conv.priority),
-                       conv, roles, unknown, others))
+    for p, conv in enumerate(convs):
+        first = [u for u in range(len(user)) if u != p]
+        order = [(u, False) for u in first] + [(p, True)] + \
+            [(o, False) for o in range(len(user), nc + len(generic)) if o != p]
+        chosen = ans.chosen(order)
+        role = m.rule_role[chosen]  # index -1: the "unknown" sentinel at the end of the table
+        unknown = int((chosen < 0).sum())
+        pid = params.of(chosen)
+        orphans = _orphans(m, role, pid, m.rule_conv[chosen], chosen >= 0, params)
+        markers = int(sum(markers_seen[g] for g in m.markers_of[p]))
+        lent = int(((chosen >= 0) & (m.conv_name_id[m.rule_conv[chosen]] != m.conv_name_id[p])).sum())
+        full = ans.full[p]
+        stolen = int(((full >= 0) & m.rule_catch[full] & ((known_comp - (ans.comp[p] >= 0)) > 0)).sum())
+        scored.append(((markers == 0, unknown, stolen, orphans, lent, -markers, -conv.priority), p, unknown, order))
     scored.sort(key=lambda s: s[0])
     if prefer:
         for s in scored:
-            if s[1].name == prefer:
+            if convs[s[1]].name == prefer:
                 scored.remove(s)
                 scored.insert(0, s)
                 break
-    _, conv, roles, _, others = scored[0]
-    return Classification(conv, roles, [(s[1].name, s[3]) for s in scored], others)
+    _, p, _, order = scored[0]
+    conv = convs[p]
+    others = tuple((convs + generic)[o] for o, _ in order if o != p)
+    roles = m.roles(keys, ans.chosen(order))
+    roles = map_indexed_optimizer(roles, (conv, *others))
+    return Classification(conv, roles, [(convs[s[1]].name, s[2]) for s in scored], others)
+
+
+@dataclass
+class Answers:
+    """Each convention's answer for each key, as global rule numbers (-1: no rule).
+
+    ``full[c]``: the first rule of convention ``c`` that matches the key and its kind, catch-alls
+    included (what `Convention.classify` answers as the primary); ``comp[c]``: the same without
+    catch-alls (``composed=True``). Rows follow the conventions of the `Matcher`, columns the keys.
+    """
+
+    full: np.ndarray
+    comp: np.ndarray
+
+    def chosen(self, order: Sequence[tuple[int, bool]]) -> np.ndarray:
+        """Per key, the rule of the first convention in ``order`` that explains it (``True``: with its catch-alls)."""
+        out = np.full(self.full.shape[1], -1, dtype=np.int32)
+        for c, with_catch_all in order:
+            col = self.full[c] if with_catch_all else self.comp[c]
+            np.copyto(out, col, where=out < 0)
+        return out
+
+
+@dataclass
+class Matcher:
+    """Every rule of several conventions compiled into one RE2 set, and the tables that read its answers.
+
+    Why: classifying asked each convention for each key in turn (a set pass, a match and a
+    `KeyRole` per key per convention); one pass of one set tells, for a key, every rule of every
+    convention that matches, from which each convention's first rule follows. Rules are numbered
+    convention by convention in their order, so the lowest matching number of a convention is its
+    first rule. The tables end with one extra entry, read at index -1 for "no rule".
+    """
+
+    conventions: tuple[Convention, ...]
+    rules: list[Rule]
+    rule_conv: np.ndarray      # rule -> its convention (the sentinel: -1 -> the extra convention slot)
+    rule_role: np.ndarray      # rule -> index in ROLES ("unknown" for the sentinel)
+    rule_catch: np.ndarray     # rule -> catch-all
+    rule_kind: list[str | None]
+    conv_name_id: np.ndarray   # convention -> an id of its name (the sentinel: -1)
+    markers_of: list[list[int]]  # convention -> its markers' numbers in the marker set
+    rule_set: PatternSet
+    marker_set: PatternSet
+
+    @classmethod
+    def of(cls, conventions: tuple[Convention, ...]) -> "Matcher":
+        """The matcher of these conventions, compiled once while they live (the shipped ones: once a process)."""
+        ids = tuple(id(c) for c in conventions)
+        m = _MATCHERS.get(ids)
+        if m is None:
+            if len(_MATCHERS) >= 8:
+                _MATCHERS.pop(next(iter(_MATCHERS)))
+            m = _MATCHERS[ids] = _matcher(conventions)  # it holds the conventions: their ids stay theirs
+        return m
+
+    def answers(self, keys: Sequence[tuple[str, str]]) -> Answers:
+        """One RE2 pass per key: every convention's first rule, with and without catch-alls."""
+        nconv = len(self.conventions)
+        full = np.full((nconv, len(keys)), -1, dtype=np.int32)
+        comp = np.full((nconv, len(keys)), -1, dtype=np.int32)
+        conv_of = self.rule_conv.tolist()
+        catch = self.rule_catch.tolist()
+        kinds = self.rule_kind
+        fi, fg, ci, cg = array("q"), array("l"), array("q"), array("l")  # 8 bytes a row, not a Python int
+        for i, (key, kind) in enumerate(keys):
+            done_full: set[int] = set()
+            done_comp: set[int] = set()
+            for g in self.rule_set.matching(key):
+                if kinds[g] is not None and kinds[g] != kind:
+                    continue
+                c = conv_of[g]
+                if c not in done_full:
+                    done_full.add(c)
+                    fi.append(c * len(keys) + i)
+                    fg.append(g)
+                if not catch[g] and c not in done_comp:
+                    done_comp.add(c)
+                    ci.append(c * len(keys) + i)
+                    cg.append(g)
+        full.reshape(-1)[np.frombuffer(fi, dtype=np.int64)] = np.frombuffer(fg, dtype=np.int64)
+        comp.reshape(-1)[np.frombuffer(ci, dtype=np.int64)] = np.frombuffer(cg, dtype=np.int64)
+        return Answers(full, comp)
+
+    def markers_seen(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each marker (of every convention) is found in some key; stops once all are."""
+        seen: set[int] = set()
+        total = len(self.marker_set.patterns)
+        for k in keys:
+            if len(seen) == total:
+                break
+            seen.update(self.marker_set.matching(k))
+        return [g in seen for g in range(total)]
+
+    def roles(self, keys: Sequence[tuple[str, str]], chosen: np.ndarray) -> dict[str, KeyRole]:
+        """A `KeyRole` per key from the rule chosen for it (what `Convention.classify` answers for that rule)."""
+        out: dict[str, KeyRole] = {}
+        conv_names = [self.conventions[c].name for c in self.rule_conv[:-1].tolist()]
+        for (key, _kind), g in zip(keys, chosen.tolist()):
+            if g < 0:
+                out[key] = KeyRole(key, "unknown")
+                continue
+            rule = self.rules[g]
+            param, name, rank = rule.pattern.match_groups(key, _GROUPS) or (None, None, None)
+            out[key] = KeyRole(key, rule.role, param=param, name=name, rank=int(rank) if rank is not None else None,
+                               per_rank=rule.per_rank, convention=conv_names[g], rank_text=rank)
+        return out
+
+
+_MATCHERS: dict[tuple[int, ...], Matcher] = {}
+
+
+def _matcher(conventions: tuple[Convention, ...]) -> Matcher:
+    rules = [r for c in conventions for r in c.rules]
+    conv = [i for i, c in enumerate(conventions) for _ in c.rules]
+    names = {n: i for i, n in enumerate(dict.fromkeys(c.name for c in conventions))}
+    markers = [mk for c in conventions for mk in c.markers]
+    starts = np.cumsum([0] + [len(c.markers) for c in conventions]).tolist()
+    return Matcher(
+        conventions, rules,
+        rule_conv=np.array(conv + [len(conventions)], dtype=np.int32),
+        rule_role=np.array([ROLES.index(r.role) for r in rules] + [ROLES.index("unknown")], dtype=np.int8),
+        rule_catch=np.array([r.catch_all for r in rules] + [False], dtype=bool),
+        rule_kind=[r.kind for r in rules],
+        conv_name_id=np.array([names[c.name] for c in conventions] + [-1, -1], dtype=np.int32),
+        markers_of=[list(range(starts[i], starts[i + 1])) for i in range(len(conventions))],
+        rule_set=PatternSet([r.pattern for r in rules]),
+        marker_set=PatternSet(markers, search=True))
+
+
+_GROUPS = ("param", "name", "rank")  # the groups a rule's match gives a KeyRole
+_PARAM = ("param",)
+_PARAMETER, _MOMENT, _STEP = (ROLES.index(r) for r in ("parameter", "optimizer_moment", "optimizer_step"))
+
+
+class _ParamColumn:
+    """The ``param`` a rule extracts from a key, as an id per (key, rule), extracted once per
+    (key, pattern text) asked for: rules of several conventions share their patterns
+    (``^model\\.(?P<param>.+)$``), and a candidate primary needs only the params of its own answers."""
+
+    def __init__(self, m: Matcher, keys: Sequence[tuple[str, str]]):
+        self.m, self.keys = m, keys
+        texts = {t: i for i, t in enumerate(dict.fromkeys(r.pattern.pattern for r in m.rules))}
+        self.pattern_of = np.array([texts[r.pattern.pattern] for r in m.rules] + [-1], dtype=np.int64)
+        self.has_param = np.array(["param" in r.pattern.groupindex for r in m.rules] + [False], dtype=bool)
+        self.ids: dict[str, int] = {}     # param text -> id
+        self.texts: list[str] = []
+        self.codes = np.zeros(0, dtype=np.int64)  # key * patterns + pattern, sorted, for every pair extracted ...
+        self.values = np.zeros(0, dtype=np.int64)  # ... and its param id (-1: None)
+        self.npat = max(1, len(texts))
+
+    def of(self, chosen: np.ndarray) -> np.ndarray:
+        """Per key, the id of the param its chosen rule extracts (-1: none); pairs not met before are extracted now."""
+        want = (chosen >= 0) & self.has_param[chosen]
+        idx = np.flatnonzero(want)
+        codes = idx.astype(np.int64) * self.npat + self.pattern_of[chosen[idx]]
+        at = np.searchsorted(self.codes, codes)
+        new = np.ones(len(codes), dtype=bool)
+        inside = at < len(self.codes)
+        new[inside] = self.codes[at[inside]] != codes[inside]
+        if new.any():
+            ids, texts, keys, rules = self.ids, self.texts, self.keys, self.m.rules
+            found = []
+            for i, g in zip(idx[new].tolist(), chosen[idx[new]].tolist()):
+                got = rules[g].pattern.match_groups(keys[i][0], _PARAM)
+                text = got[0] if got is not None else None
+                if text is None:
+                    found.append(-1)
+                    continue
+                j = ids.get(text)
+                if j is None:
+                    j = ids[text] = len(texts)
+                    texts.append(text)
+                found.append(j)
+            allc = np.concatenate([self.codes, codes[new]])
+            allv = np.concatenate([self.values, np.array(found, dtype=np.int64)])
+            o = np.argsort(allc, kind="stable")
+            self.codes, self.values = allc[o], allv[o]
+        out = np.full(len(chosen), -1, dtype=np.int64)
+        out[idx] = self.values[np.searchsorted(self.codes, codes)]
+        return out
+
+
+def _orphans(m: Matcher, role: np.ndarray, pid: np.ndarray, conv: np.ndarray, known: np.ndarray,
+             params: _ParamColumn) -> int:
+    """Optimizer entries whose parameter is not among the parameters (`classify`'s ``orphans``), index-keyed
+    entries first mapped to their parameters as `map_indexed_optimizer` maps them."""
+    is_param = role == _PARAMETER
+    if not is_param.any():
+        return 0
+    opt = (role == _MOMENT) | (role == _STEP)
+    keyed = np.array([c.optimizer_keyed_by == "index" for c in m.conventions] + [False], dtype=bool)
+    texts = params.texts
+    decimal = np.array([t.isdecimal() for t in texts] + [False], dtype=bool)  # index -1: None
+    indexed = np.flatnonzero(opt & known & keyed[conv] & decimal[pid])
+    if len(indexed):
+        pid = pid.copy()
+        buffers = {n for c in m.conventions for n in c.buffer_names}
+        usable = np.array([bool(t) and t.rsplit(".", 1)[-1] not in buffers for t in texts] + [False], dtype=bool)
+        cand = np.flatnonzero(is_param & usable[pid])
+        _, first = np.unique(pid[cand], return_index=True)
+        order = pid[cand][np.sort(first)]
+        at = np.array([int(texts[j]) for j in pid[indexed].tolist()], dtype=np.int64)
+        ok = at < len(order)
+        pid[indexed[ok]] = order[at[ok]]
+    have = np.unique(pid[is_param])
+    return int((opt & ~np.isin(pid, have)).sum())
 
 
 def map_indexed_optimizer(roles: dict[str, KeyRole], conventions: Sequence[Convention]) -> dict[str, KeyRole]:
@@ -439,31 +657,6 @@ def map_indexed_optimizer(roles: dict[str, KeyRole], conventions: Sequence[Conve
         if i < len(order):
             out[k] = replace(r, param=order[i], index=i)
     return out
-
-
-def _caught_by_catch_all(conv: Convention, key: str, kind: str) -> bool:
-    """Whether ``conv`` explains ``key`` only by a catch-all rule."""
-    rule = conv.first_rule(key, kind)
-    return rule is not None and rule.catch_all
-
-
-def _classify_key(i: int, primary: Convention, others: tuple[Convention, ...], first: int,
-                  full: dict[int, list[KeyRole]], comp: dict[int, list[KeyRole]]) -> KeyRole:
-    """Key ``i``: the first ``first`` others (user conventions), the primary's rules (catch-alls included), then the rest.
-
-    Every convention but the primary is asked without its catch-alls; ``full`` and ``comp`` hold
-    each convention's answers with and without them.
-    """
-    for conv in others[:first]:
-        r = comp[id(conv)][i]
-        if r.role != "unknown":
-            return r
-    r = full[id(primary)][i]
-    for conv in others[first:]:
-        if r.role != "unknown":
-            break
-        r = comp[id(conv)][i]
-    return r
 
 
 @lru_cache(maxsize=1)

@@ -39,9 +39,10 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the mapping and its checks run on the metadata path, without torch
+    import torch
 
 from reshard.errors import BadInput
 from reshard.paths import formats_root

@@ -32,7 +32,9 @@ from reshard.errors import BadInput
 SIZE_NAMES = frozenset({"dim", "n_heads", "n_kv_heads", "n_layers", "vocab_size", "vocab_rows", "ffn_hidden",
                         "head_dim", "n_experts", "max_seq_len", "max_position_embeddings"})
 LIMIT_FACTOR = 10
-HINT = "Fix the value in the file named (or leave it out: sizes the tensors carry are read from them)."
+COMMAND_LINE = "--model-config"  # the `Stated.file` of a value typed on the command line
+HINT = ("Fix the value where it is stated (the file named, or the --model-config typed), or leave it out: "
+        "sizes the tensors carry are read from them.")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Stated:
     key: str
 
     def says(self) -> str:
+        if self.file == COMMAND_LINE:  # the words the user typed, as typed
+            return f"{COMMAND_LINE} {self.key}={self.value!r}"
         return f"{self.file} states {self.key} = {self.value!r}"
 
 
@@ -192,9 +196,10 @@ def check(stated: Iterable[Stated], shapes: Mapping[str, tuple[int, ...]], carri
 
 def stated_by_files(options: Any) -> list[Stated]:
     """The model sizes a profile (``[model]``) or a trainer config contributed to the plan ``options``
-    (`reshard.model.plan.Options`), each named by its file and the file's own key; the command line's
-    ``--model-config`` values are the user's word, checked against the shapes where a change needs them
-    (`reshard.semantics.placement`)."""
+    (`reshard.model.plan.Options`), each named by its file and the file's own key, and those typed as
+    ``--model-config`` (named as typed). A typed value is checked like a file's: a value no tensor carries
+    (``n_heads``) is still held to the divisions with the values the tensors give (``dim``), so an
+    impossible model is refused before any feasibility is computed from it."""
     from reshard.semantics.trainer_config import stated_at
 
     config = options.model_config or {}
@@ -205,6 +210,8 @@ def stated_by_files(options: Any) -> list[Stated]:
             out += stated_from({name: v}, str(prof.get("file")), keys={name: f"[model] {name}"})
         elif f"model_config.{name}" in (tc.get("contributed") or []):
             out += stated_from({name: v}, str(tc.get("file")), keys={name: stated_at(str(tc.get("kind")), name)})
+        else:
+            out += stated_from({name: v}, COMMAND_LINE)
     return out
 
 

@@ -107,6 +107,7 @@ Result (the ``--json`` shape)::
       "rewritten": [{"key": str, "reason": str, "kind": str, "detail": str}],
       "notes": [str],                    # tolerated dtype changes, lineages that could not be used, ...
       "evidence": str | None,            # where the excused changes were re-derived from (recompute)
+      "slice": str | None,               # B is a slice of A (--layers/--experts), in words: equal only where kept
       "tolerance": {"rtol": float, "atol": float},
       "exit_code": 0 | 1                 # 0 equal, 1 different
     }
@@ -677,6 +678,7 @@ def _result(a: Source, b: Source, stats: dict[str, int], differences: list[dict[
         "rewritten": rewritten,
         "notes": notes,
         "evidence": evidence.what if evidence is not None else None,
+        "slice": evidence.slice if evidence is not None else None,
         "tolerance": {"rtol": float(rtol), "atol": float(atol)},
         "exit_code": 0 if equal else 1,
     }

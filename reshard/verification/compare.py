@@ -56,7 +56,7 @@ so a key's ticks add up to `Entry.nbytes`; `KeyVerdict.ticked` says how many byt
 already got, so a caller that falls back can skip that many.
 
 **Every byte read is checked against its writer's record.** Each piece of B and each run
-of A read for a comparison is checksummed where it lies in the buffer (``zlib.crc32``,
+of A read for a comparison is checksummed where it lies in the buffer (``fileio.crc32``,
 about memory speed, no second read) and fed to a `reshard.storage.checkpoints.crcledger.CrcLedger` under
 its item's storage record (the CRC-32 in the item's zip central directory); once the
 pieces of a storage tile it, their combined CRC-32 must equal the record. A storage whose
@@ -78,7 +78,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +91,7 @@ from reshard.model.geometry import Box, contiguous_run
 from reshard.storage.files.integrity import new_hasher
 from reshard.storage.checkpoints.crcledger import CorruptItem, CrcLedger, StorageRecord
 from reshard.storage.checkpoints.fastread import item_layout
-from reshard.storage.files.fileio import FdCache, ThreadBuffers, read_at, read_exact
+from reshard.storage.files.fileio import FdCache, ThreadBuffers, read_at, read_exact, crc32
 
 __all__ = [
     "COUNTERS",
@@ -195,7 +194,7 @@ class _Side:
     def feed(self, ledger: CrcLedger, elem_byte: int, data: Any) -> None:
         """The CRC-32 of ``data``, the chunk's element bytes from ``elem_byte``, to ``ledger``."""
         if self.rec is not None:
-            ledger.add(self.rec, self.elem + elem_byte, len(data), zlib.crc32(data))
+            ledger.add(self.rec, self.elem + elem_byte, len(data), crc32(data))
 
 
 @dataclass(frozen=True)
@@ -857,7 +856,7 @@ def _crc_range(fd: int, buf: np.ndarray, pos: int, n: int) -> int:
         m = min(n, len(buf))
         x = buf[:m]
         read_exact(fd, x, pos)
-        crc = zlib.crc32(x, crc)
+        crc = crc32(x, crc)
         pos += m
         n -= m
     return crc

@@ -71,6 +71,7 @@ class Evidence:
     values: dict[str, tuple[str, Any]] = field(default_factory=dict)     # key -> (reason, the value written)
     proven: dict[str, str] = field(default_factory=dict)                 # key -> reason: checked by check_transforms
     semantics: dict[str, tuple[str, Any]] = field(default_factory=dict)  # name -> (reason, the output's value)
+    slice: str | None = None  # the output is a slice of the source (--layers / --experts): what it keeps, in words
 
     @property
     def output(self) -> str:
@@ -112,9 +113,13 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Source | Path, out
     computed. ``transforms=False`` skips the tensors (a chain's hops: their layouts compose).
     """
 
-    ev = Evidence(source, what)
+    ev = Evidence(source, what, slice=(plan.slice or {}).get("description"))
+    # a slice's renumbered keys (source -> output name): moved, not dropped; copied, not tied
+    moved = {old: new for old, new in ((plan.slice or {}).get("renamed") or {}).get("from_to") or []}
     for a in plan.keys:
-        if a.action == Action.DROPPED:
+        if a.action == Action.DROPPED and a.key in moved:
+            ev.dropped[a.key] = f"renamed to '{moved[a.key]}' ({a.reason.removeprefix('renamed: ')})"
+        elif a.action == Action.DROPPED:
             ev.dropped[a.key] = f"dropped: {a.reason}"
         elif a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
             ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
@@ -123,6 +128,8 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Source | Path, out
         se = src_index.entries.get(t.copy_from or t.key)
         if t.transform:
             why = "TP-dependent layout rewritten (checked in canonical form against the source)"
+        elif t.copy_from and moved.get(t.copy_from) == t.key:
+            why = f"renamed from '{t.copy_from}' (checked equal to it in the source)"
         elif t.copy_from:
             why = f"tied copy of '{t.copy_from}' (checked equal to it in the source)"
         elif se is not None and se.is_tensor and se.dtype_name != t.dtype:
@@ -278,6 +285,7 @@ def _compose(hops: list[_Hop], source: str, what: str) -> Evidence:
             ev.values[k] = v
         ev.proven.update(e.proven)
         ev.semantics.update(e.semantics)
+        ev.slice = "; then ".join(x for x in (ev.slice, e.slice) if x) or None  # a slice anywhere in the chain
     return ev
 
 

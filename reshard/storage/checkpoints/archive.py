@@ -56,7 +56,7 @@ from functools import lru_cache
 
 from typing import TYPE_CHECKING, Any
 
-from reshard.model.dtypes import DType, from_torch, torch_dtype, unstorable_reason
+from reshard.model.dtypes import DType, from_torch, unstorable_reason
 
 if TYPE_CHECKING:
     import torch
@@ -79,33 +79,65 @@ class _Storage:
     """Stands for the tensor's storage in the pickle; `persistent_id` names it."""
 
 
+class _Global:
+    """A global the pickle names by module and name without importing it (``torch.FloatStorage``,
+    ``torch._utils._rebuild_tensor_v2``, ``torch.uint16``): framing an item then needs no torch,
+    whose import is two seconds of CPU a conversion that only splices bytes never needed."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __reduce_ex__(self, protocol: int) -> str:
+        return self.name  # a string: the pickler saves it as a global, by `_NamingPickler.save_global`
+
+    def __call__(self, *args: Any) -> Any:  # the pickler asks that a reduce function be callable
+        raise TypeError(f"{self.module}.{self.name} is a name in a pickle, not callable here")
+
+
+class _NamingPickler(pickle._Pickler):
+    """The standard protocol-2 pickler (the pure-Python one, whose output is the C pickler's) that writes
+    a `_Global` as the GLOBAL opcode torch's own objects give, and names the storage by persistent id."""
+
+    def __init__(self, file: Any, storage: Any, pid: tuple):
+        super().__init__(file, protocol=2)
+        self._storage, self._pid = storage, pid
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._pid if obj is self._storage else None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, _Global):
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
 class _Rebuild:
     """``_rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())``, or v3 with ``dtype``
     appended when the storage is untyped (``dtype`` not None)."""
 
     def __init__(self, storage: _Storage, shape: tuple[int, ...], stride: tuple[int, ...],
-                 dtype: "torch.dtype | None" = None):
+                 dtype: _Global | None = None):
         self.args: tuple = (storage, 0, shape, stride, False, OrderedDict())
         if dtype is not None:
             self.args += (dtype,)
 
     def __reduce__(self):
-        import torch
-
-        fn = torch._utils._rebuild_tensor_v3 if len(self.args) == 7 else torch._utils._rebuild_tensor_v2
-        return (fn, self.args)
+        fn = "_rebuild_tensor_v3" if len(self.args) == 7 else "_rebuild_tensor_v2"
+        return (_Global("torch._utils", fn), self.args)
 
 
-@lru_cache(maxsize=1)
-def _legacy() -> dict[Any, str]:
-    """torch dtype -> the legacy typed-storage class ``torch.save`` names for it (``FloatStorage``, ...);
-    every other dtype with a storage of whole bytes is written over an untyped storage
-    (``_rebuild_tensor_v3``). Made on first use: framing a tensor needs torch, this module's CRC
-    arithmetic (used on the metadata path) does not."""
-    import torch
-
-    return {d: name for d, name in torch.storage._dtype_to_storage_type_map().items()
-            if unstorable_reason(from_torch(d)) is None}
+_LEGACY = {"float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "int64": "LongStorage",
+           "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+           "bool": "BoolStorage", "bfloat16": "BFloat16Storage", "complex128": "ComplexDoubleStorage",
+           "complex64": "ComplexFloatStorage"}
+"""dtype name -> the legacy typed-storage class ``torch.save`` names for it (``torch.storage.
+_dtype_to_storage_type_map()`` less the quantized dtypes, which are not writable;
+tests/test_archive.py compares the two); every other writable dtype is written over an untyped
+storage (``_rebuild_tensor_v3``). A table, not torch's map: framing a tensor needs no torch."""
 
 
 def writable(dtype: "DType | torch.dtype") -> bool:
@@ -119,37 +151,33 @@ def unwritable_reason(dtype: "DType | torch.dtype") -> str | None:
     return unstorable_reason(from_torch(dtype))
 
 
-def _storage_pid(dtype: "torch.dtype", numel: int) -> tuple:
+def _storage_pid(dtype: DType, numel: int) -> tuple:
     """The persistent id ``torch.save`` gives the storage of a ``dtype`` tensor of ``numel`` elements."""
-    import torch
-
-    legacy = _legacy().get(dtype)
+    legacy = _LEGACY.get(dtype.name)
     if legacy is not None:
-        return ("storage", getattr(torch, legacy), "0", "cpu", numel)
+        return ("storage", _Global("torch", legacy), "0", "cpu", numel)
     if writable(dtype):
-        return ("storage", torch.storage.UntypedStorage, "0", "cpu", numel * dtype.itemsize)
+        return ("storage", _Global("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize)
     raise ValueError(f"reshard cannot write {dtype} items: {unwritable_reason(dtype)}")
 
 
 def data_pkl(dtype: "torch.dtype | DType", shape: tuple[int, ...]) -> bytes:
     """``archive/data.pkl`` for a C-contiguous tensor of ``dtype`` and ``shape`` with its own storage."""
-    dtype = torch_dtype(dtype)
-    shape = tuple(int(s) for s in shape)
+    return _data_pkl(from_torch(dtype), tuple(int(s) for s in shape))
+
+
+@lru_cache(maxsize=1024)
+def _data_pkl(dtype: DType, shape: tuple[int, ...]) -> bytes:
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
         acc *= s
     numel = acc
     storage = _Storage()
-    pid = _storage_pid(dtype, numel)
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj):
-            return pid if obj is storage else None
-
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_Rebuild(storage, shape, tuple(reversed(stride)),
-                                            None if dtype in _legacy() else dtype))
+    _NamingPickler(buf, storage, _storage_pid(dtype, numel)).dump(
+        _Rebuild(storage, shape, tuple(reversed(stride)),
+                 None if dtype.name in _LEGACY else _Global("torch", dtype.name)))
     return buf.getvalue()
 
 
@@ -204,12 +232,21 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm).
 
     Lets an item's checksum be composed from its parts (head, storage, tail) without
-    reading the storage twice. The operator for a length is cached: chunks of a checkpoint
-    come in few sizes, so a combine is one 32-step multiplication.
+    reading the storage twice. Native where `reshard.storage.files.fastcrc` was built (under a
+    microsecond; a copy combines several times per item); else the operator for a length is
+    cached (chunks come in few sizes), so a combine is one 32-step multiplication in Python.
     """
+    if _native_combine is not None:
+        return _native_combine(crc1, crc2, len2)
     if len2 <= 0:
         return crc1
     return _multmodp(_shift_operator(len2), crc1) ^ crc2
+
+
+try:
+    from reshard.storage.files.fastcrc import combine as _native_combine
+except ImportError:  # built without a C compiler
+    _native_combine = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +287,15 @@ def fits(nbytes: int) -> bool:
 
 
 def framing(dtype: "torch.dtype | DType", shape: tuple[int, ...]) -> Framing:
-    """The framing of a C-contiguous ``dtype`` tensor of ``shape``; see the module docstring."""
+    """The framing of a C-contiguous ``dtype`` tensor of ``shape``; see the module docstring.
+
+    Cached by dtype and shape (a `Framing` is immutable): a checkpoint's chunks come in few
+    shapes, and framing one costs a pickling, which per item would be most of a small item's cost."""
+    return _framing(from_torch(dtype), tuple(int(s) for s in shape))
+
+
+@lru_cache(maxsize=1024)
+def _framing(dtype: DType, shape: tuple[int, ...]) -> Framing:
     numel = 1
     for s in shape:
         numel *= int(s)

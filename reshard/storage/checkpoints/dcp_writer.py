@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -72,7 +71,7 @@ from reshard.storage.files.atomic import fault_point, fsync_dir
 from reshard.model.checkpoint import ItemLocation
 from reshard.storage.checkpoints.dcp import METADATA_FILE
 from reshard.storage.pickles.metadata_pickle import ObjectMeta, TensorMeta, metadata_bytes
-from reshard.storage.files.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact
+from reshard.storage.files.fileio import ALIGN, open_direct, read_exact, start_writeback, write_exact, crc32
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +243,7 @@ class DcpWriter:
             fr = archive.framing(t.dtype, tuple(t.shape))
             loc = self._reserve(rank, *_storage_at(fr))
             data = tensor_bytes(t)
-            scrc = zlib.crc32(data)
+            scrc = crc32(data)
             tail = fr.tail(scrc)
             if not self._keep(loc, [fr.head, data, tail]):
                 write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
@@ -628,7 +627,7 @@ class DcpWriter:
         if self._keep(loc, [blob]):
             return loc
         write_exact(self._fds[rank], [blob], loc.offset)
-        self._filled(loc, zlib.crc32(blob))
+        self._filled(loc, crc32(blob))
         return loc
 
     def _add_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], loc: ItemLocation) -> None:
@@ -664,7 +663,7 @@ def _same_bytes(fd: int, offset: int, parts: list[Any]) -> tuple[bool, int]:
             n = min(len(buf), len(mv) - i)
             view = memoryview(buf)[:n]
             read_exact(fd, view, pos)
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
             same = same and view.tobytes() == mv[i:i + n].tobytes()  # memcmp, not element by element
             pos += n
     return same, crc

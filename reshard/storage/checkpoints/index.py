@@ -40,6 +40,142 @@ def _missing(name: str) -> int:
     raise FileNotFoundError(name)
 
 
+SHARED_PLAIN_BYTES = 1 << 16  # `CheckpointIndex.read_plains` compares items up to this size by their bytes
+
+
+def _plain_location(e: Entry) -> tuple[ItemLocation | None, int | None]:
+    """Where `CheckpointIndex.read_plain` reads a small item from, and the size its bytes may inflate to:
+    an object's item, or the one chunk of a one-element tensor (None: read it through torch)."""
+    if e.is_tensor:
+        c = e.chunks[0] if len(e.chunks) == 1 else None
+        loc = c.location if c is not None and e.numel == 1 and c.box.sizes == tuple(e.shape) else None
+        return loc, dcp.tensor_item_limit(1, e.dtype.itemsize)
+    return e.location, None
+
+
+def _paired_in_order(cols: MetadataColumns, row_key: np.ndarray, order: np.ndarray, ndims: np.ndarray,
+                     first_row: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """Per key, whether it is a tensor whose storage rows of its rank are exactly its chunks, in the
+    chunks' own order and under the same offsets (`CheckpointIndex._pair`'s common case), shown for
+    every key at once; a 0-d tensor counts when it has one chunk and one row. Those keys' chunks are
+    located by one array assignment; every other key is paired one by one as before.
+
+    Why: pairing a key costs a dozen numpy calls on a few rows (about 50 us), and a mixture of
+    experts has hundreds of thousands of tensors.
+    """
+    nk = len(cols.keys)
+    counts = np.asarray(cols.chunk_count, dtype=np.int64)
+    tensor = cols.kinds != OBJECT
+    rk = row_key[order]
+    safe = np.maximum(rk, 0)
+    mine = (rk >= 0) & tensor[safe] & (cols.st_ndim[order] == ndims[safe])  # a key's rows of its rank, in file order
+    rows = order[mine]
+    owner = rk[mine]
+    have = np.bincount(owner, minlength=nk)[:nk]
+    ok = tensor & (have == counts) & ((ndims > 0) | (counts == 1))
+    # the offsets of those rows against the chunks', number by number, for the keys still in the running
+    take = ok[owner]
+    rows, owner = rows[take], owner[take]
+    d = ndims[owner]
+    st_start = cols.storage_offset_starts()
+    reps = np.repeat(np.arange(len(rows)), d)
+    within = np.arange(int(d.sum()), dtype=np.int64) - np.repeat(np.cumsum(d) - d, d)
+    stored = cols.st_offsets[st_start[rows][reps] + within]
+    ks = np.flatnonzero(ok)
+    n = counts[ks] * ndims[ks]
+    declared = cols.chunk_offsets[np.repeat(flat[ks], n) + np.arange(int(n.sum()), dtype=np.int64)
+                                  - np.repeat(np.cumsum(n) - n, n)]
+    same = np.ones(nk, dtype=bool)
+    np.logical_and.at(same, owner[reps], stored == declared)
+    return ok & same
+
+
+def _first_short_all(cols: MetadataColumns, fast: np.ndarray, counts: np.ndarray, ndims: np.ndarray,
+                     flat: np.ndarray, rows: np.ndarray) -> dict[int, tuple[str, int, int, str]]:
+    """`CheckpointIndex._first_short` for the keys of `_paired_in_order` at once (``rows``: their chunks'
+    storage rows, in order): key -> its first untransformed item shorter than its chunk's elements.
+    Keys whose element counts may not be exact in int64 are judged one by one."""
+    ks = np.flatnonzero(fast)
+    out: dict[int, tuple[str, int, int, str]] = {}
+    if not len(ks):
+        return out
+    n = counts[ks]
+    owner = np.repeat(ks, n)
+    itemsize = np.array([cols.dtypes[k].itemsize for k in ks.tolist()], dtype=np.int64)
+    nd = ndims[ks] * n
+    sizes = cols.chunk_sizes[np.repeat(flat[ks], nd) + np.arange(int(nd.sum()), dtype=np.int64) - np.repeat(np.cumsum(nd) - nd, nd)]
+    chunk_of = np.repeat(np.arange(len(owner)), np.repeat(ndims[ks], n))
+    elems = np.ones(len(owner), dtype=np.float64)
+    np.multiply.at(elems, chunk_of, sizes.astype(np.float64))
+    big = elems * np.repeat(itemsize, n) >= 2.0 ** 62
+    exact = np.ones(len(owner), dtype=np.int64)
+    np.multiply.at(exact, chunk_of, np.where(big[chunk_of], 1, sizes))
+    need = exact * np.repeat(itemsize, n)
+    length, tr = cols.st_length[rows], cols.st_transforms[rows]
+    bad = np.flatnonzero(((need > length) & (tr < 0)) | big)
+    for i in bad.tolist():
+        k = int(owner[i])
+        if k in out:
+            continue
+        if big[i]:  # exact in Python ints, as _first_short does
+            d, c = int(ndims[k]), i - int(np.searchsorted(owner, k))
+            row = cols.chunk_sizes[int(flat[k]) + c * d: int(flat[k]) + (c + 1) * d].tolist()
+            need_i = prod(row) * cols.dtypes[k].itemsize
+            if not (int(tr[i]) < 0 and int(length[i]) < need_i):
+                continue
+            out[k] = (cols.keys[k], need_i, int(length[i]), cols.files[int(cols.st_file[rows[i]])])
+            continue
+        out[k] = (cols.keys[k], int(need[i]), int(length[i]), cols.files[int(cols.st_file[rows[i]])])
+    return out
+
+
+def _slabs_tile(cols: MetadataColumns, ndims: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    """Per key, whether its chunks are shown, for all keys at once, to tile its tensor exactly as
+    slabs along dim 0 (FSDP's ``Shard(0)``, and a whole tensor in one chunk), or it is a 0-d
+    tensor in one chunk; False for every other key, whose chunks the exact check
+    (`reshard.model.geometry.tiles_exactly_arrays`, then `coverage_problems`) judges one by one.
+
+    Why: that check costs about 0.1 ms a tensor in numpy calls on a few rows each, and a
+    mixture of experts has hundreds of thousands of tensors. Shown here, over every chunk at once:
+    each chunk spans every dim but the first whole, lies within dim 0 (empty pieces included:
+    offsets and sizes not negative, ends within the shape), and the non-empty ones, ordered by
+    offset, follow each other without gap or overlap from 0 to the shape's first dim. That is an
+    exact tiling, so the exact check would find no problem.
+    """
+    nk = len(cols.keys)
+    ok = np.zeros(nk, dtype=bool)
+    counts = np.asarray(cols.chunk_count, dtype=np.int64)
+    tensor = (cols.kinds != OBJECT) & (counts > 0)
+    ok[np.flatnonzero(tensor & (ndims == 0) & (counts == 1))] = True
+    for d in np.unique(ndims[tensor & (ndims > 0)]).tolist():
+        ks = np.flatnonzero(tensor & (ndims == d))
+        shp = np.array([s if max(s) < 1 << 62 and min(s) > 0 else (0,) * d for s in (cols.shapes[k] for k in ks.tolist())],
+                       dtype=np.int64).reshape(len(ks), d)
+        n = counts[ks]
+        start = np.repeat(flat[ks], n * d)  # each key's numbers in the flat columns, one after another
+        within = np.arange(int((n * d).sum()), dtype=np.int64) - np.repeat(np.cumsum(n * d) - n * d, n * d)
+        offs = cols.chunk_offsets[start + within].reshape(-1, d)
+        sizes = cols.chunk_sizes[start + within].reshape(-1, d)
+        owner = np.repeat(np.arange(len(ks)), n)
+        whole = shp[owner]
+        good = (whole[:, 0] > 0) & (offs[:, 0] >= 0) & (sizes[:, 0] >= 0) & (offs[:, 0] <= whole[:, 0] - sizes[:, 0])
+        if d > 1:
+            good &= (offs[:, 1:] == 0).all(axis=1) & (sizes[:, 1:] == whole[:, 1:]).all(axis=1)
+        key_good = np.ones(len(ks), dtype=bool)
+        np.logical_and.at(key_good, owner, good)
+        solid = np.flatnonzero(sizes[:, 0] > 0)  # the non-empty slabs, ordered by key then offset
+        solid = solid[np.lexsort((offs[solid, 0], owner[solid]))]
+        o, lo, hi = owner[solid], offs[solid, 0], offs[solid, 0] + sizes[solid, 0]
+        first = np.r_[True, o[1:] != o[:-1]] if len(o) else np.zeros(0, dtype=bool)
+        last = np.r_[o[1:] != o[:-1], True] if len(o) else np.zeros(0, dtype=bool)
+        joined = np.where(first, lo == 0, lo == np.r_[0, hi[:-1]]) & np.where(last, hi == shp[o, 0], True)
+        np.logical_and.at(key_good, o, joined)
+        has_solid = np.zeros(len(ks), dtype=bool)
+        has_solid[o] = True
+        ok[ks] = key_good & has_solid
+    return ok
+
+
 class CheckpointIndex(EntryQueries, CheckpointReader):
     """The global view of one DCP checkpoint directory (read-only).
 
@@ -99,8 +235,26 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         missing_loc: list[str] = []
         short: list[tuple[str, int, int, str]] = []  # (key, bytes needed, item length, file): the first per key
         need = np.full(len(cols.files), -1, dtype=np.int64)
+        fast = _paired_in_order(cols, row_key, order, ndims, first_row, flat)
+        sl_all = np.flatnonzero(np.repeat(fast, counts))  # the chunks of those keys, and their rows in the same order
+        rows_all = order[fast[np.maximum(row_key[order], 0)] & (row_key[order] >= 0)
+                         & (cols.st_ndim[order] == ndims[np.maximum(row_key[order], 0)])]
+        loc_file[sl_all] = cols.st_file[rows_all]
+        loc_start[sl_all] = cols.st_offset[rows_all]
+        loc_length[sl_all] = cols.st_length[rows_all]
+        loc_tr[sl_all] = cols.st_transforms[rows_all]
+        short_at = _first_short_all(cols, fast, counts, ndims, flat, rows_all)  # key -> its first short item
         for k, key in enumerate(keys):
             path = cols.planner_paths.get(key, ())
+            if fast[k]:
+                d, n, r0, p = int(ndims[k]), int(counts[k]), int(first_row[k]), int(flat[k])
+                sl = slice(r0, r0 + n)
+                if k in short_at:
+                    short.append(short_at[k])
+                table = ChunkTable(cols.chunk_offsets[p:p + n * d].reshape(n, d), cols.chunk_sizes[p:p + n * d].reshape(n, d),
+                                   loc_file[sl], loc_start[sl], loc_length[sl], loc_tr[sl], cols.files, cols.transforms)
+                self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k], chunks=table, path=path)
+                continue
             rows = order[bounds[k]:bounds[k + 1]]
             if cols.kinds[k] == OBJECT:
                 mine = rows[cols.st_ndim[rows] < 0]
@@ -153,7 +307,8 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
             np.maximum.at(need, f[first], np.maximum.reduceat(ends, first))
         self._check_files({cols.files[f]: int(e) for f, e in enumerate(need.tolist()) if e >= 0})
         self._check_item_lengths(short)
-        self._check_coverage()
+        tiled = _slabs_tile(cols, ndims, flat)
+        self._check_coverage({keys[k] for k in np.flatnonzero(tiled).tolist()})
 
     @staticmethod
     def _pair(cols: MetadataColumns, rows: np.ndarray, offs: np.ndarray, st_start: np.ndarray) -> np.ndarray:
@@ -239,9 +394,10 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
                 + (f" ({len(keys)} keys in all)" if len(keys) > 1 else ""),
                 file=dcp.METADATA_FILE, keys=keys[:50]))
 
-    def _check_coverage(self) -> None:
+    def _check_coverage(self, tiled: set[str] | frozenset[str] = frozenset()) -> None:
+        """Chunks that do not tile their tensor exactly, as findings; ``tiled``: keys already shown to (`_slabs_tile`)."""
         for e in self.entries.values():
-            if not e.is_tensor:
+            if not e.is_tensor or e.key in tiled:
                 continue
             t = e.chunks
             if isinstance(t, ChunkTable) and tiles_exactly_arrays(tuple(e.shape), t.offsets, t.sizes):
@@ -309,12 +465,7 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         through torch by `read_object`, which decides and raises as it always did.
         """
         e = self.entry(key)
-        if e.is_tensor:
-            c = e.chunks[0] if len(e.chunks) == 1 else None
-            loc = c.location if c is not None and e.numel == 1 and c.box.sizes == tuple(e.shape) else None
-            limit = dcp.tensor_item_limit(1, e.dtype.itemsize)
-        else:
-            loc, limit = e.location, None
+        loc, limit = _plain_location(e)
         if loc is not None:
             where = str(self.root / loc.file)
             data = dcp.checked_item_bytes(self.root, loc, key=key, limit=limit, rc=self.remote)
@@ -329,6 +480,53 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
                         and value.shape == tuple(e.shape):
                     return value
         return self.read_object(key)
+
+    def read_plains(self, keys: Iterable[str]) -> list[tuple[str, Any, ReshardError | None]]:
+        """`read_plain` of many small items, as (key, value, None) or (key, None, the error it raised),
+        in the order of ``keys``.
+
+        Why: a mixture of experts saves one ``step`` counter per parameter, tens of thousands of
+        items of the same few bytes, and `read_plain` opens the data file inside the root (its
+        checks cost about 0.2 ms) and decodes an archive (about 0.3 ms) for each. Here each data
+        file is opened once, and an item stored as the same bytes (at the same dtype, shape and
+        transforms) as one already read has the value `read_plain` gave for those bytes: what it
+        decodes depends on nothing else. Immutable values only are shared; anything else, and a
+        checkpoint in object storage, goes through `read_plain` item by item.
+        """
+        out: list[tuple[str, Any, ReshardError | None]] = []
+        fds: dict[str, int] = {}
+        seen: dict[tuple, Any] = {}
+        try:
+            for k in keys:
+                try:
+                    out.append((k, self._plain_alike(k, fds, seen), None))
+                except ReshardError as exc:
+                    out.append((k, None, exc))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
+
+    def _plain_alike(self, key: str, fds: dict[str, int], seen: dict[tuple, Any]) -> Any:
+        """`read_plain`'s value, shared with an item already read whose bytes are the same (`read_plains`)."""
+        e = self.entry(key)
+        loc, _ = _plain_location(e)
+        if self.remote is not None or loc is None or loc.length > SHARED_PLAIN_BYTES:
+            return self.read_plain(key)
+        fd = fds.get(loc.file)
+        if fd is None:
+            try:
+                fd = fds[loc.file] = safefs.open_read(self.root / loc.file, root=self.root)
+            except OSError:
+                return self.read_plain(key)  # which words the refusal
+        raw = os.pread(fd, loc.length, loc.offset)
+        alike = (raw, tuple(loc.transforms), e.is_tensor, e.dtype_name, tuple(e.shape or ()))
+        if alike in seen:
+            return seen[alike]
+        value = self.read_plain(key)
+        if isinstance(value, (PlainTensor, int, float, str, bytes, bool, type(None))):
+            seen[alike] = value
+        return value
 
     def object_bytes(self, key: str) -> bytes | None:
         """An object item's bytes as ``torch.load`` reads them (untransformed, CRC-checked), once

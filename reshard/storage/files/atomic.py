@@ -173,6 +173,54 @@ def _refuse(dst: Path) -> BadInput:
     )
 
 
+def check_vacant(dst: Path, *, overwrite: bool) -> None:
+    """The refusal of an occupied destination without ``--overwrite``, made by the commands before any
+    work (`reshard.arguments.check_destination`: no torch import, no plan, no probe) and again by
+    `atomic_directory` under its lock, where it decides."""
+    if not overwrite and _state(dst) == "occupied":
+        raise _refuse(dst)
+
+
+def _mount_of(path: Path) -> tuple[str, str, bool] | None:
+    """(mount point, file-system type, read-only) of the mount that holds ``path``, from
+    ``/proc/self/mounts`` (None where there is no such table): the reason a directory takes no file."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    real, best = os.path.realpath(path), None
+    for row in rows:
+        if len(row) < 4:
+            continue
+        mnt = row[1].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) >= len(best[0])):
+            best = (mnt, row[2], "ro" in row[3].split(","))
+    return best
+
+
+def check_writable(dst: Path) -> None:
+    """`BadInput` when no file can be created where ``dst`` would go, found by creating (and removing)
+    one empty file of our own in the nearest existing directory above it. Asked before the space
+    check: an unwritable place (``/proc``, a read-only mount, a directory without permission) reports
+    no free space, and the advice to pass ``--force`` would then fail on the lock file."""
+    place = dst.parent
+    while not os.path.lexists(place) and place != place.parent:
+        place = place.parent
+    probe = place / f".reshard-probe-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError as exc:
+        mount = _mount_of(place)
+        why = f"{exc.strerror}, {errno.errorcode.get(exc.errno or 0, exc.errno)}"
+        if mount is not None:
+            why += f"; {place} is on a '{mount[1]}' file system mounted at {mount[0]}{' read-only' if mount[2] else ''}"
+        raise BadInput(f"the destination cannot be written: creating a file in {place} failed ({why})",
+                       where=str(dst), hint="Choose a destination in a directory you can write to.") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _check_replaceable(dst: Path, replaceable: OverwritePolicy | None) -> None:
     """`BadInput` unless the caller's overwrite policy lets ``--overwrite`` delete what is at ``dst``
     (the commands': a checkpoint or an earlier reshard output), quoting the policy's reason."""

@@ -21,8 +21,16 @@ from typing import Any
 
 from reshard import safefs
 
-__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "open_direct", "read_at", "read_direct",
-           "read_exact", "start_writeback", "write_exact", "write_placed"]
+__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "crc32", "open_direct", "read_at",
+           "read_direct", "read_exact", "start_writeback", "write_exact", "write_placed"]
+
+# ``crc32(data, value=0)``: zlib.crc32's values. Every byte path checksums through it, so the bytes
+# a conversion moves are checksummed at memory speed where the native module was built (carry-less
+# multiplication, about 3.4x zlib 1.2.13's speed here: reshard/storage/files/fastcrc.c).
+try:
+    from reshard.storage.files.fastcrc import crc32
+except ImportError:  # built without a C compiler: the same values, slower
+    from zlib import crc32
 
 ALIGN = 4096  # direct I/O alignment used for offsets, lengths and buffers (a page; enough for 4Kn disks)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -6,7 +6,7 @@ chunk and each object, exactly as its bytes lie in the data file) in the output'
 
     "integrity": {"algorithm": "crc32", "items": {"__0_0.distcp:0": "<hex>", ...}}
 
-Two algorithms are known (``ALGORITHMS``): ``"crc32"`` (``format(zlib.crc32(item), "08x")``,
+Two algorithms are known (``ALGORITHMS``): ``"crc32"`` (``format(crc32(item), "08x")``,
 8 hex digits; what convert writes now: it detects flipped bytes and runs at memory speed)
 and ``"sha256"`` (``hashlib.sha256(item).hexdigest()``, 64 hex digits; older manifests).
 A record with any other algorithm is refused (`BadInput`), never passed unchecked.
@@ -19,7 +19,7 @@ them (older manifests have none and stay valid) and name the first corrupt item 
 
 `check_items` reads the items in (file, offset) order with ``os.preadv`` into a few
 reusable buffers (several small neighbouring items in one read, a large item in slabs),
-and hashes in a small thread pool (``zlib.crc32`` and ``hashlib`` release the GIL on large
+and hashes in a small thread pool (``fileio.crc32``, native, and ``hashlib`` release the GIL on large
 buffers), so memory stays at ``workers x slab`` whatever the checkpoint's size.
 
 **Space.** `estimate_output_bytes(plan)` estimates what a conversion writes (tensor bytes
@@ -40,14 +40,13 @@ import hashlib
 import os
 import shutil
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from reshard.errors import BadInput, Incomplete
-from reshard.storage.files.fileio import FdCache
+from reshard.storage.files.fileio import FdCache, crc32
 
 if TYPE_CHECKING:  # handed in with the index that reads it
     from reshard.storage.objectstore.remote import RemoteCheckpoint
@@ -107,7 +106,7 @@ class _Crc32:
         self.value = 0
 
     def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32(data, self.value)
 
     def hexdigest(self) -> str:
         return format(self.value & 0xFFFFFFFF, "08x")

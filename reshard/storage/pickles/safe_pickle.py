@@ -271,6 +271,8 @@ files: `.metadata` costs 1.0 units per byte (reshard.testing.synthetic.make_plai
 item at most 0.3. 8 leaves a margin of more than 5 for longer key names and deeper records."""
 COST_SLACK = 1 << 16
 """Units any pickle may build whatever its size (a small pickle of a few long strings)."""
+CUT_SHORT = ("truncated", "a length runs past the end of the pickle")
+"""How the cost scan (costscan.c, and its Python twin) says that a pickle's bytes end before its opcodes do."""
 
 
 class PickleTooCostly(ValueError):
@@ -669,6 +671,13 @@ def check_cost(data: bytes, *, where: str, what: str) -> int:
             hint="The file is forged or corrupt; restore it from its writer or use another checkpoint.",
         ) from None
     except PickleTooCostly as exc:
+        if str(exc).startswith(CUT_SHORT):  # not a cost: the bytes end before the pickle does
+            raise BadInput(
+                f"refusing {what}: {exc}: the file ({len(data)} bytes) ends before the pickle it starts does",
+                where=where,
+                hint="The file is truncated (an interrupted write or copy); restore it from its writer or use "
+                     "another checkpoint.",
+            ) from None
         raise BadInput(
             f"refusing {what}: {exc}. A pickle of {len(data)} bytes may build at most {COST_PER_BYTE} units per byte "
             f"plus {COST_SLACK} ({limit}), and DCP's own build under 2 per byte",

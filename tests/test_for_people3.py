@@ -1,0 +1,249 @@
+"""Issue 47 (For people III): what a new user met, one test per case, each failing on the code before it.
+
+Classes covered here:
+
+* 2, cheap checks before the heavy start-up: a `.metadata` file given for a folder, the values
+  `--format hf` needs, a `--trainer` command without placeholders, an occupied destination;
+* 3, words that contradict the facts: reshard's own HF export called "lightning", a slice called equal, its renumbered layers "tied copy",
+  its moved keys "dropped ... renamed", an accumulation phase "carried" where it was assumed,
+  `None` printed in a batch line, a truncated `.metadata` called a memory attack;
+* 4, an impossible `--model-config` value; 5, the advice to pass `--force` for a destination no
+  file can be created in; 6, a trainer's failure told in torchrun's boilerplate.
+
+The refusals that must come before torch is imported run in one real process whose import hook
+refuses torch (the process is the point: this one has torch loaded); the rest run the CLI
+in-process on session checkpoints and two tiny module ones (a Llama of two layers and its
+slice). Cost: about 25 s on a quiet machine, 10 s of it the one real torchrun of the trainer case.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+MANY_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch imported before the refusal: " + name)
+        return None
+
+
+sys.meta_path.insert(0, NoTorch())
+from reshard.cli import main
+
+results = []
+for line in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(line)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 2
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def refusals_without_torch(lines: list[list[str]]) -> list[tuple[int, str]]:
+    """Each command line run by ``reshard.cli.main`` in one process that cannot import torch."""
+    p = subprocess.run([sys.executable, "-c", MANY_WITHOUT_TORCH, json.dumps([[str(a) for a in x] for x in lines])],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [(c, e.strip()) for c, e in json.loads(p.stdout)]
+
+
+@pytest.fixture(scope="module")
+def occupied(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("occupied") / "out"
+    d.mkdir()
+    (d / "someone-elses.txt").write_text("kept")
+    return d
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A torchtitan-convention Llama checkpoint (real `dcp.save`), for the Hugging Face export's questions."""
+    from reshard.testing.synthetic_llama import LlamaShape, make_llama_checkpoint
+
+    shape = LlamaShape(n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=40, vocab_multiple=8)
+    return make_llama_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", shape=shape, tp=1, dp=1, fused=False)
+
+
+def test_cheap_refusals_come_before_torch(reference_ckpt, llama, occupied, tmp_path):
+    """Class 2 and 5: a `.metadata` file for a folder, an occupied destination without --overwrite and a
+    destination no file can be created in are each answered by a process that never imports torch, in the
+    words the later check used, and the unwritable place is not called full (`--force` cannot help)."""
+    src = reference_ckpt
+    cases = {
+        "export of .metadata": ["export", src / ".metadata", tmp_path / "a"],
+        "convert into occupied": ["convert", src, occupied, "--to", "dp=2"],
+        "export into occupied": ["export", src, occupied],
+        "import into occupied": ["import", src, occupied],
+        "convert into /proc": ["convert", src, "/proc/reshard-out", "--to", "dp=2"],
+        "convert into /proc --force": ["convert", src, "/proc/reshard-out", "--to", "dp=2", "--force"],
+        "export into /proc": ["export", src, "/proc/reshard-out"],
+        "hf values missing": ["export", llama, tmp_path / "hf", "--format", "hf"],
+        "trainer without placeholders": ["rehearse", "--from", "dp=2", "--to", "dp=1", "--trainer", "python train.py",
+                                         "--out", tmp_path / "rehearsal"],
+    }
+    got = dict(zip(cases, refusals_without_torch(list(cases.values()))))
+    for name, (code, err) in got.items():
+        assert code == 2, (name, err)
+        assert err.startswith("error:") and "\n" not in err and "torch imported" not in err, (name, err)
+    assert "a DCP checkpoint is a directory, this is a file" in got["export of .metadata"][1]
+    assert f"Give the directory that holds it: {src}." in got["export of .metadata"][1]
+    for name in ("convert into occupied", "export into occupied", "import into occupied"):
+        assert "already exists and is not empty" in got[name][1] and "--overwrite" in got[name][1], name
+    for name in ("convert into /proc", "convert into /proc --force", "export into /proc"):
+        err = got[name][1]
+        assert "cannot be written" in err and "'proc' file system" in err, (name, err)
+        assert "free" not in err and "--force" not in err, (name, err)
+    err = got["hf values missing"][1]
+    for name in ("rms_norm_eps", "rope_theta", "rope_scaling_factor"):
+        assert f"--model-config {name}=" in err, err
+    err = got["trainer without placeholders"][1]
+    assert "lacks placeholders {ckpt_in}" in err and "one of {world} or {dp} or {layout}" in err, err
+    assert (occupied / "someone-elses.txt").read_text() == "kept"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "rehearsal").exists()
+    assert not list(Path("/proc").glob(".reshard-probe-*"))
+
+
+@pytest.mark.parametrize("values, named", [
+    (["n_heads=5"], ["--model-config n_heads=5", "dim 32", "model.tok_emb.weight"]),
+    (["n_heads=4", "n_kv_heads=3"], ["--model-config n_kv_heads=3", "n_heads 4", "--model-config n_heads=4"]),
+])
+def test_an_impossible_model_value_is_refused_naming_both(reference_ckpt, values, named, capsys):
+    """Class 4: `--model-config n_heads=5` on a width of 32 was accepted and a "nearest feasible tp" offered.
+    Each typed value is held to the divisions with the others and with what the tensors carry."""
+    given = [x for v in values for x in ("--model-config", v)]
+    for to in ("dp=2", "dp=2,tp=2"):
+        code, out, err = run_cli(["plan", reference_ckpt, "--to", to, *given], capsys)
+        assert code == 2, (to, out, err)
+        assert "nearest feasible" not in out + err
+        for word in named:
+            assert word in err, (to, word, err)
+
+
+def test_a_possible_model_value_still_plans(reference_ckpt, capsys):
+    code, out, err = run_cli(["plan", reference_ckpt, "--to", "dp=2", "--model-config", "n_heads=4",
+                              "--model-config", "n_kv_heads=2", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["feasible"]
+
+
+@pytest.fixture(scope="module")
+def sliced(llama, tmp_path_factory) -> dict[str, object]:
+    """``convert --layers 1`` of the Llama checkpoint (layer 1 becomes layer 0), and what each command says of it."""
+    from conftest import cli
+
+    out = tmp_path_factory.mktemp("slice") / "slice"
+    words = {"convert": cli(["convert", llama, out, "--layers", "1", "--to", "dp=1"]),
+             "verify": cli(["verify", llama, out]),
+             "verify json": cli(["verify", llama, out, "--json"]),
+             "plan": cli(["plan", llama, "--layers", "1", "--to", "dp=1"])}
+    return words
+
+
+def test_a_slice_is_equal_only_where_kept(sliced):
+    """Class 3: `verify` called a slice "equal" to its source and convert "equal to the source"."""
+    code, out, err = sliced["verify"]
+    assert code == 0, out + err
+    assert out.startswith("verdict     equal where kept: a slice of A (layers 1 of 2"), out
+    assert json.loads(sliced["verify json"][1])["slice"].startswith("layers 1 of 2")
+    code, out, err = sliced["convert"]
+    assert code == 0, out + err
+    assert "verified    equal to the source in global terms where kept (a slice: layers 1 of 2" in out, out
+
+
+def test_renumbered_layers_are_renamed_not_tied_nor_dropped(sliced):
+    """Class 3: the renumbered layer's tensors were "tied copy" of the old names, and the old names
+    "dropped: renamed: ..." in verify and in the plan's key list and counts."""
+    _, out, _ = sliced["verify"]
+    assert "tied copy" not in out and "dropped: renamed" not in out, out
+    assert "model.layers.0.attention.wq.weight: renamed from 'model.layers.1.attention.wq.weight'" in out, out
+    assert "model.layers.1.attention.wq.weight: renamed to 'model.layers.0.attention.wq.weight'" in out, out
+    _, out, _ = sliced["plan"]
+    keys = out[out.index("\nkeys "):]
+    assert "dropped" not in keys.split("\nverdict")[0], keys
+    assert "36 renamed" in keys or " renamed," in keys, keys
+    assert "renamed   model.layers.1." in keys and ": layer 1 is layer 0 of the slice" in keys, keys
+
+
+def test_no_none_and_one_word_for_the_accumulation_phase(plain_fsdp2_ckpt, tmp_path, capsys):
+    """Class 3: `inspect` of a converted output printed `(seq len None)`; the report called the accumulation
+    phase "carried" where plan and convert said "assumed" (no manifest records it)."""
+    out = tmp_path / "out"
+    code, o, e = run_cli(["convert", plain_fsdp2_ckpt, out, "--to", "dp=2", "--source-micro-batch", "4",
+                          "--source-grad-accum", "16", "--quiet"], capsys)
+    assert code == 0, o + e
+    code, o, e = run_cli(["inspect", out], capsys)
+    assert code == 0 and "None" not in o, o
+    assert "global batch 256 (seq len not recorded)" in o, o
+    report = (out / "reshard-report.md").read_text()
+    assert "| accumulation phase | assumed |" in report, report
+    kept = json.loads((out / "reshard-report.json").read_text())["plan"]["verdict"]["kept"]
+    assert kept["accumulation_phase"]["status"] == "assumed"
+
+
+def test_a_truncated_metadata_is_called_truncated(reference_ckpt, tmp_path, capsys):
+    """Class 3: a `.metadata` cut short was refused as "a pickle built to exhaust memory"."""
+    cut = tmp_path / "ckpt"
+    cut.mkdir()
+    data = (reference_ckpt / ".metadata").read_bytes()
+    (cut / ".metadata").write_bytes(data[: len(data) // 2])
+    code, out, err = run_cli(["inspect", cut], capsys)
+    assert code == 2, out + err
+    assert "truncated" in err and "exhaust memory" not in err and "units per byte" not in err, err
+
+
+FAILING_TRAINER = """
+import sys
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    raise ValueError(f"the batch recipe {sys.argv[1]} x {sys.argv[2]} does not fit the dataset")
+dist.barrier()  # rank 1 then fails too, with gloo's "Connection closed by peer"
+"""
+
+
+def test_a_trainers_failure_is_told_in_its_own_words(tmp_path, capsys):
+    """Class 6: a trainer that failed under torchrun was explained by torchrun's boilerplate
+    (`error_file: <N/A>`, or the other rank's lost connection); the message is now the trainer's own
+    exception, from the rank torchrun names as the root cause, with its file and line. One real
+    torchrun of two gloo ranks (about 10 s)."""
+    script = tmp_path / "train.py"
+    script.write_text(FAILING_TRAINER)
+    trainer = (f"{sys.executable} -m torch.distributed.run --nproc-per-node {{world}} {script} {{micro_batch}} "
+               "{grad_accum} {ckpt_in} {ckpt_out} {save_at} {log} {steps}")
+    code, out, err = run_cli(["rehearse", "--from", "dp=2", "--to", "dp=1", "--trainer", trainer, "--steps", "4",
+                              "--switch-at", "2", "--window", "2", "--out", tmp_path / "rehearsal"], capsys)
+    assert code != 0, out + err
+    assert "ValueError: the batch recipe 2 x 2 does not fit the dataset (rank 0, " in err, err
+    assert f"{script} line 7)" in err, err
+    assert "error_file" not in err and "Connection closed" not in err and "ChildFailedError" not in err, err
+
+
+def test_reshards_own_hf_export_is_named_by_its_sources_convention(llama, tmp_path, capsys):
+    """Class 3: `inspect` of reshard's own `export --format hf` called its convention "lightning" (whose
+    `model.` marker the export map's source names also match); it is the source's, as the export records."""
+    hf = tmp_path / "hf"
+    code, out, err = run_cli(["export", llama, hf, "--format", "hf", "--model-config", "n_heads=4",
+                              "--model-config", "n_kv_heads=2", "--model-config", "rms_norm_eps=1e-5",
+                              "--model-config", "rope_theta=500000", "--model-config", "rope_scaling_factor=8"], capsys)
+    assert code == 0, out + err
+    code, out, err = run_cli(["inspect", llama, "--json"], capsys)
+    source = json.loads(out)["convention"]["name"]
+    code, out, err = run_cli(["inspect", hf, "--json"], capsys)
+    assert code == 0, out + err
+    assert json.loads(out)["convention"]["name"] == source != "lightning", out
