@@ -232,15 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         print("\n".join(problems), file=sys.stderr)
         return 2
-    rep = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": (f"{m['nproc']} CPUs, {m['ram_gib']} GiB RAM, {m['platform']}, Python {m['python']}, "
-                                   f"commit `{m['commit']}`"),
+    said = f"{m['nproc']} CPUs, {m['ram_gib']} GiB RAM, {m['platform']}, Python {m['python']}, commit `{m['commit']}`"
+    rep = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": said,
            "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "runs": a.runs,
            "base_tree": a.base_tree, "seconds": round(time.time() - t0), "result": result, "problems": problems}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_store.json").write_text(json.dumps(rep, indent=1))
     md = markdown(rep)
-    (out / "bench_store.md").write_text(md)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    for name, text in (("bench_store.json", json.dumps(rep, indent=1)), ("bench_store.md", md)):
+        (Path(a.out) / name).write_text(text)
     print(md)
     if problems:
         print("\n".join(problems), file=sys.stderr)
