@@ -43,8 +43,8 @@ session's `plain_fsdp2_ckpt` (real FSDP2 ranks, `dcp.save`), uploaded once.
   CRC-32s, not converted again), keeps every data object already sent (size and ETag as
   recorded), sends the rest and commits the same objects; the staging folder goes.
 - `test_a_kill_while_data_objects_go_during_the_verification_commits_nothing`: the data objects
-  are uploaded while the output is verified; killed after the first, nothing is committed
-  locally or in the store, and the rerun resumes, keeps what was sent and commits the same bytes.
+  are uploaded while the output is verified; killed after the first, nothing is committed in the
+  store, and the rerun resumes, keeps what was sent and commits the same bytes.
 - `test_a_source_the_cache_holds_is_fetched_whole_once_and_spliced`: each data object fetched by
   one GET into the read cache's file, spliced from there, the local conversion's bytes.
 - `test_a_kill_during_the_local_conversion_resumes_it_and_a_changed_object_is_sent_again`:
@@ -528,11 +528,11 @@ def test_a_kill_before_the_commit_leaves_no_metadata_and_the_rerun_resumes_the_u
 
 def test_a_kill_while_data_objects_go_during_the_verification_commits_nothing(s3, plain_url, local_dp2, staging):
     """The data objects of a conversion bound for the store are uploaded while the output is
-    verified and committed locally (`publishing.EarlyUpload`). SIGKILLed right after its first data
-    object, the run has committed nothing, locally (no `.metadata` in the staging folder's output)
-    or in the store (no `.metadata`, the upload marker there); the rerun resumes the conversion
-    from its journal, keeps what was sent (size and ETag as recorded), and commits the clean
-    conversion's bytes."""
+    verified and committed locally (`publishing.EarlyUpload`, a thread of its own). SIGKILLed right
+    after its first data object, the run has committed nothing in the store (no `.metadata`, the
+    upload marker there), whether or not the local commit had happened meanwhile (the two race);
+    the rerun resumes (the conversion from its journal, or the committed local output taken again),
+    keeps what was sent (size and ETag as recorded), and commits the clean conversion's bytes."""
     import os
 
     import forked
@@ -549,11 +549,10 @@ def test_a_kill_while_data_objects_go_during_the_verification_commits_nothing(s3
     shutil.rmtree(own_tmp)
     keys = s3.keys("out/killed-early-upload")
     assert data[0] in keys and ".metadata" not in keys and ".reshard-uploading" in keys, keys
-    assert not (stage_folder(dst) / "out" / ".metadata").exists()  # not committed locally either
     code, out, err = cli(argv)
     assert code == 0, err
     report = json.loads(out)
-    assert "taken_again" not in report and report["resume"]["resumed"], report.get("resume")
+    assert "taken_again" in report or report["resume"]["resumed"], report.get("resume")
     assert report["uploaded"]["kept_from_an_interrupted_upload"]["objects"] >= 1, report["uploaded"]
     assert ".reshard-uploading" not in s3.keys("out/killed-early-upload") and not stage_folder(dst).exists()
     c = s3.client()
