@@ -159,50 +159,82 @@ def collect(param_chunks: Iterable[tuple[Any, tuple[int, ...], np.ndarray, np.nd
             writer_ranks: list[int]) -> ChunkEvidence:
     """One pass over ``(key, shape, offsets, sizes, writers)``, a tensor's chunks as int64 arrays
     (``(n, ndim)``, ``(n, ndim)``, ``(n,)``; a writer of -1 is unknown): the pieces, cuts and
-    writers `ChunkEvidence` keeps. In numpy per tensor: at 405B x 16,384 ranks there are 18 M
-    parameter chunks."""
+    writers `ChunkEvidence` keeps. In numpy per distinct chunking: at 405B x 16,384 ranks there
+    are 18 M parameter chunks, and tensors cut alike (FSDP2 cuts every tensor of a shape the same
+    way: 180k keys hold a few dozen chunkings) are read once (`TensorCuts.of`), then counted."""
     ev = ChunkEvidence(writer_ranks=sorted(writer_ranks))
+    world = len(ev.writer_ranks)
+    seen: dict[tuple, TensorCuts] = {}
     for key, shape, offs, sizes, writers in param_chunks:
         ev.tensors += 1
         if not shape:
             continue
-        full = (sizes > 0).all(axis=1) if len(sizes) else np.zeros(0, dtype=bool)
-        offs, writers = offs[full], writers[full]
-        starts = [np.unique(offs[:, d]) for d in range(len(shape))]
-        pieces = [len(x) for x in starts]
-        if all(p == 1 for p in pieces[1:]):
-            ev.dim0[pieces[0]] += 1
-            position = np.searchsorted(starts[0], offs[:, 0])
-            known = writers >= 0
-            codes = np.unique(position[known].astype(np.int64) << 32 | writers[known])  # (piece, writer), once each
-            ev.piece_writers.append(np.stack([codes >> 32, codes & 0xFFFFFFFF], axis=1))
-            if pieces[0] == 1:
-                ev.whole_rows = max(ev.whole_rows, shape[0])
-            if pieces[0] > 1 and known.all() and len(np.unique(writers)) == len(writers) == pieces[0]:
-                cut = (shape[0], tuple(starts[0].tolist()))
-                if cut not in ev.cuts:
-                    order = np.argsort(offs[:, 0], kind="stable")
-                    ev.cuts[cut] = (str(key), tuple(writers[order].tolist()))
-        for d in range(1, len(shape)):
-            if pieces[d] > 1:
-                ev.tp_cuts[pieces[d]] += 1
-        _note_chunked(ev, key, shape, starts, writers)
+        alike = (tuple(shape), offs.dtype.str, offs.tobytes(), sizes.dtype.str, sizes.tobytes(), writers.dtype.str,
+                 writers.tobytes())
+        cuts = seen.get(alike)
+        if cuts is None:
+            cuts = seen[alike] = TensorCuts.of(tuple(shape), offs, sizes, writers, world)
+        cuts.count(ev, key, shape)
     return ev
 
 
-def _note_chunked(ev: ChunkEvidence, key: Any, shape: tuple[int, ...], starts: list[np.ndarray],
-                  writers: np.ndarray) -> None:
-    """Whether one tensor is cut as FSDP2 cuts every parameter: along one dim, at ``torch.chunk``'s starts for
-    one piece per writer rank, each piece written by its own rank (`ChunkEvidence.chunked_dims`)."""
-    world = len(ev.writer_ranks)
+@dataclass(frozen=True)
+class TensorCuts:
+    """What one tensor's chunks show, apart from its key: its pieces per dim and, cut along dim 0
+    only, which writer wrote which piece, the cut (positions, writers in order) when each piece
+    has its own writer, and the dim it is cut along as FSDP2 cuts a parameter (`chunked_dim`)."""
+
+    pieces: tuple[int, ...]
+    piece_writers: np.ndarray | None  # (piece, writer) pairs, dim-0 cuts only
+    cut: tuple[int, tuple[int, ...]] | None
+    cut_writers: tuple[int, ...]
+    chunked_dim: int | None
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], offs: np.ndarray, sizes: np.ndarray, writers: np.ndarray,
+           world: int) -> "TensorCuts":
+        full = (sizes > 0).all(axis=1) if len(sizes) else np.zeros(0, dtype=bool)
+        offs, writers = offs[full], writers[full]
+        starts = [np.unique(offs[:, d]) for d in range(len(shape))]
+        pieces = tuple(len(x) for x in starts)
+        piece_writers, cut, cut_writers = None, None, ()
+        if all(p == 1 for p in pieces[1:]):
+            position = np.searchsorted(starts[0], offs[:, 0])
+            known = writers >= 0
+            codes = np.unique(position[known].astype(np.int64) << 32 | writers[known])  # (piece, writer), once each
+            piece_writers = np.stack([codes >> 32, codes & 0xFFFFFFFF], axis=1)
+            if pieces[0] > 1 and known.all() and len(np.unique(writers)) == len(writers) == pieces[0]:
+                cut = (shape[0], tuple(starts[0].tolist()))
+                cut_writers = tuple(writers[np.argsort(offs[:, 0], kind="stable")].tolist())
+        return cls(pieces, piece_writers, cut, cut_writers, _chunked_dim(shape, starts, writers, world))
+
+    def count(self, ev: ChunkEvidence, key: Any, shape: tuple[int, ...]) -> None:
+        """Add one tensor (``key``) cut so to ``ev``: the first key of each cut and of each way is the example."""
+        if self.piece_writers is not None:
+            ev.dim0[self.pieces[0]] += 1
+            ev.piece_writers.append(self.piece_writers)
+            if self.pieces[0] == 1:
+                ev.whole_rows = max(ev.whole_rows, shape[0])
+            if self.cut is not None and self.cut not in ev.cuts:
+                ev.cuts[self.cut] = (str(key), self.cut_writers)
+        for p in self.pieces[1:]:
+            if p > 1:
+                ev.tp_cuts[p] += 1
+        if self.chunked_dim is not None:
+            ev.chunked_dims[self.chunked_dim] += 1
+            ev.chunked_example.setdefault(self.chunked_dim, str(key))
+        elif ev.not_chunked is None:
+            ev.not_chunked = str(key)
+
+
+def _chunked_dim(shape: tuple[int, ...], starts: list[np.ndarray], writers: np.ndarray, world: int) -> int | None:
+    """The dim one tensor is cut along as FSDP2 cuts every parameter: along one dim, at ``torch.chunk``'s
+    starts for one piece per writer rank, each piece written by its own rank (`ChunkEvidence.chunked_dims`);
+    None when it is not so cut."""
     cut = [d for d in range(len(shape)) if len(starts[d]) > 1]
     ok = (world > 1 and len(cut) == 1 and (writers >= 0).all() and len(np.unique(writers)) == len(writers)
           == len(starts[cut[0]]) and chunk_starts(shape[cut[0]], world) == tuple(starts[cut[0]].tolist()))
-    if ok:
-        ev.chunked_dims[cut[0]] += 1
-        ev.chunked_example.setdefault(cut[0], str(key))
-    elif ev.not_chunked is None:
-        ev.not_chunked = str(key)
+    return cut[0] if ok else None
 
 
 def infer_from(ev: ChunkEvidence) -> Topology:
