@@ -531,7 +531,9 @@ def _echo(text: str, *, err: bool = False) -> None:
 
     progress = _state.get("progress")
     with progress.cleared() if progress is not None else contextlib.nullcontext():  # no waiting row mid-line
-        typer.echo(redact(text), err=err)
+        # the text, then its newline: ``echo``'s own newline is ``text + "\n"``, a copy of an 18 MB plan
+        typer.echo(redact(text), err=err, nl=False)
+        typer.echo("", err=err)
 
 
 def _fail(exc: BaseException, code: int, paragraph: str, *, usage: bool = False) -> None:

@@ -66,18 +66,25 @@ def _on_anchored_lines(text: str, pattern: re.Pattern[str], repl: Any, anchors: 
     pattern's classes exclude ``\\s``), so matches lie within anchored lines; a line cut at
     ``\\n`` starts and ends where ``\\b`` sees a non-word neighbour, as in the whole text."""
     starts = sorted({i for a in anchors for i in _positions(text, a)})
-    if not starts:
-        return text
-    parts: list[str] = []
-    done = 0  # text[:done] is in parts
+    changed: list[tuple[int, int, str]] = []  # (start, end, redacted line) of each line the pattern changed
+    done = 0  # lines before here are done
     for i in starts:
         if i < done:
             continue  # on a line already done
         lo = text.rfind("\n", done, i) + 1 or done
         hi = text.find("\n", i)
         hi = len(text) if hi < 0 else hi
-        parts.append(text[done:lo])
-        parts.append(pattern.sub(repl, text[lo:hi]))
+        line = text[lo:hi]
+        new = pattern.sub(repl, line)
+        if new != line:
+            changed.append((lo, hi, new))
+        done = hi
+    if not changed:
+        return text  # the text itself: no copy of an 18 MB report for an anchor that redacted nothing
+    parts: list[str] = []
+    done = 0
+    for lo, hi, new in changed:
+        parts += [text[done:lo], new]
         done = hi
     parts.append(text[done:])
     return "".join(parts)

