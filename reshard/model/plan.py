@@ -223,9 +223,19 @@ class Plan:
         head = {"source": self.source, "target": self.target.degrees(), "keys": keys,
                 "options": self.options.to_dict(), "new": sorted(self.new_values)}
         h.update(encode(head).encode())
+        tails: dict[tuple, str] = {}
         for t in self.tensors:
-            row = [t.key, t.role, list(t.shape), t.dtype, t.placement.describe(), t.chunks, t.transform, t.copy_from]
-            h.update(encode(row).encode())
+            # the row [key, role, shape, dtype, placement, chunks, transform, copy_from] as encode writes it:
+            # a list is its items' texts joined by ", ", so the part after key and role is written once per
+            # tensors placed alike (the layout's chunk tuples are shared: their ids, alive in the plan, say so)
+            alike = (tuple(t.shape), t.dtype, t.placement, tuple(map(id, t.chunks)), id(t.transform), t.copy_from)
+            tail = tails.get(alike)
+            if tail is None:
+                if len(tails) >= 4096:  # bounded: a plan whose tensors share no chunk tuples holds no table of them
+                    tails.clear()
+                tail = tails[alike] = encode([list(t.shape), t.dtype, t.placement.describe(), t.chunks, t.transform,
+                                              t.copy_from])[1:]
+            h.update(f"[{encode(t.key)}, {encode(t.role)}, {tail}".encode())
         return h.hexdigest()[:16]
 
     def source_fingerprint(self) -> str:
