@@ -1,4 +1,4 @@
-"""The plan's text made faster (issue 45 follow-up) is the text it was: `to_json` against
+"""The plan's text made faster (issue 45 follow-up) is the text it was: `to_json` (its pieces to a buffer) against
 ``json.dumps(indent=2, default=str)`` on random nested reports, and `Plan.fingerprint` against the
 per-row ``json.dumps`` it replaced (kept here as the reference) on plans of a real ``dcp.save``
 checkpoint to several targets. Cost: about 2 s with the session's FSDP2 checkpoint made."""
