@@ -4,7 +4,7 @@ Reports are plain dicts produced by the library; this module only formats them.
 """
 from __future__ import annotations
 
-import io
+import itertools
 import json
 from typing import Any
 
@@ -13,16 +13,21 @@ from reshard.model.kinds import Action
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """``json.dumps(report, indent=2, default=str)``, its pieces written to a buffer as they come.
+    """``json.dumps(report, indent=2, default=str)``, its pieces joined a batch at a time.
 
     Why not ``json.dumps``: with ``indent`` it encodes in Python and joins a list of every piece,
-    at 180k keys 4 M small strings, 89 MiB at the plan's peak for an 18 MB text; the buffer holds
-    the text only. Same encoder, same pieces, same text."""
-    buf = io.StringIO()
-    write = buf.write
-    for piece in json.JSONEncoder(indent=2, sort_keys=False, default=str).iterencode(report):
-        write(piece)
-    return buf.getvalue()
+    at 180k keys 4 M small strings, 89 MiB at the plan's peak for an 18 MB text; here at most
+    `_BATCH` pieces are held, then one string per batch. Same encoder, same pieces, same text
+    (the plan's JSON at 180k keys, twice each: 0.42-0.45 s of CPU, ``json.dumps`` 0.48-0.85 s,
+    each piece written to a ``StringIO`` 0.52-0.85 s)."""
+    pieces = json.JSONEncoder(indent=2, sort_keys=False, default=str).iterencode(report)
+    parts: list[str] = []
+    while batch := list(itertools.islice(pieces, _BATCH)):
+        parts.append("".join(batch))
+    return "".join(parts)
+
+
+_BATCH = 65_536
 
 
 def _topo_line(t: dict[str, Any]) -> str:
