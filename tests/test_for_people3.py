@@ -26,19 +26,11 @@ import pytest
 
 from conftest import run_cli
 
-MANY_WITHOUT_TORCH = """
-import contextlib, io, json, sys
+from test_no_torch import HOOK  # noqa: E402  the import hook that refuses torch, as test_no_torch installs it
 
-
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch imported before the refusal: " + name)
-        return None
-
-
-sys.meta_path.insert(0, NoTorch())
+MANY_WITHOUT_TORCH = HOOK.split("from reshard.cli import main")[0] + """
 from reshard.cli import main
+import contextlib, io, json
 
 results = []
 for line in json.loads(sys.argv[1]):
