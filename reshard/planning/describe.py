@@ -143,13 +143,20 @@ def _hf_model_folder(root: Path) -> tuple[str, str] | None:
     return arch, weights
 
 
-def _exported_by_reshard(ix: Any) -> bool:
-    """An `export --format hf` output: reshard recorded its export map in the safetensors metadata
-    (`verify` compares such an export with its source, so inspect keeps reading it)."""
+def _export_metadata(ix: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A consolidated export's two metadata records: its safetensors file's and its sharded index's
+    (each empty where there is none, or where the reader is not an export's)."""
     meta = getattr(ix, "metadata", None)
     index = getattr(ix, "index", None)
     index_meta = index.get("metadata") if isinstance(index, dict) else None
-    return (isinstance(meta, dict) and "export_map" in meta) or (isinstance(index_meta, dict) and bool(index_meta.get("reshard")))
+    return (meta if isinstance(meta, dict) else {}), (index_meta if isinstance(index_meta, dict) else {})
+
+
+def _exported_by_reshard(ix: Any) -> bool:
+    """An `export --format hf` output: reshard recorded its export map in the safetensors metadata
+    (`verify` compares such an export with its source, so inspect keeps reading it)."""
+    meta, index_meta = _export_metadata(ix)
+    return "export_map" in meta or bool(index_meta.get("reshard"))
 
 
 def _export_convention(ix: Any) -> str | None:
@@ -157,10 +164,8 @@ def _export_convention(ix: Any) -> str | None:
     names the source's keys (the export map), which another convention's markers may also match
     (Lightning's ``model.``: issue 47 found reshard's own HF export called "lightning"). Like a
     manifest's ``key_convention`` it only breaks a tie; a name no convention has is ignored."""
-    meta = getattr(ix, "metadata", None)
-    index = getattr(ix, "index", None)
-    for m in (meta, index.get("metadata") if isinstance(index, dict) else None):
-        if isinstance(m, dict) and isinstance(m.get("source_convention"), str):
+    for m in _export_metadata(ix):
+        if isinstance(m.get("source_convention"), str):
             return m["source_convention"]
     return None
 
