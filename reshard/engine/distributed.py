@@ -461,16 +461,14 @@ def _read_rest(ledger: Any, rec: Any) -> None:
 
 def _crc_range(fd: int, pos: int, n: int, slab: int = 8 << 20) -> int:
     """CRC-32 of ``n`` bytes of ``fd`` at ``pos``, read in slabs (memory: one slab)."""
-    import zlib
-
-    from reshard.storage.files.fileio import read_exact
+    from reshard.storage.files.fileio import crc32, read_exact
 
     buf = memoryview(bytearray(min(n, slab)))
     crc = 0
     while n > 0:
         view = buf[:min(n, len(buf))]
         read_exact(fd, view, pos)
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         pos += len(view)
         n -= len(view)
     return crc

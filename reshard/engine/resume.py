@@ -31,7 +31,6 @@ compared in this run.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from reshard.engine.splice import SpliceJob, WorkerBuffers, item_row_bytes, slab
 from reshard.model.geometry import contiguous_run
 from reshard.model.plan import Plan
 from reshard.storage.checkpoints.crcledger import CrcLedger
-from reshard.storage.files.fileio import FdCache, read_exact
+from reshard.storage.files.fileio import FdCache, crc32, read_exact  # crc32: the copy's (native where built)
 from reshard.storage.files.journal import ResumeKey, source_identity
 from reshard.storage.source import Source
 
@@ -96,19 +95,19 @@ def prove_spliced(job: SpliceJob, fd: int, at: int, buffers: WorkerBuffers, file
     head = bytearray(len(fr.head))
     read_exact(fd, head, at)
     equal = bytes(head) == fr.head
-    crc = zlib.crc32(head)
+    crc = crc32(head)
     scrc = 0
     pos = at + fr.storage_offset
     sizes = box.sizes
     if not sizes:  # a 0-d tensor: one element
         view = buffers.get(isz)
         read_exact(fd, view, pos)
-        scrc, crc = zlib.crc32(view), zlib.crc32(view, crc)
+        scrc, crc = crc32(view), crc32(view, crc)
         src = job.sources[0]
         other = buffers.get_aux(isz)
         read_exact(files.fd(src.path), other, src.storage_at)
         if src.crc is not None and ledger is not None:
-            ledger.add(src.record(isz), 0, isz, zlib.crc32(other))
+            ledger.add(src.record(isz), 0, isz, crc32(other))
         equal = equal and bytes(view) == bytes(other)
     elif sizes[0] and item_row_bytes(sizes, isz):
         row = item_row_bytes(sizes, isz)
@@ -116,8 +115,8 @@ def prove_spliced(job: SpliceJob, fd: int, at: int, buffers: WorkerBuffers, file
         for r0, slab in slabs:
             out = buffers.get(slab.numel * isz)
             read_exact(fd, out, pos + r0 * row)
-            scrc = zlib.crc32(out, scrc)
-            crc = zlib.crc32(out, crc)
+            scrc = crc32(out, scrc)
+            crc = crc32(out, crc)
             if equal:
                 bad, seen = slab_difference(out, slab, meeting, isz, files, buffers, ledger)
                 equal = bad is None and seen == slab.numel
@@ -126,7 +125,7 @@ def prove_spliced(job: SpliceJob, fd: int, at: int, buffers: WorkerBuffers, file
     tail = bytearray(fr.tail_nbytes)
     read_exact(fd, tail, pos + fr.storage_nbytes)
     equal = equal and bytes(tail) == fr.tail(scrc)
-    return Proof(equal, zlib.crc32(tail, crc))
+    return Proof(equal, crc32(tail, crc))
 
 
 def whole_storages(job: SpliceJob) -> bool:

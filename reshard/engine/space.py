@@ -341,9 +341,7 @@ class _Stream(Timed):
             self.error = f"{exc.filename or self.target}: {exc.strerror or exc}"
 
     def _run(self, deadline: float, cap: int) -> None:
-        import zlib
-
-        from reshard.storage.files.fileio import ALIGN, aligned_buffer, open_direct
+        from reshard.storage.files.fileio import ALIGN, aligned_buffer, crc32, open_direct
 
         buf = aligned_buffer(PROBE_BLOCK)
         if self.source is None:
@@ -376,7 +374,7 @@ class _Stream(Timed):
                     if n <= 0:
                         break
                 t = time.perf_counter()
-                zlib.crc32(buf[:n])
+                crc32(buf[:n])  # the copy's own CRC (native where built), the one the probe predicts
                 t2 = time.perf_counter()
                 done = os.pwritev(out, [buf[:n]], at)
                 t3 = time.perf_counter()
