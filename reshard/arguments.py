@@ -83,12 +83,12 @@ def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
 
 def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str) -> None:
     """What a conversion into object storage does not do yet, refused before any work: linked
-    data, per-rank safetensors, several workers (``--overwrite`` is checked against the prefix itself)."""
+    data, per-rank safetensors (``--overwrite`` is checked against the prefix itself). Several
+    workers stream their files into it (`reshard.engine.streaming`)."""
     if not is_url(dst):
         return
     urls.parse(dst, what="destination URL")
-    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
-                       (workers not in (None, 1), "--workers")):
+    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}")):
         if given:
             raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
                            hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")

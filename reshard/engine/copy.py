@@ -101,6 +101,7 @@ class WriteChecks(set):
         self.read_back = 0           # read back and compared bitwise with the source rows
         self.after_writing = 0       # not checked while written: compared with the source afterwards
         self._deferred: list[tuple[str, list]] = []
+        self.later: list[str] = []   # keys `finalize` left to the comparison after writing
 
     def count(self, by_source_crc: bool) -> None:
         with self._lock:  # called from the pool's threads
@@ -124,7 +125,16 @@ class WriteChecks(set):
             else:
                 self.after_writing += 1
                 self.discard(key)
+                self.later.append(key)
         self._deferred.clear()
+
+    def checked_elsewhere(self) -> None:
+        """The keys `finalize` left to the comparison after writing were checked since, against the
+        source's records, across workers (`reshard.engine.distributed.check_split_storages`)."""
+        self.update(self.later)
+        self.against_source_crc += len(self.later)
+        self.after_writing -= len(self.later)
+        self.later = []
 
     def summary(self) -> dict[str, int]:
         return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back,

@@ -154,12 +154,17 @@ class DcpWriter:
     Not thread-safe. After `finish` (or `close`) no further writes are accepted.
     """
 
-    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None, journal: Any = None):
+    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None, journal: Any = None,
+                 observer: Any = None):
         """``owned``: optional predicate on a rank's file; items of files it rejects are only
         reserved (their bytes are written by another process of a distributed conversion,
         which passes their checksums back through `adopt`). ``file_name``: optional
         rank -> file name of this writer's data files (default `data_file_name`).
-        ``journal``: optional `reshard.storage.files.journal.Journal` (a resumable conversion)."""
+        ``journal``: optional `reshard.storage.files.journal.Journal` (a resumable conversion).
+        ``observer``: optional watcher of this writer's own items (`reshard.storage.objectstore.stream.SpillStreamer`,
+        which streams the files into a store as they fill): ``reserved(file, offset, length)`` as each
+        is placed, ``filled(file, offset, length, spliced)`` once its bytes are written (``spliced``:
+        by a caller through `filled`, rather than by the writer itself)."""
         self.directory = Path(directory)
         self._journal = journal
         self._candidates: dict[tuple[str, int], str] = {}  # reserved journaled items to prove -> recorded CRC-32
@@ -181,6 +186,7 @@ class DcpWriter:
         self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
         self._checksums: dict[str, str] = {}
         self._closed = False
+        self._observer = observer
 
     # ------------------------------------------------------------------ declarations
     def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: "DType | torch.dtype",
@@ -425,12 +431,16 @@ class DcpWriter:
             raise WriterError(f"item {loc.file}:{loc.offset} was not reserved or is already filled",
                               where=str(self.directory))
         self._pending.discard(name)
-        self._filled(loc, crc)
+        self._filled(loc, crc, spliced=True)
 
     # ------------------------------------------------------------------ results
     def checksums(self) -> dict[str, str]:
         """``"{file}:{offset}"`` -> CRC-32 (8 hex digits) of that item's bytes exactly as written."""
         return dict(self._checksums)
+
+    def checksum_of(self, file: str, offset: int) -> str | None:
+        """The CRC-32 (8 hex digits) recorded for the item at ``offset`` of ``file``, None before it is filled."""
+        return self._checksums.get(f"{file}:{offset}")
 
     def locations(self) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
         """(key, chunk offsets or None for objects) -> where the item was written."""
@@ -593,10 +603,15 @@ class DcpWriter:
                 self._gaps.setdefault(rank, []).append((start, start + skip))
             start += skip
         self._end[rank] = start + int(length)
-        return ItemLocation(self._file_name(rank), start, int(length))
+        loc = ItemLocation(self._file_name(rank), start, int(length))
+        if self._observer is not None and self.owns(rank):
+            self._observer.reserved(loc.file, loc.offset, loc.length)
+        return loc
 
-    def _filled(self, loc: ItemLocation, crc: int) -> None:
+    def _filled(self, loc: ItemLocation, crc: int, spliced: bool = False) -> None:
         digest = self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
+        if self._observer is not None:
+            self._observer.filled(loc.file, loc.offset, loc.length, spliced)
         start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
         if self._journal is not None:
             self._journal.record(loc.file, loc.offset, loc.length, digest)
