@@ -58,6 +58,7 @@ class IOOptions:
     window: int = field(default_factory=splice.default_window)
     splice: bool = True
     direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
+    ahead: Optional[int] = None  # at most these bytes of items written ahead of the writer's bookkeeping (None: by count)
 
 
 class PieceLedger(splice.SourceLedger):
@@ -169,7 +170,7 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
             w.filled(tok, result)
 
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
-             threads=io.threads, window=io.window, on_done=done)
+             threads=io.threads, window=io.window, on_done=done, ahead=io.ahead)
     if isinstance(checked, WriteChecks):
         checked.finalize()
     if commit:

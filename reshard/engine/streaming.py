@@ -158,7 +158,7 @@ class StreamedStoreOutput(DistributedOutput):
             resume_from=self._resumable, on_part=fault_point)
         self._writer = w = DcpWriter(run.tmp, owned=self._owns, observer=streamer)
         holder["w"] = w
-        io = replace(self.io, window=copy_window)
+        io = replace(self.io, window=copy_window, ahead=copy_window)
 
         def own_files() -> dict[str, Any]:
             try:
@@ -175,6 +175,7 @@ class StreamedStoreOutput(DistributedOutput):
             return {"checksums": w.checksums(), "split": self._checked.ledger.partial(),
                     "objects": [o.to_dict() for o in objects], "unspliced": unspliced,
                     "disk": {"peak_bytes": streamer.peak_disk, "kept_bytes": streamer.kept_on_disk,
+                             "punched_bytes": streamer.punched, "most_unsent_bytes": streamer.most_unsent,
                              "part_bytes": part, "budget_bytes": budget}}
 
         written = c.run("writing and sending its files", own_files, own=run.own)

@@ -182,6 +182,8 @@ class SpillStreamer:
         self.queue: deque[tuple[_File, int, int, bool]] = deque()
         self.unsent = 0            # bytes written (or reserved and filled) and not yet sent and punched
         self.peak_disk = 0         # the most local disk the spill files held, measured (st_blocks)
+        self.punched = 0           # bytes punched out of the spill files after they were sent
+        self.most_unsent = 0
         self.kept_on_disk = 0      # bytes of parts not punched (they hold items read again by the verification)
         self.error: Optional[BaseException] = None
         self.small: list[tuple[str, int, bytes]] = []
@@ -214,6 +216,7 @@ class SpillStreamer:
             if spliced and length <= SMALL_ITEM:  # read by every worker's verification (step counters): kept aside
                 self.small.append((file, offset, os.pread(self._reader(f), length, offset)))
             self.unsent += length
+            self.most_unsent = max(self.most_unsent, self.unsent)
             while f.next_item < len(f.items) and f.items[f.next_item][2]:
                 f.next_item += 1
             f.ready = f.items[f.next_item][0] if f.next_item < len(f.items) else f.items[-1][0] + f.items[-1][1]
@@ -331,8 +334,8 @@ class SpillStreamer:
                 self.cond.notify_all()
 
     def _open(self, f: _File) -> None:
-        if f.fd is None:
-            f.fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if f.fd is None:  # read and write: `punch_hole` needs a descriptor open for writing
+            f.fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             key = f"{self.prefix}/{f.name}"
             earlier = self.resume_from.get(key)
             if earlier:
@@ -446,7 +449,8 @@ class SpillStreamer:
         with self.cond:
             self.peak_disk = max(self.peak_disk, disk)
         if punch and not keep:
-            punch_hole(f.fd, start, end - start)
+            if punch_hole(f.fd, start, end - start):
+                self.punched += end - start
         elif keep:
             self.kept_on_disk += end - start
         with self.cond:
