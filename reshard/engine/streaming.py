@@ -227,11 +227,15 @@ class StreamedStoreOutput(DistributedOutput):
                               "bytes_kept_from_an_interrupted_upload": sum(o["bytes_kept"] for o in self._objects)}
 
     def resume(self, run: Run) -> dict[str, Any]:
+        """What this run kept of an interrupted upload (``resumed`` stays a local journal's word)."""
+        from reshard.units import human_bytes
+
         kept = sum(o["parts_kept"] for o in self._objects)
-        return {"resumed": bool(self._resumable), "parts_kept": kept,
-                "bytes_kept": sum(o["bytes_kept"] for o in self._objects),
-                "note": ("parts of an interrupted upload kept where their MD5 equals the bytes this run would send"
-                         if self._resumable else "nothing interrupted to resume")}
+        nbytes = sum(o["bytes_kept"] for o in self._objects)
+        message = (f"resumed the upload: {kept} parts ({human_bytes(nbytes)}) an interrupted run had sent kept, each "
+                   "proven by the MD5 of the bytes this run would send in its place" if self._resumable else None)
+        return {"resumed": False, "upload_resumed": bool(self._resumable), "parts_kept": kept, "bytes_kept": nbytes,
+                "message": message}
 
     # -- 5. the commit ---------------------------------------------------------------------------
     def _commit(self, run: Run) -> None:
