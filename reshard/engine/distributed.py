@@ -236,7 +236,7 @@ class Collective:
         try:
             fn(*args)
         except RuntimeError as exc:  # gloo's DistBackendError and friends
-            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            detail = _gloo_detail(exc)
             raise WorkerFailed(BadInput(
                 f"{self._lost()} stopped while {stage} (its connection closed: {detail})",
                 hint="Nothing was committed; the same command run again resumes from what this one left beside the "
@@ -265,6 +265,15 @@ class Collective:
 
         return ("worker " if len(lost) == 1 else "workers ") + ", ".join(who(r)[7:] for r in lost) + \
             f" of {self.world}"
+
+
+def _gloo_detail(exc: BaseException) -> str:
+    """gloo's message without its source path and advice: "Connection closed by peer [127.0.0.1]:34709"."""
+    import re
+
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", first)
+    return first.split(". ", 1)[0].rstrip(".")
 
 
 def _arrivals_store() -> Any:
