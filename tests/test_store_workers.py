@@ -3,7 +3,8 @@
 moto's server on localhost (`tests/s3_server.py`), the workers real torchrun processes (``--workers``
 starts torchrun inside the command; two torchrun agents with a c10d rendezvous stand for two nodes).
 
-- `test_workers_stream_into_the_store_byte_identical_and_torch_loads_it`: ``--workers 2`` into a
+- `test_workers_stream_into_the_store_byte_identical_and_torch_loads_it`: ``--workers 2`` from a local
+  folder and from the store into a
   prefix: every object byte-identical to a single process's local conversion, `.metadata` last and no
   marker left, torch's `FsspecReader` + `dcp.load` strict and bitwise, `verify` exit 0 against the
   source and against the local conversion, the report naming each worker's objects and disk.
@@ -92,19 +93,22 @@ def _load_with_fsspec_reader(url: str, like: Path) -> None:
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
 
 
-def test_workers_stream_into_the_store_byte_identical_and_torch_loads_it(s3, plain_fsdp2_ckpt, local_dp2):
-    dst = s3.url("w2/dp2")
-    code, _out, err = cli(["convert", plain_fsdp2_ckpt, dst, "--to", "dp=2", "--workers", "2", "--quiet"])
+@pytest.mark.parametrize("from_store", [False, True], ids=["local-to-store", "store-to-store"])
+def test_workers_stream_into_the_store_byte_identical_and_torch_loads_it(s3, plain_fsdp2_ckpt, local_dp2, from_store):
+    prefix = f"w2/dp2-{int(from_store)}"
+    dst = s3.url(prefix)
+    src = s3.upload(plain_fsdp2_ckpt, "w2/src") if from_store else plain_fsdp2_ckpt
+    code, _out, err = cli(["convert", src, dst, "--to", "dp=2", "--workers", "2", "--quiet"])
     assert code == 0, err
-    report = _report(s3, "w2/dp2")
+    report = _report(s3, prefix)
     assert report["destination"] == dst and report["workers"] == 2
     assert report["verification"]["equal"] is True
     sent = report["verification"]["sent"]
     assert sent["objects"] == 2 and sent["objects_checked_by_etag"] == 2 and sent["items_checked_as_sent"] > 0
     assert [w["worker"] for w in report["streamed"]["workers"]] == [0, 1]
-    _same_as_local(s3, "w2/dp2", local_dp2)
+    _same_as_local(s3, prefix, local_dp2)
     _load_with_fsspec_reader(dst, local_dp2)
-    for a in (plain_fsdp2_ckpt, local_dp2):
+    for a in (src, local_dp2):
         code, _o, err = cli(["verify", a, dst])
         assert code == 0, err
 
@@ -221,7 +225,8 @@ def test_two_nodes_a_lost_node_and_the_resume(s3, big_ckpt, staging, tmp_path):
     code, _o, err = cli(["convert", big_ckpt, big_local, "--to", "dp=4", "--quiet"])
     assert code == 0, err
     dst = s3.url("nodes/dp4")
-    argv = ["convert", str(big_ckpt), dst, "--to", "dp=4", "--buffer-memory", "16MiB", "--quiet"]
+    src = s3.upload(big_ckpt, "nodes/src")  # store to store, two nodes
+    argv = ["convert", src, dst, "--to", "dp=4", "--buffer-memory", "16MiB", "--quiet"]
     env = dict(os.environ, PYTHONPATH=str(REPO), RESHARD_STAGING_DIR=str(staging))
     faults = tmp_path / "faults"
     killed_env = dict(env, RESHARD_FAULT_RANK="1", RESHARD_FAULT_COUNT=str(faults),

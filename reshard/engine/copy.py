@@ -187,15 +187,17 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
     mirrored = io.splice and rc is not None and rc.can_mirror()
     with contextlib.ExitStack() as stack:
-        if mirrored:
-            mirror = stack.enter_context(rc.mirroring(_first_needed(ix)))
+        if mirrored:  # a worker of a divided output fetches only the objects its own files need
+            needed = (_first_needed(ix) if w.owns_all else
+                      list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
+            mirror = stack.enter_context(rc.mirroring(needed))
             locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready)
         elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:
             locator = splice.Locator(ix.root, ix.entries.values())
         else:
             locator = None
         if rc is not None and not mirrored:  # items fetched ahead, bounded in requests and bytes
-            stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads,
+            stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions, w.owns), in_flight=io.threads,
                                                memory=io.window, label="copy"))
         if locator is not None:
             stack.callback(locator.close)
@@ -216,16 +218,20 @@ def _first_needed(ix: CheckpointIndex) -> list[str]:
     return list(order) + sorted(set(ix.remote.data_files()) - order.keys())
 
 
-def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
+def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any = None):
     """The byte ranges `_items_in_order` reads from a remote source, in its order: each copied
     object's item, and for each target chunk of a re-cut tensor the source items `read_box`
-    reads (the prefetch's order; a range read otherwise is fetched when it is read)."""
+    reads (the prefetch's order; a range read otherwise is fetched when it is read). ``owns``
+    (a worker of a divided output): only for the target ranks whose files it writes."""
+    def mine(rank: Any) -> bool:
+        return owns is None or bool(owns(int(rank or 0)))
+
     for key, e in ix.entries.items():
         a = actions[key]
         if a.action in (Action.DROPPED, Action.REWRITTEN):
             continue
         if not e.is_tensor:
-            if e.location is not None:
+            if e.location is not None and mine(a.rank):
                 yield e.location.file, e.location.offset, e.location.length
             continue
         t = planned[key]
@@ -233,6 +239,8 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
             continue  # read by `write_transformed`, its own way
         if not e.shape:  # a 0-d tensor: its one item per target chunk
             for _rank, _offsets, _sizes in t.chunks:
+                if not mine(_rank):
+                    continue
                 for c in e.chunks:
                     if not c.box.offsets and c.location is not None:
                         yield c.location.file, c.location.offset, c.location.length
@@ -240,6 +248,8 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
         tab = ChunkTable.of(e.chunks, len(e.shape))  # one array comparison per target chunk, not a Box per pair
         lo, hi = tab.offsets, tab.offsets + tab.sizes
         for _rank, offsets, sizes in t.chunks:
+            if not mine(_rank):
+                continue
             o = np.asarray(offsets, dtype=np.int64)
             hit = np.all((lo < o + np.asarray(sizes, dtype=np.int64)) & (hi > o), axis=1) & (tab.file >= 0)
             for i in np.flatnonzero(hit):
@@ -259,6 +269,8 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             else:
                 yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,
                                         direct)
+        elif not w.owns(a.rank or 0):  # another worker's file: the same place reserved, its bytes not read here
+            w.reserve_object(a.rank or 0, e.key, e.location.length, path=e.path or None)
         else:
             w.write_object_bytes(a.rank or 0, e.key, checked_object(plan, ix, e), path=e.path or None)
     write_added(plan, ix, w)

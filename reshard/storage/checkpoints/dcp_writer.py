@@ -385,6 +385,11 @@ class DcpWriter:
         if recorded is not None:
             self._journal.rewritten(recorded, _crc_hex(crc))
 
+    @property
+    def owns_all(self) -> bool:
+        """Whether this writer writes every file (not one worker's share of a divided output)."""
+        return self._owned is None
+
     def owns(self, rank: int) -> bool:
         """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
         return self._owned is None or bool(self._owned(rank))
