@@ -183,6 +183,7 @@ class DcpWriter:
         self._objects: dict[str, _Object] = {}
         self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
         self._checksums: dict[str, str] = {}
+        self._unflushed: dict[str, tuple[int, int, int]] = {}  # file -> (start, end, bytes) filled since its last writeback
         self._closed = False
 
     # ------------------------------------------------------------------ declarations
@@ -615,10 +616,25 @@ class DcpWriter:
 
     def _filled(self, loc: ItemLocation, crc: int) -> None:
         digest = self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
-        start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
+        self._write_back(loc)
         if self._journal is not None:
             self._journal.record(loc.file, loc.offset, loc.length, digest)
         fault_point(f"item {loc.file}:{loc.offset}")
+
+    def _write_back(self, loc: ItemLocation) -> None:
+        """Start the kernel's writeback of filled items (the fsync before the commit then finds less to
+        do), `WRITEBACK_BATCH` bytes of a file at a time: one ``sync_file_range`` per item cost about
+        0.5 ms of CPU each, a third of a small conversion's writing (297 items of a few KiB), for pages
+        the final fsync writes anyway. An item of a batch or more goes at once, as before; smaller ones
+        accumulate per file (the range spanning them, holes of unfilled items included: writeback
+        skips clean pages) until they add up to a batch."""
+        lo, hi, n = self._unflushed.get(loc.file, (loc.offset, loc.offset, 0))
+        lo, hi, n = min(lo, loc.offset), max(hi, loc.offset + loc.length), n + loc.length
+        if n >= WRITEBACK_BATCH:
+            start_writeback(self._fd_of[loc.file], lo, hi - lo)
+            self._unflushed.pop(loc.file, None)
+        else:
+            self._unflushed[loc.file] = (lo, hi, n)
 
     def _keep(self, loc: ItemLocation, parts: list[Any]) -> bool:
         """Whether a resumed run keeps this owned item, whose bytes are ``parts``: only when its journal
@@ -659,6 +675,7 @@ class DcpWriter:
 
 
 ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
+WRITEBACK_BATCH = 4 << 20  # `DcpWriter._write_back`: filled bytes of a file per writeback hint
 
 
 def _storage_at(fr: Framing) -> tuple[int, int | None]:
