@@ -7,7 +7,8 @@ generator state built without torch is torch's own for many seeds, each reseeded
 item written for it is byte for byte what the torch-made value gives, and a real ``reshard convert``
 of the reference trainer's checkpoint (4 ranks -> 2, and -> 8, which adds ranks) runs in a process
 that never imports torch (the process is the point: in this one torch is loaded), verifies equal,
-and holds the states torch's generators make.
+and holds the states torch's generators make; and the verification reports the reseeded integer
+tensors' differences as torch's decoding did.
 """
 from __future__ import annotations
 
@@ -129,3 +130,26 @@ def test_reseeding_convert_imports_no_torch(reference_ckpt, tmp_path, to):
         g.manual_seed(rng_mod.derived_seed(rng["seed"], rng["step"], r))
         assert torch.equal(ix.read_tensor(f"rng.rank_{r}.torch"), g.get_state()), r
         assert ix.read_object(f"rng.rank_{r}.numpy.pos") == 624
+
+
+def test_integer_differences_read_as_arrays_are_reported_as_torch_reports_them(reference_ckpt, tmp_path, monkeypatch):
+    """`reshard verify` of a reseeding conversion's output against its source: the reseeded integer tensors
+    differ, and what the comparison says of them (counts, first index, values) is the same whether their
+    boxes are read as numpy arrays (`reshard.verification.arrays`) or decoded through torch."""
+    from conftest import cli
+    from reshard.verification import arrays
+    from reshard.verification.checkpoints import verify_checkpoints
+
+    out = tmp_path / "out"
+    code, text, err = cli(["convert", reference_ckpt, out, "--to", "dp=2", "--quiet"])
+    assert code == 0, text + err
+    read = arrays.read_box_array
+    boxes = []
+    monkeypatch.setattr(arrays, "read_box_array", lambda ix, key, box: boxes.append(key) or read(ix, key, box))
+    as_arrays = verify_checkpoints(reference_ckpt, out, fast=False)
+    assert {f"rng.rank_{r}.{k}" for r in (0, 1) for k in ("torch", "python.state", "numpy.keys")} <= set(boxes)
+    monkeypatch.setattr(arrays, "readable", lambda ix, key: False)
+    through_torch = verify_checkpoints(reference_ckpt, out, fast=False)
+    rng = [d for d in as_arrays["differences"] if d["key"].startswith("rng.") and d["kind"] == "value"]
+    assert len(rng) == 6 and all(d["count"] > 0 for d in rng)
+    assert as_arrays == through_torch
