@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from reshard.model.dtypes import dtype_named
 from reshard.model.tensor_values import ArrayTensor, as_torch
 from reshard.semantics import rng as rng_mod
 from reshard.storage.checkpoints.dcp_writer import DcpWriter, object_item
@@ -89,6 +90,14 @@ def test_reseeded_values_and_their_items_are_the_torch_made_ones(tmp_path):
         buf = io.BytesIO()
         torch.save(value, buf)
         assert object_item(value) == buf.getvalue(), value
+    # verification's comparison of a re-derived value with what an output holds (read as an array or a tensor)
+    from reshard.verification.objects import identical
+
+    a, b = rng_mod.seeded_state(1)["torch"], rng_mod.seeded_state(2)["torch"]
+    assert identical(a, rng_mod.seeded_state(1)["torch"]) and not identical(a, b)
+    assert identical(a, _torch_made(1)["torch"]) and identical(_torch_made(1)["torch"], a)
+    assert not identical(a, _torch_made(2)["torch"])
+    assert not identical(a, ArrayTensor(dtype_named("int8"), a.array.view("i1")))  # the same bytes, another dtype
     state = as_torch(rng_mod.seeded_state(SEEDS[-1]))  # the trainer restores what it loads as tensors
     assert all(isinstance(state[s][k], torch.Tensor) for s, k in (("python", "state"), ("numpy", "keys")))
 

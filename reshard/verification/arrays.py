@@ -29,13 +29,14 @@ import numpy as np
 from reshard import safefs
 from reshard.model.checkpoint import checked_box
 from reshard.model.dtypes import DType
-from reshard.model.geometry import Box
+from reshard.model.geometry import Box, whole
+from reshard.model.tensor_values import ArrayTensor
 from reshard.storage.checkpoints.crcledger import CorruptItem
 from reshard.storage.checkpoints.fastread import item_layout
 from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.storage.files.fileio import ShortRead, crc32, read_exact
 
-__all__ = ["numpy_dtype", "readable", "read_box_array", "first_difference"]
+__all__ = ["numpy_dtype", "readable", "read_box_array", "read_value", "first_difference"]
 
 _KINDS = {"int": "<i", "uint": "<u"}
 
@@ -101,6 +102,17 @@ def read_box_array(ix: CheckpointIndex, key: str, box: Box) -> np.ndarray | None
     if filled != box.numel:
         return None  # the torch path names what is missing
     return out
+
+
+def read_value(ix: Any, key: str) -> ArrayTensor | None:
+    """Integer tensor ``key`` of ``ix`` whole, as an `ArrayTensor` (what a plan's reseeded value is, so
+    `reshard.verification.objects.identical` compares the two by their bytes without torch); None when
+    `readable` says no or an item needs torch to read."""
+    if not readable(ix, key):
+        return None
+    e = ix.entries[key]
+    a = read_box_array(ix, key, whole(tuple(e.shape or ())))
+    return ArrayTensor(e.dtype, a) if a is not None else None
 
 
 def first_difference(ta: np.ndarray, tb: np.ndarray, dtype: DType) -> tuple[int, int, Any, Any]:

@@ -676,7 +676,10 @@ def _sort_excused(found: list[dict[str, Any]], rewrites: dict[str, str], evidenc
 
     def read(side: str, key: str) -> Any:
         ix = indexes[side]
-        return ix.read_tensor(key) if ix.entries[key].is_tensor else ix.read_object(key)
+        if not ix.entries[key].is_tensor:
+            return ix.read_object(key)
+        value = arrays.read_value(ix, key)  # an integer tensor (a reseeded RNG state) without torch
+        return value if value is not None else ix.read_tensor(key)
 
     differences: list[dict[str, Any]] = []
     rewritten: list[dict[str, Any]] = []
