@@ -6,7 +6,8 @@ as ``torch.save`` writes the tensors they stand for, and verified as integer arr
 generator state built without torch is torch's own for many seeds, each reseeded value and each
 item written for it is byte for byte what the torch-made value gives, and a real ``reshard convert``
 of the reference trainer's checkpoint (4 ranks -> 2, and -> 8, which adds ranks) runs in a process
-that never imports torch (the process is the point: in this one torch is loaded), verifies equal,
+that never imports torch (the process is the point: in this one torch is loaded), verifies equal
+(and `reshard verify` of it re-derives the reseeded values, also without torch),
 and holds the states torch's generators make; and the verification reports the reseeded integer
 tensors' differences as torch's decoding did.
 """
@@ -133,6 +134,13 @@ def test_reseeding_convert_imports_no_torch(reference_ckpt, tmp_path, to):
     # what the output holds, read back through torch: each rank's state is torch's for its derived seed
     from reshard.storage.checkpoints.index import CheckpointIndex
 
+    if to == "dp=2":  # `reshard verify` re-derives the reseeded values and compares them, without torch too
+        p = subprocess.run([sys.executable, "-c", CONVERT, "verify", str(reference_ckpt), str(out), "--json"],
+                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"exit": 0, "torch_imported": []}, p.stderr[-3000:]
+        verified = json.loads(p.stdout.strip().rsplit("\n", 1)[0])
+        reasons = [r["reason"] for r in verified["rewritten"] if r["key"].startswith("rng.")]
+        assert len(reasons) == 6 and all(r.endswith("(value re-derived)") for r in reasons), reasons
     ix = CheckpointIndex.open(out)
     for r in range(world):
         g = torch.Generator()
