@@ -30,7 +30,8 @@ import numpy as np
 
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
-from reshard.model.dtypes import dtype_named, is_torch_tensor
+from reshard.model.dtypes import dtype_named
+from reshard.model.tensor_values import is_tensor_value
 from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.storage.checkpoints import archive
 from reshard.engine import bands, splice
@@ -323,7 +324,7 @@ def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
             write_transformed(ix, w, t, source_key=t.copy_from)
             continue
         v = plan.new_values[a.key]
-        if is_torch_tensor(v):
+        if is_tensor_value(v):  # a torch.Tensor, or an ArrayTensor (a reseeded rank's RNG state, made without torch)
             w.declare_tensor(a.key, tuple(v.shape), v.dtype)
             w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
         else:

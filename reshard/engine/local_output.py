@@ -22,6 +22,7 @@ from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
+from reshard.model.tensor_values import as_torch
 from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.storage.checkpoints.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
 from reshard.storage.checkpoints.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
@@ -252,7 +253,7 @@ class _Pieces:
 
     def piece(self, t: "TensorPlan", box: Box, rank: int) -> torch.Tensor:
         if t.key in self.plan.new_values:
-            v = self.plan.new_values[t.key]
+            v = as_torch(self.plan.new_values[t.key])  # a value made without torch (ArrayTensor): as the tensor it stands for
             return (v[box.slices()] if v.dim() else v).contiguous().clone()
         if t.transform or t.copy_from:
             return self._transformed_piece(t, box, rank)
