@@ -245,3 +245,5 @@ def test_two_nodes_a_lost_node_and_the_resume(s3, big_ckpt, staging, tmp_path):
     assert report["streamed"]["parts_kept_from_an_interrupted_upload"] >= 2, report["streamed"]
     _same_as_local(s3, "nodes/dp4", big_local)
     _load_with_fsspec_reader(dst, big_local)
+    code, _o, err = cli(["verify", src, dst])
+    assert code == 0, err

@@ -97,14 +97,29 @@ class StreamedStoreOutput(DistributedOutput):
         found = unfinished_uploads(fs, bucket, prefix + "/")
         ours = {f"{prefix}/{n}" for n in names}
         resumable = {k: v for k, v in found.items() if k in ours and self._stage.recorded().get(k.rsplit("/", 1)[-1])}
-        for k, v in resumable.items():  # one to continue, the older ones aborted
-            abort_uploads(fs, bucket, v[:-1])
+        for k, v in resumable.items():  # one to continue, the older ones aborted (all of them: --restart)
+            abort_uploads(fs, bucket, v if self.restart else v[:-1])
             resumable[k] = v[-1:]
-        return resumable
+        return {} if self.restart else resumable
 
     # -- the steps ---------------------------------------------------------------------------------
     def preflight(self, run: Run) -> dict[str, Any]:
-        return {"needed_bytes": self.window, "streamed": True,
+        """Worker 0: the local disk its spill folder needs (about ``--buffer-memory``), unless ``force``;
+        the output's own size is the store's to hold."""
+        from reshard.errors import BadInput
+        from reshard.storage.objectstore.upload import staging_root
+        from reshard.units import human_bytes
+
+        root = staging_root()
+        while not root.exists() and root != root.parent:
+            root = root.parent
+        free = shutil.disk_usage(root).free
+        if free < self.window and not self.force:
+            raise BadInput(f"the local staging folder has {human_bytes(free)} free; each worker's spill folder needs "
+                           f"about --buffer-memory ({human_bytes(self.window)})", where=str(staging_root()),
+                           hint="Pass a smaller --buffer-memory, set RESHARD_STAGING_DIR to a folder with room, "
+                                "or --force.")
+        return {"needed_bytes": self.window, "free_bytes": free, "streamed": True,
                 "basis": "streamed into the store: local disk per worker bounded by --buffer-memory"}
 
     def step(self, run: Run, name: str, fn: Callable[[], Any]) -> Any:
