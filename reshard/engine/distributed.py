@@ -33,8 +33,12 @@ worker or on worker 0 alone, every outcome gathered, the first failure raised on
    directory into place. The commit is that rename: before it, nothing at
    ``dst`` looks like a checkpoint.
 
+A destination in object storage has no shared directory: `reshard.engine.streaming.StreamedStoreOutput`
+runs the same steps with each worker streaming its own files into the store.
+
 A worker killed outright makes the others fail in their next collective (its connection
-closes) and torchrun stops the group; what is left is the hidden temporary directory,
+closes) and torchrun stops the group; each worker notes in torchrun's rendezvous store the
+collectives it reached, so the others name the lost one (rank, node, host, pid: `Collective`); what is left is the hidden temporary directory,
 which the next run into ``dst`` removes. The output is byte-identical to a single-process
 conversion: the same reservations give the same offsets, and the same bytes are written
 at them (``tests/test_distributed.py``).
