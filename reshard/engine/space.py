@@ -145,10 +145,26 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
     kept = keep_remote_reads(getattr(ix, "remote", None), dst, needed)  # before the probe, whose read is then kept too
     figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress,
-                        stores=_stores(ix), publish_to=publish_to, items=written_items(plan))
+                        stores=_stores(ix), publish_to=publish_to, items=written_items(plan),
+                        torch_needed=needs_torch(plan, ix))
     if kept is not None:
         figures["read_cache_bytes"] = kept
     return figures
+
+
+def needs_torch(plan: Any, ix: Any) -> bool:
+    """Whether converting by ``plan`` imports torch (1-3 s the estimate then counts): tensor arithmetic
+    (a transform, a slice's renumbered copy, a cast) or a source read by decoding (one in a store, or
+    not a DCP folder); a copy of bytes into the same layout family does not (issue 45)."""
+    from reshard.storage.checkpoints.index import CheckpointIndex
+
+    if getattr(ix, "remote", None) is not None or not isinstance(ix, CheckpointIndex):
+        return True
+    for t in plan.tensors:
+        e = ix.entries.get(t.key)
+        if t.transform or t.copy_from or e is None or t.dtype != e.dtype_name:
+            return True
+    return False
 
 
 def _stores(ix: Any) -> list[Any]:
@@ -508,7 +524,8 @@ def _refuse_read_only(dst: Path, checked: Path) -> None:
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
               probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = (),
-              publish_to: str | None = None, items: int | None = None) -> dict[str, Any]:
+              publish_to: str | None = None, items: int | None = None,
+              torch_needed: bool = True) -> dict[str, Any]:
     """Before the first byte: will the output fit at ``dst``, and about how long will it take?
 
     ``stores``: the sources in object storage (their `RemoteCheckpoint`), whose read is probed instead of a file's.
@@ -555,7 +572,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
     copy_rate: float | None = None
     if probe:
         est = estimate_time(checked, free=free, needed=need, read_bytes=int(read_bytes), sources=sources,
-                            stores=list(stores), publish_to=publish_to, items=items)
+                            stores=list(stores), publish_to=publish_to, items=items, torch_needed=torch_needed)
         figures.update(est.figures())
         copy_rate = est.copy_rate(int(read_bytes))
     if progress is not None:
@@ -645,7 +662,7 @@ class TimeEstimate:
 
 def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike],
                   stores: list[remote.RemoteCheckpoint], publish_to: str | None,
-                  items: int | None) -> TimeEstimate:
+                  items: int | None, torch_needed: bool = True) -> TimeEstimate:
     """The time from now to the end of the conversion, as a range (`TimeEstimate`).
 
     A local source moving at least `PROBE_FROM` bytes is probed along the copy's own path (`path_probe`:
@@ -710,7 +727,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
         probes["probe"] = {"skipped": f"under {human_bytes(PROBE_FROM)} to move"}
     if items:
         parts["items"] = (items * ITEM_SECONDS[0] * cpu_lo, items * ITEM_SECONDS[1] * cpu_hi)
-    if "torch" not in sys.modules:
+    if torch_needed and "torch" not in sys.modules:
         parts["torch import"] = (TORCH_IMPORT_SECONDS[0] * cpu_lo, TORCH_IMPORT_SECONDS[1] * cpu_hi)
     parts["after"] = (TAIL_SECONDS[0] * cpu_lo, TAIL_SECONDS[1] * cpu_hi)
     basis += ((f"; {items} items" if items else "") + f"; CPU work x{cpu_lo:.1f}-{cpu_hi:.1f} an idle core's "
