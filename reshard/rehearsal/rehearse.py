@@ -49,7 +49,7 @@ from reshard.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, Traine
 from reshard.rehearsal.follow import follow_steps
 from reshard.rehearsal.recipe import RecipeChoice, pick_recipe
 from reshard.model.topology import Topology, parse_spec
-from reshard.model.kinds import Action
+from reshard.model.kinds import EXPECTED_DIFFERENCES
 
 if TYPE_CHECKING:  # annotations only: the planner loads torch, imported where it runs
     from reshard.model.plan import Options, Plan
@@ -578,7 +578,7 @@ def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, option
         ret = hook(dst)
         if ret is not None:
             resume_from = Path(ret)
-    planned = {a.key: a.action for a in plan.keys if a.action in (Action.REWRITTEN, Action.DROPPED, Action.ADDED)}
+    planned = {a.key: a.action for a in plan.keys if a.action in EXPECTED_DIFFERENCES}
     v = verify_checkpoints(src_ckpt, resume_from, expected_rewrites=planned)
     return _Switch(plan=plan, dst=dst, resume_from=resume_from, hooked=hook is not None, planned=planned, verified=v)
 

@@ -70,7 +70,8 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         lines.append(f"- RNG: {p['rng']['policy']}: {p['rng']['note']}")
     lines += ["", "## Every source key", "", "| key | role | action | why |", "|---|---|---|---|"]
     for k in p["keys"]:
-        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']} |")
+        moved = "".join(f" ({w} `{k[f]}`)" for w, f in (("from", "renamed_from"), ("to", "renamed_to")) if k.get(f))
+        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']}{moved} |")
     lines.append("")
     return "\n".join(lines)
 
