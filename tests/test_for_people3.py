@@ -18,6 +18,7 @@ slice). Cost: about 25 s on a quiet machine, 10 s of it the one real torchrun of
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +143,9 @@ def sliced(llama, tmp_path_factory) -> dict[str, object]:
     words = {"convert": cli(["convert", llama, out, "--layers", "1", "--to", "dp=1"]),
              "verify": cli(["verify", llama, out]),
              "verify json": cli(["verify", llama, out, "--json"]),
-             "plan": cli(["plan", llama, "--layers", "1", "--to", "dp=1"])}
+             "plan": cli(["plan", llama, "--layers", "1", "--to", "dp=1"]),
+             "plan json": cli(["plan", llama, "--layers", "1", "--to", "dp=1", "--json"]),
+             "out": out}
     return words
 
 
@@ -169,6 +172,56 @@ def test_renumbered_layers_are_renamed_not_tied_nor_dropped(sliced):
     assert "dropped" not in keys.split("\nverdict")[0], keys
     assert "36 renamed" in keys or " renamed," in keys, keys
     assert "renamed   model.layers.1." in keys and ": layer 1 is layer 0 of the slice" in keys, keys
+
+
+def test_renumbered_keys_are_renamed_in_the_plan_json_too(sliced):
+    """Class 3, the JSON: the plan's key list gave the source key of a renumbered layer the action "dropped"
+    (reason "renamed: ...") and its new name "rewritten" (or "added"). Both are "renamed" now, each naming
+    the other key, and the summary counts them under that word; the report's key table says the same."""
+    code, out, err = sliced["plan json"]
+    assert code == 0, err
+    plan = json.loads(out)
+    rows = {k["key"]: k for k in plan["keys"]}
+    old, new = "model.layers.1.attention.wq.weight", "model.layers.0.attention.wq.weight"
+    assert rows[old]["action"] == "renamed" and rows[old]["renamed_to"] == new, rows[old]
+    assert rows[new]["action"] == "renamed" and rows[new]["renamed_from"] == old, rows[new]
+    assert rows[old]["reason"] == "layer 1 is layer 0 of the slice", rows[old]
+    assert not any(k["reason"].startswith("renamed") for k in plan["keys"]), "the action says it"
+    assert {k["action"] for k in plan["keys"]} == {"renamed", "resharded", "carried"}, plan["summary"]
+    moves = {(k["key"], k["renamed_to"]) for k in plan["keys"] if "renamed_to" in k}
+    assert moves == {tuple(x) for x in plan["slice"]["renamed"]["from_to"]} and len(moves) == 36
+    assert moves == {(k["renamed_from"], k["key"]) for k in plan["keys"] if "renamed_from" in k}
+    assert plan["summary"]["renamed"] == 72 and "dropped" not in plan["summary"] and "added" not in plan["summary"]
+    report = json.loads((sliced["out"] / "reshard-report.json").read_text())
+    assert {k["key"]: k["action"] for k in report["plan"]["keys"]}[old] == "renamed"
+    md = (sliced["out"] / "reshard-report.md").read_text()
+    assert f"| `{old}` | parameter | renamed | layer 1 is layer 0 of the slice (to `{new}`) |" in md, md[-3000:]
+    assert "36 renamed (72 keys, old and new names)" in sliced["plan"][1], sliced["plan"][1]
+
+
+def test_rehearse_like_names_the_family_of_reshards_own_slice(llama, tmp_path, capsys):
+    """Class 3: `rehearse --like` refused reshard's own slice of a Llama saved without a manifest as model
+    family "unknown": the slice's manifest said so although the slice was cut by the llama-torchtitan rules.
+    The slice now records that family, and one an earlier reshard wrote is read from its lineage; the refusal
+    (the reference trainer builds GPTs only) names the family and the way that works, your trainer."""
+    bare = tmp_path / "bare"
+    shutil.copytree(llama, bare)
+    (bare / "manifest.json").unlink()
+    sl = tmp_path / "slice"
+    code, out, err = run_cli(["convert", bare, sl, "--layers", "1", "--to", "dp=1", "--quiet"], capsys)
+    assert code == 0, out + err
+    manifest = json.loads((sl / "manifest.json").read_text())
+    assert manifest["model"]["family"] == "llama-torchtitan", manifest["model"]
+    for written_by in ("this reshard", "an earlier reshard"):
+        code, out, err = run_cli(["rehearse", "--from", "dp=1", "--to", "dp=2", "--like", sl, "--out", tmp_path / "r"],
+                                 capsys)
+        assert code == 2, (written_by, out + err)
+        assert "'unknown'" not in err and "model family 'llama-torchtitan' (" in err, (written_by, err)
+        assert "the reference trainer cannot build that family yet" in err and "--like SLICE" in err, err
+        manifest["model"]["family"] = "unknown"  # as the slice's manifest said before
+        (sl / "manifest.json").write_text(json.dumps(manifest))
+    assert "lineage" in err, err
+    assert not (tmp_path / "r").exists()
 
 
 def test_no_none_and_one_word_for_the_accumulation_phase(plain_fsdp2_ckpt, tmp_path, capsys):

@@ -82,14 +82,16 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     m = read_manifest(like)
     if m is None:
         raise BadInput("--like needs a checkpoint with a manifest (manifest.json)", where=str(like))
-    family = m.model.family
-    if family not in REFERENCE_FAMILIES:
-        raise BadInput(f"model family '{family}': the reference trainer cannot build that family yet, so a "
-                       "rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
-                       hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ").")
     ix = CheckpointIndex.open(like)
     prefix = "model." if m.key_convention == "reshard" else ""
     params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
+    family, found_by = like_family(m, params)
+    if family not in REFERENCE_FAMILIES:
+        slice_ = any(isinstance(e.policies, dict) and e.policies.get("slice") for e in m.lineage)
+        raise BadInput(f"model family '{family}' ({found_by}): the reference trainer cannot build that family yet, so "
+                       "a rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
+                       hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ")"
+                            + (", which resumes this slice (--like SLICE)." if slice_ else "."))
     rules = select(params, family=family)
     rules_family = rules.family
     cfg = dict(m.model.config or {})
@@ -122,6 +124,29 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
         copied["data"]["last_transition_policy"] = prev[-1].policies.get("data")
     copied["key_convention"] = {"real": m.key_convention, "rehearsal": "reshard"}
     return {"train": kw, "copied": copied}
+
+
+def like_family(m: Any, params: list[str]) -> tuple[str, str]:
+    """The model family of a ``--like`` checkpoint, and how it was found.
+
+    The manifest's ``model.family``; where that says "unknown" (reshard's own output of a source
+    without a manifest, e.g. a slice of a torchtitan Llama: the plan chose the partition rules by
+    their markers, and an older reshard did not record them in ``model``), the family the
+    lineage's last slice was cut by, else the shipped family whose markers the parameter names
+    match (`reshard.semantics.rules.select`, as a plan chooses). "unknown" only when none does.
+    """
+    from reshard.semantics.rules import select
+
+    if m.model.family not in (None, "", "unknown"):
+        return m.model.family, "the manifest's model.family"
+    for e in reversed(m.lineage):
+        got = (e.policies.get("slice") or {}).get("family") if isinstance(e.policies, dict) else None
+        if got:
+            return str(got), "the family the manifest's lineage says its slice was cut by"
+    try:
+        return select(params).family, "the partition rules its parameter names match"
+    except BadInput:
+        return "unknown", "no manifest family, and no shipped partition rules match its parameter names"
 
 
 def _check_like_sizes(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], rules: Any, where: str,
