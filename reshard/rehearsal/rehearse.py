@@ -82,9 +82,14 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     m = read_manifest(like)
     if m is None:
         raise BadInput("--like needs a checkpoint with a manifest (manifest.json)", where=str(like))
-    ix = CheckpointIndex.open(like)
     prefix = "model." if m.key_convention == "reshard" else ""
-    params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
+    opened: list[Any] = []
+
+    def params() -> list[str]:
+        if not opened:
+            opened.append(CheckpointIndex.open(like))
+        return sorted(k[len(prefix):] for k in opened[0].entries if k.startswith(prefix) and not k.startswith("optim"))
+
     family, found_by = like_family(m, params)
     if family not in REFERENCE_FAMILIES:
         slice_ = any(isinstance(e.policies, dict) and e.policies.get("slice") for e in m.lineage)
@@ -92,10 +97,12 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
                        "a rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
                        hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ")"
                             + (", which resumes this slice (--like SLICE)." if slice_ else "."))
-    rules = select(params, family=family)
+    names = params()
+    ix = opened[0]
+    rules = select(names, family=family)
     rules_family = rules.family
     cfg = dict(m.model.config or {})
-    _check_like_sizes(cfg, {p: tuple(ix.entries[prefix + p].shape) for p in params if ix.entries[prefix + p].is_tensor},
+    _check_like_sizes(cfg, {p: tuple(ix.entries[prefix + p].shape) for p in names if ix.entries[prefix + p].is_tensor},
                       rules, str(like / "manifest.json"), prefix)
     copied: dict[str, Any] = {"from": str(like), "model_family": family, "rules_family": rules_family}
     kw: dict[str, Any] = {}
@@ -126,14 +133,15 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     return {"train": kw, "copied": copied}
 
 
-def like_family(m: Any, params: list[str]) -> tuple[str, str]:
+def like_family(m: Any, params: Callable[[], list[str]]) -> tuple[str, str]:
     """The model family of a ``--like`` checkpoint, and how it was found.
 
     The manifest's ``model.family``; where that says "unknown" (reshard's own output of a source
     without a manifest, e.g. a slice of a torchtitan Llama: the plan chose the partition rules by
     their markers, and an older reshard did not record them in ``model``), the family the
     lineage's last slice was cut by, else the shipped family whose markers the parameter names
-    match (`reshard.semantics.rules.select`, as a plan chooses). "unknown" only when none does.
+    match (`reshard.semantics.rules.select`, as a plan chooses; ``params()`` reads them, only then).
+    "unknown" only when none does.
     """
     from reshard.semantics.rules import select
 
@@ -144,7 +152,7 @@ def like_family(m: Any, params: list[str]) -> tuple[str, str]:
         if got:
             return str(got), "the family the manifest's lineage says its slice was cut by"
     try:
-        return select(params).family, "the partition rules its parameter names match"
+        return select(params()).family, "the partition rules its parameter names match"
     except BadInput:
         return "unknown", "no manifest family, and no shipped partition rules match its parameter names"
 
