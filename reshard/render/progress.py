@@ -82,10 +82,10 @@ class _TermState:
     line was said (the row counts from it) and the width of the row drawn (0: none). In a bytearray,
     moved to shared memory (`share`) when a watchdog process starts, so both see every change."""
 
-    _FMT = "ddi"
+    _FIELDS = (("d", 0), ("d", 8), ("i", 16))  # last, line_at, row: each read and written alone
 
     def __init__(self) -> None:
-        self._buf: bytearray | mmap.mmap = bytearray(struct.calcsize(self._FMT))
+        self._buf: bytearray | mmap.mmap = bytearray(20)
         self.line_at = time.monotonic()
 
     def share(self) -> None:
@@ -94,12 +94,12 @@ class _TermState:
         self._buf = shared
 
     def _get(self, i: int) -> Any:
-        return struct.unpack_from(self._FMT, self._buf)[i]
+        fmt, offset = self._FIELDS[i]
+        return struct.unpack_from(fmt, self._buf, offset)[0]
 
     def _set(self, i: int, value: Any) -> None:
-        values = list(struct.unpack_from(self._FMT, self._buf))
-        values[i] = value
-        struct.pack_into(self._FMT, self._buf, 0, *values)
+        fmt, offset = self._FIELDS[i]
+        struct.pack_into(fmt, self._buf, offset, value)
 
     last = property(lambda self: self._get(0), lambda self, v: self._set(0, float(v)))
     line_at = property(lambda self: self._get(1), lambda self, v: self._set(1, float(v)))
