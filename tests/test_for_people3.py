@@ -2,10 +2,13 @@
 
 Classes covered here:
 
+* 1, silence: one pseudo-terminal test, `export` and `rehearse` (and a GIL held in a C call) beside CPU
+  burners, the largest gap between two rows up to the prompt's return;
 * 2, cheap checks before the heavy start-up: a `.metadata` file given for a folder, the values
   `--format hf` needs, a `--trainer` command without placeholders, an occupied destination;
 * 3, words that contradict the facts: reshard's own HF export called "lightning", a slice called equal, its renumbered layers "tied copy",
-  its moved keys "dropped ... renamed", an accumulation phase "carried" where it was assumed,
+  its moved keys "dropped ... renamed" (in the text, and "dropped"/"added" in the plan's JSON), reshard's own
+  Llama slice called family "unknown" by `rehearse --like`, an accumulation phase "carried" where it was assumed,
   `None` printed in a batch line, a truncated `.metadata` called a memory attack;
 * 4, an impossible `--model-config` value; 5, the advice to pass `--force` for a destination no
   file can be created in; 6, a trainer's failure told in torchrun's boilerplate.
@@ -13,7 +16,8 @@ Classes covered here:
 The refusals that must come before torch is imported run in one real process whose import hook
 refuses torch (the process is the point: this one has torch loaded); the rest run the CLI
 in-process on session checkpoints and two tiny module ones (a Llama of two layers and its
-slice). Cost: about 25 s on a quiet machine, 10 s of it the one real torchrun of the trainer case.
+slice). Cost: about 40 s on a quiet machine, 15-20 s of it the terminal test under load and 6 s the
+one real torchrun of the trainer case.
 """
 from __future__ import annotations
 
@@ -198,6 +202,8 @@ def test_renumbered_keys_are_renamed_in_the_plan_json_too(sliced):
     md = (sliced["out"] / "reshard-report.md").read_text()
     assert f"| `{old}` | parameter | renamed | layer 1 is layer 0 of the slice (to `{new}`) |" in md, md[-3000:]
     assert "36 renamed (72 keys, old and new names)" in sliced["plan"][1], sliced["plan"][1]
+    for words in (sliced["convert"][1], sliced["verify"][1], md):  # what differs from the source by name: renamed
+        assert "keys renamed on purpose" in words and "rewritten on purpose" not in words, words[-3000:]
 
 
 def test_rehearse_like_names_the_family_of_reshards_own_slice(llama, tmp_path, capsys):
@@ -385,7 +391,8 @@ def test_export_and_rehearse_are_never_still_for_2_s_under_load(reference_ckpt, 
     two rows the terminal receives. Two causes were found: the interpreter's teardown after the result
     (0.3-0.6 s of CPU, seconds under load; `reshard.cli.main` now leaves at once), and a long C call
     holding the GIL (torch's library loading), which the waiting row's thread cannot draw through (a
-    process that needs no GIL draws it then: `reshard.render.progress`). About 25 s."""
+    process that needs no GIL draws it then: `reshard.render.progress`). About 15-20 s: the rehearsal is
+    stopped once its baseline has run (its start-up and a trainer; the exit is export's)."""
     reshard = [sys.executable, "-m", "reshard"]
     cases = {"a GIL held 4 s": ([sys.executable, "-c", HOLDS_THE_GIL], None),
              "export": ([*reshard, "export", reference_ckpt, tmp_path / "export"], None),

@@ -10,6 +10,7 @@ from typing import Any
 
 from reshard.units import human_bytes
 from reshard.model.kinds import Action
+from reshard.render.verify import on_purpose
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -326,7 +327,7 @@ def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
         f"converted   {r['source']} -> {r['destination']}",
         f"verdict     {r['plan']['verdict']['kind'].replace('_', ' ')}; experiment {r['manifest']['experiment_id']} ({r['manifest']['continuity']})",
         f"verified    {_verified_words(v, r['plan'].get('slice'))} "
-        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {len(v.get('rewritten', []))} keys rewritten on purpose)",
+        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {on_purpose(v.get('rewritten', []))})",
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",
     ]
