@@ -325,8 +325,10 @@ def _on_a_loaded_terminal(argv: list[str], *, burners: int, until: str | None = 
     import threading
     import time
 
-    from terminal import ROOT, _env
+    from terminal import ROOT
 
+    env = {k: v for k, v in os.environ.items() if k not in ("RESHARD_DEBUG", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")  # this tree's reshard
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     burn = shlex.join([sys.executable, "-c", "while True: pass"])
@@ -335,7 +337,7 @@ def _on_a_loaded_terminal(argv: list[str], *, burners: int, until: str | None = 
     rows: list[tuple[float, str]] = [(0.0, "<start>")]
     seen = threading.Event()
     started = time.monotonic()
-    p = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env(),
+    p = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
                          cwd=ROOT, start_new_session=True)
     os.close(slave)
 
