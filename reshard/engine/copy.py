@@ -229,7 +229,7 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any =
 
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.action in (Action.DROPPED, Action.REWRITTEN):
+        if a.left_out or a.new_value:  # nothing written, or not the source's bytes under this name
             continue
         if not e.is_tensor:
             if e.location is not None and mine(a.rank):
@@ -286,14 +286,14 @@ def kept_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any):
     actions = {a.key: a for a in plan.keys}
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.action == Action.DROPPED:
+        if a.left_out:
             continue
         t = planned[key] if e.is_tensor else None
         if t is not None:
             w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-        if a.action == Action.REWRITTEN and t is None:
+        if a.new_value and t is None:
             w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
-        elif a.action == Action.REWRITTEN and not t.copy_from:
+        elif a.new_value and not t.copy_from:
             w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
         else:
             yield e, a, t
@@ -310,11 +310,12 @@ def checked_object(plan: Plan, ix: CheckpointIndex, e: Any) -> bytes:
 
 
 def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
-    """The keys the plan adds, after every source key: a slice's renumbered tensor cut from its
-    source key, any other value written as the plan holds it."""
+    """The keys the plan adds, after every source key: a slice's renumbered tensor (renamed to a
+    name the source lacks) cut from its source key, any other value written as the plan holds it."""
     planned = {t.key: t for t in plan.tensors}
     for a in plan.keys:
-        if a.action != Action.ADDED:
+        if not (a.action == Action.ADDED or (a.action == Action.RENAMED and a.renamed_from is not None
+                                             and a.key not in ix.entries)):
             continue
         t = planned.get(a.key)
         if t is not None and t.copy_from:

@@ -29,7 +29,6 @@ from reshard.storage.objectstore import remote, upload
 from reshard.storage.files.atomic import reclaimable_bytes
 from reshard.storage.files.integrity import nearest_existing
 from reshard.units import human_bytes
-from reshard.model.kinds import Action
 
 
 SAVE_OVERHEAD = 1513
@@ -78,10 +77,10 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
             items += 1
     tensor_keys = {t.key for t in plan.tensors}
     for a in plan.keys:
-        if a.key in tensor_keys or a.action == Action.DROPPED:
+        if a.key in tensor_keys or a.left_out:
             continue
         items += 1
-        if a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
+        if a.new_value and a.key in plan.new_values:
             v = plan.new_values[a.key]
             try:
                 total += len(pickle.dumps(v, protocol=2)) + over
@@ -125,13 +124,13 @@ def written_items(plan: Any) -> int:
     """The items a conversion of ``plan`` writes (a tensor chunk or an object each): the per-item part of its time."""
     tensor_keys = {t.key for t in plan.tensors}
     return (sum(len(t.chunks) for t in plan.tensors)
-            + sum(1 for a in plan.keys if a.key not in tensor_keys and a.action != Action.DROPPED))
+            + sum(1 for a in plan.keys if a.key not in tensor_keys and not a.left_out))
 
 
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
     """The source bytes a conversion reads: the logical bytes of every key the plan keeps (what
     convert's "writing" phase counts, `reshard.engine.copy.writing_bytes`)."""
-    dropped = {a.key for a in plan.keys if a.action == Action.DROPPED}
+    dropped = {a.key for a in plan.keys if a.left_out}
     return sum(e.nbytes for key, e in ix.entries.items() if key not in dropped)
 
 
