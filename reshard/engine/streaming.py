@@ -282,10 +282,8 @@ class StreamedStoreOutput(DistributedOutput):
 
 def _target_ranks(plan: Any) -> list[int]:
     """The target ranks that hold a data file of the output (every rank of the target world)."""
-    from reshard.model.kinds import Action
-
     ranks = {int(r) for t in plan.tensors for r, _o, _s in t.chunks}
-    ranks |= {int(a.rank or 0) for a in plan.keys if a.action != Action.DROPPED}
+    ranks |= {int(a.rank or 0) for a in plan.keys if not a.left_out}
     return sorted(ranks)
 
 
