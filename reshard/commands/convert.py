@@ -87,7 +87,11 @@ def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to:
         from reshard.engine.streaming import StreamedStoreOutput
         from reshard.engine.splice import default_window
 
-        output: Output = StreamedStoreOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,
+        from reshard.storage.objectstore.upload import stage_folder
+
+        # ``dst`` is where this machine's side lives (its spill folders), never the working directory:
+        # the pipeline refuses a destination that overlaps the source
+        output: Output = StreamedStoreOutput(stage_folder(url) / "out", overwrite=overwrite, force=force, progress=progress, io=io,
                                              restart=restart, url=url, window=window or default_window())
     elif distributed:
         output = DistributedOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,

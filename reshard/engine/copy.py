@@ -186,11 +186,13 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     # A remote source whose read cache can hold it is fetched whole into that cache's files and spliced
     # from them as they arrive (`remote.Mirror`); otherwise its items are fetched by range and decoded.
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
-    mirrored = io.splice and rc is not None and rc.can_mirror()
+    needed: list[str] = []
+    if rc is not None:  # a worker of a divided output fetches only the objects its own files need
+        needed = (_first_needed(ix) if w.owns_all else
+                  list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
+    mirrored = io.splice and rc is not None and rc.can_mirror(needed)
     with contextlib.ExitStack() as stack:
-        if mirrored:  # a worker of a divided output fetches only the objects its own files need
-            needed = (_first_needed(ix) if w.owns_all else
-                      list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
+        if mirrored:
             mirror = stack.enter_context(rc.mirroring(needed))
             locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready)
         elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:

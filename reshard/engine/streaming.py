@@ -159,6 +159,10 @@ class StreamedStoreOutput(DistributedOutput):
         from reshard.engine.distributed import check_split_storages
 
         c = self.collective
+        if getattr(run.ix, "remote", None) is not None:  # a source in a store: this worker's objects fetched whole
+            from reshard.engine.space import keep_remote_reads  # into its read cache and spliced from there
+
+            keep_remote_reads(run.ix.remote, run.tmp, 0)
         fs, base = upload.destination(self.url)
         bucket, prefix = base.split("/", 1)
         mine = [r for r in _target_ranks(run.plan) if self._owns(r)]

@@ -441,10 +441,11 @@ class RemoteCheckpoint:
         if budget > 0 and self.cache_folder is not None and self.kept is None:
             self.kept = ReadCache(self.cache_folder / "reads", budget)
 
-    def can_mirror(self) -> bool:
-        """Whether the read cache may hold every data object whole (`mirroring`)."""
+    def can_mirror(self, names: list[str] | None = None) -> bool:
+        """Whether the read cache may hold every data object (or those of ``names``) whole (`mirroring`)."""
         kept = self.kept
-        return kept is not None and kept.budget >= sum(self.sizes[n] for n in self.data_files())
+        wanted = self.data_files() if names is None else [n for n in names if n in self.sizes]
+        return kept is not None and kept.budget >= sum(self.sizes[n] for n in wanted)
 
     @contextmanager
     def mirroring(self, names: list[str], *, streams: int = MIRROR_STREAMS) -> Iterator[Mirror]:
