@@ -255,8 +255,13 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     digests: dict[str, dict] = {}
     out, dl = work / "out", work / "download"
 
+    # Commands run from a folder beside the checkpoint, not above it: `--workers` into a store refuses a
+    # source under its working directory (reported with the benchmark: the streamed output's ``dst`` is ".").
+    cwd = work / "cwd"
+    cwd.mkdir(exist_ok=True)
+
     def timed(name: str, argv: list[str], i: int, watch: Path | None) -> dict:
-        r = measured(argv, srv=srv, env=env, cwd=work, timeout=a.timeout, staging=watch, every=a.poll)
+        r = measured(argv, srv=srv, env=env, cwd=cwd, timeout=a.timeout, staging=watch, every=a.poll)
         print(f"  {name} round {i + 1}/{a.runs}: exit {r['exit']}, {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s client "
               f"CPU, {r['server_cpu_s']:.1f} s server CPU, load {r['load_before']}", file=sys.stderr, flush=True)
         return r
