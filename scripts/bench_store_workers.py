@@ -29,7 +29,10 @@ How each figure is measured:
 - **per-worker peak local disk**: the report's ``streamed.workers[i].peak_bytes`` (the worker's own
   measure) and this script's poll of the staging folder (``RESHARD_STAGING_DIR``; allocated blocks,
   ``st_blocks * 512``, of each ``spill-<rank>`` folder, or of the whole folder for the 1-worker path,
-  which stages the output); for the naive route, the output's size on disk (and the download's);
+  which stages the output); for the naive route, the output's size on disk (and the download's). A store
+  source is also staged per worker in ``$TMPDIR`` (its `.metadata` and a read cache of fetched ranges, kept
+  for the verification): the commands run with ``TMPDIR`` set to a folder of their own, and each
+  ``reshard-remote-*`` folder in it is polled the same way;
 - **server CPU**: moto runs in a child process of its own (``bench_s3.Server``) on the same 2 CPUs;
   its utime + stime (``/proc/PID/stat``) while each command ran. A real store spends that elsewhere.
 - the load average (1 min) before and after each command.
@@ -125,26 +128,35 @@ def proc_facts(pid: int) -> dict | None:
     return {"cpu_s": (int(stat[11]) + int(stat[12])) / TICK, "peak_rss": hwm, "rank": rank}
 
 
-def disk_now(staging: Path) -> dict[str, int]:
-    """Allocated bytes under ``staging``: each ``spill-<rank>`` folder, and ``all`` (the whole folder)."""
+def disk_now(staging: Path, tmp: Path | None = None) -> dict[str, int]:
+    """Allocated bytes now: each ``spill-<rank>`` folder under ``staging`` and ``all`` of ``staging``; under
+    ``tmp`` (the commands' ``TMPDIR``) each ``reshard-remote-*`` folder (a store source's `.metadata` and its
+    read cache, one per worker) and ``tmp`` (all of it)."""
     out: dict[str, int] = {"all": 0}
-    for p in staging.rglob("*"):
-        try:
-            if p.is_file():
-                n = p.stat().st_blocks * 512
-                out["all"] += n
-                if p.parent.name.startswith("spill-"):
-                    out[p.parent.name] = out.get(p.parent.name, 0) + n
-        except OSError:
-            pass
+    for root, whole in ((staging, "all"), (tmp, "tmp")):
+        if root is None or not root.exists():
+            continue
+        out[whole] = 0
+        for p in root.rglob("*"):
+            try:
+                if p.is_file():
+                    n = p.stat().st_blocks * 512
+                    out[whole] += n
+                    rel = p.relative_to(root).parts
+                    if p.parent.name.startswith("spill-"):
+                        out[p.parent.name] = out.get(p.parent.name, 0) + n
+                    if whole == "tmp" and rel[0].startswith("reshard-remote-"):
+                        out[rel[0]] = out.get(rel[0], 0) + n
+            except (OSError, IndexError):
+                pass
     return out
 
 
 class Watch:
     """Polls a command's process tree and the staging folder until it exits (module docstring)."""
 
-    def __init__(self, pid: int, staging: Path | None, every: float):
-        self.pid, self.staging, self.every = pid, staging, every
+    def __init__(self, pid: int, staging: Path | None, every: float, tmp: Path | None = None):
+        self.pid, self.staging, self.every, self.tmp = pid, staging, every, tmp
         self.procs: dict[int, dict] = {}
         self.disk: dict[str, int] = {}
         self.polls = 0
@@ -162,7 +174,7 @@ class Watch:
                                      "peak_rss": max(f["peak_rss"], old.get("peak_rss", 0)),
                                      "rank": f["rank"] if f["rank"] is not None else old.get("rank")}
             if self.staging is not None and self.staging.exists():
-                for k, n in disk_now(self.staging).items():
+                for k, n in disk_now(self.staging, self.tmp).items():
                     self.disk[k] = max(self.disk.get(k, 0), n)
             self.polls += 1
             self._stop.wait(self.every)
@@ -187,7 +199,7 @@ def measured(argv: list[str], *, srv: Server, env: dict, cwd: Path, timeout: flo
     c0 = srv.cpu_s()
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    w = Watch(p.pid, staging, every)
+    w = Watch(p.pid, staging, every, tmp=Path(env["TMPDIR"]) if staging is not None and "TMPDIR" in env else None)
     out_err: dict[str, bytes] = {}
 
     def drain(name: str, stream) -> None:
@@ -241,7 +253,8 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     src, dst, to = f"s3://{BUCKET}/src", f"s3://{BUCKET}/dst", f"dp={max(1, a.ranks // 2)}"
     conv = ["--to", to, "--buffer-memory", a.buffer_memory, "--no-profile", "--json", "--quiet"]
     staging = work / "staging"
-    env = dict(srv.env, PYTHONPATH=str(ROOT), RESHARD_STAGING_DIR=str(staging))
+    tmp = work / "tmp"  # the commands' TMPDIR: a store source's staged `.metadata` and read cache land here
+    env = dict(srv.env, PYTHONPATH=str(ROOT), RESHARD_STAGING_DIR=str(staging), TMPDIR=str(tmp))
     rsh = [a.python, "-m", "reshard", "convert"]
     store_rows = {"l2s_1": [*rsh, str(local), dst, *conv],
                   "l2s_2": [*rsh, str(local), dst, *conv, "--workers", "2"],
@@ -271,6 +284,8 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
             helper(a, srv, EMPTY_CODE, BUCKET, "dst")
             clear(staging)
             staging.mkdir(parents=True)
+            clear(tmp)
+            tmp.mkdir(parents=True)
             r = timed(name, argv, i, staging)
             doc = None
             if r["exit"] == 0:
@@ -345,11 +360,15 @@ def per_worker(runs: list[dict]) -> dict:
     spill = [max((n for k, n in r.get("staging_peak_bytes", {}).items() if k.startswith("spill-")), default=None)
              for r in runs]
     whole = [r.get("staging_peak_bytes", {}).get("all") or r.get("local_disk_bytes") for r in runs]
+    remote = [max((n for k, n in r.get("staging_peak_bytes", {}).items() if k.startswith("reshard-remote-")),
+                  default=None) for r in runs]
+    tmpall = [r.get("staging_peak_bytes", {}).get("tmp") for r in runs]
     budget = [max((w["budget_bytes"] or 0 for w in r.get("report_workers", [])), default=None) for r in runs]
     part = [max((w["part_bytes"] or 0 for w in r.get("report_workers", [])), default=None) for r in runs]
     return {"max_worker_rss_mib": med(rss), "max_worker_cpu_s": med(cpu), "report_peak_bytes": med(rep),
             "polled_spill_peak_bytes": med(spill), "polled_local_disk_bytes": med(whole), "budget_bytes": med(budget),
-            "part_bytes": med(part), "workers_seen": med([len(r["workers"]) for r in runs])}
+            "part_bytes": med(part), "remote_folder_peak_bytes": med(remote), "tmp_peak_bytes": med(tmpall),
+            "workers_seen": med([len(r["workers"]) for r in runs])}
 
 
 def summarize(result: dict) -> dict:
@@ -396,8 +415,8 @@ def markdown(rep: dict) -> str:
                      f"{', '.join(f(x, 1) for x in v['loads'])} |")
     lines += ["", "Per worker (the worker that needed most; medians over rounds):", "",
               "| command | workers seen | peak RSS (MiB) | CPU (s) | peak local disk, report (MiB) | "
-              "peak local disk, polled (MiB) | budget (MiB) | part (MiB) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "peak local disk, polled (MiB) | `$TMPDIR` per worker / all (MiB) | budget (MiB) | part (MiB) |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for k, v in s.items():
         if k in ("naive_upload", "naive_download", "naive_convert"):
             continue
@@ -406,6 +425,8 @@ def markdown(rep: dict) -> str:
                      f"{f(v['max_worker_cpu_s'], 1)} | "
                      f"{f(v['report_peak_bytes'] / MIB if v['report_peak_bytes'] else None, 0)} | "
                      f"{f(polled / MIB if polled else None, 0)} | "
+                     f"{f(v['remote_folder_peak_bytes'] / MIB if v['remote_folder_peak_bytes'] else None, 0)} / "
+                     f"{f(v['tmp_peak_bytes'] / MIB if v['tmp_peak_bytes'] else None, 0)} | "
                      f"{f(v['budget_bytes'] / MIB if v['budget_bytes'] else None, 0)} | "
                      f"{f(v['part_bytes'] / MIB if v['part_bytes'] else None, 0)} |")
     ident = b["identical_to_local"]
