@@ -300,6 +300,9 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
                                                           "most_unsent_bytes", "kept_bytes")}
                                    for w in streamed.get("workers", [])]
             r["report_seconds"] = (doc or {}).get("seconds")
+            src_store = (doc or {}).get("source_store") or {}
+            r["source_requests"] = {k: src_store.get(k) for k in ("requests", "bytes_requested", "bytes_stored")
+                                    if k in src_store}
             r.pop("stdout", None)
             rows[name].append(r)
         helper(a, srv, EMPTY_CODE, BUCKET, "dst")
@@ -436,6 +439,91 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------ the written scaling model (docs/benchmarks.md)
+#: Every figure the model of a Llama-3-405B x 16,384-rank conversion rests on (docs/benchmarks.md, issue 46).
+MODEL = {
+    "params": 405e9,
+    "bytes_per_param": 14,             # bf16 weights 2 + fp32 master 4 + Adam m 4 + Adam v 4
+    "storage_entries": 41.95e6,        # measured, 405B x 16,384 ranks (bench_frontier.py, issue 33)
+    "metadata_bytes": 6946 * MIB,      # the same checkpoint's .metadata (issue 33)
+    "target_files": 8192,              # --to dp_shard=8192
+    "workers_per_node": 8,
+    "cores_per_node": 32,              # cores the conversion may use on a node (assumed)
+    "nic_gbit": (100, 400),            # per node, each direction (assumed)
+    "nic_efficiency": 0.8,
+    "get_per_s": 5500,                 # S3, per partitioned prefix
+    "put_per_s": 3500,
+    "partitions": (1, 16),             # a fresh prefix; one S3 has split (or been asked to) 16 ways
+    "store_gbyte_s": (50, 200),        # aggregate store bandwidth, read + write (assumed, a store without request caps)
+    "plan_cpu_s": 159.4,               # `reshard plan` at 405B x 16,384, median of three (issue 33); every worker plans
+    "buffer_memory": 1 << 30,          # --buffer-memory 1GiB
+    "metadata_piece": 64 * MIB,        # remote.PIECE: .metadata fetched in ranges of this size
+}
+
+
+def part_size(budget: int, files: int, largest: int) -> int:
+    """`reshard.storage.objectstore.stream.part_size_for`, restated (this script imports nothing of reshard)."""
+    want = max(5 * MIB, budget // max(1, files + 4), -(-largest // 9000))
+    return -(-want // MIB) * MIB
+
+
+def scaling_model(cpu_s_per_gib: float, nodes: tuple[int, ...] = (8, 32, 128)) -> list[dict]:
+    """Seconds each resource needs for the whole conversion, per node count (docs/benchmarks.md, issue 46):
+    the pipeline overlaps fetching, copying and sending, so the expected time is the fixed start (each
+    worker plans) plus the largest of them."""
+    m = MODEL
+    data = m["params"] * m["bytes_per_param"]
+    out = []
+    for n in nodes:
+        w = n * m["workers_per_node"]
+        per_node = data / n
+        cpu = per_node / GIB * cpu_s_per_gib / m["cores_per_node"]
+        meta_in = m["workers_per_node"] * m["metadata_bytes"]  # every worker fetches .metadata
+        net = {g: (per_node + meta_in) / (g * 1e9 / 8 * m["nic_efficiency"]) for g in m["nic_gbit"]}
+        files = m["target_files"] / w
+        part = part_size(m["buffer_memory"] // 2, int(max(1, files)), int(data / m["target_files"]))
+        puts = data / part + m["target_files"]  # parts, plus a create/complete per object
+        gets = m["storage_entries"] + w * -(-m["metadata_bytes"] // m["metadata_piece"])
+        store_req = {p: max(gets / (m["get_per_s"] * p), puts / (m["put_per_s"] * p)) for p in m["partitions"]}
+        store_bw = {s: (2 * data + w * m["metadata_bytes"]) / (s * 1e9) for s in m["store_gbyte_s"]}
+        fixed = m["plan_cpu_s"] + net[m["nic_gbit"][0]] * meta_in / (per_node + meta_in)
+        out.append({"nodes": n, "workers": w, "per_node_gib": per_node / GIB, "cpu_s": cpu, "net_s": net,
+                    "gets": gets, "puts": puts, "part_mib": part / MIB, "store_req_s": store_req,
+                    "store_bw_s": store_bw, "metadata_fetched_tib": w * m["metadata_bytes"] / (1 << 40),
+                    "fixed_s": fixed})
+    return out
+
+
+def model_markdown(cpu_s_per_gib: float) -> str:
+    rows = scaling_model(cpu_s_per_gib)
+    m = MODEL
+    lines = ["| nodes (workers) | per node | CPU | network 100 / 400 Gb/s | GETs, PUTs (part) | S3 requests, 1 / 16 "
+             "partitions | store bandwidth 50 / 200 GB/s | `.metadata` fetched | S3, 1 partition | S3, 16 partitions | "
+             "200 GB/s store, 400 Gb/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+
+    def mins(x: float) -> str:
+        return f"{x / 60:.1f} min" if x < 3600 else f"{x / 3600:.2f} h"
+
+    for r in rows:
+        lo, hi = m["nic_gbit"]
+        p1, p16 = m["partitions"]
+        s50, s200 = m["store_gbyte_s"]
+        cases = []
+        for name, parts in (("S3-1", {"store requests": r["store_req_s"][p1], "network": r["net_s"][lo]}),
+                            ("S3-16", {"store requests": r["store_req_s"][p16], "network": r["net_s"][lo]}),
+                            ("bw", {"store bandwidth": r["store_bw_s"][s200], "network": r["net_s"][hi]})):
+            parts = dict(parts, CPU=r["cpu_s"])
+            bound = max(parts, key=parts.get)
+            cases.append(f"{bound}: {mins(r['fixed_s'] + parts[bound])}")
+        lines.append(f"| {r['nodes']} ({r['workers']}) | {r['per_node_gib']:.0f} GiB | {mins(r['cpu_s'])} | "
+                     f"{mins(r['net_s'][lo])} / {mins(r['net_s'][hi])} | {r['gets'] / 1e6:.1f} M, "
+                     f"{r['puts'] / 1e3:.0f} k ({r['part_mib']:.0f} MiB) | {mins(r['store_req_s'][p1])} / "
+                     f"{mins(r['store_req_s'][p16])} | {mins(r['store_bw_s'][s50])} / {mins(r['store_bw_s'][s200])} | "
+                     f"{r['metadata_fetched_tib']:.2f} TiB | {' | '.join(cases)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench-results"))
@@ -448,9 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-workers", action="store_true", help="also store -> store with --workers 2 and 4")
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between polls of the process tree and disk")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", type=float, default=None, metavar="CPU_S_PER_GIB",
+                    help="print the 405B x 16,384-rank scaling model for this client CPU per GiB and exit")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--timeout", type=float, default=1800.0)
     a = ap.parse_args(argv)
+    if a.model is not None:
+        print(model_markdown(a.model))
+        return 0
     if a.quick:
         a.ranks, a.tensors, a.shape, a.runs = 4, 4, "1024x1024", 1
         a.work = a.work.rstrip("/") + "-quick"
