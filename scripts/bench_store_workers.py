@@ -185,7 +185,10 @@ class Watch:
 
     def workers(self) -> dict[int, dict]:
         """rank -> the worker's last-seen CPU and peak RSS; the command itself as rank 0 when no worker was seen."""
-        got = {f["rank"]: f for p, f in self.procs.items() if f["rank"] is not None and p != self.pid}
+        got: dict[int, dict] = {}
+        for p, f in self.procs.items():  # a worker's own children inherit its RANK: the largest process stands for it
+            if f["rank"] is not None and p != self.pid and f["peak_rss"] >= got.get(f["rank"], {}).get("peak_rss", -1):
+                got[f["rank"]] = f
         if not got and self.pid in self.procs:
             got = {0: self.procs[self.pid]}
         return dict(sorted(got.items()))
