@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import re
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -176,6 +177,76 @@ def _slabs_tile(cols: MetadataColumns, ndims: np.ndarray, flat: np.ndarray) -> n
     return ok
 
 
+@dataclass(frozen=True)
+class ChunkColumns:
+    """Every chunk of an index as columns, shared by its `ColumnChunks` tables: the boxes'
+    numbers one key after another (``offsets``, ``sizes``: ``ndim`` per chunk) and per chunk its
+    file, byte range and transforms (indices into ``files`` and ``transforms``, -1: none)."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    file: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    transform: np.ndarray
+    files: list[str]
+    transforms: list[tuple[str, ...]]
+
+
+class ColumnChunks(ChunkTable):
+    """One tensor's chunks as a range of the index's `ChunkColumns`, its arrays made when asked for.
+
+    Why not a `ChunkTable` holding its six arrays: each array is a numpy view of about a hundred
+    bytes, and an MoE checkpoint of 180k keys held 100k tables of six views (95 MiB, a quarter
+    of ``reshard plan``'s peak), most of them never read. Here a table is five numbers; each
+    attribute is a view made on access (code that walks every chunk reads the index's columns
+    or asks each table once). Pickled as the plain `ChunkTable` of its arrays."""
+
+    __slots__ = ("_cols", "_n", "_d", "_r0", "_p")
+
+    def __init__(self, cols: ChunkColumns, n: int, d: int, r0: int, p: int) -> None:  # no super(): the arrays are properties
+        self._cols, self._n, self._d, self._r0, self._p = cols, n, d, r0, p
+
+    @property  # type: ignore[override]
+    def offsets(self) -> np.ndarray:
+        return self._cols.offsets[self._p:self._p + self._n * self._d].reshape(self._n, self._d)
+
+    @property  # type: ignore[override]
+    def sizes(self) -> np.ndarray:
+        return self._cols.sizes[self._p:self._p + self._n * self._d].reshape(self._n, self._d)
+
+    @property  # type: ignore[override]
+    def file(self) -> np.ndarray:
+        return self._cols.file[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def start(self) -> np.ndarray:
+        return self._cols.start[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def length(self) -> np.ndarray:
+        return self._cols.length[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def transform(self) -> np.ndarray:
+        return self._cols.transform[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def files(self) -> list[str]:
+        return self._cols.files
+
+    @property  # type: ignore[override]
+    def transforms(self) -> list[tuple[str, ...]]:
+        return self._cols.transforms
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ChunkTable, (self.offsets, self.sizes, self.file, self.start, self.length, self.transform,
+                            self.files, self.transforms)
+
+
 class CheckpointIndex(EntryQueries, CheckpointReader):
     """The global view of one DCP checkpoint directory (read-only).
 
@@ -244,16 +315,16 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         loc_length[sl_all] = cols.st_length[rows_all]
         loc_tr[sl_all] = cols.st_transforms[rows_all]
         short_at = _first_short_all(cols, fast, counts, ndims, flat, rows_all)  # key -> its first short item
+        columns = ChunkColumns(cols.chunk_offsets, cols.chunk_sizes, loc_file, loc_start, loc_length, loc_tr,
+                               cols.files, cols.transforms)  # the tables of the keys paired in order read these
         for k, key in enumerate(keys):
             path = cols.planner_paths.get(key, ())
             if fast[k]:
                 d, n, r0, p = int(ndims[k]), int(counts[k]), int(first_row[k]), int(flat[k])
-                sl = slice(r0, r0 + n)
                 if k in short_at:
                     short.append(short_at[k])
-                table = ChunkTable(cols.chunk_offsets[p:p + n * d].reshape(n, d), cols.chunk_sizes[p:p + n * d].reshape(n, d),
-                                   loc_file[sl], loc_start[sl], loc_length[sl], loc_tr[sl], cols.files, cols.transforms)
-                self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k], chunks=table, path=path)
+                self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k],
+                                          chunks=ColumnChunks(columns, n, d, r0, p), path=path)
                 continue
             rows = order[bounds[k]:bounds[k + 1]]
             if cols.kinds[k] == OBJECT:
