@@ -157,7 +157,7 @@ class Plan:
         ``"auto"``: the full table up to `FULL_TABLE_ROWS` chunk rows, else `tensor_summary`
         (one row per distinct shape and placement: a 16,384-rank plan would otherwise print
         gigabytes; ``plan --tensors-out FILE`` writes the full table, streamed)."""
-        keys = [k.to_dict() for k in self.keys]  # once, for the JSON and the fingerprint (180k keys: 0.5 s each)
+        keys = key_rows(self.keys)  # once, for the JSON and the fingerprint
         d = {
             "plan_version": PLAN_VERSION,
             "tool": f"reshard {__version__}",
@@ -211,7 +211,7 @@ class Plan:
         16,384-rank plan has millions of chunk rows, which one JSON document of dicts would
         hold in memory at once.
         """
-        return self._fingerprint([k.to_dict() for k in self.keys])
+        return self._fingerprint(key_rows(self.keys))
 
     def _fingerprint(self, keys: list[dict[str, Any]]) -> str:
         """`fingerprint` given the keys' rows (`KeyAction.to_dict`), which `to_dict` has made already.
@@ -248,6 +248,13 @@ class Plan:
         """
         body = {k: v for k, v in self.source.items() if k != "path"}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def key_rows(keys: list[KeyAction]) -> list[dict[str, Any]]:
+    """``[k.to_dict() for k in keys]``, the same dicts built in one comprehension (a call and a
+    branch per key less: 102k keys at 180k storage entries)."""
+    return [{"key": k.key, "role": k.role, "action": k.action, "reason": k.reason} if k.rank is None else
+            {"key": k.key, "role": k.role, "action": k.action, "reason": k.reason, "rank": k.rank} for k in keys]
 
 
 FULL_TABLE_ROWS = 50_000

@@ -36,7 +36,7 @@ import numpy as np
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
 from reshard.model.kinds import Action, DataMode
-from reshard.storage.checkpoints.index import RANK_FILE
+from reshard.storage.checkpoints.index import RANK_FILE, ColumnChunks
 
 __all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
 
@@ -102,6 +102,7 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
                            "not make it smaller")
     planned = {t.key: t for t in plan.tensors}
     files: set[str] = set()
+    in_columns: dict[int, tuple[Any, np.ndarray]] = {}  # id of an index's columns -> (them, which of their rows are linked)
     refused_keys: list[str] = []
     for a in plan.keys:
         if a.action == Action.DROPPED:
@@ -126,7 +127,16 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
             refused_keys.append(f"'{a.key}' {why}")
             continue
         out.linked_tensors.append(a.key)
-        files.update(_data_files(e))
+        tab = e.chunks
+        if isinstance(tab, ColumnChunks):  # its files with every other table's of the index, at the end
+            got = in_columns.get(id(tab.columns))
+            if got is None:
+                got = in_columns[id(tab.columns)] = (tab.columns, np.zeros(len(tab.columns.file), dtype=bool))
+            got[1][tab.rows] = True
+        else:
+            files.update(_data_files(e))
+    for cols, rows in in_columns.values():
+        files.update(cols.files[f] for f in np.unique(cols.file[rows]).tolist() if f >= 0)
     if refused_keys:
         more = len(refused_keys) - _MAX_REASONS
         out.reasons.extend(refused_keys[:_MAX_REASONS])
@@ -258,6 +268,8 @@ def _signature(e: Any, t: Any) -> tuple:
         1.5 s of a plan's CPU)."""
         if not len(chunks):
             return ()
+        if isinstance(chunks, ColumnChunks):  # the same, read from the index's columns
+            return chunks.ends()
         if isinstance(chunks, ChunkTable):  # the boxes as their int64 bytes: equal bytes, equal boxes
             f, n = chunks.file, chunks.length
             o, z = chunks.offsets, chunks.sizes

@@ -242,6 +242,30 @@ class ColumnChunks(ChunkTable):
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def columns(self) -> ChunkColumns:
+        """The index's columns this table is a range of."""
+        return self._cols
+
+    @property
+    def rows(self) -> slice:
+        """This table's chunks as rows of ``columns.file`` (``start``, ``length``, ``transform``)."""
+        return slice(self._r0, self._r0 + self._n)
+
+    def ends(self) -> tuple:
+        """(offsets, sizes) of the first and the last chunk as their int64 bytes, and (file, item
+        length) of each (None: no location), read from the columns: what tells two tensors cut
+        alike by one save (`reshard.planning.linking`), without the table's arrays made."""
+        c, n, d, r, p = self._cols, self._n, self._d, self._r0, self._p
+        if not n:
+            return ()
+        q = p + (n - 1) * d
+        o, z = c.offsets, c.sizes
+        rl = r + n - 1
+        fa, fb = int(c.file[r]), int(c.file[rl])
+        return (o[p:p + d].tobytes(), z[p:p + d].tobytes(), o[q:q + d].tobytes(), z[q:q + d].tobytes(),
+                (c.files[fa], int(c.length[r])) if fa >= 0 else None, (c.files[fb], int(c.length[rl])) if fb >= 0 else None)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return ChunkTable, (self.offsets, self.sizes, self.file, self.start, self.length, self.transform,
                             self.files, self.transforms)
