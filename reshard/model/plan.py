@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from json.encoder import encode_basestring_ascii
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,8 @@ class Plan:
                 "options": self.options.to_dict(), "new": sorted(self.new_values)}
         h.update(encode(head).encode())
         tails: dict[tuple, str] = {}
+        text = encode_basestring_ascii  # what ``encode`` writes of a str, without its method call per key
+        batch: list[str] = []  # rows hashed a few thousand at a time: one update of their joined text
         for t in self.tensors:
             # the row [key, role, shape, dtype, placement, chunks, transform, copy_from] as encode writes it:
             # a list is its items' texts joined by ", ", so the part after key and role is written once per
@@ -235,7 +238,12 @@ class Plan:
                     tails.clear()
                 tail = tails[alike] = encode([list(t.shape), t.dtype, t.placement.describe(), t.chunks, t.transform,
                                               t.copy_from])[1:]
-            h.update(f"[{encode(t.key)}, {encode(t.role)}, {tail}".encode())
+            batch.append(f"[{text(t.key) if isinstance(t.key, str) else encode(t.key)}, "
+                         f"{text(t.role) if isinstance(t.role, str) else encode(t.role)}, {tail}")
+            if len(batch) >= 4096:
+                h.update("".join(batch).encode())
+                batch.clear()
+        h.update("".join(batch).encode())
         return h.hexdigest()[:16]
 
     def source_fingerprint(self) -> str:

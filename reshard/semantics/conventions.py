@@ -470,32 +470,40 @@ class Matcher:
         return m
 
     def answers(self, keys: Sequence[tuple[str, str]]) -> Answers:
-        """One RE2 pass per key: every convention's first rule, with and without catch-alls."""
+        """One RE2 pass per key: every convention's first rule, with and without catch-alls.
+
+        What a key's answers are depends only on its kind and the rules that match it, and the keys
+        of a model fall into few such classes (an MoE's 100k keys: a few dozen), so each class is
+        worked out once (`_answer_class`) and the keys take its column."""
         nconv = len(self.conventions)
-        full = np.full((nconv, len(keys)), -1, dtype=np.int32)
-        comp = np.full((nconv, len(keys)), -1, dtype=np.int32)
-        conv_of = self.rule_conv.tolist()
-        catch = self.rule_catch.tolist()
-        kinds = self.rule_kind
-        fi, fg, ci, cg = array("q"), array("l"), array("q"), array("l")  # 8 bytes a row, not a Python int
-        for i, (key, kind) in enumerate(keys):
-            done_full: set[int] = set()
-            done_comp: set[int] = set()
-            for g in self.rule_set.matching(key):
-                if kinds[g] is not None and kinds[g] != kind:
-                    continue
-                c = conv_of[g]
-                if c not in done_full:
-                    done_full.add(c)
-                    fi.append(c * len(keys) + i)
-                    fg.append(g)
-                if not catch[g] and c not in done_comp:
-                    done_comp.add(c)
-                    ci.append(c * len(keys) + i)
-                    cg.append(g)
-        full.reshape(-1)[np.frombuffer(fi, dtype=np.int64)] = np.frombuffer(fg, dtype=np.int64)
-        comp.reshape(-1)[np.frombuffer(ci, dtype=np.int64)] = np.frombuffer(cg, dtype=np.int64)
-        return Answers(full, comp)
+        classes: dict[tuple[str, tuple[int, ...]], int] = {}
+        of_key = array("q")  # 8 bytes a key, not a Python int
+        matching = self.rule_set.matching
+        for key, kind in keys:
+            cl = (kind, tuple(matching(key)))
+            c = classes.get(cl)
+            if c is None:
+                c = classes[cl] = len(classes)
+            of_key.append(c)
+        full = np.full((nconv, len(classes)), -1, dtype=np.int32)
+        comp = np.full((nconv, len(classes)), -1, dtype=np.int32)
+        for (kind, gs), c in classes.items():
+            self._answer_class(kind, gs, full[:, c], comp[:, c])
+        idx = np.frombuffer(of_key, dtype=np.int64) if len(of_key) else np.zeros(0, dtype=np.int64)
+        return Answers(np.ascontiguousarray(full[:, idx]), np.ascontiguousarray(comp[:, idx]))
+
+    def _answer_class(self, kind: str, matched: tuple[int, ...], full: np.ndarray, comp: np.ndarray) -> None:
+        """Each convention's first rule among ``matched`` (rule numbers, ascending) for a key of ``kind``,
+        into ``full`` (catch-alls included) and ``comp`` (without): -1 where none."""
+        conv_of, catch, kinds = self.rule_conv, self.rule_catch, self.rule_kind
+        for g in matched:
+            if kinds[g] is not None and kinds[g] != kind:
+                continue
+            c = int(conv_of[g])
+            if full[c] < 0:
+                full[c] = g
+            if not catch[g] and comp[c] < 0:
+                comp[c] = g
 
     def markers_seen(self, keys: Iterable[str]) -> list[bool]:
         """Whether each marker (of every convention) is found in some key; stops once all are."""
