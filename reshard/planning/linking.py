@@ -211,9 +211,10 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
     pairs: list[np.ndarray] = []
     planned = {t.key: t for t in plan.tensors}
     groups: dict[tuple, list] = {}
+    memo: dict = {}
     for key in keys:
         e, t = ix.entries[key], planned[key]
-        groups.setdefault(_signature(e, t), [key, 0])[1] += 1
+        groups.setdefault(_signature(e, t, memo), [key, 0])[1] += 1
     for key, times in groups.values():
         e, t = ix.entries[key], planned[key]
         same = (id(t.chunks[0]), id(t.chunks[-1]), len(t.chunks), tuple(t.shape), t.placement) if t.chunks else None
@@ -260,8 +261,10 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
                     "(what copy mode's rank reads, plus framing); amplification: tensor_bytes / keeps over all ranks"}
 
 
-def _signature(e: Any, t: Any) -> tuple:
-    """What makes two tensors' reads the same (see `_reads`)."""
+def _signature(e: Any, t: Any, memo: dict | None = None) -> tuple:
+    """What makes two tensors' reads the same (see `_reads`). ``memo``: the parts that follow from an
+    object the tensors share (a placement's words, a dtype's name, the ranks of a shared local-shapes
+    dict), kept across the calls of one `_reads` (100k tensors, a few dozen such objects)."""
     def ends(chunks: Any) -> tuple:
         """(offsets, sizes, file and item length or None) of the first and last chunk; of a
         `ChunkTable` read from its arrays, not as two `Chunk` objects made per tensor (180k keys:
@@ -281,10 +284,21 @@ def _signature(e: Any, t: Any) -> tuple:
         return (a.box.offsets, a.box.sizes, b.box.offsets, b.box.sizes, la and (la.file, la.length),
                 lb and (lb.file, lb.length))
 
-    placement = t.placement.describe() if hasattr(t.placement, "describe") else repr(t.placement)
-    return (tuple(e.shape), e.dtype_name, len(e.chunks), ends(e.chunks), tuple(t.shape), placement, len(t.chunks),
-            tuple(t.chunks[0]) if t.chunks else (), tuple(sorted(getattr(t, "local", {}) or {})) if len(t.local or {}) < 64
-            else len(t.local))
+    if memo is None:
+        memo = {}
+    pl = t.placement
+    placement = memo.get(("placement", pl))
+    if placement is None:
+        placement = memo[("placement", pl)] = pl.describe() if hasattr(pl, "describe") else repr(pl)
+    dtype = memo.get(("dtype", id(e.dtype)))
+    if dtype is None:  # a DType is compared by identity: its id, alive in the index, names it
+        dtype = memo[("dtype", id(e.dtype))] = (e.dtype_name,)
+    local = getattr(t, "local", {}) or {}
+    ranks = memo.get(("local", id(local)))
+    if ranks is None:  # tensors of a shape and placement share one local-shapes dict (keys.fill_local_shapes)
+        ranks = memo[("local", id(local))] = (tuple(sorted(local)) if len(local) < 64 else len(local), local)
+    return (tuple(e.shape), dtype[0], len(e.chunks), ends(e.chunks), tuple(t.shape), placement, len(t.chunks),
+            tuple(t.chunks[0]) if t.chunks else (), ranks[0])
 
 
 def _target_boxes(t: Any, target: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
