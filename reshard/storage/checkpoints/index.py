@@ -48,6 +48,8 @@ def _plain_location(e: Entry) -> tuple[ItemLocation | None, int | None]:
     """Where `CheckpointIndex.read_plain` reads a small item from, and the size its bytes may inflate to:
     an object's item, or the one chunk of a one-element tensor (None: read it through torch)."""
     if e.is_tensor:
+        if isinstance(e.chunks, ColumnChunks):  # read from the index's columns, no `Chunk` made
+            return e.chunks.sole_location(e.shape) if e.numel == 1 else None, dcp.tensor_item_limit(1, e.dtype.itemsize)
         c = e.chunks[0] if len(e.chunks) == 1 else None
         loc = c.location if c is not None and e.numel == 1 and c.box.sizes == tuple(e.shape) else None
         return loc, dcp.tensor_item_limit(1, e.dtype.itemsize)
@@ -265,6 +267,15 @@ class ColumnChunks(ChunkTable):
         fa, fb = int(c.file[r]), int(c.file[rl])
         return (o[p:p + d].tobytes(), z[p:p + d].tobytes(), o[q:q + d].tobytes(), z[q:q + d].tobytes(),
                 (c.files[fa], int(c.length[r])) if fa >= 0 else None, (c.files[fb], int(c.length[rl])) if fb >= 0 else None)
+
+    def sole_location(self, shape: tuple[int, ...] | None) -> ItemLocation | None:
+        """Where the table's only chunk lies when it holds the whole tensor of ``shape``, else None
+        (``self[0].location`` when ``len(self) == 1 and self[0].box.sizes == tuple(shape)``)."""
+        c, r, p = self._cols, self._r0, self._p
+        if self._n != 1 or c.sizes[p:p + self._d].tolist() != list(shape or ()):
+            return None
+        f, t = int(c.file[r]), int(c.transform[r])
+        return None if f < 0 else ItemLocation(c.files[f], int(c.start[r]), int(c.length[r]), c.transforms[t] if t >= 0 else ())
 
     def __reduce__(self) -> tuple[Any, ...]:
         return ChunkTable, (self.offsets, self.sizes, self.file, self.start, self.length, self.transform,
