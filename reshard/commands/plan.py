@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from reshard.gc_pause import paused_gc
 from reshard.model.plan import Options, Plan
 from reshard.planning.plan import make_plan, plan_reader
 from reshard.render.progress import waiting
@@ -40,6 +41,7 @@ def plan(source: Source | Path, opts: Options, *, dst: Path | str | None = None,
     return p
 
 
+@paused_gc()  # a dict per key (102k at 180k storage entries), none in a cycle: reshard.gc_pause
 def report(p: Plan, *, verbose: bool = False, json_out: bool = False) -> dict[str, Any]:
     """What ``reshard plan`` prints of a plan: every tensor when ``verbose``, under ``--json`` the
     full table up to `reshard.model.plan.FULL_TABLE_ROWS` rows, else none (`Plan.to_dict`), then
