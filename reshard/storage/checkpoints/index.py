@@ -199,8 +199,8 @@ class ColumnChunks(ChunkTable):
     """One tensor's chunks as a range of the index's `ChunkColumns`, its arrays made when asked for.
 
     Why not a `ChunkTable` holding its six arrays: each array is a numpy view of about a hundred
-    bytes, and an MoE checkpoint of 180k keys held 100k tables of six views (95 MiB, a quarter
-    of ``reshard plan``'s peak), most of them never read. Here a table is five numbers; each
+    bytes, and an MoE checkpoint of 180k keys held 100k tables of six views (78 MiB by tracemalloc,
+    a fifth of ``reshard plan``'s peak; 13 MiB as these), most never read. Here a table is five numbers; each
     attribute is a view made on access (code that walks every chunk reads the index's columns
     or asks each table once). Pickled as the plain `ChunkTable` of its arrays."""
 
