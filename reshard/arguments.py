@@ -67,28 +67,25 @@ def check_destination(dst: Path | str, *, overwrite: bool) -> None:
 
 
 def check_remote_source(src: str, *, data: str, workers: int | None) -> None:
-    """What a conversion from an object-store URL cannot do yet: share the source's files
-    (``--data link`` needs them on the destination's file system) or divide the work among
-    ``--workers`` processes (each would stage the source again; issue 34's next part)."""
+    """What a conversion from an object-store URL cannot do: share the source's files
+    (``--data link`` needs them on the destination's file system). Several ``--workers`` each
+    fetch only what their own files need (`reshard.engine.copy`)."""
     if not is_url(src):
         return
     if data == "link":
         raise BadInput("--data link shares the source's data files, and a source in object storage has none on this "
                        "file system", where=src, hint="Drop --data link (the default, --data copy, fetches each item's "
                        "byte range), or download the checkpoint first.")
-    if workers not in (None, 1):
-        raise BadInput("--workers with a source in object storage is not supported yet", where=src,
-                       hint="Run the conversion as one process (without --workers).")
 
 
 def check_remote_destination(dst: str, *, data: str, workers: int | None, output_format: str) -> None:
     """What a conversion into object storage does not do yet, refused before any work: linked
-    data, per-rank safetensors, several workers (``--overwrite`` is checked against the prefix itself)."""
+    data, per-rank safetensors (``--overwrite`` is checked against the prefix itself). Several
+    workers stream their files into it (`reshard.engine.streaming`)."""
     if not is_url(dst):
         return
     urls.parse(dst, what="destination URL")
-    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}"),
-                       (workers not in (None, 1), "--workers")):
+    for given, why in ((data == "link", "--data link"), (output_format != "dcp", f"--output-format {output_format}")):
         if given:
             raise BadInput(f"{why} with a destination in object storage is not supported yet", where=dst,
                            hint=f"Drop {why.split()[0]}, or convert to a local directory and upload it.")

@@ -1,6 +1,6 @@
 """The data path's CPU and the fixed cost of a conversion, side by side with their anchors (issue 45, part 2).
 
-    python scripts/bench_datapath.py [--gib 4] [--rounds 3] [--tree main=/path/to/other/tree] [--out bench-results]
+    python scripts/bench_datapath.py [--gib 4] [--rounds 3] [--small-rounds 7] [--tree main=/path/to/other/tree] [--out bench-results]
 
 Builds two real checkpoints once, with torch's own ``dcp.save``:
 
@@ -27,6 +27,10 @@ command in a fresh process, the page cache dropped before each large one when th
 Every tree is byte-compiled first (``compileall``), as an installed package is: with
 ``PYTHONDONTWRITEBYTECODE`` set and no ``__pycache__``, each run would compile reshard's modules again.
 
+The small conversion and its anchor may run more rounds than the large ones (``--small-rounds``: they
+take seconds, the large ones minutes); each small conversion is also reported against the import
+run just before it (``per_round_*``), and every run records the 1-minute load average it ended at.
+
 Reports medians (and every run) in ``OUT/bench_datapath.{json,md}``. CPU seconds, not wall time,
 are the figure to read on a machine shared with other work; every ratio is against the anchor of
 the same round. The outputs of the trees are compared byte for byte (reports excepted, their
@@ -51,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_convert_memory import GIB, MIB, add_manifest, machine  # noqa: E402 - scripts/ is not a package
+from bench_convert_memory import GIB, add_manifest, machine  # noqa: E402 - scripts/ is not a package
 from bench_speed import can_drop_caches, drop_caches  # noqa: E402
 
 REPORTS = {"reshard-report.json", "reshard-report.md"}
@@ -68,7 +72,7 @@ def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = No
     p.stderr.close()
     # (no peak RSS: a child's ru_maxrss counts this process's pages at the fork, torch's included)
     return {"wall_s": round(wall, 3), "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "user_s": round(ru.ru_utime, 3),
-            "sys_s": round(ru.ru_stime, 3), "exit_code": p.returncode,
+            "sys_s": round(ru.ru_stime, 3), "exit_code": p.returncode, "load_1min": round(os.getloadavg()[0], 2),
             **({"stderr_tail": err.decode(errors="replace")[-800:]} if p.returncode else {})}
 
 
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mid-gib", type=float, default=1.0,
                     help="a second make_sharded size for the marginal CPU per GiB (default 1; 0: none)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small-rounds", type=int, default=None,
+                    help="rounds of the small conversion and its import anchor (default: --rounds); the large runs "
+                         "take the first --rounds of them")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--tree", action="append", default=[],
                     help="NAME=PATH of a reshard tree to run (repeatable; default: this tree as 'this')")
@@ -182,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         for d in outs.values():
             shutil.rmtree(d, ignore_errors=True)
 
-    for i in range(args.rounds):
-        print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        if not args.no_large:
+    small_rounds = args.rounds if args.small_rounds is None else args.small_rounds
+    rounds = max(args.rounds, small_rounds)
+    for i in range(rounds):
+        print(f"round {i + 1}/{rounds}, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        if not args.no_large and i < args.rounds:
             outs = {}
             for name in trees:
                 dst = tmp / f"out-large-{name}"
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "--json"], name, mdst)
                     shutil.rmtree(mdst, ignore_errors=True)
             compare_and_clear("large", outs)
-        if not args.no_small:
+        if not args.no_small and i < small_rounds:
             # warm: the fixed cost is CPU work, not the disk reading torch's libraries (a cold `import torch`
             # reads hundreds of MB, which would be most of both figures); one unrecorded import warms the cache
             run([py, "-c", "import torch"])
@@ -234,18 +243,24 @@ def main(argv: list[str] | None = None) -> int:
         sm = runs.get(f"convert_small[{name}]", [])
         if sm:
             over = med(sm, "cpu_s") - med(runs["import_torch"], "cpu_s")
+            # each round's convert against the import run just before it (the same tree's slot in that round)
+            imports = runs["import_torch"][list(trees).index(name)::len(trees)]
+            pairs = [(c, t) for c, t in zip(sm, imports) if c.get("exit_code") == 0 and t.get("exit_code") == 0]
             summary[f"convert_small[{name}]"] = {
                 "wall_s": med(sm, "wall_s"), "cpu_s": med(sm, "cpu_s"),
                 "wall_minus_import_torch_s": round(med(sm, "wall_s") - med(runs["import_torch"], "wall_s"), 3),
                 "cpu_minus_import_torch_s": round(over, 3), "items": n_small,
-                "cpu_us_per_item_over_import": round(over / n_small * 1e6)}
+                "cpu_us_per_item_over_import": round(over / n_small * 1e6),
+                "per_round_wall_minus_import_s": [round(c["wall_s"] - t["wall_s"], 3) for c, t in pairs],
+                "per_round_cpu_minus_import_s": [round(c["cpu_s"] - t["cpu_s"], 3) for c, t in pairs],
+                "load_1min": [c["load_1min"] for c in sm]}
     for k in ("directcopy_large", "import_torch"):
         if runs.get(k):
             summary[k] = {"wall_s": med(runs[k], "wall_s"), "cpu_s": med(runs[k], "cpu_s")}
     result = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "trees": trees, "cold_cache": cold, "large": {**dir_facts(large), "gib": round(gib, 3)},
               "mid": {**dir_facts(mid), "gib": round(mid_gib, 3)} if mid is not None else None,
-              "small": {**dir_facts(small), "items": n_small}, "rounds": args.rounds, "summary": summary, "outputs_identical": same,
+              "small": {**dir_facts(small), "items": n_small}, "rounds": args.rounds, "small_rounds": small_rounds, "summary": summary, "outputs_identical": same,
               "load_average": os.getloadavg(), "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -83,13 +83,19 @@ def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to:
                    **{k: v for k, v in (("threads", threads), ("window", window)) if v is not None})
     url = str(dst) if looks_like_url(str(dst)) else None  # a destination in a store, by its URL
     local = Path(dst) if url is None else Path(".")  # a store's output is made where its stage says (StoreOutput)
-    if distributed:
-        output: Output = DistributedOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,
+    if distributed and url is not None:  # each worker streams its own files into the store
+        from reshard.engine.streaming import StreamedStoreOutput
+        from reshard.engine.splice import default_window
+
+        output: Output = StreamedStoreOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,
+                                             restart=restart, url=url, window=window or default_window())
+    elif distributed:
+        output = DistributedOutput(local, overwrite=overwrite, force=force, progress=progress, io=io,
                                            restart=restart)
     else:
         output = output_for(local, overwrite=overwrite, progress=progress, output_format=output_format, io=io,
                             data=data, force=force, restart=restart)
-    if url is not None:
+    if url is not None and not distributed:
         output = StoreOutput(url, overwrite=overwrite, progress=progress, inner=output, restart=restart)
     if progress is not None:
         progress.say(f"planning the conversion to {opts.to} …")

@@ -20,7 +20,7 @@ import typer
 
 from reshard.errors import BadInput
 from reshard.render.progress import waiting
-from reshard.model.kinds import Action
+from reshard.model.kinds import EXPECTED_DIFFERENCES
 
 MARKER = ".reshard-demo.json"  # in --out: what the demo created there, so a rerun deletes that and nothing else
 
@@ -160,7 +160,7 @@ def _run(out: Path, steps: int, k: int, say: Callable[[str], None] | None, progr
     typer.echo(render_convert(report))
     with waiting(progress):
         v = verify_checkpoints(ckpt, dst, expected_rewrites={a.key: a.action for a in plan.keys
-                                                             if a.action in (Action.REWRITTEN, Action.DROPPED, Action.ADDED)})
+                                                             if a.action in EXPECTED_DIFFERENCES})
     typer.echo(render_verify(v))
 
     stage(f"[5/6] resume on 2 ranks with accumulation {plan.batch.after.grad_accum} to step {steps}")

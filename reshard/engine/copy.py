@@ -30,7 +30,8 @@ import numpy as np
 
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
-from reshard.model.dtypes import dtype_named, is_torch_tensor
+from reshard.model.dtypes import dtype_named
+from reshard.model.tensor_values import is_tensor_value
 from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.storage.checkpoints import archive
 from reshard.engine import bands, splice
@@ -58,6 +59,7 @@ class IOOptions:
     window: int = field(default_factory=splice.default_window)
     splice: bool = True
     direct: bool = True  # spliced bytes bypass the page cache (O_DIRECT) where the file systems allow
+    ahead: Optional[int] = None  # at most these bytes of items written ahead of the writer's bookkeeping (None: by count)
 
 
 class PieceLedger(splice.SourceLedger):
@@ -101,6 +103,7 @@ class WriteChecks(set):
         self.read_back = 0           # read back and compared bitwise with the source rows
         self.after_writing = 0       # not checked while written: compared with the source afterwards
         self._deferred: list[tuple[str, list]] = []
+        self.later: list[str] = []   # keys `finalize` left to the comparison after writing
 
     def count(self, by_source_crc: bool) -> None:
         with self._lock:  # called from the pool's threads
@@ -124,7 +127,16 @@ class WriteChecks(set):
             else:
                 self.after_writing += 1
                 self.discard(key)
+                self.later.append(key)
         self._deferred.clear()
+
+    def checked_elsewhere(self) -> None:
+        """The keys `finalize` left to the comparison after writing were checked since, against the
+        source's records, across workers (`reshard.engine.distributed.check_split_storages`)."""
+        self.update(self.later)
+        self.against_source_crc += len(self.later)
+        self.after_writing -= len(self.later)
+        self.later = []
 
     def summary(self) -> dict[str, int]:
         return {"items_against_source_crc": self.against_source_crc, "items_read_back": self.read_back,
@@ -159,7 +171,7 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
             w.filled(tok, result)
 
     run_jobs(_items(plan, ix, w, progress, io, checked if checked is not None else set()),
-             threads=io.threads, window=io.window, on_done=done)
+             threads=io.threads, window=io.window, on_done=done, ahead=io.ahead)
     if isinstance(checked, WriteChecks):
         checked.finalize()
     if commit:
@@ -176,15 +188,17 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
     mirrored = io.splice and rc is not None and rc.can_mirror()
     with contextlib.ExitStack() as stack:
-        if mirrored:
-            mirror = stack.enter_context(rc.mirroring(_first_needed(ix)))
+        if mirrored:  # a worker of a divided output fetches only the objects its own files need
+            needed = (_first_needed(ix) if w.owns_all else
+                      list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
+            mirror = stack.enter_context(rc.mirroring(needed))
             locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready)
         elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:
             locator = splice.Locator(ix.root, ix.entries.values())
         else:
             locator = None
         if rc is not None and not mirrored:  # items fetched ahead, bounded in requests and bytes
-            stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions), in_flight=io.threads,
+            stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions, w.owns), in_flight=io.threads,
                                                memory=io.window, label="copy"))
         if locator is not None:
             stack.callback(locator.close)
@@ -205,16 +219,20 @@ def _first_needed(ix: CheckpointIndex) -> list[str]:
     return list(order) + sorted(set(ix.remote.data_files()) - order.keys())
 
 
-def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
+def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any = None):
     """The byte ranges `_items_in_order` reads from a remote source, in its order: each copied
     object's item, and for each target chunk of a re-cut tensor the source items `read_box`
-    reads (the prefetch's order; a range read otherwise is fetched when it is read)."""
+    reads (the prefetch's order; a range read otherwise is fetched when it is read). ``owns``
+    (a worker of a divided output): only for the target ranks whose files it writes."""
+    def mine(rank: Any) -> bool:
+        return owns is None or bool(owns(int(rank or 0)))
+
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.action in (Action.DROPPED, Action.REWRITTEN):
+        if a.left_out or a.new_value:  # nothing written, or not the source's bytes under this name
             continue
         if not e.is_tensor:
-            if e.location is not None:
+            if e.location is not None and mine(a.rank):
                 yield e.location.file, e.location.offset, e.location.length
             continue
         t = planned[key]
@@ -222,6 +240,8 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
             continue  # read by `write_transformed`, its own way
         if not e.shape:  # a 0-d tensor: its one item per target chunk
             for _rank, _offsets, _sizes in t.chunks:
+                if not mine(_rank):
+                    continue
                 for c in e.chunks:
                     if not c.box.offsets and c.location is not None:
                         yield c.location.file, c.location.offset, c.location.length
@@ -229,6 +249,8 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict):
         tab = ChunkTable.of(e.chunks, len(e.shape))  # one array comparison per target chunk, not a Box per pair
         lo, hi = tab.offsets, tab.offsets + tab.sizes
         for _rank, offsets, sizes in t.chunks:
+            if not mine(_rank):
+                continue
             o = np.asarray(offsets, dtype=np.int64)
             hit = np.all((lo < o + np.asarray(sizes, dtype=np.int64)) & (hi > o), axis=1) & (tab.file >= 0)
             for i in np.flatnonzero(hit):
@@ -248,6 +270,8 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
             else:
                 yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,
                                         direct)
+        elif not w.owns(a.rank or 0):  # another worker's file: the same place reserved, its bytes not read here
+            w.reserve_object(a.rank or 0, e.key, e.location.length, path=e.path or None)
         else:
             w.write_object_bytes(a.rank or 0, e.key, checked_object(plan, ix, e), path=e.path or None)
     write_added(plan, ix, w)
@@ -262,14 +286,14 @@ def kept_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any):
     actions = {a.key: a for a in plan.keys}
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.action == Action.DROPPED:
+        if a.left_out:
             continue
         t = planned[key] if e.is_tensor else None
         if t is not None:
             w.declare_tensor(key, t.shape, dtype_named(t.dtype), path=e.path or None)
-        if a.action == Action.REWRITTEN and t is None:
+        if a.new_value and t is None:
             w.write_object(a.rank or 0, key, plan.new_values[key], path=e.path or None)
-        elif a.action == Action.REWRITTEN and not t.copy_from:
+        elif a.new_value and not t.copy_from:
             w.write_chunk(t.chunks[0][0], key, t.chunks[0][1], plan.new_values[key])
         else:
             yield e, a, t
@@ -286,11 +310,12 @@ def checked_object(plan: Plan, ix: CheckpointIndex, e: Any) -> bytes:
 
 
 def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
-    """The keys the plan adds, after every source key: a slice's renumbered tensor cut from its
-    source key, any other value written as the plan holds it."""
+    """The keys the plan adds, after every source key: a slice's renumbered tensor (renamed to a
+    name the source lacks) cut from its source key, any other value written as the plan holds it."""
     planned = {t.key: t for t in plan.tensors}
     for a in plan.keys:
-        if a.action != Action.ADDED:
+        if not (a.action == Action.ADDED or (a.action == Action.RENAMED and a.renamed_from is not None
+                                             and a.key not in ix.entries)):
             continue
         t = planned.get(a.key)
         if t is not None and t.copy_from:
@@ -300,7 +325,7 @@ def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
             write_transformed(ix, w, t, source_key=t.copy_from)
             continue
         v = plan.new_values[a.key]
-        if is_torch_tensor(v):
+        if is_tensor_value(v):  # a torch.Tensor, or an ArrayTensor (a reseeded rank's RNG state, made without torch)
             w.declare_tensor(a.key, tuple(v.shape), v.dtype)
             w.write_chunk(a.rank or 0, a.key, tuple(0 for _ in v.shape), v)
         else:

@@ -33,8 +33,12 @@ worker or on worker 0 alone, every outcome gathered, the first failure raised on
    directory into place. The commit is that rename: before it, nothing at
    ``dst`` looks like a checkpoint.
 
+A destination in object storage has no shared directory: `reshard.engine.streaming.StreamedStoreOutput`
+runs the same steps with each worker streaming its own files into the store.
+
 A worker killed outright makes the others fail in their next collective (its connection
-closes) and torchrun stops the group; what is left is the hidden temporary directory,
+closes) and torchrun stops the group; each worker notes in torchrun's rendezvous store the
+collectives it reached, so the others name the lost one (rank, node, host, pid: `Collective`); what is left is the hidden temporary directory,
 which the next run into ``dst`` removes. The output is byte-identical to a single-process
 conversion: the same reservations give the same offsets, and the same bytes are written
 at them (``tests/test_distributed.py``).
@@ -170,12 +174,17 @@ class Collective:
 
     def __init__(self, dist: Any, rank: int, world: int):
         self.dist, self.rank, self.world = dist, rank, world
+        self.calls = 0                                  # collectives entered so far (the same count on every worker)
+        self.store: Any = _arrivals_store()              # where each worker says it reached a collective (None: nowhere)
+        self.roster: list[dict[str, Any]] = []          # each worker's host, pid and node, by rank (`introduce`)
 
     @classmethod
     def joined(cls) -> Collective:
         """This worker in the default process group (started here when it is not yet)."""
         dist, rank, world = _init()
-        return cls(dist, rank, world)
+        made = cls(dist, rank, world)
+        made.introduce()
+        return made
 
     @property
     def lead(self) -> bool:
@@ -216,16 +225,74 @@ class Collective:
         self._call(stage, self.dist.all_gather_object, out, obj)
         return out
 
+    def introduce(self) -> None:
+        """Every worker's host, pid and node learnt by all (one collective), so a lost one can be named."""
+        import socket
+
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "node": os.environ.get("GROUP_RANK", "0")}
+        self.roster = self.gather(me, "starting")
+
     def _call(self, stage: str, fn: Any, *args: Any) -> None:
+        self.calls += 1
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"reshard/arrived/{self.calls}/{self.rank}", "1")
         try:
             fn(*args)
         except RuntimeError as exc:  # gloo's DistBackendError and friends
-            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            detail = _gloo_detail(exc)
             raise WorkerFailed(BadInput(
-                f"one of the {self.world} workers stopped while {stage} (its connection closed: {detail})",
+                f"{self._lost()} stopped while {stage} (its connection closed: {detail})",
                 hint="Nothing was committed; the same command run again resumes from what this one left beside the "
                      "destination (--restart discards it).",
             ).render(), exit_code=2) from None
+
+    def _lost(self) -> str:
+        """The workers that never reached the collective that failed, by rank, host, node and pid, as far
+        as the rendezvous store tells (it may have gone with them): "worker 1 (node 1, host h, pid 42)"."""
+        lost: list[int] = []
+        if self.store is not None:
+            for r in range(self.world):
+                try:
+                    if r != self.rank and not self.store.check([f"reshard/arrived/{self.calls}/{r}"]):
+                        lost.append(r)
+                except Exception:  # noqa: BLE001 - the store went with the lost node
+                    lost = []
+                    break
+        if not lost:
+            return f"one of the {self.world} workers"
+
+        def who(r: int) -> str:
+            info = self.roster[r] if r < len(self.roster) else {}
+            said = ", ".join(f"{k} {info[k]}" for k in ("node", "host", "pid") if k in info)
+            return f"worker {r}" + (f" ({said})" if said else "")
+
+        return ("worker " if len(lost) == 1 else "workers ") + ", ".join(who(r)[7:] for r in lost) + \
+            f" of {self.world}"
+
+
+def _gloo_detail(exc: BaseException) -> str:
+    """gloo's message without its source path and advice: "Connection closed by peer [127.0.0.1]:34709"."""
+    import re
+
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", first)
+    return first.split(". ", 1)[0].rstrip(".")
+
+
+def _arrivals_store() -> Any:
+    """A client of torchrun's rendezvous store (``MASTER_ADDR``/``MASTER_PORT``), where each worker
+    notes the collectives it reached; None outside torchrun or where it cannot be reached."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not in_torchrun():
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        return TCPStore(addr, int(port), is_master=False, timeout=_dt.timedelta(seconds=30),
+                        wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - naming a lost worker is a courtesy: without the store it says "one of"
+        return None
 
 
 def _peer_lost(exc: BaseException) -> bool:

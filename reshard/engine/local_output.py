@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from reshard.model.kinds import Action
 from reshard.model.plan import KeyAction, Plan, TensorPlan
 from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.errors import BadInput, Infeasible
 from reshard.model.geometry import Box, whole
 from reshard.model.layout import Placement, local_box, mesh_coords
+from reshard.model.tensor_values import as_torch
 from reshard.storage.checkpoints.index import CheckpointIndex
 from reshard.storage.checkpoints.safetensors_format import PACKED, SAFETENSORS_NAMES, sort_header_metadata
 from reshard.storage.checkpoints.local_format import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARED_OBJECTS, dtype_name, rank_file,
@@ -193,7 +193,7 @@ def _held_tensors(plan: "Plan") -> tuple[list[_HeldTensor], dict[str, Any]]:
     index: dict[str, Any] = {}
     for t in plan.tensors:
         a = actions.get(t.key)
-        if a is not None and a.action == Action.DROPPED:
+        if a is not None and a.left_out:
             continue
         holders = _checked_holders(t, a, plan.target)
         held.append(_HeldTensor(t, holders))
@@ -225,7 +225,7 @@ def _held_objects(plan: "Plan", tensor_keys: set[str]) -> list[_HeldObject]:
     world = plan.target.world_size
     objects: list[_HeldObject] = []
     for a in plan.keys:
-        if a.action == Action.DROPPED or a.key in tensor_keys:
+        if a.left_out or a.key in tensor_keys:
             continue
         holders = _per_rank_holders(a.key, a.role, a.rank, plan.target)
         if holders is not None and not holders:  # per-rank state of no target rank: keep it with its owner
@@ -252,7 +252,7 @@ class _Pieces:
 
     def piece(self, t: "TensorPlan", box: Box, rank: int) -> torch.Tensor:
         if t.key in self.plan.new_values:
-            v = self.plan.new_values[t.key]
+            v = as_torch(self.plan.new_values[t.key])  # a value made without torch (ArrayTensor): as the tensor it stands for
             return (v[box.slices()] if v.dim() else v).contiguous().clone()
         if t.transform or t.copy_from:
             return self._transformed_piece(t, box, rank)
@@ -377,7 +377,7 @@ def _chmod_like_umask(path: Path) -> None:
 
 
 def _object_value(plan: "Plan", ix: CheckpointIndex, a) -> Any:
-    if a.action in (Action.REWRITTEN, Action.ADDED):
+    if a.new_value:
         return plan.new_values[a.key]
     return ix.read_object(a.key)
 

@@ -234,10 +234,9 @@ def say_converting(run: Run) -> None:
     """The first line once the source is read: how much is converted, into what."""
     if run.progress is None:
         return
-    from reshard.model.kinds import Action
     from reshard.render.progress import describe_bytes
 
-    kept = {a.key for a in run.plan.keys if a.action != Action.DROPPED}
+    kept = {a.key for a in run.plan.keys if not a.left_out}
     n = sum(1 for key, e in run.ix.entries.items() if e.is_tensor and key in kept)
     run.progress.say(f"converting {describe_bytes(writing_bytes(run.plan, run.ix), n, 'tensor')} "
                      f"to {run.plan.options.to} …")
@@ -245,10 +244,8 @@ def say_converting(run: Run) -> None:
 
 def writing_bytes(plan: Plan, ix: CheckpointReader) -> int:
     """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
-    from reshard.model.kinds import Action
-
-    actions = {a.key: a.action for a in plan.keys}
-    return sum(e.nbytes for key, e in ix.entries.items() if actions.get(key) != Action.DROPPED)
+    left_out = {a.key for a in plan.keys if a.left_out}
+    return sum(e.nbytes for key, e in ix.entries.items() if key not in left_out)
 
 
 def check_tied_copies(run: Run) -> None:

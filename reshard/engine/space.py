@@ -29,7 +29,6 @@ from reshard.storage.objectstore import remote, upload
 from reshard.storage.files.atomic import reclaimable_bytes
 from reshard.storage.files.integrity import nearest_existing
 from reshard.units import human_bytes
-from reshard.model.kinds import Action
 
 
 SAVE_OVERHEAD = 1513
@@ -78,10 +77,10 @@ def estimate_output_bytes(plan: Any, index: Any = None) -> int:
             items += 1
     tensor_keys = {t.key for t in plan.tensors}
     for a in plan.keys:
-        if a.key in tensor_keys or a.action == Action.DROPPED:
+        if a.key in tensor_keys or a.left_out:
             continue
         items += 1
-        if a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
+        if a.new_value and a.key in plan.new_values:
             v = plan.new_values[a.key]
             try:
                 total += len(pickle.dumps(v, protocol=2)) + over
@@ -125,13 +124,13 @@ def written_items(plan: Any) -> int:
     """The items a conversion of ``plan`` writes (a tensor chunk or an object each): the per-item part of its time."""
     tensor_keys = {t.key for t in plan.tensors}
     return (sum(len(t.chunks) for t in plan.tensors)
-            + sum(1 for a in plan.keys if a.key not in tensor_keys and a.action != Action.DROPPED))
+            + sum(1 for a in plan.keys if a.key not in tensor_keys and not a.left_out))
 
 
 def conversion_read_bytes(plan: Any, ix: Any) -> int:
     """The source bytes a conversion reads: the logical bytes of every key the plan keeps (what
     convert's "writing" phase counts, `reshard.engine.copy.writing_bytes`)."""
-    dropped = {a.key for a in plan.keys if a.action == Action.DROPPED}
+    dropped = {a.key for a in plan.keys if a.left_out}
     return sum(e.nbytes for key, e in ix.entries.items() if key not in dropped)
 
 
@@ -145,10 +144,26 @@ def conversion_preflight(plan: Any, ix: Any, dst: str | os.PathLike, *, force: b
     read_bytes, needed = conversion_read_bytes(plan, ix), estimate_output_bytes(plan, ix)
     kept = keep_remote_reads(getattr(ix, "remote", None), dst, needed)  # before the probe, whose read is then kept too
     figures = preflight(dst, needed=needed, read_bytes=read_bytes, sources=[ix.root], force=force, progress=progress,
-                        stores=_stores(ix), publish_to=publish_to, items=written_items(plan))
+                        stores=_stores(ix), publish_to=publish_to, items=written_items(plan),
+                        torch_needed=needs_torch(plan, ix))
     if kept is not None:
         figures["read_cache_bytes"] = kept
     return figures
+
+
+def needs_torch(plan: Any, ix: Any) -> bool:
+    """Whether converting by ``plan`` imports torch (1-3 s the estimate then counts): tensor arithmetic
+    (a transform, a slice's renumbered copy, a cast) or a source read by decoding (one in a store, or
+    not a DCP folder); a copy of bytes into the same layout family does not (issue 45)."""
+    from reshard.storage.checkpoints.index import CheckpointIndex
+
+    if getattr(ix, "remote", None) is not None or not isinstance(ix, CheckpointIndex):
+        return True
+    for t in plan.tensors:
+        e = ix.entries.get(t.key)
+        if t.transform or t.copy_from or e is None or t.dtype != e.dtype_name:
+            return True
+    return False
 
 
 def _stores(ix: Any) -> list[Any]:
@@ -508,7 +523,8 @@ def _refuse_read_only(dst: Path, checked: Path) -> None:
 def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike] = (),
               force: bool = False, what: str = "the conversion", progress: Any = None,
               probe: bool = True, stores: Iterable[remote.RemoteCheckpoint] = (),
-              publish_to: str | None = None, items: int | None = None) -> dict[str, Any]:
+              publish_to: str | None = None, items: int | None = None,
+              torch_needed: bool = True) -> dict[str, Any]:
     """Before the first byte: will the output fit at ``dst``, and about how long will it take?
 
     ``stores``: the sources in object storage (their `RemoteCheckpoint`), whose read is probed instead of a file's.
@@ -555,7 +571,7 @@ def preflight(dst: str | os.PathLike, *, needed: int, read_bytes: int, sources: 
     copy_rate: float | None = None
     if probe:
         est = estimate_time(checked, free=free, needed=need, read_bytes=int(read_bytes), sources=sources,
-                            stores=list(stores), publish_to=publish_to, items=items)
+                            stores=list(stores), publish_to=publish_to, items=items, torch_needed=torch_needed)
         figures.update(est.figures())
         copy_rate = est.copy_rate(int(read_bytes))
     if progress is not None:
@@ -645,7 +661,7 @@ class TimeEstimate:
 
 def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sources: Iterable[str | os.PathLike],
                   stores: list[remote.RemoteCheckpoint], publish_to: str | None,
-                  items: int | None) -> TimeEstimate:
+                  items: int | None, torch_needed: bool = True) -> TimeEstimate:
     """The time from now to the end of the conversion, as a range (`TimeEstimate`).
 
     A local source moving at least `PROBE_FROM` bytes is probed along the copy's own path (`path_probe`:
@@ -710,7 +726,7 @@ def estimate_time(checked: Path, *, free: int, needed: int, read_bytes: int, sou
         probes["probe"] = {"skipped": f"under {human_bytes(PROBE_FROM)} to move"}
     if items:
         parts["items"] = (items * ITEM_SECONDS[0] * cpu_lo, items * ITEM_SECONDS[1] * cpu_hi)
-    if "torch" not in sys.modules:
+    if torch_needed and "torch" not in sys.modules:
         parts["torch import"] = (TORCH_IMPORT_SECONDS[0] * cpu_lo, TORCH_IMPORT_SECONDS[1] * cpu_hi)
     parts["after"] = (TAIL_SECONDS[0] * cpu_lo, TAIL_SECONDS[1] * cpu_hi)
     basis += ((f"; {items} items" if items else "") + f"; CPU work x{cpu_lo:.1f}-{cpu_hi:.1f} an idle core's "

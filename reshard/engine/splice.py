@@ -597,14 +597,16 @@ def default_threads() -> int:
 
 
 def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, window: int,
-             on_done: Callable[[Any, int], None]) -> None:
+             on_done: Callable[[Any, int], None], ahead: int | None = None) -> None:
     """Run ``(job.run-like callable, token)`` pairs on a bounded pool; ``on_done(token, crc)`` in submission order.
 
     Each callable is called as ``fn(buffers, files, slab_bytes)`` and returns a CRC-32.
     At most ``2 * threads`` jobs are queued ahead, so memory is ``threads`` slab buffers
     of ``window // threads`` bytes each. The first exception stops the run and is raised
     (after the in-flight jobs end); ``on_done`` is called in submission order so the
-    caller's bookkeeping (and fault-injection events) is deterministic.
+    caller's bookkeeping (and fault-injection events) is deterministic. ``ahead``: also at most
+    this many bytes of items (a token's ``length``) queued ahead, so what the jobs write and the
+    caller has not taken yet stays bounded on disk too (an output streamed into a store).
     """
     threads = max(1, int(threads))
     slab = max(MIB, int(window) // threads)
@@ -613,10 +615,13 @@ def run_jobs(jobs: Iterable[tuple[Callable[..., int], Any]], *, threads: int, wi
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-io") as pool:
             try:
+                queued = 0
                 for fn, token in jobs:
                     pending.append((pool.submit(fn, buffers, files, slab), token))
-                    while len(pending) > 2 * threads:
+                    queued += getattr(token, "length", 0) if ahead is not None else 0
+                    while len(pending) > 2 * threads or (ahead is not None and len(pending) > 1 and queued > ahead):
                         fut, tok = pending.pop(0)
+                        queued -= getattr(tok, "length", 0) if ahead is not None else 0
                         on_done(tok, fut.result())
                 while pending:
                     fut, tok = pending.pop(0)

@@ -23,9 +23,13 @@ class Action(StrEnum):
     REWRITTEN = "rewritten"  # a new value written in its place (a reseeded RNG, a translated loader state)
     DROPPED = "dropped"      # left out of the output, by a named policy
     ADDED = "added"          # a key the source lacks, written by the plan
+    # a slice's renumbered layer (`reshard.planning.slice`): the source key's values leave its name for
+    # the slice's (``KeyAction.renamed_to``), and the slice's key takes them (``renamed_from``); one word
+    # for both sides of the one fact, in the plan's JSON as in its text, the report and verify
+    RENAMED = "renamed"
 
 
-EXPECTED_DIFFERENCES = (Action.REWRITTEN, Action.DROPPED, Action.ADDED)
+EXPECTED_DIFFERENCES = (Action.REWRITTEN, Action.DROPPED, Action.ADDED, Action.RENAMED)
 """The actions whose key differs from the source on purpose: verification excuses exactly these."""
 
 NEW_VALUE_ACTIONS = (Action.REWRITTEN, Action.ADDED)

@@ -90,11 +90,31 @@ class KeyAction:
     action: Action
     reason: str = ""
     rank: int | None = None  # target file for carried/rewritten/added objects
+    # Action.RENAMED (a slice's renumbered layer): the source key whose values this key takes, and
+    # the key this source key's values are written under; a key of a chain of renumberings has both
+    renamed_from: str | None = None
+    renamed_to: str | None = None
+
+    @property
+    def left_out(self) -> bool:
+        """Nothing is written under this key: dropped, or renamed away with nothing renamed to it."""
+        return self.action == Action.DROPPED or (self.action == Action.RENAMED and self.renamed_from is None)
+
+    @property
+    def new_value(self) -> bool:
+        """This key is written with a value the plan made or takes from another key (``Plan.new_values``,
+        ``TensorPlan.copy_from``), not its own source bytes: rewritten, added, or renamed to it."""
+        return self.action in (Action.REWRITTEN, Action.ADDED) or (
+            self.action == Action.RENAMED and self.renamed_from is not None)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"key": self.key, "role": self.role, "action": self.action, "reason": self.reason}
         if self.rank is not None:
             d["rank"] = self.rank
+        if self.renamed_from is not None:
+            d["renamed_from"] = self.renamed_from
+        if self.renamed_to is not None:
+            d["renamed_to"] = self.renamed_to
         return d
 
 
@@ -259,9 +279,10 @@ class Plan:
 
 
 def key_rows(keys: list[KeyAction]) -> list[dict[str, Any]]:
-    """``[k.to_dict() for k in keys]``, the same dicts built in one comprehension (a call and a
-    branch per key less: 102k keys at 180k storage entries)."""
-    return [{"key": k.key, "role": k.role, "action": k.action, "reason": k.reason} if k.rank is None else
+    """``[k.to_dict() for k in keys]``, the same dicts, those of keys neither renamed from nor to
+    another built in the comprehension itself (a call per key less: 102k keys at 180k storage entries)."""
+    return [k.to_dict() if k.renamed_from is not None or k.renamed_to is not None else
+            {"key": k.key, "role": k.role, "action": k.action, "reason": k.reason} if k.rank is None else
             {"key": k.key, "role": k.role, "action": k.action, "reason": k.reason, "rank": k.rank} for k in keys]
 
 

@@ -56,6 +56,7 @@ def reduce(options: Options, tensors: list[TensorPlan], actions: list[KeyAction]
         for a in actions:
             if a.role in OPTIMIZER_ROLES and a.action != Action.DROPPED:
                 a.action, a.reason, a.rank = Action.DROPPED, "--only model: a reduced copy without optimizer state", None
+                a.renamed_from = a.renamed_to = None  # a slice's renumbered moment: dropped under either name
                 dropped += 1
         tensors[:] = [t for t in tensors if t.role not in OPTIMIZER_ROLES]
         reasons.append(f"reduced copy: optimizer state dropped ({dropped} keys, --only model)")

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from reshard.model.dtypes import dtype_named, is_torch_tensor
+from reshard.model.dtypes import dtype_named
+from reshard.model.tensor_values import is_tensor_value
 from reshard.model.kinds import Action
 from reshard.model.plan import KeyAction, TensorPlan
 from reshard.model.layout import Placement, rank_sizes, target_chunks_cached
@@ -173,7 +174,7 @@ def _add_new_rank_state(ix: Any, ddec: data_mod.DataDecision, rdec: rng_mod.RngD
         why = (f"new rank {rank}: " if rank is not None else "") + ("data position " + ddec.policy if role == "data" else rdec.per_rank.get(rank, "RNG"))
         keys.new_values[k] = v
         keys.actions.append(KeyAction(k, role, Action.ADDED, why, rank=rank if rank is not None else 0))
-        if is_torch_tensor(v):
+        if is_tensor_value(v):  # a torch.Tensor or an ArrayTensor (reshard.model.tensor_values)
             keys.tensors.append(_replicated(k, role, v, rank or 0))
 
 
@@ -236,7 +237,7 @@ def _owner_rank(key: str, cls, target: Topology) -> int:
 
 
 def _replicated(key: str, role: str, value: Any, rank: int) -> TensorPlan:
-    """A new tensor value (a torch.Tensor) held whole by one rank."""
+    """A new tensor value (a torch.Tensor or an ArrayTensor) held whole by one rank."""
     shape = tuple(value.shape)
     return TensorPlan(key, role, shape, str(value.dtype).removeprefix("torch."), Placement.replicated(),
                       [(rank, tuple(0 for _ in shape), shape)])

@@ -35,7 +35,7 @@ import numpy as np
 
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
-from reshard.model.kinds import Action, DataMode
+from reshard.model.kinds import DataMode
 from reshard.storage.checkpoints.index import RANK_FILE, ColumnChunks
 
 __all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
@@ -105,9 +105,9 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
     in_columns: dict[int, tuple[Any, np.ndarray]] = {}  # id of an index's columns -> (them, which of their rows are linked)
     refused_keys: list[str] = []
     for a in plan.keys:
-        if a.action == Action.DROPPED:
+        if a.left_out:
             continue
-        if a.action in (Action.REWRITTEN, Action.ADDED):
+        if a.new_value:
             t = planned.get(a.key)
             if t is not None and t.copy_from:
                 refused_keys.append(f"'{a.key}' is a tied copy the source did not save (its values come from "

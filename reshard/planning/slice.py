@@ -3,7 +3,7 @@
 A slice is a smaller model of the same family (`reshard.semantics.slicing` says which key
 belongs to which layer or expert, and the renumbering): here the actions every source key
 already has (`reshard.planning.keys`) become the slice's (keys of the layers left out
-dropped and counted, kept layers renamed, optimizer groups' parameter lists rewritten, a
+dropped and counted, kept layers renamed (`Action.RENAMED`, from and to), optimizer groups' parameter lists rewritten, a
 router's rows selected), with the summary the plan, its report and the lineage carry, and
 the verdict's account of what of the source the slice keeps.
 """
@@ -43,8 +43,9 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
     Every key that names a parameter of a layer left out (its model key, its optimizer state,
     its per-parameter hyper-parameters) is dropped with the reason "layer N not in the slice"
     and counted with its bytes. A kept layer is renumbered densely: its keys are written
-    under their new names (an added key copied from the source key, as a tied copy is, the
-    source key left out under its old name), model and optimizer keys alike, and an
+    under their new names (the new key ``renamed`` from the source key, its tensor copied from
+    it as a tied copy is; the source key ``renamed`` to the new one, nothing written under its
+    old name), model and optimizer keys alike, and an
     optimizer group's list of parameter FQNs is rewritten to the slice's. Everything else
     (embeddings, final norm and head, counters, schedule, data position, RNG) is planned as
     for any transition.
@@ -71,7 +72,7 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
             fates[a.key] = sl.fate(a.key, role.param)
     # target name -> the source key whose values it takes. A renumbered layer takes the names of
     # a source layer (layer 3 of the source is layer 1 of the slice): that source key's one
-    # action becomes "rewritten", its tensor copied from the renamed key (`TensorPlan.copy_from`).
+    # action becomes "renamed" (from the renamed key), its tensor copied from it (`TensorPlan.copy_from`).
     renamed = {f.new_key: k for k, f in fates.items() if f.kind == SliceFate.RENAMED and f.new_key}
     lists = {"rewritten": 0, "fqns_dropped": 0, "fqns_renamed": 0}
     dropped: dict[str, dict[str, int]] = {}
@@ -88,8 +89,10 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
                 d = dropped.setdefault(fate.reason, {"keys": 0, "bytes": 0})
                 d["keys"] += 1
                 d["bytes"] += ix.entries[a.key].nbytes if ix.entries[a.key].is_tensor else 0
-            a.action, a.rank = Action.DROPPED, None
-            a.reason = fate.reason if fate.kind == SliceFate.DROPPED else f"renamed: {fate.reason}"
+                a.action, a.reason = Action.DROPPED, fate.reason
+            else:  # its values go under the slice's name (below); nothing is written under this one
+                a.action, a.reason, a.renamed_to = Action.RENAMED, fate.reason, fate.new_key
+            a.rank = None
             keys.new_values.pop(a.key, None)
             tensors[a.key] = None
         elif fate.kind in (SliceFate.KEPT, SliceFate.OUTSIDE):
@@ -105,7 +108,7 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
         if t is not None:
             t = dataclasses.replace(t, key=new, copy_from=None if old in keys.new_values else old)
         own = fates.get(new)
-        why = f"renamed: {fate.reason}" + (
+        why = fate.reason + (
             f" (the source's own values under this name: {own.reason if own.kind == SliceFate.DROPPED else 'renamed too'})"
             if own is not None and own.kind != SliceFate.KEPT else "")
         if old in keys.new_values:
@@ -119,15 +122,16 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
             d = dropped.setdefault(own.reason, {"keys": 0, "bytes": 0})
             d["keys"] += 1
             d["bytes"] += ix.entries[new].nbytes if ix.entries[new].is_tensor else 0
-        if target_action is not None:  # a source key of that name: one action, now "rewritten"
-            target_action.action, target_action.reason = Action.REWRITTEN, why
-            target_action.rank = src_action.rank if t is None or src_action.rank is not None else None
+        rank = src_action.rank if t is None or src_action.rank is not None else None
+        if target_action is not None:  # a source key of that name: one action, now "renamed" (from ``old``)
+            target_action.action, target_action.reason, target_action.rank = Action.RENAMED, why, rank
+            target_action.renamed_from = old
         else:
-            added.append(KeyAction(new, src_action.role, Action.ADDED, why,
-                                   rank=src_action.rank if t is None or src_action.rank is not None else None))
+            added.append(KeyAction(new, src_action.role, Action.RENAMED, why, rank=rank, renamed_from=old))
         tensors[new] = t
-        if old not in renamed:
-            src_action.action, src_action.reason, src_action.rank = Action.DROPPED, f"renamed: {fate.reason}", None
+        src_action.renamed_to = new
+        if old not in renamed:  # else ``old`` is also a new name (a chain of renumberings): written, from another
+            src_action.action, src_action.reason, src_action.rank = Action.RENAMED, fate.reason, None
             tensors.setdefault(old, None)
     for old in renamed.values():
         if old not in renamed:
@@ -143,7 +147,7 @@ def apply_slice(ix: Any, cls: Any, mdict: dict[str, Any], options: Options, keys
                if t.role == "optimizer_moment" and (t.copy_from or t.key) in cls.roles}
     outside = [p for p in params if sl.fate(p, p).kind == SliceFate.OUTSIDE]
     summary = {**sl.to_dict(),
-               "kept": {"keys": sum(1 for a in keys.actions if a.action != Action.DROPPED), "tensors": len(keys.tensors),
+               "kept": {"keys": sum(1 for a in keys.actions if not a.left_out), "tensors": len(keys.tensors),
                         "bytes": size, "outside_layers": outside},
                "renamed": {"keys": len(renamed), "from_to": [[v, k] for k, v in renamed.items()]},
                "dropped": {"keys": sum(d["keys"] for d in dropped.values()),
@@ -159,7 +163,7 @@ def _select_router_rows(sl: slicing_mod.Slice, cls: Any, keys: Keys, target: Top
     The tensor is read whole, its rows picked and re-cut, like a TP-dependent layout
     (`reshard.semantics.transforms.write_transformed`); convert proves it against the source's rows.
     """
-    by_key = {a.key: a for a in keys.actions if a.action != Action.DROPPED}
+    by_key = {a.key: a for a in keys.actions if not a.left_out}
     changed = []
     for t in keys.tensors:
         src = t.copy_from or t.key

@@ -49,7 +49,7 @@ from reshard.rehearsal.contract import (CONTRACT_DOC, RunResult, RunSpec, Traine
 from reshard.rehearsal.follow import follow_steps
 from reshard.rehearsal.recipe import RecipeChoice, pick_recipe
 from reshard.model.topology import Topology, parse_spec
-from reshard.model.kinds import Action
+from reshard.model.kinds import EXPECTED_DIFFERENCES
 
 if TYPE_CHECKING:  # annotations only: the planner loads torch, imported where it runs
     from reshard.model.plan import Options, Plan
@@ -82,18 +82,27 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
     m = read_manifest(like)
     if m is None:
         raise BadInput("--like needs a checkpoint with a manifest (manifest.json)", where=str(like))
-    family = m.model.family
-    if family not in REFERENCE_FAMILIES:
-        raise BadInput(f"model family '{family}': the reference trainer cannot build that family yet, so a "
-                       "rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
-                       hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ").")
-    ix = CheckpointIndex.open(like)
     prefix = "model." if m.key_convention == "reshard" else ""
-    params = sorted(k[len(prefix):] for k in ix.entries if k.startswith(prefix) and not k.startswith("optim"))
-    rules = select(params, family=family)
+    opened: list[Any] = []
+
+    def params() -> list[str]:
+        if not opened:
+            opened.append(CheckpointIndex.open(like))
+        return sorted(k[len(prefix):] for k in opened[0].entries if k.startswith(prefix) and not k.startswith("optim"))
+
+    family, found_by = like_family(m, params)
+    if family not in REFERENCE_FAMILIES:
+        slice_ = any(isinstance(e.policies, dict) and e.policies.get("slice") for e in m.lineage)
+        raise BadInput(f"model family '{family}' ({found_by}): the reference trainer cannot build that family yet, so "
+                       "a rehearsal cannot exercise its partition rules", where=str(like / "manifest.json"),
+                       hint="Rehearse with your own trainer instead: --trainer CMD (" + CONTRACT_DOC + ")"
+                            + (", which resumes this slice (--like SLICE)." if slice_ else "."))
+    names = params()
+    ix = opened[0]
+    rules = select(names, family=family)
     rules_family = rules.family
     cfg = dict(m.model.config or {})
-    _check_like_sizes(cfg, {p: tuple(ix.entries[prefix + p].shape) for p in params if ix.entries[prefix + p].is_tensor},
+    _check_like_sizes(cfg, {p: tuple(ix.entries[prefix + p].shape) for p in names if ix.entries[prefix + p].is_tensor},
                       rules, str(like / "manifest.json"), prefix)
     copied: dict[str, Any] = {"from": str(like), "model_family": family, "rules_family": rules_family}
     kw: dict[str, Any] = {}
@@ -122,6 +131,30 @@ def _from_like(like: Path, src: Topology) -> dict[str, Any]:
         copied["data"]["last_transition_policy"] = prev[-1].policies.get("data")
     copied["key_convention"] = {"real": m.key_convention, "rehearsal": "reshard"}
     return {"train": kw, "copied": copied}
+
+
+def like_family(m: Any, params: Callable[[], list[str]]) -> tuple[str, str]:
+    """The model family of a ``--like`` checkpoint, and how it was found.
+
+    The manifest's ``model.family``; where that says "unknown" (reshard's own output of a source
+    without a manifest, e.g. a slice of a torchtitan Llama: the plan chose the partition rules by
+    their markers, and an older reshard did not record them in ``model``), the family the
+    lineage's last slice was cut by, else the shipped family whose markers the parameter names
+    match (`reshard.semantics.rules.select`, as a plan chooses; ``params()`` reads them, only then).
+    "unknown" only when none does.
+    """
+    from reshard.semantics.rules import select
+
+    if m.model.family not in (None, "", "unknown"):
+        return m.model.family, "the manifest's model.family"
+    for e in reversed(m.lineage):
+        got = (e.policies.get("slice") or {}).get("family") if isinstance(e.policies, dict) else None
+        if got:
+            return str(got), "the family the manifest's lineage says its slice was cut by"
+    try:
+        return select(params()).family, "the partition rules its parameter names match"
+    except BadInput:
+        return "unknown", "no manifest family, and no shipped partition rules match its parameter names"
 
 
 def _check_like_sizes(cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]], rules: Any, where: str,
@@ -578,7 +611,7 @@ def _convert_at_switch(setup: _Setup, src_ckpt: Path, hooks: dict | None, option
         ret = hook(dst)
         if ret is not None:
             resume_from = Path(ret)
-    planned = {a.key: a.action for a in plan.keys if a.action in (Action.REWRITTEN, Action.DROPPED, Action.ADDED)}
+    planned = {a.key: a.action for a in plan.keys if a.action in EXPECTED_DIFFERENCES}
     v = verify_checkpoints(src_ckpt, resume_from, expected_rewrites=planned)
     return _Switch(plan=plan, dst=dst, resume_from=resume_from, hooked=hook is not None, planned=planned, verified=v)
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from reshard.render.verify import on_purpose
+
 __all__ = ["conversion_markdown"]
 
 
@@ -18,7 +20,7 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         f"- verdict: **{v['kind']}**; experiment id `{r['manifest']['experiment_id']}` ({r['manifest']['continuity']})",
         f"- verification against the source: **{'equal' if r['verification']['equal'] else 'DIFFERENT'}**"
         f" ({r['verification']['compared']['tensors']} tensors, {r['verification']['compared']['objects']} objects compared; "
-        f"{len(r['verification'].get('rewritten', []))} keys rewritten on purpose)",
+        f"{on_purpose(r['verification'].get('rewritten', []))})",
         *_write_check_lines(r["verification"]),
         *_resume_lines(r.get("resume")),
         f"- bytes written: {r['bytes_written']} in {len(r['files'])} files, "
@@ -70,7 +72,8 @@ def conversion_markdown(r: dict[str, Any]) -> str:
         lines.append(f"- RNG: {p['rng']['policy']}: {p['rng']['note']}")
     lines += ["", "## Every source key", "", "| key | role | action | why |", "|---|---|---|---|"]
     for k in p["keys"]:
-        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']} |")
+        moved = "".join(f" ({w} `{k[f]}`)" for w, f in (("from", "renamed_from"), ("to", "renamed_to")) if k.get(f))
+        lines.append(f"| `{k['key']}` | {k['role']} | {k['action']} | {k['reason']}{moved} |")
     lines.append("")
     return "\n".join(lines)
 

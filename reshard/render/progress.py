@@ -35,6 +35,14 @@ line (``  … 3 s``), redrawn in place every `TICK` and cleared before the next 
 block's end (so the command's result on stdout never lands on it). Terminal only: a pipe, a
 file and ``--progress json`` see nothing more than before.
 
+The row is drawn by a thread, and a Python thread cannot run while another holds the GIL in
+one long C call: loading torch's libraries (0.15 s of CPU at rest, seconds on a loaded
+machine), a big array operation. So while a waiting block is open on a real terminal, a small
+forked process, which needs no GIL of this one, watches too (`_Watchdog`): when neither a line,
+a bar nor the row has moved for `LATE` (a little over `TICK`), it draws the row itself. Both draw under one
+lock (a token in a pipe, `_TermLock`) and read one state (the last draw, the last line, the
+row's width: `_TermState`, in shared memory), so a line never lands on a half-drawn row.
+
 ``on_estimate``: where the preflight's size and time estimate goes the moment it is known
 (`estimated`), before the first byte is written: `reshard convert` prints it on stdout there,
 so a pipe reads the estimate before the result, not after it.
@@ -44,6 +52,11 @@ This module imports nothing heavy, so the first line can be printed before torch
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import select
+import signal
+import struct
 import sys
 import threading
 import time
@@ -61,6 +74,156 @@ MODES = ("auto", "json", "none")
 STAGES = {"writing": "copy", "linking": "copy", "comparing": "verify", "verifying": "verify", "commit": "commit",
           "uploading": "upload"}
 TICK = 1.0  # seconds between two refreshes of an open phase (a json event, or the bar redrawn)
+LATE = 1.25 * TICK  # still for this long: the watchdog (`_Watchdog`) draws the waiting row, the thread could not
+
+
+class _TermState:
+    """What the drawers of a terminal share: when it last moved (a line, a bar, the row), when the last
+    line was said (the row counts from it) and the width of the row drawn (0: none). In a bytearray,
+    moved to shared memory (`share`) when a watchdog process starts, so both see every change."""
+
+    _FIELDS = (("d", 0), ("d", 8), ("i", 16))  # last, line_at, row: each read and written alone
+
+    def __init__(self) -> None:
+        self._buf: bytearray | mmap.mmap = bytearray(20)
+        self.line_at = time.monotonic()
+
+    def share(self) -> None:
+        shared = mmap.mmap(-1, len(self._buf))
+        shared[:] = bytes(self._buf)
+        self._buf = shared
+
+    def _get(self, i: int) -> Any:
+        fmt, offset = self._FIELDS[i]
+        return struct.unpack_from(fmt, self._buf, offset)[0]
+
+    def _set(self, i: int, value: Any) -> None:
+        fmt, offset = self._FIELDS[i]
+        struct.pack_into(fmt, self._buf, offset, value)
+
+    last = property(lambda self: self._get(0), lambda self, v: self._set(0, float(v)))
+    line_at = property(lambda self: self._get(1), lambda self, v: self._set(1, float(v)))
+    row = property(lambda self: self._get(2), lambda self, v: self._set(2, int(v)))
+
+
+class _TermLock:
+    """The terminal's lock: re-entrant for this process's threads and, while a watchdog runs, held
+    against it too (one byte in a pipe: whoever read it holds the terminal; blocking on it releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._rlock = threading.RLock()
+        self._depth = 0
+        self._token: tuple[int, int] | None = None  # (read, write) ends of the token pipe, while a watchdog runs
+        self._unowned = False  # the token was not there within a second (a watchdog stopped while holding it)
+
+    def __enter__(self) -> "_TermLock":
+        self._rlock.acquire()
+        self._depth += 1
+        if self._depth == 1 and self._token is not None:
+            self._unowned = not select.select([self._token[0]], [], [], 1.0)[0]
+            if not self._unowned:
+                os.read(self._token[0], 1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._depth == 1 and self._token is not None and not self._unowned:
+            os.write(self._token[1], b"x")
+        self._depth -= 1
+        self._rlock.release()
+
+    def share(self, token: tuple[int, int] | None) -> None:
+        """Install (or remove, with None) the token pipe. Called holding the lock: its outermost release
+        puts the first byte in (the byte read on entry, none yet, is the one a removal keeps)."""
+        self._token, self._unowned = token, False
+
+
+@dataclass
+class _Watchdog:
+    """A forked process that draws the waiting row when this one cannot (a thread holding the GIL).
+
+    It reads `_TermState` in shared memory, takes `_TermLock`'s token to draw, ignores Ctrl-C
+    (the command answers it) and leaves at once when ``stop`` closes its pipe or this process
+    dies. Only Python that is already imported runs in it, and it ends with ``os._exit``: no
+    atexit handler, no buffered stream of this process is touched there.
+    """
+
+    pid: int
+    stop_w: int
+    token: tuple[int, int]
+
+    @classmethod
+    def start(cls, fd: int, state: _TermState, lock: _TermLock) -> "_Watchdog | None":
+        """Fork the watchdog of terminal ``fd`` (None where there is no fork); call holding ``lock``."""
+        if not hasattr(os, "fork"):
+            return None
+        state.share()
+        token = os.pipe()
+        stop_r, stop_w = os.pipe()
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            for x in (*token, stop_r, stop_w):
+                os.close(x)
+            return None
+        if pid == 0:  # the child
+            try:
+                os.close(stop_w)
+                _watch(fd, state, token, stop_r, parent)
+            finally:
+                os._exit(0)
+        os.close(stop_r)
+        lock.share(token)
+        return cls(pid, stop_w, token)
+
+    def stop(self, lock: _TermLock) -> None:
+        """End the watchdog and wait for it (it leaves within a moment of its pipe closing); then
+        ``lock`` is this process's alone again. Not called holding ``lock``: the watchdog may be waiting for it."""
+        os.close(self.stop_w)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                done, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                break
+            if done or time.monotonic() > deadline:
+                if not done:
+                    with suppress(ProcessLookupError):
+                        os.kill(self.pid, signal.SIGKILL)
+                    with suppress(ChildProcessError):
+                        os.waitpid(self.pid, 0)
+                break
+            time.sleep(0.005)
+        with lock:
+            lock.share(None)
+        for x in self.token:
+            os.close(x)
+
+
+def _watch(fd: int, state: _TermState, token: tuple[int, int], stop_r: int, parent: int) -> None:
+    """The watchdog's loop: each quarter `TICK`, if the terminal has been still for `LATE`, draw the row."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        if select.select([stop_r], [], [], TICK / 4)[0] or os.getppid() != parent:
+            return
+        if time.monotonic() - state.last < LATE:
+            continue
+        ready = select.select([token[0], stop_r], [], [], TICK)[0]
+        if stop_r in ready or os.getppid() != parent:
+            return
+        if token[0] not in ready:
+            continue
+        os.read(token[0], 1)
+        try:
+            now = time.monotonic()
+            if now - state.last >= LATE:
+                text = f"  … {int(now - state.line_at)} s"
+                os.write(fd, ("\r" + text.ljust(state.row)).encode())
+                state.row, state.last = max(state.row, len(text)), now
+        except OSError:  # the terminal is gone: nothing left to watch
+            return
+        finally:
+            os.write(token[1], b"x")
 
 
 def stage_of(name: str) -> str:
@@ -138,11 +301,16 @@ class Progress:
     json: bool = False
     expected: dict[str, float] = field(default_factory=dict)  # stage -> bytes/s the preflight's probes predict
     on_estimate: Callable[[dict[str, Any]], None] | None = None  # the preflight's figures, as soon as known (`estimated`)
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    _last: float = 0.0
-    _line_at: float = field(default_factory=time.monotonic)  # when the last line was said (the row counts from it)
-    _row: int = 0  # the width of the waiting row (`waiting`) drawn on the stream's last row, 0 when none is
+    _lock: _TermLock = field(default_factory=_TermLock, repr=False)
+    # when the terminal last moved, when the last line was said (the row counts from it), and the width of
+    # the waiting row (`waiting`) drawn on the stream's last row (0 when none is): shared with the watchdog
+    _term: _TermState = field(default_factory=_TermState, repr=False)
     _waits: int = 0  # `waiting` blocks open
+    _watchdog: _Watchdog | None = field(default=None, repr=False)
+
+    _last = property(lambda self: self._term.last, lambda self, v: setattr(self._term, "last", v))
+    _line_at = property(lambda self: self._term.line_at, lambda self, v: setattr(self._term, "line_at", v))
+    _row = property(lambda self: self._term.row, lambda self, v: setattr(self._term, "row", v))
 
     @classmethod
     def for_terminal(cls, *, quiet: bool = False, json_out: bool = False, stream: TextIO | None = None,
@@ -198,6 +366,10 @@ class Progress:
             return
         with self._lock:
             self._waits += 1
+            if self._waits == 1 and self._watchdog is None:
+                fd = _terminal_fd(self.stream)
+                if fd is not None:
+                    self._watchdog = _Watchdog.start(fd, self._term, self._lock)
         stop = threading.Event()
         ticker = threading.Thread(target=self._wait_tick, args=(stop,), daemon=True, name="progress-waiting")
         ticker.start()
@@ -208,6 +380,11 @@ class Progress:
             ticker.join()
             with self._lock:
                 self._waits -= 1
+                watchdog = self._watchdog if not self._waits else None
+                self._watchdog = None if not self._waits else self._watchdog
+            if watchdog is not None:
+                watchdog.stop(self._lock)
+            with self._lock:
                 if not self._waits:
                     with suppress(ValueError, OSError):
                         self._clear_row()
@@ -243,10 +420,12 @@ class Progress:
             self._row = 0
 
     def moved(self, ph: Phase, nbytes: int) -> None:
-        """A phase's bytes moved: the bar follows; a JSON event at most every `TICK` seconds."""
+        """A phase's bytes moved: the bar follows (within its 0.2 s: the terminal moves); a JSON event at
+        most every `TICK` seconds."""
         if ph.bar is not None:
             with self._lock:
                 ph.bar.update(nbytes)
+                self._last = time.monotonic()
         elif self.json and time.monotonic() - self._last >= TICK:
             self._emit(ph, "progress")
 
@@ -272,10 +451,11 @@ class Progress:
 
             with self._lock:  # the bar takes the waiting row's place
                 self._clear_row()
-            # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G);
-            # smoothing 0: the rate and ETA from all the bytes since the phase began, as the json events
-            ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                          file=self.stream, dynamic_ncols=True, mininterval=0.2, smoothing=0)
+                # binary multiples, as `human_bytes` writes the first line (tqdm spells them k, M, G);
+                # smoothing 0: the rate and ETA from all the bytes since the phase began, as the json events
+                ph.bar = tqdm(total=ph.total, desc=name, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                              file=self.stream, dynamic_ncols=True, mininterval=0.2, smoothing=0)
+                self._last = time.monotonic()
         elif self.json and self.stream is not None:
             self._emit(ph, "start")
         if self.active:
@@ -350,6 +530,15 @@ def waiting(progress: "Progress | None") -> Any:
 def describe_bytes(nbytes: int, count: int, noun: str) -> str:
     """``1.2 GiB in 37 tensors``: the size of a command's work, for its first line after the index is read."""
     return f"{human_bytes(nbytes)} in {count} {noun}{'' if count == 1 else 's'}"
+
+
+def _terminal_fd(stream: Any) -> int | None:
+    """The file descriptor of ``stream`` when it is a real terminal a watchdog process can write to, else None."""
+    try:
+        fd = stream.fileno()
+        return fd if os.isatty(fd) else None
+    except (AttributeError, ValueError, OSError):  # no descriptor (a StringIO), or a closed stream
+        return None
 
 
 def _is_terminal(stream: Any) -> bool:

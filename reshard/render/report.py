@@ -12,6 +12,7 @@ from typing import Any
 
 from reshard.units import human_bytes
 from reshard.model.kinds import Action
+from reshard.render.verify import on_purpose
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -279,18 +280,16 @@ def render_plan(p: dict[str, Any], *, verbose: bool = False) -> str:
             out.append(f"            rank {row['rank']}: params {human_bytes(row['parameters'])}, grads {human_bytes(row['gradients'])}, "
                        f"optimizer {human_bytes(row['optimizer'])}, other {human_bytes(row['other'])}")
     out += data_link_lines(p.get("data_link"), verbose=verbose)
-    # a slice's renumbered keys leave the source's name for the slice's: said "renamed", not "dropped"
-    moved = {old: new for old, new in ((p.get("slice") or {}).get("renamed") or {}).get("from_to") or []}
-    counts = dict(p["summary"])
-    if moved:
-        counts[Action.DROPPED] = counts.get(Action.DROPPED, 0) - len(moved)
-        counts["renamed"] = len(moved)
-    summ = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()) if n)
+    # a slice's renumbered keys: "renamed" on both sides of each rename (the key the values leave, with
+    # `renamed_to`, and the key they arrive at, with `renamed_from`), counted once per rename
+    renames = sum(1 for k in p["keys"] if k.get("renamed_to"))
+    summ = ", ".join(f"{renames} renamed ({n} keys, old and new names)" if a == Action.RENAMED else f"{n} {a}"
+                     for a, n in sorted(p["summary"].items()) if n)
     out.append(f"keys        {summ}")
     groups: dict[tuple[str, str], list[str]] = {}
     for k in p["keys"]:
-        if k["key"] in moved:
-            groups.setdefault(("renamed", k["reason"].removeprefix("renamed: ")), []).append(k["key"])
+        if k["action"] == Action.RENAMED and (k.get("renamed_to") or verbose):  # listed by the name it leaves
+            groups.setdefault(("renamed", k["reason"]), []).append(k["key"])
         elif k["action"] in (Action.DROPPED, Action.ADDED) or (verbose and k["action"] == Action.REWRITTEN):
             groups.setdefault((k["action"], k["reason"]), []).append(k["key"])
     for (action, reason), keys in groups.items():
@@ -383,7 +382,7 @@ def render_convert(r: dict[str, Any], *, verbose: bool = False) -> str:
         f"converted   {r['source']} -> {r['destination']}",
         f"verdict     {r['plan']['verdict']['kind'].replace('_', ' ')}; experiment {r['manifest']['experiment_id']} ({r['manifest']['continuity']})",
         f"verified    {_verified_words(v, r['plan'].get('slice'))} "
-        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {len(v.get('rewritten', []))} keys rewritten on purpose)",
+        f"({v['compared']['tensors']} tensors, {v['compared']['objects']} objects; {on_purpose(v.get('rewritten', []))})",
         f"written     {human_bytes(r['bytes_written'])} in {len(r['files'])} files in {r['seconds']} s",
         f"report      {r['destination']}/reshard-report.md (and .json)",
     ]

@@ -8,6 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 
+def on_purpose(rewritten: list[dict[str, Any]]) -> str:
+    """``63 keys renamed on purpose``, ``36 keys renamed and 2 rewritten on purpose``: the keys that differ
+    from the source as the plan said, in the plan's own words (a slice's renumbered keys are renamed)."""
+    renamed = sum(1 for w in rewritten if str(w.get("reason", "")).startswith("renamed"))
+    other = len(rewritten) - renamed
+    if not renamed:
+        return f"{other} key{'' if other == 1 else 's'} rewritten on purpose"
+    return (f"{renamed} key{'' if renamed == 1 else 's'} renamed" + (f" and {other} rewritten" if other else "")
+            + " on purpose")
+
+
 def _n(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -33,7 +44,7 @@ def render_verify(r: dict[str, Any], *, limit: int = 50) -> str:
     if n > limit:
         out.append(f"  ... and {n - limit} more (use --json for all)")
     if r["rewritten"]:
-        out.append(f"rewritten   {len(r['rewritten'])} expected rewrite(s)")
+        out.append(f"expected    {on_purpose(r['rewritten'])}")
         for w in r["rewritten"][:limit]:
             out.append(f"  {w['key']}: {w['reason']} ({w['detail']})")
         if r.get("evidence"):

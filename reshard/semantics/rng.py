@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from reshard.errors import BadInput
+from reshard.model.dtypes import dtype_named
 from reshard.model.kinds import RNG_POLICIES
+from reshard.model.tensor_values import ArrayTensor
 
+INT64 = dtype_named("int64")
+UINT8 = dtype_named("uint8")
 
 
 @dataclass
@@ -51,20 +56,46 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
 def seeded_state(seed: int) -> dict[str, Any]:
     """A fresh state in the shape `reshard.train.rng.capture()` returns, without touching this process's RNGs.
 
-    Its values are tensors, so torch is imported here, when a new rank's state is made, and not before."""
-    import torch
-
+    Its tensors are `reshard.model.tensor_values.ArrayTensor` values, made without torch: a
+    conversion that reseeds ranks imports no torch for them (1.7 s of CPU, more on a loaded
+    machine), and the writer writes each as the item ``torch.save`` writes for the tensor
+    ``capture()`` would hold, byte for byte (``tests/test_torchfree_convert.py`` checks
+    `torch_generator_state` against ``torch.Generator`` for many seeds)."""
     py_version, py_state, py_gauss = random.Random(seed).getstate()
     _, np_keys, np_pos, np_has_gauss, np_cached = np.random.RandomState(seed % (2**32)).get_state(legacy=True)
-    g = torch.Generator()
-    g.manual_seed(seed)
     return {
-        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+        "python": {"version": int(py_version), "state": ArrayTensor(INT64, np.asarray(py_state, dtype="<i8")),
                    "gauss_next": [] if py_gauss is None else [float(py_gauss)]},
-        "numpy": {"keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64).copy()), "pos": int(np_pos),
+        "numpy": {"keys": ArrayTensor(INT64, np.asarray(np_keys, dtype="<i8")), "pos": int(np_pos),
                   "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
-        "torch": g.get_state(),
+        "torch": ArrayTensor(UINT8, torch_generator_state(seed)),
     }
+
+
+MT_N = 624
+"""Words of an mt19937 state."""
+
+_TORCH_STATE = struct.Struct(f"<QiiQ{MT_N}Q")
+"""The head of torch's ``CPUGeneratorImplState`` (``aten/src/ATen/CPUGeneratorImpl.h``), as its
+``get_state`` lays it out on a 64-bit little-endian machine: ``the_initial_seed`` (u64), ``left`` and
+``seeded`` (int), ``next`` (u64), the mt19937 ``state`` (624 words, each a u64); then ``normal_x``,
+``normal_y``, ``normal_rho`` (double), ``normal_is_valid`` (int), padding, the float normal sample and
+its validity flag, padding: 5,056 bytes in all, zero after the state in a freshly seeded generator."""
+
+TORCH_STATE_BYTES = 5056
+
+
+def torch_generator_state(seed: int) -> np.ndarray:
+    """The bytes of ``torch.Generator().manual_seed(seed).get_state()`` (a uint8 tensor) as a uint8 array.
+
+    torch seeds its mt19937 with ``init_genrand`` of the seed's low 32 bits, as numpy's legacy
+    ``RandomState(seed32)`` does, so numpy's state words are torch's; a fresh generator has
+    ``left = 1``, ``seeded = 1``, ``next = 0`` and no cached normal sample."""
+    seed = int(seed) % (2**64)  # torch takes the seed as a uint64
+    words = np.random.RandomState(seed % (2**32)).get_state(legacy=True)[1]
+    out = bytearray(TORCH_STATE_BYTES)
+    _TORCH_STATE.pack_into(out, 0, seed, 1, 1, 0, *words.tolist())
+    return np.frombuffer(bytes(out), dtype=np.uint8)
 
 
 def flatten(obj: Any, prefix: str) -> dict[str, Any]:

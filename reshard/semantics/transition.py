@@ -108,8 +108,9 @@ def _model(plan: Plan, src: dict[str, Any]) -> dict[str, Any]:
     profile: the output's manifest says it. A manifest's own values stay; the user's fill in.
     """
     model = dict(src.get("model") or {"family": "unknown", "config": {}, "tied": []})
-    if model.get("family") in (None, "unknown") and plan.rules and shipped(plan.rules) is not None:
-        model["family"] = plan.rules  # a shipped family: a later plan selects the same rules by name
+    chosen = plan.rules or (plan.slice or {}).get("family")  # a slice names the rules it was cut by
+    if model.get("family") in (None, "unknown") and chosen and shipped(chosen) is not None:
+        model["family"] = chosen  # a shipped family: a later plan selects the same rules by name
     config = dict(model.get("config") or {})
     for k, v in (plan.options.model_config or {}).items():
         config.setdefault(k, v)

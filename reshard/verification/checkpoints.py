@@ -130,6 +130,7 @@ from reshard.model.inspection import Inspection
 from reshard.storage.source import Source
 from reshard.storage.files.integrity import check_algorithm
 from reshard.render.progress import phase_of
+from reshard.verification import arrays
 from reshard.verification.evidence import Evidence, check_transforms, open_checkpoint, recomputed_evidence
 from reshard.verification.objects import bits, element, object_difference, widened
 
@@ -305,8 +306,12 @@ def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes:
     """Decode ``boxes`` of ``key`` from both sides one at a time (memory bounded by the largest)
     and compare them; each box is counted in ``stats`` and ticked."""
     mismatch = _Mismatch()
+    as_arrays = not (rtol > 0 or atol > 0) and arrays.readable(ia, key) and arrays.readable(ib, key) \
+        and ia.entries[key].dtype == ib.entries[key].dtype
     for box in boxes:
         if not box.is_empty():
+            if as_arrays and _array_mismatch(mismatch, key, ia, ib, box, stats, progress):
+                continue
             ta = ia.read_box(key, box)
             tb = ib.read_box(key, box)
             bad = _differing(ta, tb, rtol, atol)
@@ -316,6 +321,27 @@ def _decoded_mismatch(key: str, ia: CheckpointIndex, ib: CheckpointIndex, boxes:
             _advance(progress, box.numel * ta.element_size())
             del ta, tb, bad
     return mismatch
+
+
+def _array_mismatch(mismatch: _Mismatch, key: str, ia: CheckpointIndex, ib: CheckpointIndex, box: Any,
+                    stats: dict[str, int], progress: Any) -> bool:
+    """One box of an integer tensor compared bit for bit as numpy arrays (`reshard.verification.arrays`:
+    no torch), counted and ticked as `_decoded_mismatch` does; False when a side needs torch to read."""
+    ta = arrays.read_box_array(ia, key, box)
+    tb = arrays.read_box_array(ib, key, box) if ta is not None else None
+    if ta is None or tb is None:
+        return False
+    dtype = ia.entries[key].dtype
+    count, flat, a, b = arrays.first_difference(ta, tb, dtype)
+    stats["elements"] += box.numel
+    stats["bytes"] += box.numel * dtype.itemsize
+    if count:
+        mismatch.count += count
+        idx = [o + i for o, i in zip(box.offsets, _unravel(flat, box.sizes))]
+        if mismatch.index is None or idx < mismatch.index:
+            mismatch.index, mismatch.a, mismatch.b = idx, a, b
+    _advance(progress, box.numel * dtype.itemsize)
+    return True
 
 
 def _differing(ta: "torch.Tensor", tb: "torch.Tensor", rtol: float, atol: float) -> "torch.Tensor":
@@ -335,9 +361,10 @@ def _differing(ta: "torch.Tensor", tb: "torch.Tensor", rtol: float, atol: float)
 
 def _value_difference(key: str, ea: Entry, m: _Mismatch, rtol: float, atol: float) -> dict[str, Any]:
     """The ``value`` difference of a key with differing elements."""
-    import torch
-
     how = "bitwise" if not (rtol > 0 or atol > 0) else f"beyond rtol={rtol}, atol={atol}"
+    if how != "bitwise":
+        import torch  # a tolerance: torch decoded the values already
+
     if how != "bitwise" and widened(torch.empty(1, dtype=ea.dtype.torch)) is None:  # one element: an empty one converts
         how = f"bitwise: {ea.dtype_name} has no arithmetic for a tolerance"
     return {"key": key, "kind": "value",
@@ -649,7 +676,10 @@ def _sort_excused(found: list[dict[str, Any]], rewrites: dict[str, str], evidenc
 
     def read(side: str, key: str) -> Any:
         ix = indexes[side]
-        return ix.read_tensor(key) if ix.entries[key].is_tensor else ix.read_object(key)
+        if not ix.entries[key].is_tensor:
+            return ix.read_object(key)
+        value = arrays.read_value(ix, key)  # an integer tensor (a reseeded RNG state) without torch
+        return value if value is not None else ix.read_tensor(key)
 
     differences: list[dict[str, Any]] = []
     rewritten: list[dict[str, Any]] = []

@@ -29,7 +29,7 @@ from reshard.planning.plan import plan_reader
 from reshard.storage.source import Source
 from reshard.model.plan import Options, Plan
 from reshard.verification.objects import identical, short_repr
-from reshard.model.kinds import Action, ExportAction
+from reshard.model.kinds import ExportAction
 
 
 # ---------------------------------------------------------------------------------- opening
@@ -114,14 +114,14 @@ def plan_evidence(plan: Plan, *, source: str, what: str, src: Source | Path, out
     """
 
     ev = Evidence(source, what, slice=(plan.slice or {}).get("description"))
-    # a slice's renumbered keys (source -> output name): moved, not dropped; copied, not tied
-    moved = {old: new for old, new in ((plan.slice or {}).get("renamed") or {}).get("from_to") or []}
+    # a slice's renumbered keys (source -> output name, `Action.RENAMED`): moved, not dropped; copied, not tied
+    moved = {a.key: a.renamed_to for a in plan.keys if a.renamed_to is not None}
     for a in plan.keys:
-        if a.action == Action.DROPPED and a.key in moved:
-            ev.dropped[a.key] = f"renamed to '{moved[a.key]}' ({a.reason.removeprefix('renamed: ')})"
-        elif a.action == Action.DROPPED:
+        if a.left_out and a.renamed_to is not None:
+            ev.dropped[a.key] = f"renamed to '{a.renamed_to}' ({a.reason})"
+        elif a.left_out:
             ev.dropped[a.key] = f"dropped: {a.reason}"
-        elif a.action in (Action.REWRITTEN, Action.ADDED) and a.key in plan.new_values:
+        elif a.new_value and a.key in plan.new_values:
             ev.values[a.key] = (f"{a.action}: {a.reason}", plan.new_values[a.key])
     candidates: dict[str, str] = {}
     for t in plan.tensors if transforms else ():

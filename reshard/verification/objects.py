@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.errors import BadInput
 from reshard.model.dtypes import is_torch_tensor
+from reshard.model.tensor_values import ArrayTensor
 
 if TYPE_CHECKING:  # torch is imported by the functions that get tensors, never by importing this module
     import torch
@@ -31,7 +32,7 @@ _repr.maxlist = _repr.maxtuple = _repr.maxdict = 6
 
 
 def short_repr(x: Any) -> str:
-    if is_torch_tensor(x):
+    if is_torch_tensor(x) or isinstance(x, ArrayTensor):
         return f"tensor({str(x.dtype).removeprefix('torch.')}{list(x.shape)})"
     return _repr.repr(x)
 
@@ -147,7 +148,8 @@ def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | 
     * **types exactly**: ``1`` and ``1.0`` differ, ``True`` and ``1`` differ, a list is not a tuple;
     * **floats by their bits** (complex numbers: both parts): ``-0.0 != 0.0``, and two NaNs are
       equal only when their payloads are (``nan == nan`` bit for bit is the same value);
-    * **tensors** by layout, shape, dtype and bits (NaN-safe, ``-0.0 != 0.0``); numpy arrays and
+    * **tensors** by layout, shape, dtype and bits (NaN-safe, ``-0.0 != 0.0``), an `ArrayTensor` (a value
+      a plan made without torch) as the tensor it stands for; numpy arrays and
       scalars by dtype, shape and bytes (object arrays element by element);
     * **dicts** by their keys (each key by the same rule, so ``{0.0: v}`` is not ``{-0.0: v}``;
       insertion order is not compared) and then values recursively; **lists and tuples** by
@@ -167,6 +169,14 @@ def object_difference(x: Any, y: Any, path: str = "", _depth: int = 0) -> str | 
     if _depth > MAX_OBJECT_DEPTH:
         raise BadInput(f"an object is nested more than {MAX_OBJECT_DEPTH} levels deep at {where}",
                        hint="No trainer state nests this deep; the object item is malformed or self-referencing.")
+    if isinstance(x, ArrayTensor) or isinstance(y, ArrayTensor):  # a value made without torch (a reseeded RNG state)
+        if isinstance(x, ArrayTensor) and isinstance(y, ArrayTensor):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return f"{where}: {short_repr(x)} in A, {short_repr(y)} in B"
+            return None if bytes(x.data()) == bytes(y.data()) else f"{where}: tensor values differ (bitwise)"
+        # against a torch tensor (torch is imported then): as the tensor it stands for
+        x = x.to_torch() if isinstance(x, ArrayTensor) and is_torch_tensor(y) else x
+        y = y.to_torch() if isinstance(y, ArrayTensor) and is_torch_tensor(x) else y
     if type(x) is not type(y):
         return f"{where}: {type(x).__name__} {short_repr(x)} in A, {type(y).__name__} {short_repr(y)} in B"
     if isinstance(x, dict):

@@ -61,7 +61,7 @@ from reshard.model.dtypes import DType, from_torch, unstorable_reason
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Framing", "writable", "archive_bytes", "crc32_combine", "fits", "framing", "unwritable_reason"]
+__all__ = ["Framing", "writable", "archive_bytes", "crc32_combine", "fits", "framing", "object_archive", "unwritable_reason"]
 
 ALIGN = 64
 _U32 = 0xFFFFFFFF
@@ -326,16 +326,57 @@ def _tail(f: Framing, storage_crc: int) -> bytes:
         rec = _local((_PREFIX + name).encode(), pos) + data + _descriptor(zlib.crc32(data), len(data))
         out += rec
         pos += len(rec)
-    cd_start = pos
+    out += _directory(members, pos)
+    return bytes(out)
+
+
+def _directory(members: list[tuple[str, int, int, int]], cd_start: int) -> bytes:
+    """The central directory of ``members`` (name, local header offset, size, CRC-32) starting at
+    ``cd_start``, then the zip64 end record, its locator and the end record, as torch's writer puts them."""
     cd = bytearray()
     for name, off, size, crc in members:
         nb = name.encode()
         cd += _CENTRAL.pack(b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(nb), 0, 0, 0, 0, 0, off) + nb
-    out += cd
+    out = bytearray(cd)
     n = len(members)
     out += _EOCD64.pack(b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), cd_start)
     out += _LOCATOR.pack(b"PK\x06\x07", 0, cd_start + len(cd), 1)
     out += _EOCD.pack(b"PK\x05\x06", 0, 0, n, n, len(cd), cd_start, 0)
+    return bytes(out)
+
+
+_PLAIN_NAMES_HASH = "02908468677762923104"
+"""The first half of the ``.data/serialization_id`` torch's writer gives an archive whose records are
+exactly data.pkl, .format_version, .storage_alignment, byteorder and version (an object without
+tensors): c10's ``hash_combine`` over ``std::hash`` of those names, in the order of libstdc++'s
+``unordered_set``, 20 digits. A constant for that set of names (``tests/test_torchfree_convert.py``
+compares whole items with ``torch.save``'s)."""
+
+_U64 = (1 << 64) - 1
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """c10's ``hash_combine`` on 64-bit ``size_t``."""
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _U64) + (seed >> 2)) & _U64)) & _U64
+
+
+def object_archive(pickled: bytes) -> bytes:
+    """The item ``torch.save(obj)`` writes for an object whose protocol-2 pickle is ``pickled`` and
+    which holds no tensor (no storage records): data.pkl and the small records, ``version``, and the
+    serialization id torch derives from the records' names and CRC-32s, byte for byte. A conversion
+    writes the plain values a plan makes (a reseeded rank's ints and floats) this way, without torch."""
+    out = bytearray()
+    members = []
+    combined = 0
+    for name, data in [("data.pkl", pickled)] + _SMALL + [("version", b"3\n")]:
+        crc = zlib.crc32(data)
+        combined = _hash_combine(combined, crc)
+        members.append((_PREFIX + name, len(out), len(data), crc))
+        out += _local((_PREFIX + name).encode(), len(out)) + data + _descriptor(crc, len(data))
+    sid = f"{_PLAIN_NAMES_HASH}{combined:020d}".encode()
+    members.append((_PREFIX + ".data/serialization_id", len(out), len(sid), zlib.crc32(sid)))
+    out += _local((_PREFIX + ".data/serialization_id").encode(), len(out)) + sid + _descriptor(zlib.crc32(sid), len(sid))
+    out += _directory(members, len(out))
     return bytes(out)
 
 

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
+import sys
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError
 from reshard.model.dtypes import DType, from_torch
 from reshard.model.geometry import Box, coverage_problems
+from reshard.model.tensor_values import ArrayTensor
 from reshard.storage.files.atomic import fault_point, fsync_dir
 from reshard.model.checkpoint import ItemLocation
 from reshard.storage.checkpoints.dcp import METADATA_FILE
@@ -83,7 +86,7 @@ DCP_VERSION = "1.0.0"
 filesystem writer; ``tests/test_no_torch.py`` checks it), stated here so that writing
 `.metadata` needs no torch import."""
 
-__all__ = ["DcpWriter", "WriterError", "data_file_name"]
+__all__ = ["DcpWriter", "WriterError", "data_file_name", "object_item"]
 
 # Every torch.save blob is a zip archive (torch >= 1.6 default; DCP always uses it).
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -154,12 +157,17 @@ class DcpWriter:
     Not thread-safe. After `finish` (or `close`) no further writes are accepted.
     """
 
-    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None, journal: Any = None):
+    def __init__(self, directory: Path, owned: Any = None, file_name: Any = None, journal: Any = None,
+                 observer: Any = None):
         """``owned``: optional predicate on a rank's file; items of files it rejects are only
         reserved (their bytes are written by another process of a distributed conversion,
         which passes their checksums back through `adopt`). ``file_name``: optional
         rank -> file name of this writer's data files (default `data_file_name`).
-        ``journal``: optional `reshard.storage.files.journal.Journal` (a resumable conversion)."""
+        ``journal``: optional `reshard.storage.files.journal.Journal` (a resumable conversion).
+        ``observer``: optional watcher of this writer's own items (`reshard.storage.objectstore.stream.SpillStreamer`,
+        which streams the files into a store as they fill): ``reserved(file, offset, length)`` as each
+        is placed, ``filled(file, offset, length, spliced)`` once its bytes are written (``spliced``:
+        by a caller through `filled`, rather than by the writer itself)."""
         self.directory = Path(directory)
         self._journal = journal
         self._candidates: dict[tuple[str, int], str] = {}  # reserved journaled items to prove -> recorded CRC-32
@@ -180,7 +188,9 @@ class DcpWriter:
         self._objects: dict[str, _Object] = {}
         self._order: list[str] = []  # keys in first-seen order: the order of state_dict_metadata
         self._checksums: dict[str, str] = {}
+        self._unflushed: dict[str, tuple[int, int, int]] = {}  # file -> (start, end, bytes) filled since its last writeback
         self._closed = False
+        self._observer = observer
 
     # ------------------------------------------------------------------ declarations
     def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: "DType | torch.dtype",
@@ -210,18 +220,32 @@ class DcpWriter:
         self._order.append(key)
 
     # ------------------------------------------------------------------ tensors
-    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...], tensor: "torch.Tensor") -> ItemLocation:
+    def write_chunk(self, rank: int, key: str, offsets: tuple[int, ...],
+                    tensor: "torch.Tensor | ArrayTensor") -> ItemLocation:
         """Append one chunk of a declared tensor to rank ``rank``'s file.
 
         The chunk's sizes are ``tensor.shape``; dtype, rank (number of dims) and bounds are
         checked against the declaration. Views are saved compact (contiguous, own storage),
-        so a slice never drags its whole base storage into the file.
+        so a slice never drags its whole base storage into the file. An `ArrayTensor` (a value
+        made without torch, `reshard.model.tensor_values`) is written as the item of the tensor
+        it stands for, byte for byte, without importing torch.
         """
-        import torch
-
         from reshard.storage.checkpoints import archive
 
-        if not isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, ArrayTensor):
+            offsets, sizes = self._check_chunk(key, offsets, tensor.shape)
+            decl = self._tensors[key]
+            if tensor.dtype != decl.dtype:
+                raise WriterError(f"chunk of '{key}' at {list(offsets)} is {tensor.dtype}, declared {decl.dtype}",
+                                  where=str(self.directory))
+            if not archive.fits(tensor.nbytes):  # pragma: no cover - a value a plan makes is small
+                raise WriterError(f"chunk of '{key}' is a {tensor.nbytes}-byte array value; such a value is written "
+                                  "as a torch tensor", where=str(self.directory))
+            loc = self._write_framed(rank, archive.framing(tensor.dtype, tensor.shape), tensor.data())
+            self._add_chunk(key, offsets, sizes, loc)
+            return loc
+        torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+        if torch is None or not isinstance(tensor, torch.Tensor):
             raise WriterError(f"chunk of '{key}' is a {type(tensor).__name__}, not a tensor", where=str(self.directory))
         t = tensor.detach()
         if type(t) is not torch.Tensor:
@@ -233,24 +257,25 @@ class DcpWriter:
             raise WriterError(f"chunk of '{key}' at {list(offsets)} is {t.dtype}, declared {decl.dtype}",
                               where=str(self.directory))
         t = _compact(t)
-        if not self.owns(rank):
-            if archive.fits(t.numel() * t.element_size()):
-                loc = self._reserve(rank, *_storage_at(archive.framing(t.dtype, tuple(t.shape))))
-            else:
-                loc = self._reserve(rank, len(_save_bytes(t)))
-            self._foreign.add((loc.file, loc.offset))
-        elif archive.fits(t.numel() * t.element_size()):
-            fr = archive.framing(t.dtype, tuple(t.shape))
-            loc = self._reserve(rank, *_storage_at(fr))
-            data = tensor_bytes(t)
-            scrc = crc32(data)
-            tail = fr.tail(scrc)
-            if not self._keep(loc, [fr.head, data, tail]):
-                write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
-                self._filled(loc, fr.item_crc(scrc, tail))
+        if archive.fits(t.numel() * t.element_size()):
+            loc = self._write_framed(rank, archive.framing(t.dtype, tuple(t.shape)), tensor_bytes(t))
         else:  # a chunk of 4 GiB or more: torch.save writes the zip64 fields
             loc = self._write_blob(rank, _save_bytes(t))
         self._add_chunk(key, offsets, sizes, loc)
+        return loc
+
+    def _write_framed(self, rank: int, fr: "Framing", data: memoryview) -> ItemLocation:
+        """One hand-framed tensor item (`reshard.storage.checkpoints.archive`) around storage bytes ``data``:
+        reserved, and written unless another process owns the file (or a resumed run keeps it)."""
+        loc = self._reserve(rank, *_storage_at(fr))
+        if not self.owns(rank):
+            self._foreign.add((loc.file, loc.offset))
+            return loc
+        scrc = crc32(data)
+        tail = fr.tail(scrc)
+        if not self._keep(loc, [fr.head, data, tail]):
+            write_exact(self._fds[rank], [fr.head, data, tail], loc.offset)
+            self._filled(loc, fr.item_crc(scrc, tail))
         return loc
 
     def write_chunk_bytes(self, rank: int, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], blob: bytes) -> ItemLocation:
@@ -268,9 +293,9 @@ class DcpWriter:
 
     # ------------------------------------------------------------------ objects
     def write_object(self, rank: int, key: str, obj: Any, path: tuple | None = None) -> ItemLocation:
-        """Append a non-tensor item: ``torch.save(obj)``, as DCP does for BYTE_IO items."""
+        """Append a non-tensor item: ``torch.save(obj)``, as DCP does for BYTE_IO items (`object_item`)."""
         self._check_object_key(key)
-        loc = self._write_blob(rank, _save_bytes(obj))
+        loc = self._write_blob(rank, object_item(obj))
         self._add_object(key, path, loc)
         return loc
 
@@ -379,6 +404,11 @@ class DcpWriter:
         if recorded is not None:
             self._journal.rewritten(recorded, _crc_hex(crc))
 
+    @property
+    def owns_all(self) -> bool:
+        """Whether this writer writes every file (not one worker's share of a divided output)."""
+        return self._owned is None
+
     def owns(self, rank: int) -> bool:
         """Whether this writer writes rank ``rank``'s file (always, unless ``owned`` says otherwise)."""
         return self._owned is None or bool(self._owned(rank))
@@ -425,12 +455,16 @@ class DcpWriter:
             raise WriterError(f"item {loc.file}:{loc.offset} was not reserved or is already filled",
                               where=str(self.directory))
         self._pending.discard(name)
-        self._filled(loc, crc)
+        self._filled(loc, crc, spliced=True)
 
     # ------------------------------------------------------------------ results
     def checksums(self) -> dict[str, str]:
         """``"{file}:{offset}"`` -> CRC-32 (8 hex digits) of that item's bytes exactly as written."""
         return dict(self._checksums)
+
+    def checksum_of(self, file: str, offset: int) -> str | None:
+        """The CRC-32 (8 hex digits) recorded for the item at ``offset`` of ``file``, None before it is filled."""
+        return self._checksums.get(f"{file}:{offset}")
 
     def locations(self) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
         """(key, chunk offsets or None for objects) -> where the item was written."""
@@ -593,14 +627,34 @@ class DcpWriter:
                 self._gaps.setdefault(rank, []).append((start, start + skip))
             start += skip
         self._end[rank] = start + int(length)
-        return ItemLocation(self._file_name(rank), start, int(length))
+        loc = ItemLocation(self._file_name(rank), start, int(length))
+        if self._observer is not None and self.owns(rank):
+            self._observer.reserved(loc.file, loc.offset, loc.length)
+        return loc
 
-    def _filled(self, loc: ItemLocation, crc: int) -> None:
+    def _filled(self, loc: ItemLocation, crc: int, spliced: bool = False) -> None:
         digest = self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
-        start_writeback(self._fd_of[loc.file], loc.offset, loc.length)  # the fsync before the commit finds less to do
+        if self._observer is not None:
+            self._observer.filled(loc.file, loc.offset, loc.length, spliced)
+        self._write_back(loc)
         if self._journal is not None:
             self._journal.record(loc.file, loc.offset, loc.length, digest)
         fault_point(f"item {loc.file}:{loc.offset}")
+
+    def _write_back(self, loc: ItemLocation) -> None:
+        """Start the kernel's writeback of filled items (the fsync before the commit then finds less to
+        do), `WRITEBACK_BATCH` bytes of a file at a time: one ``sync_file_range`` per item cost about
+        0.5 ms of CPU each, a third of a small conversion's writing (297 items of a few KiB), for pages
+        the final fsync writes anyway. An item of a batch or more goes at once, as before; smaller ones
+        accumulate per file (the range spanning them, holes of unfilled items included: writeback
+        skips clean pages) until they add up to a batch."""
+        lo, hi, n = self._unflushed.get(loc.file, (loc.offset, loc.offset, 0))
+        lo, hi, n = min(lo, loc.offset), max(hi, loc.offset + loc.length), n + loc.length
+        if n >= WRITEBACK_BATCH:
+            start_writeback(self._fd_of[loc.file], lo, hi - lo)
+            self._unflushed.pop(loc.file, None)
+        else:
+            self._unflushed[loc.file] = (lo, hi, n)
 
     def _keep(self, loc: ItemLocation, parts: list[Any]) -> bool:
         """Whether a resumed run keeps this owned item, whose bytes are ``parts``: only when its journal
@@ -641,6 +695,7 @@ class DcpWriter:
 
 
 ALIGN_FROM = 1 << 20  # storages this large start ALIGN-aligned in their file (padding < 0.4 %)
+WRITEBACK_BATCH = 4 << 20  # `DcpWriter._write_back`: filled bytes of a file per writeback hint
 
 
 def _storage_at(fr: Framing) -> tuple[int, int | None]:
@@ -667,6 +722,37 @@ def _same_bytes(fd: int, offset: int, parts: list[Any]) -> tuple[bool, int]:
             same = same and view.tobytes() == mv[i:i + n].tobytes()  # memcmp, not element by element
             pos += n
     return same, crc
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+_PLAIN_DEPTH = 32
+
+
+def _plain(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` is built only of None, bool, int, float, str, bytes and plain lists, tuples and
+    dicts (exact types: a subclass pickles by its class), no deeper than `_PLAIN_DEPTH`."""
+    t = type(obj)
+    if t in _PLAIN_TYPES:
+        return True
+    if depth >= _PLAIN_DEPTH:
+        return False
+    if t is list or t is tuple:
+        return all(_plain(v, depth + 1) for v in obj)
+    if t is dict:
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in obj.items())
+    return False
+
+
+def object_item(obj: Any) -> bytes:
+    """The item ``torch.save(obj)`` writes. A plain value (`_plain`: the ints, floats and lists a plan
+    makes for a reseeded rank or a data position) is framed here without torch, byte for byte what torch
+    writes (`reshard.storage.checkpoints.archive.object_archive`: torch pickles it with the standard
+    protocol-2 pickler, which names nothing of torch); anything else goes through ``torch.save``."""
+    if _plain(obj):
+        from reshard.storage.checkpoints import archive
+
+        return archive.object_archive(pickle.dumps(obj, protocol=2))
+    return _save_bytes(obj)
 
 
 def _save_bytes(obj: Any) -> bytes:

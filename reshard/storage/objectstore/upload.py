@@ -29,7 +29,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage.objectstore.remote import DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, store_error, version_tag
 
-__all__ = ["UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
+__all__ = ["destination", "UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
            "etag_verdict", "part_bytes", "Sent", "Publisher", "publish"]
 
@@ -54,6 +54,12 @@ def _open_destination(url: str) -> tuple[Any, str]:
         if got is None:
             got = _DESTINATIONS[ident] = _opened_destination(url)
     return got
+
+
+def destination(url: str) -> tuple[Any, str]:
+    """The destination's filesystem and ``bucket/prefix`` (opened once per process): for the uploads
+    that do not go through a `Publisher` (`reshard.storage.objectstore.stream`)."""
+    return _open_destination(url)
 
 
 def _opened_destination(url: str) -> tuple[Any, str]:

@@ -1,0 +1,249 @@
+"""A distributed conversion streamed into object storage (issue 46), against a real S3 server.
+
+moto's server on localhost (`tests/s3_server.py`), the workers real torchrun processes (``--workers``
+starts torchrun inside the command; two torchrun agents with a c10d rendezvous stand for two nodes).
+
+- `test_workers_stream_into_the_store_byte_identical_and_torch_loads_it`: ``--workers 2`` from a local
+  folder and from the store into a
+  prefix: every object byte-identical to a single process's local conversion, `.metadata` last and no
+  marker left, torch's `FsspecReader` + `dcp.load` strict and bitwise, `verify` exit 0 against the
+  source and against the local conversion, the report naming each worker's objects and disk.
+- `test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger`: a 160 MiB checkpoint
+  (real `dcp.save` of DTensors) converted with ``--buffer-memory 16MiB``: the spill folders' disk,
+  polled from outside every few milliseconds, never exceeds the buffer plus one part; verified.
+- `test_two_nodes_a_lost_node_and_the_resume`: two torchrun agents (``--nnodes 2``, c10d rendezvous on
+  localhost); the node of worker 1 is killed (its agent and worker) mid-upload: nothing is committed,
+  the other node exits non-zero with one paragraph naming worker 1; the same two commands again
+  resume, keep the parts worker 1 had sent (proven by their MD5) and commit the bytes a single
+  process writes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, once_per_run
+from s3_server import s3_server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def staging(tmp_path_factory, monkeypatch) -> Path:
+    folder = tmp_path_factory.mktemp("staging")
+    monkeypatch.setenv("RESHARD_STAGING_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def local_dp2(plain_fsdp2_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sw") / "local_dp2"
+    code, _out, err = cli(["convert", plain_fsdp2_ckpt, out, "--to", "dp=2", "--quiet"])
+    assert code == 0, err
+    return out
+
+
+def _objects(s3, prefix: str) -> dict[str, bytes]:
+    c = s3.client()
+    return {k: c.get_object(Bucket=s3.bucket, Key=f"{prefix}/{k}")["Body"].read() for k in s3.keys(prefix)}
+
+
+def _report(s3, prefix: str) -> dict:
+    """The report the conversion committed beside its output (the workers print theirs themselves)."""
+    return json.loads(s3.client().get_object(Bucket=s3.bucket, Key=f"{prefix}/reshard-report.json")["Body"].read())
+
+
+def _same_as_local(s3, prefix: str, local: Path) -> None:
+    got = _objects(s3, prefix)
+    assert ".reshard-uploading" not in got, sorted(got)
+    for p in sorted(local.iterdir()):
+        if p.suffix == ".distcp" or p.name == ".metadata":
+            assert got[p.name] == p.read_bytes(), p.name
+
+
+def _load_with_fsspec_reader(url: str, like: Path) -> None:
+    """Every tensor at ``url`` loaded strictly by torch's own `FsspecReader`, bitwise equal to ``like``'s."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(like)).read_metadata()
+    shapes = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    got = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}
+    want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}
+    dcp.load(got, storage_reader=FsspecReader(url), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
+    dcp.load(want, storage_reader=dcp.FileSystemReader(str(like)))
+    assert got
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("from_store", [False, True], ids=["local-to-store", "store-to-store"])
+def test_workers_stream_into_the_store_byte_identical_and_torch_loads_it(s3, plain_fsdp2_ckpt, local_dp2, from_store):
+    prefix = f"w2/dp2-{int(from_store)}"
+    dst = s3.url(prefix)
+    src = s3.upload(plain_fsdp2_ckpt, "w2/src") if from_store else plain_fsdp2_ckpt
+    code, _out, err = cli(["convert", src, dst, "--to", "dp=2", "--workers", "2", "--quiet"])
+    assert code == 0, err
+    report = _report(s3, prefix)
+    assert report["destination"] == dst and report["workers"] == 2
+    assert report["verification"]["equal"] is True
+    sent = report["verification"]["sent"]
+    assert sent["objects"] == 2 and sent["objects_checked_by_etag"] == 2 and sent["items_checked_as_sent"] > 0
+    assert [w["worker"] for w in report["streamed"]["workers"]] == [0, 1]
+    _same_as_local(s3, prefix, local_dp2)
+    _load_with_fsspec_reader(dst, local_dp2)
+    for a in (src, local_dp2):
+        code, _o, err = cli(["verify", a, dst])
+        assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory) -> Path:
+    """160 MiB of DTensors saved by `dcp.save` on 2 gloo ranks: ten times the buffer the test gives."""
+    import torch
+
+    from reshard.testing.synthetic import make_sharded
+
+    return Path(once_per_run(tmp_path_factory, "store-workers-big", lambda w: str(make_sharded(
+        w / "ckpt", world_size=2, n_tensors=10, shape=(1024, 4096), dtype=torch.float32))))
+
+
+def _disk_by_worker(folder: Path) -> dict[str, int]:
+    """Bytes each worker's spill folder holds on disk now (allocated blocks), by folder name."""
+    out: dict[str, int] = {}
+    for p in folder.rglob("spill-*/*"):
+        try:
+            out[p.parent.name] = out.get(p.parent.name, 0) + p.stat().st_blocks * 512
+        except OSError:
+            pass
+    return out
+
+
+def test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger(s3, big_ckpt, staging, tmp_path):
+    from reshard.storage.objectstore.stream import MIN_PART
+
+    buffer = 16 << 20
+    size = sum(p.stat().st_size for p in big_ckpt.glob("*.distcp"))
+    assert size >= 10 * buffer
+    peak: dict[str, int] = {}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for worker, n in _disk_by_worker(staging).items():
+                peak[worker] = max(peak.get(worker, 0), n)
+            time.sleep(0.003)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    dst = s3.url("w2/big")
+    try:
+        code, _out, err = cli(["convert", big_ckpt, dst, "--to", "dp=4", "--workers", "2", "--buffer-memory", "16MiB",
+                               "--quiet"])
+    finally:
+        stop.set()
+        watcher.join()
+    assert code == 0, err
+    report = _report(s3, "w2/big")
+    assert report["verification"]["equal"] is True
+    assert report["bytes_written"] >= 10 * buffer
+    assert sorted(peak) == ["spill-0", "spill-1"], peak
+    assert all(0 < n <= buffer + MIN_PART + (1 << 20) for n in peak.values()), (peak, report["streamed"])
+    for w in report["streamed"]["workers"]:  # each worker's own measure agrees
+        assert w["peak_bytes"] <= buffer + MIN_PART + (1 << 20), w
+    code, _o, err = cli(["verify", big_ckpt, dst])
+    assert code == 0, err
+
+
+def _node(node: int, port: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """One torchrun agent standing for node ``node`` of two, rendezvous (c10d) on localhost:``port``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", f"reshard-{port}", "--max-restarts", "0", "-m", "reshard", *argv]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _two_nodes(argv: list[str], env: dict[str, str], tmp: Path, tag: str, *, kill_rank: int | None = None,
+               when: Path | None = None, pause_at: str = "") -> tuple[list[int], list[str]]:
+    """Both nodes run ``argv``; with ``kill_rank``, the node whose worker has that RANK is killed whole
+    (agent and worker, SIGKILL) once ``when`` (the fault log) shows that worker paused."""
+    import psutil
+
+    from s3_server import free_port
+
+    port = free_port()
+    logs = [tmp / f"{tag}-node{n}.log" for n in (0, 1)]
+    agents = [_node(0, port, argv, env, logs[0])]
+    time.sleep(1.0)  # node 0's agent hosts the rendezvous
+    agents.append(_node(1, port, argv, env, logs[1]))
+    if kill_rank is not None:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (when.exists() and pause_at in when.read_text()):
+            time.sleep(0.1)
+        assert when.exists(), [p.read_text()[-2000:] for p in logs]
+        victim = None
+        for a in agents:
+            for child in psutil.Process(a.pid).children(recursive=True):
+                try:
+                    if child.environ().get("RANK") == str(kill_rank):
+                        victim = a
+                except psutil.Error:
+                    pass
+        assert victim is not None
+        for p in [*psutil.Process(victim.pid).children(recursive=True), psutil.Process(victim.pid)]:
+            with_suppressed(lambda p=p: p.send_signal(signal.SIGKILL))
+    codes = [a.wait(timeout=300) for a in agents]
+    return codes, [p.read_text() for p in logs]
+
+
+def with_suppressed(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def test_two_nodes_a_lost_node_and_the_resume(s3, big_ckpt, staging, tmp_path):
+    big_local = tmp_path / "local"
+    code, _o, err = cli(["convert", big_ckpt, big_local, "--to", "dp=4", "--quiet"])
+    assert code == 0, err
+    dst = s3.url("nodes/dp4")
+    src = s3.upload(big_ckpt, "nodes/src")  # store to store, two nodes
+    argv = ["convert", src, dst, "--to", "dp=4", "--buffer-memory", "16MiB", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), RESHARD_STAGING_DIR=str(staging))
+    faults = tmp_path / "faults"
+    killed_env = dict(env, RESHARD_FAULT_RANK="1", RESHARD_FAULT_COUNT=str(faults),
+                      RESHARD_FAULT_SLEEP_AT="part __1_0.distcp 3:120")
+    codes, logs = _two_nodes(argv, killed_env, tmp_path, "first", kill_rank=1, when=faults,
+                             pause_at="part __1_0.distcp 3")
+    assert sorted(codes) != [0, 0], logs
+    assert ".metadata" not in s3.keys("nodes/dp4")  # nothing committed
+    survivor = next(log for log in logs if "worker 1" in log)
+    assert "worker 1 (node" in survivor and "Nothing was committed" in survivor, survivor[-3000:]
+
+    codes, logs = _two_nodes(argv, env, tmp_path, "again")
+    assert codes == [0, 0], logs
+    report = _report(s3, "nodes/dp4")
+    assert report["verification"]["equal"] is True
+    assert report["streamed"]["parts_kept_from_an_interrupted_upload"] >= 2, report["streamed"]
+    _same_as_local(s3, "nodes/dp4", big_local)
+    _load_with_fsspec_reader(dst, big_local)
+    code, _o, err = cli(["verify", src, dst])
+    assert code == 0, err
