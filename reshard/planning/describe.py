@@ -343,13 +343,18 @@ def _chunk_evidence(ix: Any, keys: list[str]) -> topo_mod.ChunkEvidence:
 def _contents_by_role(ix: Any, roles: dict[str, KeyRole]) -> dict[str, dict[str, Any]]:
     """Count and bytes per role, and per dtype inside each role (objects count as dtype "object")."""
     by_role: dict[str, dict[str, Any]] = {}
+    names: dict[int, str] = {}  # a DType's name, once per dtype object (compared by identity)
     for k, e in ix.entries.items():
         slot = by_role.setdefault(roles[k].role, {"count": 0, "bytes": 0, "dtypes": {}})
+        nbytes = e.nbytes
         slot["count"] += 1
-        slot["bytes"] += e.nbytes
-        d = slot["dtypes"].setdefault(e.dtype_name or "object", {"count": 0, "bytes": 0})
+        slot["bytes"] += nbytes
+        name = names.get(id(e.dtype))
+        if name is None:
+            name = names[id(e.dtype)] = e.dtype_name or "object"
+        d = slot["dtypes"].setdefault(name, {"count": 0, "bytes": 0})
         d["count"] += 1
-        d["bytes"] += e.nbytes
+        d["bytes"] += nbytes
     return by_role
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.layout import rank_boxes
 from reshard.model.kinds import DataMode
-from reshard.storage.checkpoints.index import RANK_FILE
+from reshard.storage.checkpoints.index import RANK_FILE, ColumnChunks
 
 __all__ = ["DATA_MODES", "LinkLayout", "link_layout", "link_summary", "linked_name", "new_file_namer", "overlaps", "SHARED_NOTE"]
 
@@ -102,6 +102,7 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
                            "not make it smaller")
     planned = {t.key: t for t in plan.tensors}
     files: set[str] = set()
+    in_columns: dict[int, tuple[Any, np.ndarray]] = {}  # id of an index's columns -> (them, which of their rows are linked)
     refused_keys: list[str] = []
     for a in plan.keys:
         if a.left_out:
@@ -126,7 +127,16 @@ def link_layout(plan: Any, ix: Any, *, output_format: str = "dcp") -> LinkLayout
             refused_keys.append(f"'{a.key}' {why}")
             continue
         out.linked_tensors.append(a.key)
-        files.update(_data_files(e))
+        tab = e.chunks
+        if isinstance(tab, ColumnChunks):  # its files with every other table's of the index, at the end
+            got = in_columns.get(id(tab.columns))
+            if got is None:
+                got = in_columns[id(tab.columns)] = (tab.columns, np.zeros(len(tab.columns.file), dtype=bool))
+            got[1][tab.rows] = True
+        else:
+            files.update(_data_files(e))
+    for cols, rows in in_columns.values():
+        files.update(cols.files[f] for f in np.unique(cols.file[rows]).tolist() if f >= 0)
     if refused_keys:
         more = len(refused_keys) - _MAX_REASONS
         out.reasons.extend(refused_keys[:_MAX_REASONS])
@@ -201,9 +211,10 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
     pairs: list[np.ndarray] = []
     planned = {t.key: t for t in plan.tensors}
     groups: dict[tuple, list] = {}
+    memo: dict = {}
     for key in keys:
         e, t = ix.entries[key], planned[key]
-        groups.setdefault(_signature(e, t), [key, 0])[1] += 1
+        groups.setdefault(_signature(e, t, memo), [key, 0])[1] += 1
     for key, times in groups.values():
         e, t = ix.entries[key], planned[key]
         same = (id(t.chunks[0]), id(t.chunks[-1]), len(t.chunks), tuple(t.shape), t.placement) if t.chunks else None
@@ -250,14 +261,18 @@ def _reads(plan: Any, ix: Any, keys: list[str]) -> dict[str, Any]:
                     "(what copy mode's rank reads, plus framing); amplification: tensor_bytes / keeps over all ranks"}
 
 
-def _signature(e: Any, t: Any) -> tuple:
-    """What makes two tensors' reads the same (see `_reads`)."""
+def _signature(e: Any, t: Any, memo: dict | None = None) -> tuple:
+    """What makes two tensors' reads the same (see `_reads`). ``memo``: the parts that follow from an
+    object the tensors share (a placement's words, a dtype's name, the ranks of a shared local-shapes
+    dict), kept across the calls of one `_reads` (100k tensors, a few dozen such objects)."""
     def ends(chunks: Any) -> tuple:
         """(offsets, sizes, file and item length or None) of the first and last chunk; of a
         `ChunkTable` read from its arrays, not as two `Chunk` objects made per tensor (180k keys:
         1.5 s of a plan's CPU)."""
         if not len(chunks):
             return ()
+        if isinstance(chunks, ColumnChunks):  # the same, read from the index's columns
+            return chunks.ends()
         if isinstance(chunks, ChunkTable):  # the boxes as their int64 bytes: equal bytes, equal boxes
             f, n = chunks.file, chunks.length
             o, z = chunks.offsets, chunks.sizes
@@ -269,10 +284,21 @@ def _signature(e: Any, t: Any) -> tuple:
         return (a.box.offsets, a.box.sizes, b.box.offsets, b.box.sizes, la and (la.file, la.length),
                 lb and (lb.file, lb.length))
 
-    placement = t.placement.describe() if hasattr(t.placement, "describe") else repr(t.placement)
-    return (tuple(e.shape), e.dtype_name, len(e.chunks), ends(e.chunks), tuple(t.shape), placement, len(t.chunks),
-            tuple(t.chunks[0]) if t.chunks else (), tuple(sorted(getattr(t, "local", {}) or {})) if len(t.local or {}) < 64
-            else len(t.local))
+    if memo is None:
+        memo = {}
+    pl = t.placement
+    placement = memo.get(("placement", pl))
+    if placement is None:
+        placement = memo[("placement", pl)] = pl.describe() if hasattr(pl, "describe") else repr(pl)
+    dtype = memo.get(("dtype", id(e.dtype)))
+    if dtype is None:  # a DType is compared by identity: its id, alive in the index, names it
+        dtype = memo[("dtype", id(e.dtype))] = (e.dtype_name,)
+    local = getattr(t, "local", {}) or {}
+    ranks = memo.get(("local", id(local)))
+    if ranks is None:  # tensors of a shape and placement share one local-shapes dict (keys.fill_local_shapes)
+        ranks = memo[("local", id(local))] = (tuple(sorted(local)) if len(local) < 64 else len(local), local)
+    return (tuple(e.shape), dtype[0], len(e.chunks), ends(e.chunks), tuple(t.shape), placement, len(t.chunks),
+            tuple(t.chunks[0]) if t.chunks else (), ranks[0])
 
 
 def _target_boxes(t: Any, target: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ through the model's parameter order (`map_indexed_optimizer`), the keys left as 
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -470,32 +471,40 @@ class Matcher:
         return m
 
     def answers(self, keys: Sequence[tuple[str, str]]) -> Answers:
-        """One RE2 pass per key: every convention's first rule, with and without catch-alls."""
+        """One RE2 pass per key: every convention's first rule, with and without catch-alls.
+
+        What a key's answers are depends only on its kind and the rules that match it, and the keys
+        of a model fall into few such classes (an MoE's 100k keys: a few dozen), so each class is
+        worked out once (`_answer_class`) and the keys take its column."""
         nconv = len(self.conventions)
-        full = np.full((nconv, len(keys)), -1, dtype=np.int32)
-        comp = np.full((nconv, len(keys)), -1, dtype=np.int32)
-        conv_of = self.rule_conv.tolist()
-        catch = self.rule_catch.tolist()
-        kinds = self.rule_kind
-        fi, fg, ci, cg = array("q"), array("l"), array("q"), array("l")  # 8 bytes a row, not a Python int
-        for i, (key, kind) in enumerate(keys):
-            done_full: set[int] = set()
-            done_comp: set[int] = set()
-            for g in self.rule_set.matching(key):
-                if kinds[g] is not None and kinds[g] != kind:
-                    continue
-                c = conv_of[g]
-                if c not in done_full:
-                    done_full.add(c)
-                    fi.append(c * len(keys) + i)
-                    fg.append(g)
-                if not catch[g] and c not in done_comp:
-                    done_comp.add(c)
-                    ci.append(c * len(keys) + i)
-                    cg.append(g)
-        full.reshape(-1)[np.frombuffer(fi, dtype=np.int64)] = np.frombuffer(fg, dtype=np.int64)
-        comp.reshape(-1)[np.frombuffer(ci, dtype=np.int64)] = np.frombuffer(cg, dtype=np.int64)
-        return Answers(full, comp)
+        classes: dict[tuple[str, tuple[int, ...]], int] = {}
+        of_key = array("q")  # 8 bytes a key, not a Python int
+        matching = self.rule_set.matching
+        for key, kind in keys:
+            cl = (kind, tuple(matching(key)))
+            c = classes.get(cl)
+            if c is None:
+                c = classes[cl] = len(classes)
+            of_key.append(c)
+        full = np.full((nconv, len(classes)), -1, dtype=np.int32)
+        comp = np.full((nconv, len(classes)), -1, dtype=np.int32)
+        for (kind, gs), c in classes.items():
+            self._answer_class(kind, gs, full[:, c], comp[:, c])
+        idx = np.frombuffer(of_key, dtype=np.int64) if len(of_key) else np.zeros(0, dtype=np.int64)
+        return Answers(np.ascontiguousarray(full[:, idx]), np.ascontiguousarray(comp[:, idx]))
+
+    def _answer_class(self, kind: str, matched: tuple[int, ...], full: np.ndarray, comp: np.ndarray) -> None:
+        """Each convention's first rule among ``matched`` (rule numbers, ascending) for a key of ``kind``,
+        into ``full`` (catch-alls included) and ``comp`` (without): -1 where none."""
+        conv_of, catch, kinds = self.rule_conv, self.rule_catch, self.rule_kind
+        for g in matched:
+            if kinds[g] is not None and kinds[g] != kind:
+                continue
+            c = int(conv_of[g])
+            if full[c] < 0:
+                full[c] = g
+            if not catch[g] and comp[c] < 0:
+                comp[c] = g
 
     def markers_seen(self, keys: Iterable[str]) -> list[bool]:
         """Whether each marker (of every convention) is found in some key; stops once all are."""
@@ -516,7 +525,9 @@ class Matcher:
                 out[key] = KeyRole(key, "unknown")
                 continue
             rule = self.rules[g]
-            param, name, rank = rule.pattern.match_groups(key, _GROUPS) or (None, None, None)
+            sliced = groups_by_shape(rule.pattern.pattern)
+            param, name, rank = (sliced(key) if sliced is not None else
+                                 rule.pattern.match_groups(key, _GROUPS) or (None, None, None))
             out[key] = KeyRole(key, rule.role, param=param, name=name, rank=int(rank) if rank is not None else None,
                                per_rank=rule.per_rank, convention=conv_names[g], rank_text=rank)
         return out
@@ -541,6 +552,40 @@ def _matcher(conventions: tuple[Convention, ...]) -> Matcher:
         markers_of=[list(range(starts[i], starts[i + 1])) for i in range(len(conventions))],
         rule_set=PatternSet([r.pattern for r in rules]),
         marker_set=PatternSet(markers, search=True))
+
+
+_LITERAL = r"(?:\\\.|[A-Za-z0-9_])*"  # a run of letters, digits, _ and escaped dots: matches only itself
+_SHAPES = (  # (pattern text shape, how the groups follow from a key the pattern is known to match)
+    (re.compile(rf"\^({_LITERAL})\(\?P<param>\.\+\)({_LITERAL})\$"), "affix"),
+    (re.compile(rf"\^({_LITERAL})\(\?P<param>\.\+\)\\\.\(\?P<name>\[A-Za-z_\]\[A-Za-z0-9_\]\*\)\$"), "moment"),
+    (re.compile(r"\^\(\?P<param>(?:\[\^\.\]\+\(\\\.\[\^\.\]\+\)\*|\[\^\./\]\[\^/\]\*)\)\$"), "whole"),
+)
+
+
+@lru_cache(maxsize=None)
+def groups_by_shape(text: str) -> Any:
+    """For a rule pattern of one of a few shapes, a function from a key *the pattern matches* to its
+    (param, name, rank) groups, by slicing; None for any other pattern (its groups come from RE2).
+
+    Why: the groups of 100k keys were a Python call into RE2 each, several per key (each candidate
+    primary convention reads the params its rules extract). The shipped conventions' params are
+    mostly ``^P(?P<param>.+)S$`` (P, S literal: greedy ``.+`` then the literal S at the end, so the
+    param is what lies between P and S), ``^P(?P<param>.+)\\.(?P<name>IDENT)$`` (a name holds no dot:
+    the param ends at the key's last dot) and whole-key catch-alls. Only a key the pattern matched
+    (the rule set said so) is sliced; `tests/test_conventions_matcher.py` holds the result to the
+    rules matched one by one."""
+    for shape, how in _SHAPES:
+        m = shape.fullmatch(text)
+        if m is None:
+            continue
+        if how == "whole":
+            return lambda key: (key, None, None)
+        prefix = len(m.group(1).replace("\\", ""))
+        if how == "moment":
+            return lambda key: (key[prefix:key.rindex(".")], key[key.rindex(".") + 1:], None)
+        suffix = len(m.group(2).replace("\\", ""))
+        return lambda key: (key[prefix:len(key) - suffix], None, None)
+    return None
 
 
 _GROUPS = ("param", "name", "rank")  # the groups a rule's match gives a KeyRole
@@ -576,8 +621,10 @@ class _ParamColumn:
         if new.any():
             ids, texts, keys, rules = self.ids, self.texts, self.keys, self.m.rules
             found = []
+            sliced = [groups_by_shape(r.pattern.pattern) for r in rules]
             for i, g in zip(idx[new].tolist(), chosen[idx[new]].tolist()):
-                got = rules[g].pattern.match_groups(keys[i][0], _PARAM)
+                cut = sliced[g]
+                got = cut(keys[i][0]) if cut is not None else rules[g].pattern.match_groups(keys[i][0], _PARAM)
                 text = got[0] if got is not None else None
                 if text is None:
                     found.append(-1)

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import re
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -47,6 +48,8 @@ def _plain_location(e: Entry) -> tuple[ItemLocation | None, int | None]:
     """Where `CheckpointIndex.read_plain` reads a small item from, and the size its bytes may inflate to:
     an object's item, or the one chunk of a one-element tensor (None: read it through torch)."""
     if e.is_tensor:
+        if isinstance(e.chunks, ColumnChunks):  # read from the index's columns, no `Chunk` made
+            return e.chunks.sole_location(e.shape) if e.numel == 1 else None, dcp.tensor_item_limit(1, e.dtype.itemsize)
         c = e.chunks[0] if len(e.chunks) == 1 else None
         loc = c.location if c is not None and e.numel == 1 and c.box.sizes == tuple(e.shape) else None
         return loc, dcp.tensor_item_limit(1, e.dtype.itemsize)
@@ -176,6 +179,109 @@ def _slabs_tile(cols: MetadataColumns, ndims: np.ndarray, flat: np.ndarray) -> n
     return ok
 
 
+@dataclass(frozen=True)
+class ChunkColumns:
+    """Every chunk of an index as columns, shared by its `ColumnChunks` tables: the boxes'
+    numbers one key after another (``offsets``, ``sizes``: ``ndim`` per chunk) and per chunk its
+    file, byte range and transforms (indices into ``files`` and ``transforms``, -1: none)."""
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    file: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    transform: np.ndarray
+    files: list[str]
+    transforms: list[tuple[str, ...]]
+
+
+class ColumnChunks(ChunkTable):
+    """One tensor's chunks as a range of the index's `ChunkColumns`, its arrays made when asked for.
+
+    Why not a `ChunkTable` holding its six arrays: each array is a numpy view of about a hundred
+    bytes, and an MoE checkpoint of 180k keys held 100k tables of six views (78 MiB by tracemalloc,
+    a fifth of ``reshard plan``'s peak; 13 MiB as these), most never read. Here a table is five numbers; each
+    attribute is a view made on access (code that walks every chunk reads the index's columns
+    or asks each table once). Pickled as the plain `ChunkTable` of its arrays."""
+
+    __slots__ = ("_cols", "_n", "_d", "_r0", "_p")
+
+    def __init__(self, cols: ChunkColumns, n: int, d: int, r0: int, p: int) -> None:  # no super(): the arrays are properties
+        self._cols, self._n, self._d, self._r0, self._p = cols, n, d, r0, p
+
+    @property  # type: ignore[override]
+    def offsets(self) -> np.ndarray:
+        return self._cols.offsets[self._p:self._p + self._n * self._d].reshape(self._n, self._d)
+
+    @property  # type: ignore[override]
+    def sizes(self) -> np.ndarray:
+        return self._cols.sizes[self._p:self._p + self._n * self._d].reshape(self._n, self._d)
+
+    @property  # type: ignore[override]
+    def file(self) -> np.ndarray:
+        return self._cols.file[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def start(self) -> np.ndarray:
+        return self._cols.start[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def length(self) -> np.ndarray:
+        return self._cols.length[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def transform(self) -> np.ndarray:
+        return self._cols.transform[self._r0:self._r0 + self._n]
+
+    @property  # type: ignore[override]
+    def files(self) -> list[str]:
+        return self._cols.files
+
+    @property  # type: ignore[override]
+    def transforms(self) -> list[tuple[str, ...]]:
+        return self._cols.transforms
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def columns(self) -> ChunkColumns:
+        """The index's columns this table is a range of."""
+        return self._cols
+
+    @property
+    def rows(self) -> slice:
+        """This table's chunks as rows of ``columns.file`` (``start``, ``length``, ``transform``)."""
+        return slice(self._r0, self._r0 + self._n)
+
+    def ends(self) -> tuple:
+        """(offsets, sizes) of the first and the last chunk as their int64 bytes, and (file, item
+        length) of each (None: no location), read from the columns: what tells two tensors cut
+        alike by one save (`reshard.planning.linking`), without the table's arrays made."""
+        c, n, d, r, p = self._cols, self._n, self._d, self._r0, self._p
+        if not n:
+            return ()
+        q = p + (n - 1) * d
+        o, z = c.offsets, c.sizes
+        rl = r + n - 1
+        fa, fb = int(c.file[r]), int(c.file[rl])
+        return (o[p:p + d].tobytes(), z[p:p + d].tobytes(), o[q:q + d].tobytes(), z[q:q + d].tobytes(),
+                (c.files[fa], int(c.length[r])) if fa >= 0 else None, (c.files[fb], int(c.length[rl])) if fb >= 0 else None)
+
+    def sole_location(self, shape: tuple[int, ...] | None) -> ItemLocation | None:
+        """Where the table's only chunk lies when it holds the whole tensor of ``shape``, else None
+        (``self[0].location`` when ``len(self) == 1 and self[0].box.sizes == tuple(shape)``)."""
+        c, r, p = self._cols, self._r0, self._p
+        if self._n != 1 or c.sizes[p:p + self._d].tolist() != list(shape or ()):
+            return None
+        f, t = int(c.file[r]), int(c.transform[r])
+        return None if f < 0 else ItemLocation(c.files[f], int(c.start[r]), int(c.length[r]), c.transforms[t] if t >= 0 else ())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ChunkTable, (self.offsets, self.sizes, self.file, self.start, self.length, self.transform,
+                            self.files, self.transforms)
+
+
 class CheckpointIndex(EntryQueries, CheckpointReader):
     """The global view of one DCP checkpoint directory (read-only).
 
@@ -244,16 +350,16 @@ class CheckpointIndex(EntryQueries, CheckpointReader):
         loc_length[sl_all] = cols.st_length[rows_all]
         loc_tr[sl_all] = cols.st_transforms[rows_all]
         short_at = _first_short_all(cols, fast, counts, ndims, flat, rows_all)  # key -> its first short item
+        columns = ChunkColumns(cols.chunk_offsets, cols.chunk_sizes, loc_file, loc_start, loc_length, loc_tr,
+                               cols.files, cols.transforms)  # the tables of the keys paired in order read these
         for k, key in enumerate(keys):
             path = cols.planner_paths.get(key, ())
             if fast[k]:
                 d, n, r0, p = int(ndims[k]), int(counts[k]), int(first_row[k]), int(flat[k])
-                sl = slice(r0, r0 + n)
                 if k in short_at:
                     short.append(short_at[k])
-                table = ChunkTable(cols.chunk_offsets[p:p + n * d].reshape(n, d), cols.chunk_sizes[p:p + n * d].reshape(n, d),
-                                   loc_file[sl], loc_start[sl], loc_length[sl], loc_tr[sl], cols.files, cols.transforms)
-                self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k], chunks=table, path=path)
+                self.entries[key] = Entry(key, "tensor", shape=cols.shapes[k], dtype=cols.dtypes[k],
+                                          chunks=ColumnChunks(columns, n, d, r0, p), path=path)
                 continue
             rows = order[bounds[k]:bounds[k + 1]]
             if cols.kinds[k] == OBJECT:
