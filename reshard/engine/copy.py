@@ -194,7 +194,8 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     with contextlib.ExitStack() as stack:
         if mirrored:
             mirror = stack.enter_context(rc.mirroring(needed))
-            locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready)
+            locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready,
+                                     only=None if w.owns_all else needed)
         elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:
             locator = splice.Locator(ix.root, ix.entries.values())
         else:

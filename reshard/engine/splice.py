@@ -96,12 +96,17 @@ class SourceChunk:
         return StorageRecord(self.path, self.key, self.storage_at, self.box.numel * itemsize, self.crc)
 
 
-def source_chunks(root: Path, entry: Any, files: FdCache | None = None) -> list[SourceChunk] | None:
+def source_chunks(root: Path, entry: Any, files: FdCache | None = None,
+                  only: frozenset[str] | None = None) -> list[SourceChunk] | None:
     """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual.
-    ``files``: descriptors kept open across entries (a file is opened once, not once per item)."""
+    ``files``: descriptors kept open across entries (a file is opened once, not once per item).
+    ``only``: the data files this process has (a worker of a divided output fetches from a store
+    only the objects its own files need); chunks in other files are left out."""
     out = []
     for c in entry.chunks:
         loc = c.location
+        if only is not None and loc is not None and loc.file not in only:
+            continue
         if loc is None or loc.transforms:
             return None
         path = str(Path(root) / loc.file)
@@ -118,10 +123,11 @@ def source_chunks(root: Path, entry: Any, files: FdCache | None = None) -> list[
     return out
 
 
-def _located(root: Path, entry: Any, files: FdCache, ready: Callable[[Any], None] | None) -> list[SourceChunk] | None:
+def _located(root: Path, entry: Any, files: FdCache, ready: Callable[[Any], None] | None,
+             only: frozenset[str] | None = None) -> list[SourceChunk] | None:
     if ready is not None:
         ready(entry)
-    return source_chunks(root, entry, files)
+    return source_chunks(root, entry, files, only)
 
 
 class Locator:
@@ -133,12 +139,14 @@ class Locator:
     """
 
     def __init__(self, root: Path, entries: Iterable[Any], threads: int = 8,
-                 ready: Callable[[Any], None] | None = None):
+                 ready: Callable[[Any], None] | None = None, only: Iterable[str] | None = None):
         """``ready(entry)``, when given, returns once the entry's items are in ``root``'s files (a
-        store's objects still arriving in the read cache: `reshard.storage.objectstore.remote.Mirror`)."""
+        store's objects still arriving in the read cache: `reshard.storage.objectstore.remote.Mirror`).
+        ``only``: the data files ``root`` holds when not all (`source_chunks`)."""
         self._files = FdCache()  # each data file opened once for every item located in it
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate")
-        self._futures = {e.key: self._pool.submit(_located, root, e, self._files, ready)
+        held = frozenset(only) if only is not None else None
+        self._futures = {e.key: self._pool.submit(_located, root, e, self._files, ready, held)
                          for e in entries if e.is_tensor}
 
     def get(self, key: str) -> list[SourceChunk] | None:
