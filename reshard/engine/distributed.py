@@ -262,13 +262,12 @@ class Collective:
         if not lost:
             return f"one of the {self.world} workers"
 
-        def who(r: int) -> str:
+        def who(r: int) -> str:  # "1 (node 1, host h, pid 42)"
             info = self.roster[r] if r < len(self.roster) else {}
             said = ", ".join(f"{k} {info[k]}" for k in ("node", "host", "pid") if k in info)
-            return f"worker {r}" + (f" ({said})" if said else "")
+            return f"{r}" + (f" ({said})" if said else "")
 
-        return ("worker " if len(lost) == 1 else "workers ") + ", ".join(who(r)[7:] for r in lost) + \
-            f" of {self.world}"
+        return ("worker " if len(lost) == 1 else "workers ") + ", ".join(who(r) for r in lost) + f" of {self.world}"
 
 
 def _gloo_detail(exc: BaseException) -> str:
