@@ -7,8 +7,8 @@ target rank ``r`` written by worker ``r mod W``, every step taken together throu
 `reshard.engine.distributed.Collective`) with a store for a destination and no shared file system:
 
 1. worker 0 opens the destination as a single process does (`upload.staged_output`: empty, or an
-   unfinished upload of its own, or ``--overwrite`` of a checkpoint), puts the upload marker, and
-   records every data object this output will have as its own *before* any worker puts one (so a
+   unfinished upload of its own, or ``--overwrite`` of a checkpoint); once the plan is known feasible
+   and the destination's checks have passed, it puts the upload marker and records every data object this output will have as its own *before* any worker puts one (so a
    rerun from this machine may replace them, and nothing else); unfinished multipart uploads of
    those objects are handed to the workers that own them, to continue;
 2. each worker writes its files into a local *spill* folder through the usual writer, which a
@@ -71,14 +71,19 @@ class StreamedStoreOutput(DistributedOutput):
 
         c = self.collective
         with contextlib.ExitStack() as stack:
-            def prepare() -> dict[str, Any]:
-                self._stage = stage = stack.enter_context(upload.staged_output(self.url, overwrite=self.overwrite))
-                self._publisher = upload.Publisher(stage)
-                self._publisher.begin()
-                return self._claim(plan)
+            def open_destination() -> bool:  # the lock and the foreign check; nothing is put yet
+                self._stage = stack.enter_context(upload.staged_output(self.url, overwrite=self.overwrite))
+                self._publisher = upload.Publisher(self._stage)
+                return True
 
-            self._resumable = c.from_lead("preparing the destination", prepare)
+            c.from_lead("opening the destination", open_destination)
             return convert(self)
+
+    def _prepare(self, plan: Any) -> dict[str, list[dict[str, Any]]]:
+        """Worker 0, once the plan is known feasible and just before any byte is sent: the marker put and
+        the output's data objects claimed (`_claim`)."""
+        self._publisher.begin()
+        return self._claim(plan)
 
     def _claim(self, plan: Any) -> dict[str, list[dict[str, Any]]]:
         """Worker 0: every data object of this output recorded as this machine's before any is put, and
@@ -159,6 +164,7 @@ class StreamedStoreOutput(DistributedOutput):
         from reshard.engine.distributed import check_split_storages
 
         c = self.collective
+        self._resumable = c.from_lead("preparing the destination", lambda: self._prepare(run.plan), own=run.own)
         if getattr(run.ix, "remote", None) is not None:  # a source in a store: this worker's objects fetched whole
             from reshard.engine.space import keep_remote_reads  # into its read cache and spliced from there
 
