@@ -232,14 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         print("\n".join(problems), file=sys.stderr)
         return 2
+    rep = report_head(m, load_start, a.runs, t0)
+    rep.update({"base_tree": a.base_tree, "result": result, "problems": problems})
+    return write_results(Path(a.out), "bench_store", rep, markdown(rep), problems)
+
+
+def report_head(m: dict, load_start: float, runs: int, t0: float) -> dict:
+    """The fields every store benchmark's record opens with: when, on what machine, the load, how long."""
     said = f"{m['nproc']} CPUs, {m['ram_gib']} GiB RAM, {m['platform']}, Python {m['python']}, commit `{m['commit']}`"
-    rep = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": said,
-           "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "runs": a.runs,
-           "base_tree": a.base_tree, "seconds": round(time.time() - t0), "result": result, "problems": problems}
-    md = markdown(rep)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    for name, text in (("bench_store.json", json.dumps(rep, indent=1)), ("bench_store.md", md)):
-        (Path(a.out) / name).write_text(text)
+    return {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": said,
+            "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "runs": runs,
+            "seconds": round(time.time() - t0)}
+
+
+def write_results(out: Path, stem: str, rep: dict, md: str, problems: list[str]) -> int:
+    """``stem``.json and .md in ``out``, the markdown printed, the problems on stderr; the exit code."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in ((f"{stem}.json", json.dumps(rep, indent=1)), (f"{stem}.md", md)):
+        (out / name).write_text(text)
     print(md)
     if problems:
         print("\n".join(problems), file=sys.stderr)

@@ -63,7 +63,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a pa
 from bench_metadata_path import clear, error_line, machine  # noqa: E402
 from bench_s3 import (BUCKET, BUILD_SHARDED, DOWNLOAD_CODE, GIB, MIB, UPLOAD_CODE, Server, build, digest_outputs,  # noqa: E402
                       upload)
-from bench_store import DIGEST_CODE, EMPTY_CODE, helper  # noqa: E402
+from bench_store import DIGEST_CODE, EMPTY_CODE, helper, report_head, write_results  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -567,18 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     if result is None:
         print("\n".join(problems), file=sys.stderr)
         return 2
-    said = f"{m['nproc']} CPUs, {m['ram_gib']} GiB RAM, {m['platform']}, Python {m['python']}, commit `{m['commit']}`"
-    rep = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": said,
-           "load_start": load_start, "load_end": round(os.getloadavg()[0], 2), "runs": a.runs,
-           "seconds": round(time.time() - t0), "summary": summarize(result), "result": result, "problems": problems}
-    md = markdown(rep)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    for name, text in (("bench_store_workers.json", json.dumps(rep, indent=1)), ("bench_store_workers.md", md)):
-        (Path(a.out) / name).write_text(text)
-    print(md)
-    if problems:
-        print("\n".join(problems), file=sys.stderr)
-    return 2 if problems else 0
+    rep = report_head(m, load_start, a.runs, t0)
+    rep.update({"summary": summarize(result), "result": result, "problems": problems})
+    return write_results(Path(a.out), "bench_store_workers", rep, markdown(rep), problems)
 
 
 if __name__ == "__main__":
