@@ -93,6 +93,7 @@ def s3_server() -> Iterator[S3Server]:
     endpoint = f"http://127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in (*ENV, "AWS_ENDPOINT_URL_S3")}
     os.environ.update(ENV, AWS_ENDPOINT_URL_S3=endpoint)
+    _forget_clients()
     try:
         s = S3Server(endpoint, BUCKET)
         s.client().create_bucket(Bucket=BUCKET)
@@ -104,3 +105,13 @@ def s3_server() -> Iterator[S3Server]:
             else:
                 os.environ[k] = v
         server.stop()
+        _forget_clients()
+
+
+def _forget_clients() -> None:
+    """fsspec keeps one S3 filesystem per set of arguments, and the endpoint is not one of them (it comes
+    from the environment): a client made for a server an earlier test module stopped would be handed
+    to the next module's `FsspecReader` in the same process, and refused."""
+    from s3fs import S3FileSystem
+
+    S3FileSystem.clear_instance_cache()
