@@ -187,10 +187,11 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
     # from them as they arrive (`remote.Mirror`); otherwise its items are fetched by range and decoded.
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
     needed: list[str] = []
-    if rc is not None:  # a worker of a divided output fetches only the objects its own files need
-        needed = (_first_needed(ix) if w.owns_all else
+    mirrored = False
+    if io.splice and rc is not None and rc.kept is not None:  # a read cache to mirror into: which objects
+        needed = (_first_needed(ix) if w.owns_all else  # a worker of a divided output: those its files need
                   list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
-    mirrored = io.splice and rc is not None and rc.can_mirror(needed)
+        mirrored = rc.can_mirror(needed)
     with contextlib.ExitStack() as stack:
         if mirrored:
             mirror = stack.enter_context(rc.mirroring(needed))

@@ -63,6 +63,7 @@ class StreamedStoreOutput(DistributedOutput):
     _spill: Optional[Path] = field(default=None, init=False, repr=False)
     _peaks: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _checked_store: int = 0
+    _listed: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)
     _unspliced: list[tuple[str, int, bytes]] = field(default_factory=list, init=False, repr=False)
 
     # -- the whole run: worker 0 holds the destination -------------------------------------------
@@ -176,13 +177,10 @@ class StreamedStoreOutput(DistributedOutput):
         copy_window = max(1 << 20, int(self.window * COPY_SHARE))
         budget = self.window - copy_window
         part = part_size_for(budget, len(mine), largest)
-        holder: dict[str, Any] = {}
-        self._streamer = streamer = SpillStreamer(
-            fs, bucket, prefix, run.tmp, part=part, budget=budget,
-            checksum_of=lambda file, off: holder["w"].checksum_of(file, off),
-            resume_from=self._resumable, on_part=fault_point)
+        self._streamer = streamer = SpillStreamer(fs, bucket, prefix, run.tmp, part=part, budget=budget,
+                                                  resume_from=self._resumable, on_part=fault_point)
         self._writer = w = DcpWriter(run.tmp, owned=self._owns, observer=streamer)
-        holder["w"] = w
+        streamer.checksum_of = w.checksum_of  # read when an item's last byte is sent, after the writer filled it
         io = replace(self.io, window=copy_window, ahead=copy_window)
 
         def own_files() -> dict[str, Any]:
@@ -210,7 +208,8 @@ class StreamedStoreOutput(DistributedOutput):
 
         def metadata() -> dict[str, Any]:
             checked = check_split_storages([p["split"] for p in written])
-            self._checked_store = _check_listing(fs, base, self.url, self._objects)
+            self._listed = upload.listing(fs, base, self.url)  # what was checked is what the commit records
+            self._checked_store = _check_listing(self._listed, self.url, self._objects)
             merged: dict[str, str] = {}
             for p in written:
                 merged.update(p["checksums"])
@@ -275,17 +274,11 @@ class StreamedStoreOutput(DistributedOutput):
             raise ReshardError("the command that started these workers has died; nothing was committed",
                                where=self.url, hint="Run the conversion again.")
         pub = self._publisher
-        listed = _listed(pub.fs, pub.base, self.url)
         with open(self._stage.uploads, "a") as log:
             for o in self._objects:
-                info = listed[o["name"]]
                 log.write(json.dumps({"name": o["name"], "size": o["size"], "crc32": o["crc32"],
-                                      "tag": version_tag(info)}) + "\n")
-        names = sorted(_small_files(run.tmp))
-        order = upload.upload_order(names)
-        for tail in [t for t in order if t not in upload.ENTRY_FILES]:
-            pub.send(tail, run.tmp / tail)
-        for tail in [t for t in order if t in upload.ENTRY_FILES]:
+                                      "tag": version_tag(self._listed[o["name"]])}) + "\n")
+        for tail in upload.upload_order(_small_names(run.tmp)):  # `.metadata` last
             pub.send(tail, run.tmp / tail)
         pub.fs.rm_file(f"{pub.base}/{upload.UPLOAD_MARKER}")
 
@@ -297,24 +290,12 @@ def _target_ranks(plan: Any) -> list[int]:
     return sorted(ranks)
 
 
-def _listed(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
-    from reshard.storage.objectstore.remote import store_error
-
-    try:
-        fs.invalidate_cache(base)
-        found = fs.find(base, detail=True)
-    except Exception as exc:  # noqa: BLE001
-        raise store_error(exc, doing="cannot list the destination", where=url, hint="Run the same command again.") from None
-    return {p[len(base) + 1:]: info for p, info in found.items() if p.startswith(base + "/")}
-
-
-def _check_listing(fs: Any, base: str, url: str, objects: list[dict[str, Any]]) -> int:
-    """Every object the workers reported, listed by the store with its size and the ETag of the parts
-    sent; how many were checked by ETag (an ETag that is not an MD5 form cannot be)."""
+def _check_listing(listed: dict[str, dict[str, Any]], url: str, objects: list[dict[str, Any]]) -> int:
+    """Every object the workers reported, in the store's ``listed`` entries with its size and the ETag of
+    the parts sent; how many were checked by ETag (an ETag that is not an MD5 form cannot be)."""
     from reshard.errors import BadInput
     from reshard.storage.objectstore.upload import etag_verdict
 
-    listed = _listed(fs, base, url)
     checked = 0
     for o in objects:
         info = listed.get(o["name"])
@@ -347,7 +328,12 @@ def _stand_ins(folder: Path, objects: list[dict[str, Any]], unspliced: list[tupl
                     f.write(data)
 
 
+def _small_names(folder: Path) -> list[str]:
+    """Worker 0's files but the data: `.metadata`, the manifest, the reports, the sidecars."""
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not p.name.endswith(".distcp")]
+
+
 def _small_files(folder: Path) -> dict[str, bytes]:
-    """Worker 0's files but the data: `.metadata`, the manifest, the sidecars (what a verification reads)."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and not p.is_symlink() and not p.name.endswith(".distcp")}
+    """`_small_names` with their bytes (what every worker's verification reads)."""
+    return {name: (folder / name).read_bytes() for name in _small_names(folder)}

@@ -34,7 +34,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["MIN_PART", "StreamedObject", "SpillStreamer", "part_size_for", "punch_hole", "unfinished_uploads",
            "abort_uploads"]
@@ -167,15 +167,17 @@ class SpillStreamer:
 
     Thread model: the writer's callbacks (`reserved`, `filled`) come from the copy's threads; one
     sender thread reads parts back, checks them, puts them on the store's event loop (at most
-    `IN_FLIGHT` at once) and punches them out. ``checksums()`` gives the writer's CRC-32 of an item
-    (`DcpWriter.checksums`), read when the item's last byte is sent. ``on_part(label)``: a hook the
-    tests use to kill a worker at a chosen part."""
+    `IN_FLIGHT` at once) and punches them out. ``checksum_of(file, offset)`` gives the writer's CRC-32
+    of an item, read when the item's last byte is sent. ``on_part(label)``: a hook the tests use to
+    kill a worker at a chosen part."""
 
     def __init__(self, fs: Any, bucket: str, prefix: str, directory: Path, *, part: int, budget: int,
-                 checksum_of: Any, resume_from: Optional[dict[str, list[dict[str, Any]]]] = None,
-                 on_part: Any = None):
+                 resume_from: Optional[dict[str, list[dict[str, Any]]]] = None, on_part: Any = None):
         self.fs, self.bucket, self.prefix, self.directory = fs, bucket, prefix.rstrip("/"), Path(directory)
-        self.part, self.budget, self.checksum_of, self.on_part = part, budget, checksum_of, on_part
+        self.part, self.budget, self.on_part = part, budget, on_part
+        #: ``(file, offset)`` -> the writer's CRC-32 of that item (`DcpWriter.checksum_of`), set once the
+        #: writer this streamer watches exists
+        self.checksum_of: Callable[[str, int], Optional[str]] = lambda _file, _offset: None
         self.resume_from = resume_from or {}
         self.files: dict[str, _File] = {}
         self.cond = threading.Condition()
@@ -190,6 +192,7 @@ class SpillStreamer:
         self.readers: dict[str, int] = {}
         self.stopped = False
         self.finishing = False
+        self._flying = 0           # parts the sender has under way (read by the writer's wait)
         self.thread = threading.Thread(target=self._sender, name="reshard-stream", daemon=True)
         self.thread.start()
 
@@ -264,14 +267,7 @@ class SpillStreamer:
         items (step counters) of this worker's files from them."""
         out = list(self.small)
         for name, f in sorted(self.files.items()):
-            todo = [(it[0], it[1]) for it in f.items if not it[3]]
-            if not todo:
-                continue
-            fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            try:
-                out.extend((name, off, os.pread(fd, length, off)) for off, length in todo)
-            finally:
-                os.close(fd)
+            out.extend((name, it[0], os.pread(self._reader(f), it[1], it[0])) for it in f.items if not it[3])
         return out
 
     def stop(self) -> None:
@@ -288,15 +284,11 @@ class SpillStreamer:
                 f.fd = None
 
     # -- the sender ------------------------------------------------------------------------------
-    _flying: int = 0
-
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
 
     def _sender(self) -> None:
-        import asyncio
-
         flying: deque[tuple[_File, int, int, Any, bool, bool]] = deque()
         try:
             while True:
@@ -309,14 +301,11 @@ class SpillStreamer:
                         self.cond.wait(0.5)
                     if self.stopped:
                         return
-                    if (self.finishing and not self.queue and not flying
-                            and all(f.closed for f in self.files.values())):
-                        return
                     job = self.queue.popleft() if self.queue and len(flying) < IN_FLIGHT else None
                     self._flying = len(flying) + (job is not None)
                 if job is not None:
                     f, start, end, last = job
-                    got = self._send(f, start, end, last, asyncio)
+                    got = self._send(f, start, end, last)
                     if got is not None:
                         flying.append(got)
                     elif last:
@@ -380,7 +369,9 @@ class SpillStreamer:
                 f.check_item += 1
                 f.check_crc = 0
 
-    def _send(self, f: _File, start: int, end: int, last: bool, asyncio: Any):
+    def _send(self, f: _File, start: int, end: int, last: bool):
+        import asyncio
+
         from fsspec.asyn import sync
 
         from reshard.storage.files.fileio import crc32

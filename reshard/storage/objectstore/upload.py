@@ -29,7 +29,7 @@ from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
 from reshard.storage.objectstore.remote import DATA_SUFFIX, METADATA_FILE, Counters, check_key_tail, open_store, store_error, version_tag
 
-__all__ = ["destination", "UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
+__all__ = ["destination", "listing", "UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
            "etag_verdict", "part_bytes", "Sent", "Publisher", "publish"]
 
@@ -73,7 +73,7 @@ def _opened_destination(url: str) -> tuple[Any, str]:
     return fs, base
 
 
-def _listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
+def listing(fs: Any, base: str, url: str) -> dict[str, dict[str, Any]]:
     """Every object under the destination prefix now (key tail -> its listing entry), fresh from the store."""
     try:
         fs.invalidate_cache(base)
@@ -235,7 +235,7 @@ def committed_at(url: str) -> bool:
     (`publish` removes it after the last object, `.metadata` for DCP)."""
     fs, base = _open_destination(url)
     probes = {k for k, r in Stage(url.rstrip("/"), stage_folder(url)).recorded().items() if r.get("probe")}
-    listed = {k for k in _listing(fs, base, url) if k not in probes}
+    listed = {k for k in listing(fs, base, url) if k not in probes}
     return bool(listed) and UPLOAD_MARKER not in listed
 
 
@@ -278,7 +278,7 @@ def staged_output(url: str, *, overwrite: bool = False) -> Iterator[Stage]:
     fs, base = _open_destination(url)
     url = url.rstrip("/")
     folder = stage_folder(url)
-    there = _listing(fs, base, url)
+    there = listing(fs, base, url)
     foreign = Stage(url, folder).foreign(there)
     if foreign and not overwrite:
         if UPLOAD_MARKER in foreign:
@@ -531,7 +531,7 @@ class Publisher:
         if self.begun:
             return
         url = self.stage.url
-        self.there = _listing(self.fs, self.base, url)
+        self.there = listing(self.fs, self.base, url)
         self.recorded = self.stage.recorded()
         foreign = self.stage.foreign(self.there)
         if foreign:  # appeared since `staged_output` looked, or a stage made elsewhere: not ours to delete or overwrite
