@@ -7,7 +7,8 @@ starts torchrun inside the command; two torchrun agents with a c10d rendezvous s
   folder and from the store into a
   prefix: every object byte-identical to a single process's local conversion, `.metadata` last and no
   marker left, torch's `FsspecReader` + `dcp.load` strict and bitwise, `verify` exit 0 against the
-  source and against the local conversion, the report naming each worker's objects and disk.
+  source and against the local conversion, the report naming each worker's objects and disk; then
+  ``--overwrite`` by dp=1 (worker 1 writes no file): the earlier output's second data file is deleted.
 - `test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger`: a 160 MiB checkpoint
   (real `dcp.save` of DTensors) converted with ``--buffer-memory 16MiB``: the spill folders' disk,
   polled from outside every few milliseconds, never exceeds the buffer plus one part; verified.
@@ -110,6 +111,13 @@ def test_workers_stream_into_the_store_byte_identical_and_torch_loads_it(s3, pla
     _load_with_fsspec_reader(dst, local_dp2)
     for a in (src, local_dp2):
         code, _o, err = cli(["verify", a, dst])
+        assert code == 0, err
+    if not from_store:  # --overwrite by a layout with fewer files: the earlier output's other objects go
+        code, _o, err = cli(["convert", src, dst, "--to", "dp=1", "--workers", "2", "--overwrite", "--quiet"])
+        assert code == 0, err
+        keys = s3.keys(prefix)
+        assert "__0_0.distcp" in keys and "__1_0.distcp" not in keys and ".reshard-uploading" not in keys, keys
+        code, _o, err = cli(["verify", src, dst])
         assert code == 0, err
 
 

@@ -264,10 +264,10 @@ class StreamedStoreOutput(DistributedOutput):
     # -- 5. the commit ---------------------------------------------------------------------------
     def _commit(self, run: Run) -> None:
         """Worker 0: every file but the data objects (sent by their workers) put, `.metadata` last, the
-        marker removed; each data object recorded with the ETag the store listed."""
+        objects of an earlier output (``--overwrite``) this one does not have deleted, the marker removed
+        (`upload.Publisher.finish`); each data object recorded with the ETag the store listed."""
         from reshard.engine.distributed import launcher_alive
         from reshard.errors import ReshardError
-        from reshard.storage.objectstore import upload
         from reshard.storage.objectstore.remote import version_tag
 
         if not launcher_alive():
@@ -278,9 +278,8 @@ class StreamedStoreOutput(DistributedOutput):
             for o in self._objects:
                 log.write(json.dumps({"name": o["name"], "size": o["size"], "crc32": o["crc32"],
                                       "tag": version_tag(self._listed[o["name"]])}) + "\n")
-        for tail in upload.upload_order(_small_names(run.tmp)):  # `.metadata` last
-            pub.send(tail, run.tmp / tail)
-        pub.fs.rm_file(f"{pub.base}/{upload.UPLOAD_MARKER}")
+        # as a single process's upload ends: an earlier output's objects this one lacks deleted, `.metadata` last
+        pub.finish(run.tmp, sent_elsewhere=[o["name"] for o in self._objects])
 
 
 def _target_ranks(plan: Any) -> list[int]:
@@ -328,12 +327,7 @@ def _stand_ins(folder: Path, objects: list[dict[str, Any]], unspliced: list[tupl
                     f.write(data)
 
 
-def _small_names(folder: Path) -> list[str]:
-    """Worker 0's files but the data: `.metadata`, the manifest, the reports, the sidecars."""
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
-            if p.is_file() and not p.is_symlink() and not p.name.endswith(".distcp")]
-
-
 def _small_files(folder: Path) -> dict[str, bytes]:
-    """`_small_names` with their bytes (what every worker's verification reads)."""
-    return {name: (folder / name).read_bytes() for name in _small_names(folder)}
+    """Worker 0's files but the data: `.metadata`, the manifest, the sidecars (what a verification reads)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not p.name.endswith(".distcp")}

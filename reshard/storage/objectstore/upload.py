@@ -23,7 +23,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from reshard import safefs
 from reshard.errors import BadInput, Incomplete, ReshardError
@@ -623,20 +623,24 @@ class Publisher:
         if self.on_event is not None:
             self.on_event(f"upload {tail}")
 
-    def finish(self) -> Published:
+    def finish(self, local: Path | None = None, sent_elsewhere: Iterable[str] = ()) -> Published:
         """Everything of the committed local output not sent yet, in `upload_order` (`ENTRY_FILES`
         last), the objects of an earlier output this one does not have deleted first, the marker
-        removed: the output is committed in the store."""
-        local = self.stage.out
-        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        if not names:
+        removed: the output is committed in the store. ``local``: the folder the output's files are
+        in (default the stage's); ``sent_elsewhere``: objects of the output other processes put
+        (a streamed output's data files), neither sent from ``local`` nor deleted."""
+        local = self.stage.out if local is None else local
+        elsewhere = set(sent_elsewhere)
+        names = sorted(t for t in (p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+                       if t not in elsewhere)
+        if not names and not elsewhere:
             raise Incomplete("the output is empty: nothing committed to publish", where=str(local))
         for tail in names:
             check_key_tail(tail, where=self.stage.url)
         self.begin()
         order = upload_order(names)
         with self._errors():
-            for tail in sorted(set(self.there) - set(names) - {UPLOAD_MARKER}):
+            for tail in sorted(set(self.there) - set(names) - elsewhere - {UPLOAD_MARKER}):
                 self.fs.rm_file(f"{self.base}/{tail}")  # an earlier output's object this one does not have
             entries = [t for t in order if t in ENTRY_FILES]
             self.send_all([(t, local / t) for t in order if t not in ENTRY_FILES], at_once=1)  # in order: a kill
