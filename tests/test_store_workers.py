@@ -10,8 +10,10 @@ starts torchrun inside the command; two torchrun agents with a c10d rendezvous s
   source and against the local conversion, the report naming each worker's objects and disk; then
   ``--overwrite`` by dp=1 (worker 1 writes no file): the earlier output's second data file is deleted.
 - `test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger`: a 160 MiB checkpoint
-  (real `dcp.save` of DTensors) converted with ``--buffer-memory 16MiB``: the spill folders' disk,
-  polled from outside every few milliseconds, never exceeds the buffer plus one part; verified.
+  (real `dcp.save` of DTensors) converted with ``--buffer-memory 16MiB``, from a local folder and from
+  the store: each worker's local disk (its spill folder and, from the store, its read window), polled
+  from outside every few milliseconds, never exceeds the buffer plus one part; from the store each worker
+  fetched only its share of the source's bytes; verified.
 - `test_two_nodes_a_lost_node_and_the_resume`: two torchrun agents (``--nnodes 2``, c10d rendezvous on
   localhost); the node of worker 1 is killed (its agent and worker) mid-upload: nothing is committed,
   the other node exits non-zero with one paragraph naming worker 1; the same two commands again
@@ -133,17 +135,25 @@ def big_ckpt(tmp_path_factory) -> Path:
 
 
 def _disk_by_worker(folder: Path) -> dict[str, int]:
-    """Bytes each worker's spill folder holds on disk now (allocated blocks), by folder name."""
+    """Bytes each worker's local folders hold on disk now (allocated blocks): its spill folder and, from a
+    store source, its read window (``reads-<rank>``), by worker."""
     out: dict[str, int] = {}
-    for p in folder.rglob("spill-*/*"):
+    for pattern in ("spill-*/*", "reads-*/*"):
         try:
-            out[p.parent.name] = out.get(p.parent.name, 0) + p.stat().st_blocks * 512
-        except OSError:
-            pass
+            found = list(folder.rglob(pattern))
+        except OSError:  # a folder removed while listed (the run ending): the next poll sees the rest
+            continue
+        for p in found:
+            worker = "worker-" + p.parent.name.rsplit("-", 1)[-1]
+            try:
+                out[worker] = out.get(worker, 0) + p.stat().st_blocks * 512
+            except OSError:
+                pass
     return out
 
 
-def test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger(s3, big_ckpt, staging, tmp_path):
+@pytest.mark.parametrize("from_store", [False, True], ids=["local-source", "store-source"])
+def test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger(s3, big_ckpt, staging, tmp_path, from_store):
     from reshard.storage.objectstore.stream import MIN_PART
 
     buffer = 16 << 20
@@ -160,22 +170,28 @@ def test_local_disk_stays_near_the_buffer_on_a_checkpoint_ten_times_larger(s3, b
 
     watcher = threading.Thread(target=poll, daemon=True)
     watcher.start()
-    dst = s3.url("w2/big")
+    tag = "store" if from_store else "local"
+    src = s3.upload(big_ckpt, f"w2/src-{tag}") if from_store else big_ckpt
+    dst = s3.url(f"w2/big-{tag}")
     try:
-        code, _out, err = cli(["convert", big_ckpt, dst, "--to", "dp=4", "--workers", "2", "--buffer-memory", "16MiB",
+        code, _out, err = cli(["convert", src, dst, "--to", "dp=4", "--workers", "2", "--buffer-memory", "16MiB",
                                "--quiet"])
     finally:
         stop.set()
         watcher.join()
     assert code == 0, err
-    report = _report(s3, "w2/big")
+    report = _report(s3, f"w2/big-{tag}")
     assert report["verification"]["equal"] is True
     assert report["bytes_written"] >= 10 * buffer
-    assert sorted(peak) == ["spill-0", "spill-1"], peak
+    assert sorted(peak) == ["worker-0", "worker-1"], peak
     assert all(0 < n <= buffer + MIN_PART + (1 << 20) for n in peak.values()), (peak, report["streamed"])
     for w in report["streamed"]["workers"]:  # each worker's own measure agrees
-        assert w["peak_bytes"] <= buffer + MIN_PART + (1 << 20), w
-    code, _o, err = cli(["verify", big_ckpt, dst])
+        reads = w["reads"]
+        assert (reads is not None) == from_store, w
+        assert w["peak_bytes"] + (reads["peak_bytes"] if reads else 0) <= buffer + MIN_PART + (1 << 20), w
+        if from_store:  # only its share's rows were fetched (half the source each), not whole objects
+            assert reads["fetched_bytes"] < 0.6 * size, w
+    code, _o, err = cli(["verify", src, dst])
     assert code == 0, err
 
 

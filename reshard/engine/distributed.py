@@ -482,7 +482,8 @@ class DistributedOutput(Output):
         return self._resume
 
 
-def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]]]) -> int:
+def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]]],
+                         read: Callable[[Any, int, int], int] | None = None) -> int:
     """Every source storage that no single worker read whole, checked once against its writer's
     CRC-32 record; returns how many there were.
 
@@ -492,7 +493,9 @@ def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]
     the pieces are combined here (``crc32_combine``, no bytes read); a storage they do not
     tile (a part was copied by a path that reports no pieces) is completed by reading what
     no piece covered, once. The first contradiction in (file, offset) order is raised: the
-    `CorruptItem` paragraph (file and key) and exit code 2 a single process gives.
+    `CorruptItem` paragraph (file and key) and exit code 2 a single process gives. ``read(rec,
+    offset, nbytes)``: the CRC-32 of those bytes of the storage read where the source is (a store's
+    object, the records naming it), instead of from the local file ``rec.path``.
     """
     from reshard.storage.checkpoints.crcledger import CrcLedger
 
@@ -505,23 +508,31 @@ def check_split_storages(parts: list[list[tuple[Any, list[tuple[int, int, int]]]
                 ledger.add(rec, offset, nbytes, crc)
     ledger.raise_first()
     for rec in ledger.pending():
-        _read_rest(ledger, rec)
+        _read_rest(ledger, rec, read)
     return len(seen)
 
 
-def _read_rest(ledger: Any, rec: Any) -> None:
+def _read_rest(ledger: Any, rec: Any, read: Callable[[Any, int, int], int] | None = None) -> None:
     """The bytes of ``rec`` no piece covered, read once into ``ledger`` (which checks the storage);
     the whole storage when the pieces overlap without chaining up."""
     from reshard.safefs import open_read
 
-    fd = open_read(rec.path)
+    if read is not None:
+        crc_of = read
+        fd = None
+    else:
+        fd = open_read(rec.path)
+
+        def crc_of(rec: Any, offset: int, nbytes: int) -> int:
+            return _crc_range(fd, rec.at + offset, nbytes)
     try:
         for offset, nbytes in ledger.missing(rec):
-            ledger.add(rec, offset, nbytes, _crc_range(fd, rec.at + offset, nbytes))
+            ledger.add(rec, offset, nbytes, crc_of(rec, offset, nbytes))
         if not ledger.verified(rec) and not ledger.failures:
-            ledger.add(rec, 0, rec.nbytes, _crc_range(fd, rec.at, rec.nbytes))
+            ledger.add(rec, 0, rec.nbytes, crc_of(rec, 0, rec.nbytes))
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     ledger.raise_first()
 
 

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import numpy as np
 
@@ -97,15 +97,15 @@ class SourceChunk:
 
 
 def source_chunks(root: Path, entry: Any, files: FdCache | None = None,
-                  only: frozenset[str] | None = None) -> list[SourceChunk] | None:
+                  only: Callable[[Any], bool] | None = None) -> list[SourceChunk] | None:
     """The located chunks of a tensor entry of a `CheckpointIndex`, or None when any is unusual.
     ``files``: descriptors kept open across entries (a file is opened once, not once per item).
-    ``only``: the data files this process has (a worker of a divided output fetches from a store
-    only the objects its own files need); chunks in other files are left out."""
+    ``only``: which item locations this process has (a worker of a divided output fetches from a
+    store only the objects, or the items, its own files need); chunks elsewhere are left out."""
     out = []
     for c in entry.chunks:
         loc = c.location
-        if only is not None and loc is not None and loc.file not in only:
+        if only is not None and loc is not None and not only(loc):
             continue
         if loc is None or loc.transforms:
             return None
@@ -124,10 +124,14 @@ def source_chunks(root: Path, entry: Any, files: FdCache | None = None,
 
 
 def _located(root: Path, entry: Any, files: FdCache, ready: Callable[[Any], None] | None,
-             only: frozenset[str] | None = None) -> list[SourceChunk] | None:
+             only: Callable[[Any], bool] | None = None,
+             hold: Callable[[Any], ContextManager[Any]] | None = None) -> list[SourceChunk] | None:
     if ready is not None:
         ready(entry)
-    return source_chunks(root, entry, files, only)
+    if hold is None:
+        return source_chunks(root, entry, files, only)
+    with hold(entry):
+        return source_chunks(root, entry, files, only)
 
 
 class Locator:
@@ -139,14 +143,16 @@ class Locator:
     """
 
     def __init__(self, root: Path, entries: Iterable[Any], threads: int = 8,
-                 ready: Callable[[Any], None] | None = None, only: Iterable[str] | None = None):
+                 ready: Callable[[Any], None] | None = None, only: Callable[[Any], bool] | None = None,
+                 hold: Callable[[Any], ContextManager[Any]] | None = None):
         """``ready(entry)``, when given, returns once the entry's items are in ``root``'s files (a
         store's objects still arriving in the read cache: `reshard.storage.objectstore.remote.Mirror`).
-        ``only``: the data files ``root`` holds when not all (`source_chunks`)."""
+        ``hold(entry)``, when given, is a context that has the bytes to locate the entry's items in
+        ``root``'s files while it lasts (`reshard.storage.objectstore.window.RangeWindow`).
+        ``only``: which item locations ``root`` holds when not all (`source_chunks`)."""
         self._files = FdCache()  # each data file opened once for every item located in it
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="reshard-locate")
-        held = frozenset(only) if only is not None else None
-        self._futures = {e.key: self._pool.submit(_located, root, e, self._files, ready, held)
+        self._futures = {e.key: self._pool.submit(_located, root, e, self._files, ready, only, hold)
                          for e in entries if e.is_tensor}
 
     def get(self, key: str) -> list[SourceChunk] | None:

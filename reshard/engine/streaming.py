@@ -47,6 +47,14 @@ __all__ = ["StreamedStoreOutput"]
 
 #: The part of ``--buffer-memory`` the copy's buffers take; the rest bounds the bytes written and not yet sent.
 COPY_SHARE = 0.5
+#: From a source in a store, the part of ``--buffer-memory`` first set aside for the source rows fetched and
+#: not yet spliced (`reshard.storage.objectstore.window.RangeWindow`); the rest is split as above. The share
+#: grows to hold the rows of this worker's largest target item and their slack (a job's rows are fetched
+#: whole before it runs), up to half the buffer.
+READ_SHARE = 0.25
+#: What the read share holds beyond the rows of one item: a block of rounding at each end of a range and
+#: the heads and tails of the items being located (`reshard.storage.objectstore.window.LOCATING`).
+READ_SLACK = 1 << 20
 
 
 @dataclass
@@ -140,7 +148,9 @@ class StreamedStoreOutput(DistributedOutput):
         from reshard.storage.objectstore import upload
 
         spill = upload.stage_folder(self.url) / f"spill-{self.collective.rank}"
-        shutil.rmtree(spill, ignore_errors=True)
+        reads = spill.parent / f"reads-{self.collective.rank}"  # a store source's read window (`write`)
+        for folder in (spill, reads):
+            shutil.rmtree(folder, ignore_errors=True)
         spill.mkdir(parents=True)
         self._spill = spill
         try:
@@ -148,7 +158,8 @@ class StreamedStoreOutput(DistributedOutput):
         finally:
             if self._streamer is not None and self._streamer.thread.is_alive():
                 self._streamer.stop()
-            shutil.rmtree(spill, ignore_errors=True)
+            for folder in (spill, reads):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def write(self, run: Run) -> None:
         """2. each worker writes and streams its files; 3. worker 0 checks the split storages and the
@@ -166,22 +177,26 @@ class StreamedStoreOutput(DistributedOutput):
 
         c = self.collective
         self._resumable = c.from_lead("preparing the destination", lambda: self._prepare(run.plan), own=run.own)
-        if getattr(run.ix, "remote", None) is not None:  # a source in a store: this worker's objects fetched whole
-            from reshard.engine.space import keep_remote_reads  # into its read cache and spliced from there
-
-            keep_remote_reads(run.ix.remote, run.tmp, 0)
+        # a source in a store: only the byte ranges this worker's files are cut from, fetched into sparse files
+        # beside its spill folder and punched once spliced, within a share of --buffer-memory (`RangeWindow`)
+        remote = getattr(run.ix, "remote", None)
+        read_window = 0
+        if remote is not None:
+            read_window = min(self.window // 2, max(int(self.window * READ_SHARE),
+                                                    _largest_item(run.plan, self._owns) + READ_SLACK))
         fs, base = upload.destination(self.url)
         bucket, prefix = base.split("/", 1)
         mine = [r for r in _target_ranks(run.plan) if self._owns(r)]
         largest = writing_bytes(run.plan, run.ix) // max(1, len(_target_ranks(run.plan))) * 2 + (1 << 20)
-        copy_window = max(1 << 20, int(self.window * COPY_SHARE))
-        budget = self.window - copy_window
+        copy_window = max(1 << 20, int((self.window - read_window) * COPY_SHARE))
+        budget = self.window - read_window - copy_window
         part = part_size_for(budget, len(mine), largest)
         self._streamer = streamer = SpillStreamer(fs, bucket, prefix, run.tmp, part=part, budget=budget,
                                                   resume_from=self._resumable, on_part=fault_point)
         self._writer = w = DcpWriter(run.tmp, owned=self._owns, observer=streamer)
         streamer.checksum_of = w.checksum_of  # read when an item's last byte is sent, after the writer filled it
-        io = replace(self.io, window=copy_window, ahead=copy_window)
+        io = replace(self.io, window=copy_window, ahead=copy_window, read_window=read_window,
+                     read_folder=run.tmp.parent / f"reads-{c.rank}" if remote is not None else None)
 
         def own_files() -> dict[str, Any]:
             try:
@@ -195,11 +210,12 @@ class StreamedStoreOutput(DistributedOutput):
                 streamer.stop()
                 w.close()
                 raise
-            return {"checksums": w.checksums(), "split": self._checked.ledger.partial(),
+            return {"checksums": w.checksums(), "split": _named_in_store(self._checked.ledger.partial(), remote),
                     "objects": [o.to_dict() for o in objects], "unspliced": unspliced,
                     "disk": {"peak_bytes": streamer.peak_disk, "kept_bytes": streamer.kept_on_disk,
                              "punched_bytes": streamer.punched, "most_unsent_bytes": streamer.most_unsent,
-                             "part_bytes": part, "budget_bytes": budget}}
+                             "part_bytes": part, "budget_bytes": budget,
+                             "reads": _window_stats(remote)}}
 
         written = c.run("writing and sending its files", own_files, own=run.own)
         self._objects = [o for p in written for o in p["objects"]]
@@ -207,7 +223,8 @@ class StreamedStoreOutput(DistributedOutput):
         self._peaks = [dict(p["disk"], worker=i) for i, p in enumerate(written)]
 
         def metadata() -> dict[str, Any]:
-            checked = check_split_storages([p["split"] for p in written])
+            checked = check_split_storages([p["split"] for p in written],
+                                           read=_store_crc(remote) if remote is not None else None)
             self._listed = upload.listing(fs, base, self.url)  # what was checked is what the commit records
             self._checked_store = _check_listing(self._listed, self.url, self._objects)
             merged: dict[str, str] = {}
@@ -282,6 +299,22 @@ class StreamedStoreOutput(DistributedOutput):
         pub.finish(run.tmp, sent_elsewhere=[o["name"] for o in self._objects])
 
 
+def _largest_item(plan: Any, owns: Callable[[int], bool]) -> int:
+    """Bytes of the largest tensor item a worker that ``owns`` these target ranks writes (the rows a splice job reads)."""
+    from reshard.model.dtypes import dtype_named
+
+    largest = 0
+    for t in plan.tensors:
+        size = dtype_named(t.dtype).itemsize
+        for rank, _offsets, sizes in t.chunks:
+            if owns(rank):
+                n = size
+                for d in sizes:
+                    n *= d
+                largest = max(largest, n)
+    return largest
+
+
 def _target_ranks(plan: Any) -> list[int]:
     """The target ranks that hold a data file of the output (every rank of the target world)."""
     ranks = {int(r) for t in plan.tensors for r, _o, _s in t.chunks}
@@ -331,3 +364,38 @@ def _small_files(folder: Path) -> dict[str, bytes]:
     """Worker 0's files but the data: `.metadata`, the manifest, the sidecars (what a verification reads)."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file() and not p.is_symlink() and not p.name.endswith(".distcp")}
+
+
+def _window_stats(remote: Any) -> Optional[dict[str, Any]]:
+    """What this worker's read window fetched and held (None from a local source): its budget, the
+    most bytes on local disk at once, the bytes and ranged requests fetched."""
+    if remote is None or not remote.counters.windows:
+        return None
+    return dict(remote.counters.windows[-1])
+
+
+def _named_in_store(split: list[tuple[Any, list[tuple[int, int, int]]]], remote: Any) -> list[tuple[Any, list]]:
+    """A worker's storages read in part, named by their objects in the store rather than by this worker's
+    local read window (whose folder is its own), so that worker 0 combines every worker's pieces of one
+    storage (`check_split_storages`); unchanged from a local source (one path for every worker)."""
+    if remote is None:
+        return split
+    from dataclasses import replace
+
+    return [(replace(rec, path=remote.where(Path(rec.path).name)), pieces) for rec, pieces in split]
+
+
+def _store_crc(remote: Any) -> Callable[[Any, int, int], int]:
+    """The CRC-32 of ``nbytes`` of a storage at ``offset``, read from its object in the store by ranges
+    (what no worker's pieces covered; `check_split_storages`)."""
+    from reshard.storage.files.fileio import crc32
+
+    def crc_of(rec: Any, offset: int, nbytes: int) -> int:
+        name, crc, done = rec.path.rsplit("/", 1)[-1], 0, 0
+        while done < nbytes:
+            n = min(8 << 20, nbytes - done)
+            crc = crc32(remote.read_range(name, rec.at + offset + done, n, key=rec.key), crc)
+            done += n
+        return crc
+
+    return crc_of

@@ -211,6 +211,7 @@ class Counters:
     peak_buffered: int = 0      # the most bytes fetched ahead and not yet taken (bounded by its ``memory``)
     prefetched: int = 0         # reads answered by the prefetch
     prefetches: list[dict[str, Any]] = field(default_factory=list)  # each finished prefetch: label, bounds, peaks
+    windows: list[dict[str, Any]] = field(default_factory=list)  # each closed `RangeWindow`: budget, peak, bytes, requests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, nbytes: int) -> None:
@@ -231,7 +232,7 @@ class Counters:
     def to_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "bytes": self.bytes, "listings": self.listings,
                 "peak_in_flight": self.peak_in_flight, "peak_buffered": self.peak_buffered,
-                "prefetched": self.prefetched, "prefetches": list(self.prefetches),
+                "prefetched": self.prefetched, "prefetches": list(self.prefetches), "windows": list(self.windows),
                 "by_file": dict(sorted(self.by_file.items()))}
 
 
