@@ -142,8 +142,10 @@ def disk_now(staging: Path, tmp: Path | None = None) -> dict[str, int]:
                     n = p.stat().st_blocks * 512
                     out[whole] += n
                     rel = p.relative_to(root).parts
-                    if p.parent.name.startswith("spill-"):
+                    if p.parent.name.startswith(("spill-", "reads-")):  # a worker's spill folder, its read window
                         out[p.parent.name] = out.get(p.parent.name, 0) + n
+                        worker = "worker-" + p.parent.name.split("-", 1)[1]
+                        out[worker] = out.get(worker, 0) + n
                     if whole == "tmp" and rel[0].startswith("reshard-remote-"):
                         out[rel[0]] = out.get(rel[0], 0) + n
             except (OSError, IndexError):
@@ -265,6 +267,8 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     if a.store_workers:
         store_rows["s2s_2"] = [*rsh, src, dst, *conv, "--workers", "2"]
         store_rows["s2s_4"] = [*rsh, src, dst, *conv, "--workers", "4"]
+    if a.rows:  # only these rows of the store commands (the naive route always runs: it is the anchor)
+        store_rows = {k: v for k, v in store_rows.items() if k in a.rows.split(",")}
     rows: dict[str, list[dict]] = {k: [] for k in [*store_rows, "naive_convert", "naive_upload", "naive_download",
                                                      "naive_l2s", "naive_s2s"]}
     digests: dict[str, dict] = {}
@@ -299,7 +303,7 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
                     digests[name] = json.loads(helper(a, srv, DIGEST_CODE, BUCKET, "dst"))
             streamed = (doc or {}).get("streamed") or {}
             r["report_workers"] = [{k: w.get(k) for k in ("worker", "peak_bytes", "part_bytes", "budget_bytes",
-                                                          "most_unsent_bytes", "kept_bytes")}
+                                                          "most_unsent_bytes", "kept_bytes", "reads")}
                                    for w in streamed.get("workers", [])]
             r["report_seconds"] = (doc or {}).get("seconds")
             src_store = (doc or {}).get("source_store") or {}
@@ -357,6 +361,10 @@ def f(x: float | None, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def mib(n: float | None) -> str:
+    return f(n / MIB if n else None, 1)
+
+
 def per_worker(runs: list[dict]) -> dict:
     """Medians over rounds of the largest per-worker figure (the worker that needed most) and their sum."""
     rss = [max((w["peak_rss_mib"] for w in r["workers"].values()), default=None) for r in runs]
@@ -368,12 +376,25 @@ def per_worker(runs: list[dict]) -> dict:
     remote = [max((n for k, n in r.get("staging_peak_bytes", {}).items() if k.startswith("reshard-remote-")),
                   default=None) for r in runs]
     tmpall = [r.get("staging_peak_bytes", {}).get("tmp") for r in runs]
+    reads = [max((n for k, n in r.get("staging_peak_bytes", {}).items() if k.startswith("reads-")), default=None)
+             for r in runs]
+    both = [max((n for k, n in r.get("staging_peak_bytes", {}).items() if k.startswith("worker-")), default=None)
+            for r in runs]
+    rep_reads = [max(((w.get("reads") or {}).get("peak_bytes") or 0 for w in r.get("report_workers", [])), default=None)
+                 for r in runs]
+    fetched = [sum((w.get("reads") or {}).get("fetched_bytes") or 0 for w in r.get("report_workers", [])) or None
+               for r in runs]
+    requests = [sum((w.get("reads") or {}).get("requests") or 0 for w in r.get("report_workers", [])) or None
+                for r in runs]
     budget = [max((w["budget_bytes"] or 0 for w in r.get("report_workers", [])), default=None) for r in runs]
     part = [max((w["part_bytes"] or 0 for w in r.get("report_workers", [])), default=None) for r in runs]
     return {"max_worker_rss_mib": med(rss), "max_worker_cpu_s": med(cpu), "report_peak_bytes": med(rep),
             "polled_spill_peak_bytes": med(spill), "polled_local_disk_bytes": med(whole), "budget_bytes": med(budget),
             "part_bytes": med(part), "remote_folder_peak_bytes": med(remote), "tmp_peak_bytes": med(tmpall),
-            "workers_seen": med([len(r["workers"]) for r in runs])}
+            "workers_seen": med([len(r["workers"]) for r in runs]),
+            "polled_reads_peak_bytes": med(reads), "polled_worker_peak_bytes": med(both),
+            "report_reads_peak_bytes": med(rep_reads), "reads_fetched_bytes": med(fetched),
+            "reads_requests": med(requests)}
 
 
 def summarize(result: dict) -> dict:
@@ -420,8 +441,10 @@ def markdown(rep: dict) -> str:
                      f"{', '.join(f(x, 1) for x in v['loads'])} |")
     lines += ["", "Per worker (the worker that needed most; medians over rounds):", "",
               "| command | workers seen | peak RSS (MiB) | CPU (s) | peak local disk, report (MiB) | "
-              "peak local disk, polled (MiB) | `$TMPDIR` per worker / all (MiB) | budget (MiB) | part (MiB) |",
-              "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+              "peak local disk, polled (MiB) | read window, polled / report (MiB) | spill + reads, polled (MiB) | "
+              "source bytes fetched, all workers (MiB) / ranged GETs | "
+              "`$TMPDIR` per worker / all (MiB) | budget (MiB) | part (MiB) |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|"]
     for k, v in s.items():
         if k in ("naive_upload", "naive_download", "naive_convert"):
             continue
@@ -430,6 +453,9 @@ def markdown(rep: dict) -> str:
                      f"{f(v['max_worker_cpu_s'], 1)} | "
                      f"{f(v['report_peak_bytes'] / MIB if v['report_peak_bytes'] else None, 0)} | "
                      f"{f(polled / MIB if polled else None, 0)} | "
+                     f"{mib(v['polled_reads_peak_bytes'])} / {mib(v['report_reads_peak_bytes'])} | "
+                     f"{mib(v['polled_worker_peak_bytes'])} | "
+                     f"{mib(v['reads_fetched_bytes'])} / {f(v['reads_requests'], 0)} | "
                      f"{f(v['remote_folder_peak_bytes'] / MIB if v['remote_folder_peak_bytes'] else None, 0)} / "
                      f"{f(v['tmp_peak_bytes'] / MIB if v['tmp_peak_bytes'] else None, 0)} | "
                      f"{f(v['budget_bytes'] / MIB if v['budget_bytes'] else None, 0)} | "
@@ -453,6 +479,7 @@ MODEL = {
     "cores_per_node": 32,              # cores the conversion may use on a node (assumed)
     "nic_gbit": (100, 400),            # per node, each direction (assumed)
     "nic_efficiency": 0.8,
+    "gets_per_item": 3,                # RangeWindow: an item's head and tail (to locate it), then its rows
     "get_per_s": 5500,                 # S3, per partitioned prefix
     "put_per_s": 3500,
     "partitions": (1, 16),             # a fresh prefix; one S3 has split (or been asked to) 16 ways
@@ -485,7 +512,7 @@ def scaling_model(cpu_s_per_gib: float, nodes: tuple[int, ...] = (8, 32, 128)) -
         files = m["target_files"] / w
         part = part_size(m["buffer_memory"] // 2, int(max(1, files)), int(data / m["target_files"]))
         puts = data / part + m["target_files"]  # parts, plus a create/complete per object
-        gets = m["storage_entries"] + w * -(-m["metadata_bytes"] // m["metadata_piece"])
+        gets = m["storage_entries"] * m["gets_per_item"] + w * -(-m["metadata_bytes"] // m["metadata_piece"])
         store_req = {p: max(gets / (m["get_per_s"] * p), puts / (m["put_per_s"] * p)) for p in m["partitions"]}
         store_bw = {s: (2 * data + w * m["metadata_bytes"]) / (s * 1e9) for s in m["store_gbyte_s"]}
         fixed = m["plan_cpu_s"] + net[m["nic_gbit"][0]] * meta_in / (per_node + meta_in)
@@ -536,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="4096x2048")
     ap.add_argument("--buffer-memory", default="256MiB")
     ap.add_argument("--store-workers", action="store_true", help="also store -> store with --workers 2 and 4")
+    ap.add_argument("--rows", default="", help="comma-separated store rows to run (l2s_1,l2s_2,l2s_4,s2s_1,s2s_2,s2s_4)")
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between polls of the process tree and disk")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", type=float, default=None, metavar="CPU_S_PER_GIB",

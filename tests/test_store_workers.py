@@ -215,7 +215,7 @@ def _two_nodes(argv: list[str], env: dict[str, str], tmp: Path, tag: str, *, kil
     port = free_port()
     logs = [tmp / f"{tag}-node{n}.log" for n in (0, 1)]
     agents = [_node(0, port, argv, env, logs[0])]
-    time.sleep(1.0)  # node 0's agent hosts the rendezvous
+    _listening(port)  # node 0's agent hosts the rendezvous: node 1 starts once it does (under load, >1 s)
     agents.append(_node(1, port, argv, env, logs[1]))
     if kill_rank is not None:
         deadline = time.time() + 240
@@ -235,6 +235,19 @@ def _two_nodes(argv: list[str], env: dict[str, str], tmp: Path, tag: str, *, kil
             with_suppressed(lambda p=p: p.send_signal(signal.SIGKILL))
     codes = [a.wait(timeout=300) for a in agents]
     return codes, [p.read_text() for p in logs]
+
+
+def _listening(port: int, timeout: float = 120.0) -> None:
+    """Until something accepts connections on localhost:``port``."""
+    import socket
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
 
 
 def with_suppressed(fn) -> None:
@@ -271,3 +284,38 @@ def test_two_nodes_a_lost_node_and_the_resume(s3, big_ckpt, staging, tmp_path):
     _load_with_fsspec_reader(dst, big_local)
     code, _o, err = cli(["verify", src, dst])
     assert code == 0, err
+
+
+def test_the_read_window_shares_rows_and_admits_a_unit_larger_than_its_budget(s3, tmp_path):
+    """`RangeWindow` against the real server: a unit larger than the budget is admitted alone (no
+    deadlock), bytes two units hold stay until both release them, one merged GET for contiguous
+    blocks, every block punched at the end; the bytes are the object's."""
+    from reshard.storage.objectstore.remote import open_remote
+    from reshard.storage.objectstore.window import BLOCK, LOCATING, RangeWindow
+
+    folder = tmp_path / "obj"
+    folder.mkdir()
+    data = os.urandom(4 * BLOCK)
+    (folder / "__0_0.distcp").write_bytes(data)
+    rc = open_remote(s3.upload(folder, "window/src"))
+    window = RangeWindow(rc, tmp_path / "reads", LOCATING + BLOCK)  # room for one block of units
+    local = tmp_path / "reads" / "__0_0.distcp"
+    try:
+        big = window.need([("__0_0.distcp", 10, 3 * BLOCK - 20)])  # three blocks: over the budget, admitted alone
+        window.wait(big)
+        assert local.read_bytes()[: 3 * BLOCK] == data[: 3 * BLOCK]
+        shared = window.need([("__0_0.distcp", BLOCK + 5, 100)])  # inside a block `big` holds: nothing new
+        window.wait(shared)
+        window.release(big)
+        with open(local, "rb") as f:
+            assert f.read(BLOCK) == bytes(BLOCK)  # punched: zeros
+            f.seek(BLOCK)
+            assert f.read(BLOCK) == data[BLOCK:2 * BLOCK]  # still held by `shared`
+        window.release(shared)
+        assert local.stat().st_blocks == 0
+        stats = window.stats()
+        assert stats["peak_bytes"] == 3 * BLOCK and stats["fetched_bytes"] == 3 * BLOCK, stats
+        assert stats["requests"] == 1, stats  # the three blocks by one ranged GET
+    finally:
+        window.close()
+    assert not (tmp_path / "reads").exists()

@@ -42,6 +42,7 @@ from reshard.storage.checkpoints.dcp_writer import DcpWriter
 from reshard.storage.files.fileio import ALIGN, FdCache
 from reshard.engine.resume import Resumed, prove_spliced, whole_storages
 from reshard.engine.splice import run_jobs
+from reshard.engine.shares import Shares, held, locating, read_window, shares_of, source_ranges
 from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.model.kinds import Action
 from reshard.model.plan import Plan
@@ -183,37 +184,22 @@ def write_items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, *,
         w.finish()
 
 
-@dataclass
-class _Shares:
-    """A streaming worker's source items by tensor key, and the `RangeWindow` that fetches their rows."""
-
-    items: dict[str, list[tuple[str, int, int]]]
-    window: Any
-
-
 @contextlib.contextmanager
 def _read_window(plan: Plan, ix: CheckpointIndex, w: DcpWriter, io: IOOptions):
-    """For a worker streaming from a store (``io.read_window``): its `_Shares`, the window open while the
-    block runs and closed after it (its stats kept in the source's counters); None otherwise."""
+    """For a worker streaming from a store (``io.read_window``): its `reshard.engine.shares.Shares`, the
+    window open while the block runs; None otherwise."""
     rc = ix.remote if isinstance(ix, CheckpointIndex) else None
     if not (io.splice and rc is not None and io.read_window and io.read_folder is not None):
         yield None
         return
-    from reshard.storage.objectstore.window import RangeWindow
-
-    items = _shares(ix, {t.key: t for t in plan.tensors}, {a.key: a for a in plan.keys}, w.owns)
-    window = RangeWindow(rc, io.read_folder, io.read_window, streams=max(2, io.threads))
-    try:
-        window.prepare(sorted({f for its in items.values() for f, _o, _n in its}))
-        yield _Shares(items, window)
-    finally:
-        window.close()
-        with rc.counters.lock:
-            rc.counters.windows.append(window.stats())
+    items, whole = shares_of(ix, {t.key: t for t in plan.tensors}, {a.key: a for a in plan.keys}, w.owns,
+                             cap=io.read_window // 2)  # two tensors' whole items in the window at once
+    with read_window(rc, items, whole, io.read_folder, io.read_window, streams=max(2, io.threads)) as shares:
+        yield shares
 
 
 def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOOptions, checked: set[str],
-           shares: Optional[_Shares] = None):
+           shares: Optional[Shares] = None):
     """Yields splice jobs for the pool; writes everything else itself, in plan order. ``shares``: a
     streaming worker's items and read window (`_read_window`)."""
     planned = {t.key: t for t in plan.tensors}
@@ -228,7 +214,6 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
         needed = (_first_needed(ix) if w.owns_all else  # a worker of a divided output: those its files need
                   list(dict.fromkeys(f for f, _o, _n in _remote_reads(ix, planned, actions, w.owns))))
         mirrored = rc.can_mirror(needed)
-    window = None
     with contextlib.ExitStack() as stack:
         if shares is not None:  # a streaming worker: its items' rows through its bounded window
             window = shares.window
@@ -236,7 +221,7 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
             from reshard.storage.objectstore.window import LOCATORS
 
             locator = splice.Locator(window.root, [ix.entries[k] for k in shares.items], threads=LOCATORS,
-                                     hold=lambda entry: _locating(window, shares.items[entry.key]),
+                                     hold=lambda entry: locating(shares, entry.key),
                                      only=lambda loc: (loc.file, loc.offset) in items)
         elif mirrored:
             mirror = stack.enter_context(rc.mirroring(needed))
@@ -247,76 +232,14 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
             locator = splice.Locator(ix.root, ix.entries.values())
         else:
             locator = None
-        if rc is not None and not mirrored and window is None:  # items fetched ahead, bounded in requests and bytes
+        if rc is not None and not mirrored and shares is None:  # items fetched ahead, bounded in requests and bytes
             stack.enter_context(rc.prefetching(_remote_reads(ix, planned, actions, w.owns), in_flight=io.threads,
                                                memory=io.window, label="copy"))
         if locator is not None:
             stack.callback(locator.close)
         if mirrored:  # first on the way out: an item still waiting for its bytes stops waiting
             stack.callback(mirror.stop)
-        yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct, window)
-
-
-#: What `_locating` fetches of each end of an item: its zip headers and pickle lie in the first bytes, its
-#: central directory in the last (`reshard.storage.checkpoints.fastread.item_layout` reads nothing else).
-ITEM_END = 4096
-
-
-@contextlib.contextmanager
-def _locating(window: Any, items: list[tuple[str, int, int]]):
-    """While a tensor's items are located from the window's files: the head and tail of each, fetched
-    at once (outside the budget: a few KiB each), released once located (the storage rows are fetched
-    for the jobs that splice them, `_held`)."""
-    ends = []
-    for f, o, n in items:
-        ends.append((f, o, min(n, ITEM_END)))
-        ends.append((f, o + max(0, n - ITEM_END), min(n, ITEM_END)))
-    unit = window.fetch_now(ends)
-    try:
-        yield
-    finally:
-        window.release(unit)
-
-
-def _shares(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any) -> dict[str, list[tuple[str, int, int]]]:
-    """The source items this worker's target chunks are cut from, by tensor key (each item once):
-    `_remote_reads` without objects, which are read by range when written."""
-    out: dict[str, dict[tuple[str, int, int], None]] = {}
-    for key, f, o, n in _remote_reads(ix, planned, actions, owns, keys=True):
-        if ix.entries[key].is_tensor:
-            out.setdefault(key, {})[(f, o, n)] = None
-    return {k: list(v) for k, v in out.items()}
-
-
-def _source_ranges(sources: list, box: Box, itemsize: int) -> list[tuple[str, int, int]]:
-    """The bytes a splice job reads: for each source chunk that intersects ``box``, the span of its
-    row-major storage from the intersection's first element to its last, as ``(file name, offset, length)``."""
-    out = []
-    for s in sources:
-        x = s.box.intersect(box)
-        if x is None or x.is_empty():
-            continue
-        sizes = s.box.sizes
-        stride, strides = 1, [0] * len(sizes)
-        for d in range(len(sizes) - 1, -1, -1):
-            strides[d] = stride
-            stride *= sizes[d]
-        first = sum((x.offsets[d] - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
-        last = sum((x.offsets[d] + x.sizes[d] - 1 - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
-        out.append((Path(s.path).name, s.storage_at + first * itemsize, (last - first + 1) * itemsize))
-    return out
-
-
-def _held(window: Any, unit: Any, work: Any) -> Any:
-    """``work`` run once its source rows are on local disk, and the rows released after (even on error)."""
-    def run(buffers, files, slab):
-        try:
-            window.wait(unit)
-            return work(buffers, files, slab)
-        finally:
-            window.release(unit)
-
-    return run
+        yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct, shares)
 
 
 def _first_needed(ix: CheckpointIndex) -> list[str]:
@@ -331,12 +254,11 @@ def _first_needed(ix: CheckpointIndex) -> list[str]:
     return list(order) + sorted(set(ix.remote.data_files()) - order.keys())
 
 
-def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any = None, keys: bool = False):
+def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any = None):
     """The byte ranges `_items_in_order` reads from a remote source, in its order: each copied
     object's item, and for each target chunk of a re-cut tensor the source items `read_box`
     reads (the prefetch's order; a range read otherwise is fetched when it is read). ``owns``
-    (a worker of a divided output): only for the target ranks whose files it writes. ``keys``: each
-    range preceded by the key that reads it."""
+    (a worker of a divided output): only for the target ranks whose files it writes."""
     def mine(rank: Any) -> bool:
         return owns is None or bool(owns(int(rank or 0)))
 
@@ -346,7 +268,7 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any =
             continue
         if not e.is_tensor:
             if e.location is not None and mine(a.rank):
-                yield (key,) * keys + (e.location.file, e.location.offset, e.location.length)
+                yield e.location.file, e.location.offset, e.location.length
             continue
         t = planned[key]
         if t.transform or t.copy_from or t.dtype != e.dtype_name:
@@ -357,7 +279,7 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any =
                     continue
                 for c in e.chunks:
                     if not c.box.offsets and c.location is not None:
-                        yield (key,) * keys + (c.location.file, c.location.offset, c.location.length)
+                        yield c.location.file, c.location.offset, c.location.length
             continue
         tab = ChunkTable.of(e.chunks, len(e.shape))  # one array comparison per target chunk, not a Box per pair
         lo, hi = tab.offsets, tab.offsets + tab.sizes
@@ -367,11 +289,11 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any =
             o = np.asarray(offsets, dtype=np.int64)
             hit = np.all((lo < o + np.asarray(sizes, dtype=np.int64)) & (hi > o), axis=1) & (tab.file >= 0)
             for i in np.flatnonzero(hit):
-                yield (key,) * keys + (tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i]))
+                yield tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, locator: Any, checked: set[str],
-                    direct: bool = True, window: Any = None):
+                    direct: bool = True, shares: Optional[Shares] = None):
     for e, a, t in kept_items(plan, ix, w, progress):
         if t is not None:
             if t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
@@ -380,9 +302,15 @@ def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any
                 from reshard.semantics.transforms import write_transformed
 
                 write_transformed(ix, w, t, source_key=t.copy_from)
+            elif shares is not None and e.key in shares.items:  # its whole items registered first, in this order
+                hold = shares.begin(e.key)
+                try:
+                    yield from _copy_tensor(ix, w, e, t, locator.get(e.key), checked, direct, (shares, hold))
+                finally:
+                    hold.done()
             else:
                 yield from _copy_tensor(ix, w, e, t, locator.get(e.key) if locator is not None else None, checked,
-                                        direct, window)
+                                        direct)
         elif not w.owns(a.rank or 0):  # another worker's file: the same place reserved, its bytes not read here
             w.reserve_object(a.rank or 0, e.key, e.location.length, path=e.path or None)
         else:
@@ -451,9 +379,9 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
 
     Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
     (storage transforms, a layout `reshard.storage.checkpoints.fastread` does not parse) or a chunk is too
-    large for the plain zip framing. ``window`` (a `RangeWindow`: a worker streaming from a store):
-    each job's source rows are fetched for it and released after it (no band jobs, whose source
-    chunks would each be held for every target item they feed).
+    large for the plain zip framing. ``window`` (a streaming worker's `reshard.engine.shares.Shares` and
+    the tensor's `TensorHold`): each job's source rows are fetched for it and released after it (no band
+    jobs, whose source chunks would each be held for every target item they feed).
     """
     dtype = e.dtype
     targets = [(rank, Box(tuple(offsets), tuple(sizes))) for rank, offsets, sizes in t.chunks]
@@ -493,7 +421,7 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
                     return crc if found is None else Resumed(False, found, crc)
 
                 if window is not None:
-                    work = _held(window, window.need(_source_ranges(sources, box, dtype.itemsize)), work)
+                    work = held(*window, source_ranges(sources, box, dtype.itemsize), work)
                 yield work, loc
         elif w.owns(rank):
             all_spliced = False

@@ -15,7 +15,10 @@ target rank ``r`` written by worker ``r mod W``, every step taken together throu
    `reshard.storage.objectstore.stream.SpillStreamer` watches: parts are sent as soon as they are
    final, checked item by item (CRC-32 of the bytes sent against the writer's record) and punched
    out of the spill file. Local disk and memory per worker stay near ``--buffer-memory`` (half for
-   the copy's buffers, half for parts not yet sent), whatever the checkpoint's size;
+   the copy's buffers, half for parts not yet sent), whatever the checkpoint's size. From a source in
+   a store, each worker fetches only the byte ranges its files are cut from, into sparse files beside
+   its spill folder, within a share of the buffer, and punches them once spliced
+   (`reshard.storage.objectstore.window.RangeWindow`, through `reshard.engine.copy`);
 3. every worker reports its objects (size, the MD5 of each part, CRC-32); worker 0 checks the source
    storages split between workers (as on a shared file system), then lists the store and checks
    that every object is there with the size and ETag its worker reported, and writes `.metadata`,

@@ -78,6 +78,7 @@ class RangeWindow:
         self.error: BaseException | None = None
         self.closed = False
         self.fds: dict[str, int] = {}
+        self.names: dict[str, Unit] = {}  # units registered under a name, until `named` takes them
         self.pool = ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix="reshard-window")
         self.admitter = threading.Thread(target=self._admit, name="reshard-window-admit", daemon=True)
         self.admitter.start()
@@ -111,13 +112,27 @@ class RangeWindow:
                 out.setdefault((name, b))
         return list(out)
 
-    def need(self, ranges: Iterable[tuple[str, int, int]]) -> Unit:
-        """Register a reader's ranges, after every unit registered before it (admitted in that order)."""
+    def need(self, ranges: Iterable[tuple[str, int, int]], *, name: str | None = None) -> Unit:
+        """Register a reader's ranges, after every unit registered before it (admitted in that order);
+        ``name``: another thread may wait for the unit by it (`named`)."""
         unit = Unit(self.blocks_of(ranges))
         with self.cond:
             self.queue.append(unit)
+            if name is not None:
+                self.names[name] = unit
             self.cond.notify_all()
         return unit
+
+    def named(self, name: str) -> Unit:
+        """The unit registered under ``name``, once it is (a reader ahead of the registering thread waits)."""
+        with self.cond:
+            while name not in self.names:
+                if self.error is not None:
+                    raise self.error
+                if self.closed:
+                    raise RuntimeError("the read window was closed while a reader waited")
+                self.cond.wait(1.0)
+            return self.names.pop(name)
 
     def fetch_now(self, ranges: Iterable[tuple[str, int, int]]) -> Unit:
         """Small ranges fetched at once, outside the budget and the order (an item's head and tail,
@@ -175,7 +190,7 @@ class RangeWindow:
                     continue
                 unit = self.queue[0]
                 new = sum(1 for blk in unit.blocks if blk not in self.refs)
-                if self.held and self.used + new * BLOCK > self.budget:
+                if self.held and new and self.used + new * BLOCK > self.budget:  # nothing new: no room needed
                     self.cond.wait(1.0)  # room comes back as earlier units are released
                     continue
                 self.queue.popleft()

@@ -1,0 +1,223 @@
+"""A streaming worker's share of a source in a store: which items it reads, fetched how, held how long.
+
+A worker of a distributed conversion from a store into a store (`reshard.engine.streaming`) splices its
+target items from sparse local copies of only the source bytes it needs, fetched by a
+`reshard.storage.objectstore.window.RangeWindow` within a share of ``--buffer-memory``. This module
+decides what the copy (`reshard.engine.copy`) asks that window for, and when it lets go:
+
+- a source item the worker needs all of, up to `WHOLE_ITEM` bytes, or any item up to `TINY_ITEM`, is
+  fetched whole, head and tail with its rows, by one ranged GET, as part of its tensor's *unit*: the copy
+  registers it when it reaches the tensor (`Shares.begin`), the locator waits for it, and it is released
+  when the tensor's last job ends (`TensorHold`);
+- any other item has its head and tail fetched to locate it (`locating`: a few KiB, outside the budget,
+  released once located), then each job's rows (`source_ranges`) as a unit of its own, held while the
+  job runs (`held`).
+
+Every unit is registered by the copy's thread, in the order the pool runs the jobs, so the window's
+admission (in registration order, a unit let in alone when nothing before it is held) cannot deadlock.
+Why whole items: a ranged GET is a request, and the request rate is what bounds a store like S3 at scale
+(docs/benchmarks.md, issue 46); an item needed whole costs one request instead of three.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from reshard.model.checkpoint import ChunkTable
+from reshard.model.geometry import Box
+
+__all__ = ["ITEM_END", "TINY_ITEM", "WHOLE_ITEM", "Shares", "TensorHold", "held", "locating", "read_window",
+           "shares_of", "source_ranges"]
+
+#: An item the worker needs all of, up to this size, is fetched whole with its tensor (one GET).
+WHOLE_ITEM = 16 << 20
+#: An item this small is fetched whole even when the worker needs only part of it.
+TINY_ITEM = 256 << 10
+#: What `locating` fetches of each end of an item: its zip headers and pickle lie in the first bytes, its
+#: central directory in the last (`reshard.storage.checkpoints.fastread.item_layout` reads nothing else).
+ITEM_END = 4096
+
+Item = tuple[str, int, int]  # (data file, offset, length) of a source item
+
+
+@dataclass
+class Shares:
+    """A streaming worker's source items by tensor key (``items``), those fetched whole with their tensor
+    (``whole``), and the `RangeWindow` that fetches them."""
+
+    items: dict[str, list[Item]]
+    whole: dict[str, list[Item]]
+    window: Any
+
+    def begin(self, key: str) -> "TensorHold":
+        """The copy's thread reaches tensor ``key``: its whole items registered with the window now (in the
+        copy's order), held until the copy and every job of the tensor are done (`TensorHold`)."""
+        whole = self.whole.get(key)
+        return TensorHold(key, self.window, self.window.need(whole, name=key) if whole else None)
+
+    def partial(self, key: str, ranges: list[Item]) -> list[Item]:
+        """``ranges`` less those inside items of ``key`` fetched whole (held by the tensor's unit already)."""
+        whole = self.whole.get(key) or ()
+        return [(f, o, n) for f, o, n in ranges
+                if not any(f == wf and wo <= o and o + n <= wo + wn for wf, wo, wn in whole)]
+
+
+class TensorHold:
+    """A tensor's unit held until the copy has made every job of the tensor and each has ended: one
+    reference for the copy's thread (`done`) and one per job (`take`, dropped by `held`)."""
+
+    def __init__(self, key: str, window: Any, unit: Any):
+        self.key, self.window, self.unit, self.count = key, window, unit, 1
+        self.lock = threading.Lock()
+
+    def take(self) -> None:
+        with self.lock:
+            self.count += 1
+
+    def drop(self) -> None:
+        with self.lock:
+            self.count -= 1
+            last = self.count == 0
+        if last and self.unit is not None:
+            self.window.release(self.unit)
+
+    def done(self) -> None:
+        """The copy's thread has made every job of the tensor."""
+        self.drop()
+
+
+@contextlib.contextmanager
+def read_window(rc: Any, items: dict[str, list[Item]], whole: dict[str, list[Item]], folder: Path, budget: int,
+                streams: int) -> Iterator[Shares]:
+    """The window open while the block runs, closed after it, its stats kept in the source's counters."""
+    from reshard.storage.objectstore.window import RangeWindow
+
+    window = RangeWindow(rc, folder, budget, streams=streams)
+    try:
+        window.prepare(sorted({f for its in items.values() for f, _o, _n in its}))
+        yield Shares(items, whole, window)
+    finally:
+        window.close()
+        with rc.counters.lock:
+            rc.counters.windows.append(window.stats())
+
+
+@contextlib.contextmanager
+def locating(shares: Shares, key: str) -> Iterator[None]:
+    """While the items of tensor ``key`` are located from the window's files: its whole items waited for
+    (registered by the copy's thread, `Shares.begin`), the head and tail of each other item fetched at
+    once (outside the budget: a few KiB each) and released once located."""
+    window = shares.window
+    whole = shares.whole.get(key) or []
+    if whole:
+        window.wait(window.named(key))
+    taken = set(whole)
+    ends = []
+    for f, o, n in shares.items[key]:
+        if (f, o, n) not in taken:
+            ends.append((f, o, min(n, ITEM_END)))
+            ends.append((f, o + max(0, n - ITEM_END), min(n, ITEM_END)))
+    unit = window.fetch_now(ends) if ends else None
+    try:
+        yield
+    finally:
+        if unit is not None:
+            window.release(unit)
+
+
+def shares_of(ix: Any, planned: dict, actions: dict, owns: Callable[[int], bool],
+              cap: int) -> tuple[dict[str, list[Item]], dict[str, list[Item]]]:
+    """The source items a worker that ``owns`` these target ranks reads, by tensor key (the tensors the
+    copy splices: not left out, not rewritten, not transformed or cast), and of those the items it
+    fetches whole (`WHOLE_ITEM`, `TINY_ITEM`), at most ``cap`` bytes of them per tensor (a tensor's unit
+    stays within the window's budget): an item is needed whole when the worker's target chunks together
+    take every element of its chunk."""
+    items: dict[str, list[Item]] = {}
+    whole: dict[str, list[Item]] = {}
+    for key, e in ix.entries.items():
+        a = actions[key]
+        if a.left_out or a.new_value or not e.is_tensor:
+            continue
+        t = planned[key]
+        if t.transform or t.copy_from or t.dtype != e.dtype_name:
+            continue
+        taken: dict[Item, int] = {}
+        numel: dict[Item, int] = {}
+        if not e.shape:  # a 0-d tensor: its one item, for each target chunk the worker writes
+            if any(owns(int(rank or 0)) for rank, _o, _s in t.chunks):
+                for c in e.chunks:
+                    if not c.box.offsets and c.location is not None:
+                        it = (c.location.file, c.location.offset, c.location.length)
+                        taken[it] = numel[it] = 1
+        else:
+            tab = ChunkTable.of(e.chunks, len(e.shape))
+            lo, hi = tab.offsets, tab.offsets + tab.sizes
+            for rank, offsets, sizes in t.chunks:
+                if not owns(int(rank or 0)):
+                    continue
+                o = np.asarray(offsets, dtype=np.int64)
+                end = o + np.asarray(sizes, dtype=np.int64)
+                vol = np.clip(np.minimum(hi, end) - np.maximum(lo, o), 0, None).prod(axis=1)
+                for i in np.flatnonzero((vol > 0) & (tab.file >= 0)):
+                    it = (tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i]))
+                    taken[it] = taken.get(it, 0) + int(vol[i])
+                    numel[it] = int(tab.sizes[i].prod())
+        if taken:
+            items[key] = list(taken)
+            w, room = [], cap
+            for it in taken:
+                if (it[2] <= TINY_ITEM or (it[2] <= WHOLE_ITEM and taken[it] >= numel[it])) and it[2] <= room:
+                    w.append(it)
+                    room -= it[2]
+            if w:
+                whole[key] = w
+    return items, whole
+
+
+def source_ranges(sources: list, box: Box, itemsize: int) -> list[Item]:
+    """The bytes a splice job reads: for each source chunk that intersects ``box``, the span of its
+    row-major storage from the intersection's first element to its last, as ``(file name, offset, length)``."""
+    out = []
+    for s in sources:
+        x = s.box.intersect(box)
+        if x is None or x.is_empty():
+            continue
+        sizes = s.box.sizes
+        stride, strides = 1, [0] * len(sizes)
+        for d in range(len(sizes) - 1, -1, -1):
+            strides[d] = stride
+            stride *= sizes[d]
+        first = sum((x.offsets[d] - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
+        last = sum((x.offsets[d] + x.sizes[d] - 1 - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
+        out.append((Path(s.path).name, s.storage_at + first * itemsize, (last - first + 1) * itemsize))
+    return out
+
+
+def held(shares: Shares, hold: TensorHold, ranges: list[Item], work: Callable[..., Any]) -> Callable[..., Any]:
+    """``work`` (a pool job) run once its source rows are on local disk: those not held by its tensor's
+    unit registered now as a unit of its own (the copy's thread calls this, in job order), released when
+    the job ends (even on error), and the tensor's hold dropped."""
+    window = shares.window
+    rest = shares.partial(hold.key, ranges) if ranges else []
+    unit: Optional[Any] = window.need(rest) if rest else None
+    hold.take()
+
+    def run(buffers, files, slab):
+        try:
+            if unit is not None:
+                window.wait(unit)
+            if hold.unit is not None:
+                window.wait(hold.unit)
+            return work(buffers, files, slab)
+        finally:
+            if unit is not None:
+                window.release(unit)
+            hold.drop()
+
+    return run
+
