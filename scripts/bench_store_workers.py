@@ -479,7 +479,9 @@ MODEL = {
     "cores_per_node": 32,              # cores the conversion may use on a node (assumed)
     "nic_gbit": (100, 400),            # per node, each direction (assumed)
     "nic_efficiency": 0.8,
-    "gets_per_item": 3,                # RangeWindow: an item's head and tail (to locate it), then its rows
+    "gets_per_item": 1,                # engine/shares.py: an item a worker needs whole (here every one: each
+                                       # target takes 2 source shards whole) is fetched whole, one ranged GET;
+                                       # 3 (head, tail, rows) for an item over 256 KiB a worker needs in part
     "get_per_s": 5500,                 # S3, per partitioned prefix
     "put_per_s": 3500,
     "partitions": (1, 16),             # a fresh prefix; one S3 has split (or been asked to) 16 ways

@@ -225,9 +225,9 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
                                      only=lambda loc: (loc.file, loc.offset) in items)
         elif mirrored:
             mirror = stack.enter_context(rc.mirroring(needed))
-            held = frozenset(needed)
+            wanted = frozenset(needed)
             locator = splice.Locator(mirror.root, ix.entries.values(), ready=mirror.ready,
-                                     only=None if w.owns_all else (lambda loc: loc.file in held))
+                                     only=None if w.owns_all else (lambda loc: loc.file in wanted))
         elif io.splice and isinstance(ix, CheckpointIndex) and rc is None:
             locator = splice.Locator(ix.root, ix.entries.values())
         else:
@@ -374,18 +374,18 @@ def write_added(plan: Plan, ix: CheckpointIndex, w: DcpWriter) -> None:
 
 
 def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, checked: set[str],
-                 direct: bool = True, window: Any = None):
+                 direct: bool = True, reads: Any = None):
     """A re-cut tensor: each target chunk spliced from the source's bytes (yields pool jobs).
 
     Falls back to decoding (`CheckpointIndex.read_box`) when a source item is unusual
     (storage transforms, a layout `reshard.storage.checkpoints.fastread` does not parse) or a chunk is too
-    large for the plain zip framing. ``window`` (a streaming worker's `reshard.engine.shares.Shares` and
+    large for the plain zip framing. ``reads`` (a streaming worker's `reshard.engine.shares.Shares` and
     the tensor's `TensorHold`): each job's source rows are fetched for it and released after it (no band
     jobs, whose source chunks would each be held for every target item they feed).
     """
     dtype = e.dtype
     targets = [(rank, Box(tuple(offsets), tuple(sizes))) for rank, offsets, sizes in t.chunks]
-    if (direct and window is None and sources is not None and all(archive.fits(b.numel * dtype.itemsize) for _, b in targets)
+    if (direct and reads is None and sources is not None and all(archive.fits(b.numel * dtype.itemsize) for _, b in targets)
             and bands.applies(sources, [b for r, b in targets if w.owns(r)], dtype.itemsize)):
         yield from _band_tensor(w, e, targets, sources, checked)
         return
@@ -420,8 +420,8 @@ def _copy_tensor(ix: CheckpointIndex, w: DcpWriter, e, t, sources: list | None, 
                             checked.count(by_source_crc=job.checked)
                     return crc if found is None else Resumed(False, found, crc)
 
-                if window is not None:
-                    work = held(*window, source_ranges(sources, box, dtype.itemsize), work)
+                if reads is not None:
+                    work = held(*reads, source_ranges(sources, box, dtype.itemsize), work)
                 yield work, loc
         elif w.owns(rank):
             all_spliced = False
