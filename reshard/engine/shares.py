@@ -13,8 +13,9 @@ decides what the copy (`reshard.engine.copy`) asks that window for, and when it 
   released once located), then each job's rows (`source_ranges`) as a unit of its own, held while the
   job runs (`held`).
 
-Every unit is registered by the copy's thread, in the order the pool runs the jobs, so the window's
-admission (in registration order, a unit let in alone when nothing before it is held) cannot deadlock.
+Every unit carries its tensor's place in the copy (the order the pool runs the jobs), and the window
+admits the lowest first, letting one in over its budget only when nothing of a lower place is held: so
+it cannot deadlock, though the copy registers the next tensors' whole items ahead (`Shares`, `AHEAD`).
 Why whole items: a ranged GET is a request, and the request rate is what bounds a store like S3 at scale
 (docs/benchmarks.md, issue 46); an item needed whole costs one request instead of three.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -31,7 +31,7 @@ import numpy as np
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 
-__all__ = ["ITEM_END", "TINY_ITEM", "WHOLE_ITEM", "Shares", "TensorHold", "held", "locating", "read_window",
+__all__ = ["AHEAD", "ITEM_END", "TINY_ITEM", "WHOLE_ITEM", "Shares", "TensorHold", "held", "locating", "read_window",
            "shares_of", "source_ranges"]
 
 #: An item the worker needs all of, up to this size, is fetched whole with its tensor (one GET).
@@ -45,20 +45,42 @@ ITEM_END = 4096
 Item = tuple[str, int, int]  # (data file, offset, length) of a source item
 
 
-@dataclass
-class Shares:
-    """A streaming worker's source items by tensor key (``items``), those fetched whole with their tensor
-    (``whole``), and the `RangeWindow` that fetches them."""
+#: At most this many tensors' whole items registered ahead of the copy (within the window's budget too).
+AHEAD = 64
 
-    items: dict[str, list[Item]]
-    whole: dict[str, list[Item]]
-    window: Any
+
+class Shares:
+    """A streaming worker's source items by tensor key (``items``, in the copy's order), those fetched whole
+    with their tensor (``whole``), and the `RangeWindow` that fetches them.
+
+    Each tensor's place in the copy is its units' ``seq`` (`RangeWindow.need`). The whole items of the
+    next tensors are registered ahead of the copy (`AHEAD` tensors, at most ``ahead`` bytes), so the
+    window fetches them while earlier tensors are spliced, and merges neighbouring items into one GET."""
+
+    def __init__(self, items: dict[str, list[Item]], whole: dict[str, list[Item]], window: Any, ahead: int):
+        self.items, self.whole, self.window, self.ahead = items, whole, window, ahead
+        self.order = list(items)
+        self.seq = {k: i for i, k in enumerate(self.order)}
+        self.units: dict[str, Any] = {}  # registered ahead, not begun yet
+        self.pending = 0                 # their bytes
+        self.next = 0                    # the next tensor to register
 
     def begin(self, key: str) -> "TensorHold":
-        """The copy's thread reaches tensor ``key``: its whole items registered with the window now (in the
-        copy's order), held until the copy and every job of the tensor are done (`TensorHold`)."""
-        whole = self.whole.get(key)
-        return TensorHold(key, self.window, self.window.need(whole, name=key) if whole else None)
+        """The copy's thread reaches tensor ``key``: the whole items of it and of the next tensors registered
+        (in the copy's order), its own held until the copy and every job of the tensor are done."""
+        here = self.seq[key]
+        while self.next < len(self.order):
+            k = self.order[self.next]
+            size = sum(n for _f, _o, n in self.whole.get(k, ()))
+            if self.next > here and (self.next - here > AHEAD or self.pending + size > self.ahead):
+                break
+            if size:
+                self.units[k] = self.window.need(self.whole[k], name=k, seq=self.seq[k], parent=True)
+                self.pending += size
+            self.next += 1
+        unit = self.units.pop(key, None)
+        self.pending -= sum(n for _f, _o, n in self.whole.get(key, ())) if unit is not None else 0
+        return TensorHold(key, here, self.window, unit)
 
     def partial(self, key: str, ranges: list[Item]) -> list[Item]:
         """``ranges`` less those inside items of ``key`` fetched whole (held by the tensor's unit already)."""
@@ -71,8 +93,8 @@ class TensorHold:
     """A tensor's unit held until the copy has made every job of the tensor and each has ended: one
     reference for the copy's thread (`done`) and one per job (`take`, dropped by `held`)."""
 
-    def __init__(self, key: str, window: Any, unit: Any):
-        self.key, self.window, self.unit, self.count = key, window, unit, 1
+    def __init__(self, key: str, seq: int, window: Any, unit: Any):
+        self.key, self.seq, self.window, self.unit, self.count = key, seq, window, unit, 1
         self.lock = threading.Lock()
 
     def take(self) -> None:
@@ -100,7 +122,7 @@ def read_window(rc: Any, items: dict[str, list[Item]], whole: dict[str, list[Ite
     window = RangeWindow(rc, folder, budget, streams=streams)
     try:
         window.prepare(sorted({f for its in items.values() for f, _o, _n in its}))
-        yield Shares(items, whole, window)
+        yield Shares(items, whole, window, ahead=budget)
     finally:
         window.close()
         with rc.counters.lock:
@@ -204,7 +226,7 @@ def held(shares: Shares, hold: TensorHold, ranges: list[Item], work: Callable[..
     the job ends (even on error), and the tensor's hold dropped."""
     window = shares.window
     rest = shares.partial(hold.key, ranges) if ranges else []
-    unit: Optional[Any] = window.need(rest) if rest else None
+    unit: Optional[Any] = window.need(rest, seq=hold.seq) if rest else None
     hold.take()
 
     def run(buffers, files, slab):

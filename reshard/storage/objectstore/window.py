@@ -13,11 +13,14 @@ share of the checkpoint; here local disk stays within a budget whatever the chec
 - the disk is kept in blocks of `BLOCK` bytes with a count of the units holding each, so two readers
   of the same bytes (a source row range feeding two target items) fetch them once and neither frees
   them under the other;
-- a unit is admitted when the blocks it adds fit the budget, or when no unit before it is still held.
-  Units are admitted in order and the copy's jobs run in order on a FIFO pool, so the unit a job waits
-  for is admitted once the jobs before it end: the window never deadlocks, and its peak disk is the
-  budget or, above it, the largest single unit (one target item's source rows) plus what `fetch_now`
-  holds while items are located;
+- each unit has its reader's place in the order the readers run (``seq``: a tensor's place in the copy);
+  the lowest waiting unit is admitted when the blocks it adds fit the budget, or when no unit of a lower
+  place is still held. The copy's jobs run in order on a FIFO pool, so the unit a job waits for is
+  admitted once the jobs before it end, whatever was registered ahead of it: the window never deadlocks,
+  and its peak disk is the budget or, above it, one tensor's units (a target item's source rows) plus
+  what `fetch_now` holds while items are located;
+- units admitted together have their new blocks fetched together: neighbouring ranges of one object,
+  up to `MAX_GET` bytes, by one ranged GET;
 - `fetch_now` fetches small ranges outside the budget at once (the head and the tail of an item, read to
   locate its storage), for a caller that releases them right after.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections import deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,8 @@ class Unit:
     """What one reader needs: its ranges as blocks ``(object, index)``; ``admitted`` once fetched or under way."""
 
     blocks: list[tuple[str, int]]
+    seq: int = 0  # its place in the readers' order: units are admitted lowest first (`need`)
+    parent: bool = False  # held for the other units of its ``seq`` and released after them (`need`)
     counted: bool = True  # False: `fetch_now`'s, outside the budget and the admission order
     admitted: bool = False
     released: bool = False
@@ -72,8 +77,10 @@ class RangeWindow:
         self.refs: dict[tuple[str, int], int] = {}      # block -> units holding it
         self.present: set[tuple[str, int]] = set()     # blocks on disk
         self.fetching: set[tuple[str, int]] = set()    # blocks a GET is bringing
-        self.queue: deque[Unit] = deque()              # units waiting for admission, in order
-        self.held = 0                                  # admitted counted units not released yet
+        self.queue: list[Unit] = []                    # units waiting for admission
+        self.held: Counter[int] = Counter()            # admitted counted units not released yet, by seq
+        self.held_children: Counter[int] = Counter()   # ... of them not parents
+        self.order = 0                                 # the seq of a unit registered without one
         self.used = self.peak = self.fetched = self.requests = self.punched = 0
         self.error: BaseException | None = None
         self.closed = False
@@ -112,11 +119,21 @@ class RangeWindow:
                 out.setdefault((name, b))
         return list(out)
 
-    def need(self, ranges: Iterable[tuple[str, int, int]], *, name: str | None = None) -> Unit:
-        """Register a reader's ranges, after every unit registered before it (admitted in that order);
-        ``name``: another thread may wait for the unit by it (`named`)."""
-        unit = Unit(self.blocks_of(ranges))
+    def need(self, ranges: Iterable[tuple[str, int, int]], *, name: str | None = None, seq: int | None = None,
+             parent: bool = False) -> Unit:
+        """Register a reader's ranges. ``seq``: its place in the order the readers run (a tensor's place
+        in the copy); units are admitted lowest ``seq`` first, in registration order among equals, and
+        one is let in over the budget only when no unit of a lower ``seq`` is held (so the lowest always
+        comes in once the readers before it end: no deadlock, whatever was registered ahead). Without
+        ``seq``: after every unit registered so far. ``parent``: the unit is released only after the other
+        units of its ``seq`` (a tensor's whole items, held until its jobs end), so it never keeps them out;
+        two other units of one ``seq`` come in one after the other when over the budget. ``name``: another
+        thread may wait for the unit by it (`named`)."""
         with self.cond:
+            if seq is None:
+                seq = self.order + 1
+            self.order = max(self.order, seq)
+            unit = Unit(self.blocks_of(ranges), seq=seq, parent=parent)
             self.queue.append(unit)
             if name is not None:
                 self.names[name] = unit
@@ -139,7 +156,8 @@ class RangeWindow:
         read to locate it); waited for here. The caller releases the unit when done."""
         unit = Unit(self.blocks_of(ranges), counted=False)
         with self.cond:
-            self._take(unit)
+            for name, first, n in _runs(self._take(unit)):
+                self.pool.submit(self._get, name, first, n)
         self.wait(unit)
         return unit
 
@@ -167,7 +185,13 @@ class RangeWindow:
                 self.cond.notify_all()
                 return
             if unit.counted:
-                self.held -= 1
+                self.held[unit.seq] -= 1
+                if not self.held[unit.seq]:
+                    del self.held[unit.seq]
+                if not unit.parent:
+                    self.held_children[unit.seq] -= 1
+                    if not self.held_children[unit.seq]:
+                        del self.held_children[unit.seq]
             freed = []
             for blk in unit.blocks:
                 self.refs[blk] -= 1
@@ -183,22 +207,30 @@ class RangeWindow:
 
     # -- the admission thread and the fetches ------------------------------------------------------
     def _admit(self) -> None:
+        """Admit queued units, lowest ``seq`` first, as many as fit at once; their new blocks are fetched
+        together, so neighbouring ranges of one object (consecutive items, of consecutive tensors) go
+        by one GET."""
         with self.cond:
             while not self.closed:
-                if not self.queue or self.error is not None:
-                    self.cond.wait(1.0)
-                    continue
-                unit = self.queue[0]
-                new = sum(1 for blk in unit.blocks if blk not in self.refs)
-                if self.held and new and self.used + new * BLOCK > self.budget:  # nothing new: no room needed
-                    self.cond.wait(1.0)  # room comes back as earlier units are released
-                    continue
-                self.queue.popleft()
-                self._take(unit)
-                self.held += 1
+                todo: list[tuple[str, int]] = []
+                while self.queue and self.error is None:
+                    unit = min(self.queue, key=lambda u: u.seq)  # the first registered among equals
+                    new = sum(1 for blk in unit.blocks if blk not in self.refs)
+                    before = (bool(self.held) and min(self.held) < unit.seq) or unit.seq in self.held_children
+                    if before and new and self.used + new * BLOCK > self.budget:  # nothing new: no room needed
+                        break  # room comes back as the readers before it end
+                    self.queue.remove(unit)
+                    todo += self._take(unit)
+                    self.held[unit.seq] += 1
+                    if not unit.parent:
+                        self.held_children[unit.seq] += 1
+                for name, first, n in _runs(todo):
+                    self.pool.submit(self._get, name, first, n)
+                self.cond.wait(1.0)
 
-    def _take(self, unit: Unit) -> None:
-        """Admit ``unit`` (the caller holds ``cond``): its blocks held, those not on disk or on the way fetched."""
+    def _take(self, unit: Unit) -> list[tuple[str, int]]:
+        """Admit ``unit`` (the caller holds ``cond``): its blocks held; returns those to fetch (neither on
+        disk nor on the way), which the caller fetches."""
         unit.admitted = True
         todo = []
         for blk in unit.blocks:
@@ -210,8 +242,7 @@ class RangeWindow:
             self.refs[blk] += 1
         self.peak = max(self.peak, self.used)
         self.fetching.update(todo)
-        for name, first, n in _runs(todo):
-            self.pool.submit(self._get, name, first, n)
+        return todo
 
     def _get(self, name: str, first: int, n: int) -> None:
         size = self.rc.sizes[name]
