@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -40,20 +41,28 @@ def test_direct_reads_equal_the_file_bytes(data_file, data):
     try:
         stage = fileio.aligned_buffer(stage_blocks * fileio.ALIGN)
         view = fileio.aligned_buffer(n)[:n] if aligned_dst else memoryview(bytearray(n))
-        fileio.read_direct(fd, view, pos, stage)
+        crc = data.draw(st.sampled_from([None, 0, 0x1234ABCD]))  # with a CRC: taken as the bytes are copied
+        got = fileio.read_direct(fd, view, pos, stage, crc)
         assert bytes(view) == content[pos:pos + n]
+        assert got == (None if crc is None else zlib.crc32(content[pos:pos + n], crc))
     finally:
         os.close(fd)
 
 
-def test_a_direct_read_past_the_end_is_a_short_read(data_file):
-    path, _ = data_file
-    fd = _direct_fd(path)
+def test_read_at_returns_the_crc_on_every_path(data_file, tmp_path):
+    """`read_at` with a CRC: the direct read's (staged or straight) and the page cache's give zlib's value."""
+    path, content = data_file
+    files = fileio.FdCache()
+    stage = fileio.ThreadBuffers()
     try:
-        with pytest.raises(fileio.ShortRead):
-            fileio.read_direct(fd, memoryview(bytearray(100)), SIZE - 50, fileio.aligned_buffer(100 + 2 * fileio.ALIGN))
+        for pos, n in ((0, 4 * fileio.ALIGN), (5, 3 * fileio.ALIGN), (fileio.ALIGN + 7, 1000)):
+            for direct in (True, False):
+                view = fileio.aligned_buffer(n)[:n]
+                got = fileio.read_at(files, path, view, pos, lambda k: stage.take("stage", k), direct=direct, crc=7)
+                assert bytes(view) == content[pos:pos + n]
+                assert got == zlib.crc32(content[pos:pos + n], 7)
     finally:
-        os.close(fd)
+        files.close()
 
 
 def test_aligned_buffers_are_page_aligned():
