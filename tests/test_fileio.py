@@ -65,6 +65,28 @@ def test_read_at_returns_the_crc_on_every_path(data_file, tmp_path):
         files.close()
 
 
+def test_large_aligned_buffers_are_whole_and_writable():
+    """A buffer of `HUGE_FROM` or more (mapped in whole huge pages where the kernel has them) still
+    has the length asked for, rounded to `ALIGN`, and is private zeroed memory."""
+    n = fileio.HUGE_FROM * 2 + 5
+    buf = fileio.aligned_buffer(n)
+    assert len(buf) == -(-n // fileio.ALIGN) * fileio.ALIGN
+    assert fileio._address(buf) % fileio.ALIGN == 0
+    assert not any(buf[:4096]) and not any(buf[-4096:])
+    buf[-1:] = b"x"
+    assert bytes(buf[-1:]) == b"x"
+
+
+def test_a_direct_read_past_the_end_is_a_short_read(data_file):
+    path, _ = data_file
+    fd = _direct_fd(path)
+    try:
+        with pytest.raises(fileio.ShortRead):
+            fileio.read_direct(fd, memoryview(bytearray(100)), SIZE - 50, fileio.aligned_buffer(100 + 2 * fileio.ALIGN))
+    finally:
+        os.close(fd)
+
+
 def test_aligned_buffers_are_page_aligned():
     for n in (1, fileio.ALIGN, 5 * fileio.ALIGN + 1):
         buf = fileio.aligned_buffer(n)

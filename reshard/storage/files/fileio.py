@@ -21,7 +21,7 @@ from typing import Any
 
 from reshard import safefs
 
-__all__ = ["ALIGN", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "copy_crc",
+__all__ = ["ALIGN", "HUGE_FROM", "STAGE_BYTES", "FdCache", "ShortRead", "ThreadBuffers", "aligned_buffer", "copy_crc",
            "copy_then_crc", "crc32", "open_direct", "read_at", "read_direct", "read_exact", "start_writeback", "write_exact",
            "write_placed"]
 
@@ -119,10 +119,35 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
+HUGE_FROM = 2 << 20  # buffers of this size and more ask for transparent huge pages (the x86-64 PMD size)
+
+
 def aligned_buffer(n: int) -> memoryview:
-    """``n`` bytes (rounded up to `ALIGN`) of zeroed, page-aligned memory, usable for direct I/O."""
+    """``n`` bytes (rounded up to `ALIGN`) of zeroed, page-aligned memory, usable for direct I/O.
+
+    Private anonymous memory, not ``mmap``'s default shared mapping: shared anonymous memory is
+    shmem, which gets no transparent huge pages unless the machine's ``shmem_enabled`` says so
+    (``never`` by default), while private memory gets them where asked (``madvise``, the usual
+    default). Why it matters: a direct read or write pins and maps the buffer's pages for the
+    device once per request, per page, which was most of the copy's system time (a 1 GiB
+    ``O_DIRECT`` read in 8 MiB requests: 0.03-0.04 s of sys with 4 KiB pages, under 0.01 s with
+    2 MiB pages, measured here). Only a hint: where the kernel has none, the pages are small.
+    Such a buffer is mapped in whole huge pages (its length rounded up to `HUGE_FROM`): the kernel
+    then places it on a huge-page boundary, where it can back all of it with them (a mapping of
+    4 MiB + 8 KiB at an arbitrary address got one 2 MiB page here). The memory touched grows by
+    less than one huge page per buffer.
+    """
     size = max(ALIGN, -(-int(n) // ALIGN) * ALIGN)
-    return memoryview(mmap.mmap(-1, size))
+    huge = size >= HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE")
+    mapped = -(-size // HUGE_FROM) * HUGE_FROM if huge else size
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = mmap.mmap(-1, mapped, flags=flags) if flags else mmap.mmap(-1, mapped)
+    if huge:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: small pages, as before
+            pass
+    return memoryview(buf)[:size]
 
 
 class ThreadBuffers(threading.local):
