@@ -130,8 +130,9 @@ def aligned_buffer(n: int) -> memoryview:
     (``never`` by default), while private memory gets them where asked (``madvise``, the usual
     default). Why it matters: a direct read or write pins and maps the buffer's pages for the
     device once per request, per page, which was most of the copy's system time (a 1 GiB
-    ``O_DIRECT`` read in 8 MiB requests: 0.03-0.04 s of sys with 4 KiB pages, under 0.01 s with
-    2 MiB pages, measured here). Only a hint: where the kernel has none, the pages are small.
+    ``O_DIRECT`` read in 8 MiB requests, ``scripts/bench_copy_crc.py``: 0.04-0.09 s of sys with
+    4 KiB pages, 0.007-0.013 s with 2 MiB pages). Only a hint: where the kernel has none, the pages
+    are small.
     Such a buffer is mapped in whole huge pages (its length rounded up to `HUGE_FROM`): the kernel
     then places it on a huge-page boundary, where it can back all of it with them (a mapping of
     4 MiB + 8 KiB at an arbitrary address got one 2 MiB page here). The memory touched grows by
