@@ -28,3 +28,25 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Leave the objects that exist as the block starts out of the cyclic collector's passes
+    (``gc.freeze``), and put them back as it ends (``gc.unfreeze``).
+
+    Why: when a conversion starts copying, the heap holds what the imports, the index and the
+    plan made, none of it garbage; the copy's own allocations trigger collections that would
+    traverse all of it again (a full pass over that heap cost 0.03 s of CPU in the 4 GiB
+    benchmark conversion, a tenth of its fixed cost). Objects made in the block are collected as
+    usual, so a cycle the copy leaves behind is still freed; one among the frozen objects waits
+    for the block's end. A heap someone already froze (a caller about to fork) is left as it is.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -83,3 +83,36 @@ def test_combine_is_zlibs():
         assert fastcrc.combine(fastcrc.combine(c1, c2, n1), c3, n2) == fastcrc.combine(c1, fastcrc.combine(c2, c3, n2),
                                                                                          n1 + n2)
     assert fastcrc.combine(5, 7, 0) == 5
+
+
+@pytest.mark.parametrize("copy", ["native", "unfused"])
+def test_copy_crc_copies_and_gives_zlibs_crc(copy):
+    """copy_crc (the direct reads' stage copy and checksum in one pass) and the pure-Python fallback:
+    the bytes copied exactly, the CRC zlib's, at every offset, length and start value, across the
+    native routine's block size (16 KiB) and its 128-byte streaming steps."""
+    fn = fastcrc.copy_crc if copy == "native" else fileio.copy_then_crc
+    rng = random.Random(23)
+    data = rng.randbytes((1 << 20) + 300)
+    lengths = list(range(0, 300)) + [16383, 16384, 16385, 3 * 16384 + 77, 65535, 65536, 65537, (1 << 20) + 13]
+    for n in lengths:
+        src_at, dst_at = rng.randrange(0, 64), rng.randrange(0, 64)  # any alignment on either side
+        value = rng.getrandbits(32) if n % 2 else 0
+        dst = bytearray(n + 128)
+        got = fn(memoryview(dst)[dst_at:dst_at + n], memoryview(data)[src_at:src_at + n], value)
+        assert got == zlib.crc32(data[src_at:src_at + n], value), n
+        assert dst[dst_at:dst_at + n] == data[src_at:src_at + n], n
+        assert not any(dst[:dst_at]) and not any(dst[dst_at + n:]), n  # nothing written outside
+
+
+def test_copy_crc_refusals():
+    with pytest.raises(ValueError):
+        fastcrc.copy_crc(bytearray(10), b"x" * 11)  # lengths differ
+    buf = bytearray(100)
+    with pytest.raises(ValueError):
+        fastcrc.copy_crc(memoryview(buf)[10:60], memoryview(buf)[0:50])  # overlapping
+    with pytest.raises(TypeError):
+        fastcrc.copy_crc(b"read-only", b"read-only")  # the destination must be writable
+
+
+def test_fileio_uses_the_native_copy_crc():
+    assert fileio.copy_crc is fastcrc.copy_crc

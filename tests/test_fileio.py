@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,40 @@ def test_direct_reads_equal_the_file_bytes(data_file, data):
     try:
         stage = fileio.aligned_buffer(stage_blocks * fileio.ALIGN)
         view = fileio.aligned_buffer(n)[:n] if aligned_dst else memoryview(bytearray(n))
-        fileio.read_direct(fd, view, pos, stage)
+        crc = data.draw(st.sampled_from([None, 0, 0x1234ABCD]))  # with a CRC: taken as the bytes are copied
+        got = fileio.read_direct(fd, view, pos, stage, crc)
         assert bytes(view) == content[pos:pos + n]
+        assert got == (None if crc is None else zlib.crc32(content[pos:pos + n], crc))
     finally:
         os.close(fd)
+
+
+def test_read_at_returns_the_crc_on_every_path(data_file, tmp_path):
+    """`read_at` with a CRC: the direct read's (staged or straight) and the page cache's give zlib's value."""
+    path, content = data_file
+    files = fileio.FdCache()
+    stage = fileio.ThreadBuffers()
+    try:
+        for pos, n in ((0, 4 * fileio.ALIGN), (5, 3 * fileio.ALIGN), (fileio.ALIGN + 7, 1000)):
+            for direct in (True, False):
+                view = fileio.aligned_buffer(n)[:n]
+                got = fileio.read_at(files, path, view, pos, lambda k: stage.take("stage", k), direct=direct, crc=7)
+                assert bytes(view) == content[pos:pos + n]
+                assert got == zlib.crc32(content[pos:pos + n], 7)
+    finally:
+        files.close()
+
+
+def test_large_aligned_buffers_are_whole_and_writable():
+    """A buffer of `HUGE_FROM` or more (mapped in whole huge pages where the kernel has them) still
+    has the length asked for, rounded to `ALIGN`, and is private zeroed memory."""
+    n = fileio.HUGE_FROM * 2 + 5
+    buf = fileio.aligned_buffer(n)
+    assert len(buf) == -(-n // fileio.ALIGN) * fileio.ALIGN
+    assert fileio._address(buf) % fileio.ALIGN == 0
+    assert not any(buf[:4096]) and not any(buf[-4096:])
+    buf[-1:] = b"x"
+    assert bytes(buf[-1:]) == b"x"
 
 
 def test_a_direct_read_past_the_end_is_a_short_read(data_file):

@@ -154,3 +154,16 @@ def test_top_level_not_object(tmp_path):
     _write_raw(tmp_path, "[1, 2]")
     with pytest.raises(BadInput):
         mf.read_manifest(tmp_path)
+
+
+def test_torch_version_is_importlib_metadatas():
+    """The manifest's and the resume key's torch version, read from the dist-info without importing
+    importlib.metadata, is the one it gives (names compared normalized, as it compares them)."""
+    from importlib.metadata import version
+
+    from reshard.semantics.manifest import dist_info_version, torch_version
+
+    assert torch_version() == version("torch")
+    for name in ("torch", "numpy", "typer", "typing_extensions", "typing-extensions"):
+        assert dist_info_version(name) == version(name), name
+    assert dist_info_version("no-such-package-here") is None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from reshard.gc_pause import frozen_heap
 from reshard.errors import BadInput
 from reshard.model.plan import Options
 from reshard.engine.conversion import check_data_mode, output_for
@@ -107,7 +108,8 @@ def run_convert(source: Source, dst: Path | str, opts: Optional[Options], *, to:
         p = make_plan(source, opts)
         if given is not None:
             check_plan_matches(given, p)
-        report = run_conversion(p, source, output)
+        with frozen_heap():  # the plan and the index are no garbage: reshard.gc_pause
+            report = run_conversion(p, source, output)
     if report is None:  # a torchrun worker other than 0: worker 0 reports
         return Converted(None, 0)
     return Converted(report, 0 if report["verification"]["equal"] else 1)

@@ -110,8 +110,8 @@ class BandJob:
         for b0 in range(0, rows, per_band):
             b1 = min(rows, b0 + per_band)
             band = buffers.get((b1 - b0) * row)
-            read_piece(files, s.path, band, s.storage_at + b0 * row, buffers)
-            crc = archive.crc32_combine(crc, crc32(band), len(band))
+            got = read_piece(files, s.path, band, s.storage_at + b0 * row, buffers, crc=0)  # CRC taken as it is read
+            crc = archive.crc32_combine(crc, got, len(band))
             band_box = Box((s.box.offsets[0] + b0,) + tuple(s.box.offsets[1:]), (b1 - b0,) + tuple(s.box.sizes[1:]))
             src = as_array(band, band_box.sizes, isz)
             for t in self.targets:

@@ -49,13 +49,12 @@ def resume_key(plan: Plan, source: Source, output_format: str = "dcp") -> Resume
     """What a rerun must share with an interrupted conversion to look at its bytes (`reshard.storage.files.journal`):
     the plan's fingerprint, the source files as they are (on disk, or as a store lists them), and what
     else decides the bytes written."""
-    from importlib.metadata import version
-
+    from reshard.semantics.manifest import torch_version
     from reshard.version import __version__
 
     # torch's version from its installed metadata (what torch.__version__ says) without importing it
     return ResumeKey(plan=plan.fingerprint(), source=source_identity(source.root, source.remote),
-                     options={"output_format": output_format, "reshard": __version__, "torch": version("torch")})
+                     options={"output_format": output_format, "reshard": __version__, "torch": torch_version()})
 
 
 @dataclass(frozen=True)

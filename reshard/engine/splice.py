@@ -441,7 +441,9 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
     the sources, checksummed, and written with one direct write each; the storage's last
     partial block, if any, is written through the page cache (the item's tail follows it
     there). No page of the copy passes through the page cache, and the bytes are in this
-    process once, where their CRC-32 is taken (`SpliceJob.run` checks it).
+    process once, where their CRC-32 is taken (`SpliceJob.run` checks it): in the same pass
+    that copies a source piece out of the direct read's stage (`read_piece`), so each byte
+    crosses memory once on the way in and once on the way out.
     """
     slab = max(ALIGN, slab_bytes - slab_bytes % ALIGN)
     crc = 0
@@ -449,15 +451,11 @@ def _direct_runs(runs: list[tuple[int, SourceChunk, int, int]], nbytes: int, fd:
     for o in range(0, nbytes, slab):
         k = min(slab, nbytes - o)
         view = buffers.get(k)
-        segments = []
-        for i, (d, s, so, n) in enumerate(runs):
+        for i, (d, s, so, n) in enumerate(runs):  # in target order, so the pieces tile the slab in order
             lo, hi = max(o, d), min(o + k, d + n)
             if lo >= hi:
                 continue
-            read_piece(files, s.path, view[lo - o:hi - o], s.storage_at + so + (lo - d), buffers)
-            segments.append((i, lo, hi))
-        for i, lo, hi in segments:  # runs are in target order, so these tile the slab in order
-            c = crc32(view[lo - o:hi - o])
+            c = read_piece(files, s.path, view[lo - o:hi - o], s.storage_at + so + (lo - d), buffers, crc=0)
             parts[i] = archive.crc32_combine(parts[i], c, hi - lo)
             crc = archive.crc32_combine(crc, c, hi - lo)
         write_placed(fd, direct_fd, view, 0, pos + o, k)
@@ -473,9 +471,12 @@ a source storage once its parts tile it (`reshard.storage.checkpoints.crcledger.
 distributed run copied the rest of it; the caller then compares those keys after writing)."""
 
 
-def read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers) -> None:
-    """Source bytes into ``view``: a direct read where the file system has one, else through the cache."""
-    read_at(files, path, view, pos, buffers.get_aux)
+def read_piece(files: FdCache, path: str, view: memoryview, pos: int, buffers: WorkerBuffers,
+               crc: int | None = None) -> int | None:
+    """Source bytes into ``view``: a direct read where the file system has one, else through the cache.
+    With ``crc``, returns ``crc32(view, crc)``, taken as the bytes are copied out of the direct read's
+    stage (`reshard.storage.files.fileio.read_direct`) rather than in a second pass over them."""
+    return read_at(files, path, view, pos, buffers.get_aux, crc=crc)
 
 
 def _kernel_copy(sfd: int, src_at: int, dfd: int, dst_at: int, n: int, buffers: WorkerBuffers, slab_bytes: int) -> None:

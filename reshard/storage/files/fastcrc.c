@@ -15,7 +15,8 @@
  *
  * crc32(data, value=0) -> int: zlib.crc32's signature; the GIL is released for buffers of
  * 64 KiB and more, so the copy's worker threads checksum in parallel. combine(crc1, crc2, len2):
- * zlib's crc32_combine (see py_combine).
+ * zlib's crc32_combine (see py_combine). copy_crc(dst, src, value=0) -> int: dst[:] = src and
+ * crc32(src, value) in one pass (see py_copy_crc).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -239,6 +240,97 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* copy_crc(dst, src, value=0) -> int: copies src into dst (same length, not overlapping) and returns
+ * zlib.crc32(src, value), in one pass over the bytes. Why: a direct read of a source storage that does
+ * not start on a block boundary lands in an aligned stage and is copied to its place in the slab the
+ * direct write takes (reshard/storage/files/fileio.py, read_direct), and the copy then checksums the
+ * slab: two passes over every byte, each through main memory once the slab outgrows the caches. Here
+ * each block of COPY_BLOCK bytes is checksummed right after it is copied, while it is still in the
+ * first-level caches, so the CRC costs no memory traffic of its own. The value is crc32's, because it
+ * is crc32_update's over consecutive blocks (a CRC carries from one block to the next exactly). */
+#define COPY_BLOCK (16 * 1024)
+
+#ifdef HAVE_X86
+static int have_avx2 = 0;
+
+/* memcpy by 32-byte loads and non-temporal stores: the destination (a slab on its way to a direct
+ * write, which the CPU does not read again) goes to memory without first being read into the cache. */
+__attribute__((target("avx2")))
+static void copy_stream(unsigned char *dst, const unsigned char *src, size_t len) {
+    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+    if (head > len) head = len;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    len -= head;
+    while (len >= 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + 0x00));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 0x20));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 0x40));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 0x60));
+        _mm256_stream_si256((__m256i *)(dst + 0x00), a);
+        _mm256_stream_si256((__m256i *)(dst + 0x20), b);
+        _mm256_stream_si256((__m256i *)(dst + 0x40), c);
+        _mm256_stream_si256((__m256i *)(dst + 0x60), d);
+        src += 128;
+        dst += 128;
+        len -= 128;
+    }
+    memcpy(dst, src, len);
+}
+#endif
+
+/* Each block is checksummed first (its source bytes come into the first-level caches, from memory
+ * once), then copied out of those caches; on x86 with AVX2 by non-temporal stores (copy_stream). */
+static uint32_t copy_crc_update(uint32_t crc, unsigned char *dst, const unsigned char *src, size_t len) {
+    while (len) {
+        size_t k = len < COPY_BLOCK ? len : COPY_BLOCK;
+        crc = crc32_update(crc, src, k);
+#ifdef HAVE_X86
+        if (have_avx2) copy_stream(dst, src, k); else
+#endif
+        memcpy(dst, src, k);
+        dst += k;
+        src += k;
+        len -= k;
+    }
+#ifdef HAVE_X86
+    if (have_avx2) _mm_sfence(); /* the streamed stores are visible before the buffer is handed on */
+#endif
+    return crc;
+}
+
+static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "w*y*|k:copy_crc", &dst, &src, &value)) return NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_crc: %zd bytes into a buffer of %zd", src.len, dst.len);
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const unsigned char *s = (const unsigned char *)src.buf;
+    unsigned char *d = (unsigned char *)dst.buf;
+    if (s < d + dst.len && d < s + src.len && src.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_crc: the buffers overlap");
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    uint32_t c = (uint32_t)(value & 0xffffffffUL);
+    if (src.len >= 65536) {
+        Py_BEGIN_ALLOW_THREADS
+        c = copy_crc_update(c, d, s, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        c = copy_crc_update(c, d, s, (size_t)src.len);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyLong_FromUnsignedLong(c);
+}
+
 /* zlib's crc32_combine: the CRC of A + B from crc(A), crc(B) and len(B), by multiplying crc(A)
  * by x^(8 len(B)) modulo the polynomial. The copy combines the CRCs of its pieces once per piece
  * (a storage of several source runs, an item of head, storage and tail); in Python each
@@ -300,6 +392,7 @@ static PyObject *py_accelerated(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"crc32", py_crc32, METH_VARARGS, "crc32(data, value=0) -> int: zlib.crc32's value, by PCLMULQDQ folding where the CPU has it"},
     {"crc32_width", py_crc32_width, METH_VARARGS, "crc32_width(data, value, width) -> int: crc32 by at most width-bit folding (tests)"},
+    {"copy_crc", py_copy_crc, METH_VARARGS, "copy_crc(dst, src, value=0) -> int: dst[:] = src, and crc32(src, value), in one pass"},
     {"combine", py_combine, METH_VARARGS, "combine(crc1, crc2, len2) -> int: zlib's crc32_combine"},
     {"accelerated", py_accelerated, METH_NOARGS, "accelerated() -> int: the folding width this CPU takes (256: VPCLMULQDQ, 128: PCLMULQDQ, 0: tables)"},
     {NULL, NULL, 0, NULL}};
@@ -315,7 +408,8 @@ PyMODINIT_FUNC PyInit_fastcrc(void) {
     unsigned int a, b, c, d;
     if (__get_cpuid(1, &a, &b, &c, &d)) have_clmul = (c & bit_PCLMUL) && (c & bit_SSE4_1);
     __builtin_cpu_init();
-    have_vclmul = have_clmul && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
+    have_avx2 = __builtin_cpu_supports("avx2");
+    have_vclmul = have_clmul && have_avx2 && __builtin_cpu_supports("vpclmulqdq");
 #endif
     return PyModule_Create(&module);
 }
