@@ -466,12 +466,15 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
         sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **_crc_header(crc))
         counted.add(len(data))
         return Sent(size, st.st_mtime_ns, digests, False, crc)
-    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key)
-    flying: list[tuple[int, int, Any]] = []  # (part number, bytes, its request on the filesystem's loop)
+    # declared CRC-32, as the parts' checksums are: the store then keeps the parts' CRC-32s (a composite
+    # checksum) rather than hashing the whole object again at the end with an algorithm of its choosing
+    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")
+    flying: list[tuple[int, int, str, Any]] = []  # (part number, bytes, its CRC-32 as sent, its request on the filesystem's loop)
     parts: list[dict[str, Any]] = []
 
-    def landed(i: int, n: int, fut: Any) -> None:
-        parts.append({"PartNumber": i, "ETag": fut.result()["ETag"]})
+    def landed(i: int, n: int, sent_crc: str, fut: Any) -> None:
+        got = fut.result()
+        parts.append({"PartNumber": i, "ETag": got["ETag"], "ChecksumCRC32": got.get("ChecksumCRC32") or sent_crc})
         counted.add(n)
 
     try:
@@ -479,10 +482,11 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
             block_crc = crc32(block)  # the part's, for its request; the whole file's composed from it (no second pass)
             crc = crc32_combine(crc, block_crc, len(block))
             digests.append(hashlib.md5(block).digest())
+            said = _crc_header(block_crc)
             fut = asyncio.run_coroutine_threadsafe(
                 fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                            PartNumber=len(digests), Body=block, **_crc_header(block_crc)), fs.loop)
-            flying.append((len(digests), len(block), fut))
+                            PartNumber=len(digests), Body=block, **said), fs.loop)
+            flying.append((len(digests), len(block), said["ChecksumCRC32"], fut))
             del block
             while len(flying) >= PARTS_IN_FLIGHT:
                 landed(*flying.pop(0))
@@ -491,7 +495,7 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
         sync(fs.loop, fs._call_s3, "complete_multipart_upload", Bucket=bucket, Key=key,
              UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
     except BaseException:
-        for _i, _n, fut in flying:
+        for *_part, fut in flying:
             fut.cancel()
         try:
             sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
