@@ -127,6 +127,40 @@ t("DeleteObject, DeleteObjects", delete)
 print(json.dumps(res))
 """
 
+#: ``python -m reshard ARGS`` in this process, each Python thread's CPU (user, sys) sampled from
+#: /proc/self/task every 20 ms by a thread of its own and written, by thread name, to the file named by
+#: ``$BENCH_THREADS_OUT`` at exit: where the client's CPU goes, by role (``fsspecIO`` is the event loop
+#: every request and response of the store goes through). The sampler costs CPU itself (its own row).
+THREADS_CODE = r"""
+import atexit, collections, json, os, runpy, sys, threading, time
+tck, last, stop = os.sysconf("SC_CLK_TCK"), {}, []
+def read(t):
+    try:
+        f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+        last[(t.name, t.native_id)] = (int(f[11]) / tck, int(f[12]) / tck)
+    except (OSError, TypeError):
+        pass
+def sample():
+    while not stop:
+        for t in threading.enumerate():
+            read(t)
+        time.sleep(0.02)
+threading.Thread(target=sample, name="bench-sampler", daemon=True).start()
+def dump():
+    stop.append(1)
+    for t in threading.enumerate():
+        read(t)
+    by = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for (name, _tid), (u, s) in last.items():
+        k = name.split(" (")[0].rstrip("0123456789_")
+        by[k][0] += u; by[k][1] += s; by[k][2] += 1
+    with open(os.environ["BENCH_THREADS_OUT"], "w") as f:
+        json.dump({k: {"user_s": round(u, 2), "sys_s": round(s, 2), "threads": n} for k, (u, s, n) in by.items()}, f)
+atexit.register(dump)
+sys.argv = ["reshard", *sys.argv[1:]]
+runpy.run_module("reshard", run_name="__main__", alter_sys=True)
+"""
+
 #: What the measured single-process route (`reshard convert s3://SRC s3://DST`, the naive route's
 #: download and boto3 upload) cannot do without; the other operations serve ``--workers``' streamed
 #: uploads (resume: ListMultipartUploads, ListParts), a failed upload's clean-up (AbortMultipartUpload)
@@ -280,7 +314,7 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     if a.base_tree:
         trees["s2s_base"] = dict(srv.env, PYTHONPATH=str(a.base_tree), RESHARD_STAGING_DIR=str(work / "staging"))
     rsh = [a.python, "-m", "reshard", "convert"]
-    names = ["s2s", "naive_download", "naive_convert", "naive_upload", "naive_total", "local"]
+    names = ["s2s", "naive_download", "naive_convert", "naive_upload", "naive_total", "local"] + (["s2s_threads"] if a.threads else [])
     if a.base_tree:
         names.insert(1, "s2s_base")
     rows: dict[str, list[dict]] = {k: [] for k in names}
@@ -314,6 +348,12 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
         clear(dl)
         clear(out)
         lo = timed("local", [*rsh, str(local), str(out), *conv], env_tree, i)
+        if a.threads:  # apart from the rows above: the same store-to-store command, its threads sampled
+            helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+            said = work / "threads.json"
+            r = timed("s2s_threads", [a.python, "-c", THREADS_CODE, "convert", src, f"s3://{BUCKET}/dst", *conv],
+                      dict(env_tree, BENCH_THREADS_OUT=str(said)), i)
+            r["threads"] = json.loads(said.read_text()) if r["exit"] == 0 and said.is_file() else None
         if identical is not None and "local" not in identical and lo["exit"] == 0:
             identical["local"] = digest_outputs(out)
             identical["equal"] = identical["store"] == identical["local"]
@@ -342,7 +382,8 @@ def markdown(rep: dict) -> str:
               "s2s_base": f"`reshard convert s3://src s3://dst` (base: `{rep['base_tree']}`)",
               "naive_download": "naive: download (`fs.get`)", "naive_convert": "naive: `reshard convert DIR OUT`",
               "naive_upload": "naive: upload (boto3, 8 threads)", "naive_total": "**naive route, total**",
-              "local": "`reshard convert LOCAL OUT` (client-CPU anchor)"}
+              "local": "`reshard convert LOCAL OUT` (client-CPU anchor)",
+              "s2s_threads": "store to store again, its threads' CPU sampled (`--threads`; not in the ratios)"}
     lines = [f"Measured {rep['when']} on {rep['machine']}; server: {rep['server']}; load average {rep['load_start']} at "
              f"the start, {rep['load_end']} at the end. Checkpoint: `dcp.save` on {b['ranks']} gloo ranks, {b['tensors']} float32 "
              f"tensors {b['shape'][0]}x{b['shape'][1]} `Shard(0)` ({gib:.2f} GiB, {b['ranks']} objects), "
@@ -366,6 +407,15 @@ def markdown(rep: dict) -> str:
         bcpu = [(r["cpu_s"] / lo["cpu_s"]) for r, lo in zip(rows["s2s_base"]["runs"], local["runs"])]
         lines.append(f"Base, same rounds: {statistics.median(base):.2f}x the naive route's wall, "
                      f"{statistics.median(bcpu):.2f}x a local convert's client CPU.")
+    sampled = [r["threads"] for r in rows.get("s2s_threads", {}).get("runs", []) if r.get("threads")]
+    if sampled:
+        lines += ["", "Client CPU of the store-to-store command by thread (`--threads`; user + sys, s, per round):", "",
+                  "| thread (by name) | " + " | ".join(f"round {i + 1}" for i in range(len(sampled))) + " |",
+                  "|---|" + "---:|" * len(sampled)]
+        for k in sorted({k for t in sampled for k in t}, key=lambda k: -max(t.get(k, {}).get("user_s", 0) + t.get(k, {}).get("sys_s", 0) for t in sampled)):
+            cells = [(f"{t[k]['user_s'] + t[k]['sys_s']:.2f} ({t[k]['user_s']:.2f} + {t[k]['sys_s']:.2f})" if k in t else "-")
+                     for t in sampled]
+            lines.append(f"| `{k}` x{max(t.get(k, {}).get('threads', 0) for t in sampled)} | " + " | ".join(cells) + " |")
     ident = b["identical_to_local"] or {}
     lines.append(f"Objects committed by the store-to-store conversion against the local conversion's files "
                  f"(`.metadata` and data, {ident.get('files', 0)} files): "
@@ -387,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-tree", default=None, help="another checkout whose store-to-store run is a row too")
     ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server measured against")
     ap.add_argument("--s3rver", default=None, help="path of the s3rver binary (" + S3RVER_INSTALL + ")")
+    ap.add_argument("--threads", action="store_true", help="after each round, the store-to-store command again with "
+                    "each thread's CPU sampled (a row of its own, not in the ratios)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--tmp", default=None)
