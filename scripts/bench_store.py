@@ -15,9 +15,21 @@ round runs, every command in a fresh subprocess, rows interleaved (A, B, C, A, B
   parts and their sum (wall and CPU summed);
 - **local convert**: ``reshard convert LOCAL OUT`` of the checkpoint as built (the client-CPU anchor).
 
-Wall is the child's; CPU is user + sys of the child alone (``os.wait4``): "client CPU". The moto
-server runs in a child process of its own (``bench_s3.Server``), and its CPU time while each command
-ran (``/proc/PID/stat``) is reported separately as "server CPU". The destination prefixes and the
+Wall is the child's; CPU is user + sys of the child alone (``os.wait4``): "client CPU". The server
+runs in a child process of its own, and its CPU time while each command ran (``/proc/PID/stat``) is
+reported separately as "server CPU". Two servers (``--server``):
+
+- ``moto`` (default): moto's Python server (``bench_s3.Server``), about 11 s of its own CPU per GiB
+  uploaded on the client's 2 CPUs, so the upload bounds the wall;
+- ``s3rver``: s3rver 3.7.1, a Node.js S3 server that keeps objects as files (`S3rver`). Not a Python
+  package: install it with ``npm install --prefix DIR s3rver@3.7.1`` and give
+  ``--s3rver DIR/node_modules/.bin/s3rver`` (else ``$S3RVER_BIN``, else ``s3rver`` on ``PATH``).
+  Before measuring, each S3 operation reshard uses is tried on it (`FEATURES_CODE`); s3rver 3.7.1
+  lacks ListMultipartUploads, ListParts and AbortMultipartUpload (only ``--workers``' streamed
+  uploads need the first two, to resume; the third is a best-effort clean-up after a failed upload)
+  and gives a completed multipart upload the MD5 of the whole object as its ETag, not S3's
+  ``md5(part md5s)-N`` (so reshard records such objects as not checked by ETag). When the binary is
+  missing or an operation the measured route needs fails, the run falls back to moto and says so. The destination prefixes and the
 local outputs are removed between runs (not timed). After the first round the objects the
 store-to-store conversion committed (``.metadata`` and data) are compared byte for byte with the
 local conversion's files.
@@ -34,6 +46,7 @@ Usage::
 
     PYTHONPATH=. .venv/bin/python scripts/bench_store.py --runs 3 --base-tree /work/main
     PYTHONPATH=. .venv/bin/python scripts/bench_store.py --quick      # 4 ranks x 4 x 1024x1024, 1 round
+    PYTHONPATH=. .venv/bin/python scripts/bench_store.py --server s3rver --s3rver DIR/node_modules/.bin/s3rver
 
 Writes ``bench_store.md`` (also printed) and ``bench_store.json`` into ``--out``. Exit 2 if the
 checkpoint could not be built or uploaded, a measured command failed or the outputs differ.
@@ -43,6 +56,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -55,8 +70,196 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 
 from bench_metadata_path import clear, dir_bytes, machine  # noqa: E402
-from bench_s3 import (BUCKET, BUILD_SHARDED, DOWNLOAD_CODE, MIB, UPLOAD_CODE, Server, build, combine,  # noqa: E402
-                      digest_outputs, measured, say, slim, summary, upload)
+from bench_s3 import (BUCKET, BUILD_SHARDED, DOWNLOAD_CODE, UPLOAD_CODE, Server, build, child_env,  # noqa: E402
+                      combine, digest_outputs, free_port, measured, say, slim, summary, upload)
+
+#: How to get s3rver, said when it is asked for and not found.
+S3RVER_INSTALL = ("s3rver is a Node.js package, not part of this project: npm install --prefix DIR s3rver@3.7.1, "
+                  "then --s3rver DIR/node_modules/.bin/s3rver (or S3RVER_BIN=that path)")
+
+#: Each S3 operation reshard uses, tried once on a server (credentials and endpoint from the environment):
+#: prints ``{operation: "ok" | the error}``. What an answer must be is checked here, not only that it came.
+FEATURES_CODE = r"""
+import hashlib, json, os, sys
+import boto3
+b, pre = sys.argv[1], "reshard-feature-check/"
+c = boto3.client("s3", region_name="us-east-1")
+data = os.urandom(6 << 20)
+md5 = hashlib.md5(data).hexdigest()
+res, mpu = {}, {}
+def t(name, fn):
+    try:
+        got = fn()
+        res[name] = "ok" if got is True else f"unexpected answer: {got!r}"[:200]
+    except Exception as e:
+        res[name] = f"{type(e).__name__}: {e}"[:200]
+t("PutObject", lambda: c.put_object(Bucket=b, Key=pre + "a", Body=data)["ETag"].strip('"') == md5)
+t("HeadObject with ETag and size", lambda: (lambda h: h["ETag"].strip('"') == md5 and h["ContentLength"] == len(data))(
+    c.head_object(Bucket=b, Key=pre + "a")))
+t("ranged GET", lambda: c.get_object(Bucket=b, Key=pre + "a", Range="bytes=100-199")["Body"].read() == data[100:200])
+t("GET whole object", lambda: c.get_object(Bucket=b, Key=pre + "a")["Body"].read() == data)
+t("ListObjectsV2", lambda: [o["Key"] for o in c.list_objects_v2(Bucket=b, Prefix=pre)["Contents"]] == [pre + "a"])
+t("CreateMultipartUpload", lambda: bool(mpu.setdefault("id", c.create_multipart_upload(Bucket=b, Key=pre + "m")["UploadId"])))
+t("UploadPart", lambda: all(c.upload_part(Bucket=b, Key=pre + "m", UploadId=mpu["id"], PartNumber=i, Body=data)["ETag"]
+                            .strip('"') == md5 for i in (1, 2)))
+t("ListMultipartUploads", lambda: [u["UploadId"] for u in c.list_multipart_uploads(Bucket=b, Prefix=pre).get("Uploads", [])]
+  == [mpu["id"]])
+t("ListParts", lambda: [p["PartNumber"] for p in c.list_parts(Bucket=b, Key=pre + "m", UploadId=mpu["id"]).get("Parts", [])]
+  == [1, 2])
+def complete():
+    c.complete_multipart_upload(Bucket=b, Key=pre + "m", UploadId=mpu["id"],
+                                MultipartUpload={"Parts": [{"PartNumber": i, "ETag": f'"{md5}"'} for i in (1, 2)]})
+    return c.get_object(Bucket=b, Key=pre + "m")["Body"].read() == data * 2
+t("CompleteMultipartUpload", complete)
+t("multipart ETag in S3's form (md5 of the parts' md5s, -N)", lambda: c.head_object(Bucket=b, Key=pre + "m")["ETag"]
+  .strip('"') == hashlib.md5(bytes.fromhex(md5) * 2).hexdigest() + "-2")
+def abort():
+    u = c.create_multipart_upload(Bucket=b, Key=pre + "x")["UploadId"]
+    c.upload_part(Bucket=b, Key=pre + "x", UploadId=u, PartNumber=1, Body=b"x")
+    c.abort_multipart_upload(Bucket=b, Key=pre + "x", UploadId=u)
+    return True
+t("AbortMultipartUpload", abort)
+def delete():
+    c.delete_object(Bucket=b, Key=pre + "a")
+    c.delete_objects(Bucket=b, Delete={"Objects": [{"Key": pre + "m"}]})
+    return c.list_objects_v2(Bucket=b, Prefix=pre).get("KeyCount", 0) == 0
+t("DeleteObject, DeleteObjects", delete)
+print(json.dumps(res))
+"""
+
+#: ``python -m reshard ARGS`` in this process, each Python thread's CPU (user, sys) sampled from
+#: /proc/self/task every 20 ms by a thread of its own and written, by thread name, to the file named by
+#: ``$BENCH_THREADS_OUT`` at exit: where the client's CPU goes, by role (``fsspecIO`` is the event loop
+#: every request and response of the store goes through). The sampler costs CPU itself (its own row).
+THREADS_CODE = r"""
+import atexit, collections, json, os, runpy, sys, threading, time
+tck, last, stop = os.sysconf("SC_CLK_TCK"), {}, []
+def read(t):
+    try:
+        f = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+        last[(t.name, t.native_id)] = (int(f[11]) / tck, int(f[12]) / tck)
+    except (OSError, TypeError):
+        pass
+def sample():
+    while not stop:
+        for t in threading.enumerate():
+            read(t)
+        time.sleep(0.02)
+threading.Thread(target=sample, name="bench-sampler", daemon=True).start()
+def dump():
+    stop.append(1)
+    for t in threading.enumerate():
+        read(t)
+    by = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for (name, _tid), (u, s) in last.items():
+        k = name.split(" (")[0].rstrip("0123456789_")
+        by[k][0] += u; by[k][1] += s; by[k][2] += 1
+    with open(os.environ["BENCH_THREADS_OUT"], "w") as f:
+        json.dump({k: {"user_s": round(u, 2), "sys_s": round(s, 2), "threads": n} for k, (u, s, n) in by.items()}, f)
+atexit.register(dump)
+sys.argv = ["reshard", *sys.argv[1:]]
+runpy.run_module("reshard", run_name="__main__", alter_sys=True)
+"""
+
+#: What the measured single-process route (`reshard convert s3://SRC s3://DST`, the naive route's
+#: download and boto3 upload) cannot do without; the other operations serve ``--workers``' streamed
+#: uploads (resume: ListMultipartUploads, ListParts), a failed upload's clean-up (AbortMultipartUpload)
+#: or reshard's ETag check (the multipart form: without it those objects are recorded as not checked).
+NEEDED = ("PutObject", "HeadObject with ETag and size", "ranged GET", "GET whole object", "ListObjectsV2",
+          "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "DeleteObject, DeleteObjects")
+
+
+class S3rver:
+    """s3rver (Node.js) in a child process, objects kept as files in ``data``: the same face as
+    `bench_s3.Server` (``env``, ``endpoint``, ``cpu_s``, ``rss_mib``, ``stop``), so every row runs
+    unchanged against either. s3rver knows one account (``S3RVER``/``S3RVER``) and checks each
+    request's signature with it, so the children are given those credentials."""
+
+    def __init__(self, binary: str, data: Path):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = child_env(self.endpoint)
+        self.env.update({"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"})
+        data.mkdir(parents=True, exist_ok=True)
+        self.log = data.with_name(data.name + ".log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([binary, "-d", str(data), "-a", "127.0.0.1", "-p", str(self.port), "-s",
+                                          "--configure-bucket", BUCKET], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30.0
+        while True:  # up once it takes a connection (it prints nothing when silent)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"s3rver did not start (exit {self.proc.returncode}): "
+                                   f"{self.log.read_text(errors='replace').strip()[-300:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("s3rver took no connection within 30 s") from None
+                time.sleep(0.2)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (all threads)
+
+    def rss_mib(self) -> tuple[float, float]:
+        got = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM"):
+                got[k] = int(v.split()[0]) / 1024
+        return got.get("VmRSS", 0.0), got.get("VmHWM", 0.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def find_s3rver(given: str | None) -> str | None:
+    """The s3rver binary: ``--s3rver``, else ``$S3RVER_BIN``, else ``s3rver`` on ``PATH``; None if none is there."""
+    for cand in (given, os.environ.get("S3RVER_BIN"), shutil.which("s3rver")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def features(a, srv) -> dict[str, str]:
+    """`FEATURES_CODE` run against ``srv``: each operation's verdict."""
+    r = subprocess.run([a.python, "-c", FEATURES_CODE, BUCKET], env=srv.env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return {"feature check": (r.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(r.stdout)
+
+
+def start_server(a, work: Path, notes: list[str]) -> tuple[object, str, dict[str, str]]:
+    """The server ``--server`` asks for, its name and its feature check; moto in s3rver's place (said in
+    ``notes``) when s3rver is not there, does not start, or fails an operation of `NEEDED`."""
+    if a.server == "s3rver":
+        binary = find_s3rver(a.s3rver)
+        if binary is None:
+            notes.append(f"s3rver not found ({S3RVER_INSTALL}): fell back to moto")
+        else:
+            try:
+                srv = S3rver(binary, work / "s3rver-data")
+            except RuntimeError as exc:
+                notes.append(f"{exc}: fell back to moto")
+            else:
+                got = features(a, srv)
+                missing = [k for k in NEEDED if got.get(k) != "ok"]
+                if not missing:
+                    return srv, "s3rver", got
+                srv.stop()
+                notes.append("s3rver lacks what the measured route needs (" + "; ".join(f"{k}: {got.get(k)}" for k in missing)
+                             + "): fell back to moto")
+    srv = Server(a.python)
+    return srv, "moto", features(a, srv)
 
 #: Removes every object under a prefix (between runs; not timed).
 EMPTY_CODE = r"""
@@ -111,7 +314,7 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     if a.base_tree:
         trees["s2s_base"] = dict(srv.env, PYTHONPATH=str(a.base_tree), RESHARD_STAGING_DIR=str(work / "staging"))
     rsh = [a.python, "-m", "reshard", "convert"]
-    names = ["s2s", "naive_download", "naive_convert", "naive_upload", "naive_total", "local"]
+    names = ["s2s", "naive_download", "naive_convert", "naive_upload", "naive_total", "local"] + (["s2s_threads"] if a.threads else [])
     if a.base_tree:
         names.insert(1, "s2s_base")
     rows: dict[str, list[dict]] = {k: [] for k in names}
@@ -145,6 +348,12 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
         clear(dl)
         clear(out)
         lo = timed("local", [*rsh, str(local), str(out), *conv], env_tree, i)
+        if a.threads:  # apart from the rows above: the same store-to-store command, its threads sampled
+            helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+            said = work / "threads.json"
+            r = timed("s2s_threads", [a.python, "-c", THREADS_CODE, "convert", src, f"s3://{BUCKET}/dst", *conv],
+                      dict(env_tree, BENCH_THREADS_OUT=str(said)), i)
+            r["threads"] = json.loads(said.read_text()) if r["exit"] == 0 and said.is_file() else None
         if identical is not None and "local" not in identical and lo["exit"] == 0:
             identical["local"] = digest_outputs(out)
             identical["equal"] = identical["store"] == identical["local"]
@@ -173,13 +382,16 @@ def markdown(rep: dict) -> str:
               "s2s_base": f"`reshard convert s3://src s3://dst` (base: `{rep['base_tree']}`)",
               "naive_download": "naive: download (`fs.get`)", "naive_convert": "naive: `reshard convert DIR OUT`",
               "naive_upload": "naive: upload (boto3, 8 threads)", "naive_total": "**naive route, total**",
-              "local": "`reshard convert LOCAL OUT` (client-CPU anchor)"}
-    lines = [f"Measured {rep['when']} on {rep['machine']}; load average {rep['load_start']} at the start, "
-             f"{rep['load_end']} at the end. Checkpoint: `dcp.save` on {b['ranks']} gloo ranks, {b['tensors']} float32 "
+              "local": "`reshard convert LOCAL OUT` (client-CPU anchor)",
+              "s2s_threads": "store to store again, its threads' CPU sampled (`--threads`; not in the ratios)"}
+    lines = [f"Measured {rep['when']} on {rep['machine']}; server: {rep['server']}; load average {rep['load_start']} at "
+             f"the start, {rep['load_end']} at the end. Checkpoint: `dcp.save` on {b['ranks']} gloo ranks, {b['tensors']} float32 "
              f"tensors {b['shape'][0]}x{b['shape'][1]} `Shard(0)` ({gib:.2f} GiB, {b['ranks']} objects), "
              f"`--to {b['to']}`; {rep['runs']} interleaved rounds, medians.", "",
              "| command | exits | median wall (s) | min-max wall (s) | median client CPU (s) | median peak RSS (MiB) | median server CPU (s) |",
              "|---|---|---:|---:|---:|---:|---:|"]
+    for note in rep.get("notes", []):
+        lines.insert(1, f"Note: {note}.")
     for k, v in rows.items():
         lines.append(f"| {labels[k]} | {', '.join(map(str, v['exits']))} | {f(v['median_wall_s'])} | "
                      f"{f(v['min_wall_s'])}-{f(v['max_wall_s'])} | {f(v['median_cpu_s'])} | "
@@ -195,10 +407,23 @@ def markdown(rep: dict) -> str:
         bcpu = [(r["cpu_s"] / lo["cpu_s"]) for r, lo in zip(rows["s2s_base"]["runs"], local["runs"])]
         lines.append(f"Base, same rounds: {statistics.median(base):.2f}x the naive route's wall, "
                      f"{statistics.median(bcpu):.2f}x a local convert's client CPU.")
+    sampled = [r["threads"] for r in rows.get("s2s_threads", {}).get("runs", []) if r.get("threads")]
+    if sampled:
+        lines += ["", "Client CPU of the store-to-store command by thread (`--threads`; user + sys, s, per round):", "",
+                  "| thread (by name) | " + " | ".join(f"round {i + 1}" for i in range(len(sampled))) + " |",
+                  "|---|" + "---:|" * len(sampled)]
+        for k in sorted({k for t in sampled for k in t}, key=lambda k: -max(t.get(k, {}).get("user_s", 0) + t.get(k, {}).get("sys_s", 0) for t in sampled)):
+            cells = [(f"{t[k]['user_s'] + t[k]['sys_s']:.2f} ({t[k]['user_s']:.2f} + {t[k]['sys_s']:.2f})" if k in t else "-")
+                     for t in sampled]
+            lines.append(f"| `{k}` x{max(t.get(k, {}).get('threads', 0) for t in sampled)} | " + " | ".join(cells) + " |")
     ident = b["identical_to_local"] or {}
     lines.append(f"Objects committed by the store-to-store conversion against the local conversion's files "
                  f"(`.metadata` and data, {ident.get('files', 0)} files): "
                  f"{'byte-identical' if ident.get('equal') else 'NOT shown identical'}.")
+    feats = rep.get("features", {})
+    lacking = [f"{k} ({v})" for k, v in feats.items() if v != "ok"]
+    lines.append(f"The server's feature check ({len(feats)} operations): "
+                 + ("all as S3 answers." if not lacking else "differs from S3 in " + "; ".join(lacking) + "."))
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=32)
     ap.add_argument("--shape", default="4096x2048")
     ap.add_argument("--base-tree", default=None, help="another checkout whose store-to-store run is a row too")
+    ap.add_argument("--server", choices=("moto", "s3rver"), default="moto", help="the S3 server measured against")
+    ap.add_argument("--s3rver", default=None, help="path of the s3rver binary (" + S3RVER_INSTALL + ")")
+    ap.add_argument("--threads", action="store_true", help="after each round, the store-to-store command again with "
+                    "each thread's CPU sampled (a row of its own, not in the ratios)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--tmp", default=None)
@@ -220,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     a.shape = tuple(int(x) for x in a.shape.lower().split("x"))
     problems: list[str] = []
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=a.tmp))
-    srv = Server(a.python)
+    notes: list[str] = []
+    srv, server, feats = start_server(a, work, notes)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
     m = machine(work)
     load_start = round(os.getloadavg()[0], 2)
     t0 = time.time()
@@ -233,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems), file=sys.stderr)
         return 2
     rep = report_head(m, load_start, a.runs, t0)
-    rep.update({"base_tree": a.base_tree, "result": result, "problems": problems})
+    rep.update({"server": server, "features": feats, "notes": notes, "base_tree": a.base_tree, "result": result,
+                "problems": problems})
     return write_results(Path(a.out), "bench_store", rep, markdown(rep), problems)
 
 

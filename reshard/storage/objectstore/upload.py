@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import threading
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,11 +341,22 @@ def upload_order(names: list[str]) -> list[str]:
 
 def _file_crc(f: BinaryIO) -> int:
     """CRC-32 of an open file's bytes, from its start."""
+    from reshard.storage.files.fileio import crc32
+
     crc = 0
     f.seek(0)
     while block := f.read(8 << 20):
-        crc = zlib.crc32(block, crc)
+        crc = crc32(block, crc)
     return crc
+
+
+def _crc_header(crc: int) -> dict[str, str]:
+    """The request parameters that hand the store the CRC-32 of a request's body, as botocore sends it
+    (``x-amz-checksum-crc32``, base64 of the big-endian value, and the algorithm's name): the store still
+    checks the body against it, and botocore, finding the checksum given, does not compute it again."""
+    import base64
+
+    return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")}
 
 
 #: s3fs's multipart upload: parts of 50 MiB, larger when 10,000 would not hold the file.
@@ -432,11 +442,19 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
     """The open file ``f`` put at ``bucket/key`` from its start, each block read once and digested
     as it goes (MD5 per part, CRC-32 of the whole): one PUT up to `SEND_PART`, else a multipart
     upload in parts of `send_part`, `PARTS_IN_FLIGHT` of them under way at once (the ETag
-    `etag_verdict` recomputes from the digests in hand). An unfinished multipart upload is aborted."""
+    `etag_verdict` recomputes from the digests in hand). An unfinished multipart upload is aborted.
+
+    Each request carries the CRC-32 of its body taken here (`_crc_header`): the header botocore
+    would otherwise compute from the same bytes a second time (its default, for every PUT), which
+    also lets it leave the payload unsigned over https as before. Per part, the CRC-32 is the part's
+    own and the whole file's is composed from the parts' (`crc32_combine`, no bytes read again)."""
     import asyncio
     import hashlib
 
     from fsspec.asyn import sync
+
+    from reshard.storage.checkpoints.archive import crc32_combine
+    from reshard.storage.files.fileio import crc32
 
     st = os.fstat(f.fileno())
     size, part = st.st_size, send_part(st.st_size)
@@ -444,26 +462,31 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
     f.seek(0)
     if size <= SEND_PART:
         data = f.read()
-        crc, digests = zlib.crc32(data), [hashlib.md5(data).digest()]
-        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data)
+        crc, digests = crc32(data), [hashlib.md5(data).digest()]
+        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **_crc_header(crc))
         counted.add(len(data))
         return Sent(size, st.st_mtime_ns, digests, False, crc)
-    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key)
-    flying: list[tuple[int, int, Any]] = []  # (part number, bytes, its request on the filesystem's loop)
+    # declared CRC-32, as the parts' checksums are: the store then keeps the parts' CRC-32s (a composite
+    # checksum) rather than hashing the whole object again at the end with an algorithm of its choosing
+    mpu = sync(fs.loop, fs._call_s3, "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")
+    flying: list[tuple[int, int, str, Any]] = []  # (part number, bytes, its CRC-32 as sent, its request on the filesystem's loop)
     parts: list[dict[str, Any]] = []
 
-    def landed(i: int, n: int, fut: Any) -> None:
-        parts.append({"PartNumber": i, "ETag": fut.result()["ETag"]})
+    def landed(i: int, n: int, sent_crc: str, fut: Any) -> None:
+        got = fut.result()
+        parts.append({"PartNumber": i, "ETag": got["ETag"], "ChecksumCRC32": got.get("ChecksumCRC32") or sent_crc})
         counted.add(n)
 
     try:
         while block := f.read(part):
-            crc = zlib.crc32(block, crc)
+            block_crc = crc32(block)  # the part's, for its request; the whole file's composed from it (no second pass)
+            crc = crc32_combine(crc, block_crc, len(block))
             digests.append(hashlib.md5(block).digest())
+            said = _crc_header(block_crc)
             fut = asyncio.run_coroutine_threadsafe(
                 fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                            PartNumber=len(digests), Body=block), fs.loop)
-            flying.append((len(digests), len(block), fut))
+                            PartNumber=len(digests), Body=block, **said), fs.loop)
+            flying.append((len(digests), len(block), said["ChecksumCRC32"], fut))
             del block
             while len(flying) >= PARTS_IN_FLIGHT:
                 landed(*flying.pop(0))
@@ -472,7 +495,7 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
         sync(fs.loop, fs._call_s3, "complete_multipart_upload", Bucket=bucket, Key=key,
              UploadId=mpu["UploadId"], MultipartUpload={"Parts": parts})
     except BaseException:
-        for _i, _n, fut in flying:
+        for *_part, fut in flying:
             fut.cancel()
         try:
             sync(fs.loop, fs._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
