@@ -169,9 +169,9 @@ NEEDED = ("PutObject", "HeadObject with ETag and size", "ranged GET", "GET whole
           "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "DeleteObject, DeleteObjects")
 
 
-class S3rver:
-    """s3rver (Node.js) in a child process, objects kept as files in ``data``: the same face as
-    `bench_s3.Server` (``env``, ``endpoint``, ``cpu_s``, ``rss_mib``, ``stop``), so every row runs
+class S3rver(Server):
+    """s3rver (Node.js) in a child process, objects kept as files in ``data``: `bench_s3.Server`'s face
+    (``env``, ``endpoint``, its ``cpu_s`` and ``rss_mib`` of the child; its own start and ``stop``), so every row runs
     unchanged against either. s3rver knows one account (``S3RVER``/``S3RVER``) and checks each
     request's signature with it, so the children are given those credentials."""
 
@@ -199,18 +199,6 @@ class S3rver:
                     self.stop()
                     raise RuntimeError("s3rver took no connection within 30 s") from None
                 time.sleep(0.2)
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (all threads)
-
-    def rss_mib(self) -> tuple[float, float]:
-        got = {}
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM"):
-                got[k] = int(v.split()[0]) / 1024
-        return got.get("VmRSS", 0.0), got.get("VmHWM", 0.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
