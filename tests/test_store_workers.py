@@ -319,3 +319,23 @@ def test_the_read_window_shares_rows_and_admits_a_unit_larger_than_its_budget(s3
     finally:
         window.close()
     assert not (tmp_path / "reads").exists()
+
+
+def test_a_corrupt_source_item_in_the_store_is_named_there_and_nothing_is_committed(s3, big_ckpt, tmp_path):
+    """A storage byte flipped in one source object: the worker that fetched the item (whole, with its tensor)
+    fails with exit 2, the paragraph names the object in the store (not its local read window), the run ends
+    (threads waiting for tensors the copy never reached stop) and nothing is committed."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(big_ckpt, bad)
+    f = bad / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2 + (3 << 20)] ^= 0xFF  # inside an item's storage (items of 8 MiB, ten per file)
+    f.write_bytes(bytes(data))
+    src = s3.upload(bad, "w2/corrupt")
+    code, _out, err = cli(["convert", src, s3.url("w2/corrupt-out"), "--to", "dp=1", "--workers", "2", "--quiet"])
+    assert code == 2, err
+    assert f"{src}/__1_0.distcp" in err and "fails its CRC-32" in err, err
+    assert "reads-" not in err, err
+    assert ".metadata" not in s3.keys("w2/corrupt-out")

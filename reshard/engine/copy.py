@@ -239,7 +239,12 @@ def _items(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, io: IOO
             stack.callback(locator.close)
         if mirrored:  # first on the way out: an item still waiting for its bytes stops waiting
             stack.callback(mirror.stop)
-        yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct, shares)
+        try:
+            yield from _items_in_order(plan, ix, w, progress, locator, checked, io.direct, shares)
+        except BaseException:  # the copy failed (or was closed): locating threads waiting for tensors it will
+            if shares is not None:  # not reach must end before the locator is closed
+                shares.window.stop()
+            raise
 
 
 def _first_needed(ix: CheckpointIndex) -> list[str]:

@@ -22,12 +22,14 @@ Why whole items: a ranged GET is a request, and the request rate is what bounds 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from reshard.errors import ReshardError
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 
@@ -236,6 +238,11 @@ def held(shares: Shares, hold: TensorHold, ranges: list[Item], work: Callable[..
             if hold.unit is not None:
                 window.wait(hold.unit)
             return work(buffers, files, slab)
+        except ReshardError as exc:  # a corrupt source item: named by its object in the store, not the local copy
+            root = str(window.root) + os.sep
+            if isinstance(exc.where, str) and exc.where.startswith(root):
+                exc.where = window.rc.where(exc.where[len(root):])
+            raise
         finally:
             if unit is not None:
                 window.release(unit)

@@ -284,6 +284,13 @@ class RangeWindow:
         self.used -= BLOCK
         self.punched += min(BLOCK, size - start)
 
+    def stop(self) -> None:
+        """No more waiting: every reader waiting (or to wait) raises, and nothing more is admitted. For a
+        caller that is failing, so that threads waiting for units no one will register end."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
     def stats(self) -> dict[str, Any]:
         with self.cond:
             return {"budget_bytes": self.budget, "peak_bytes": self.peak, "fetched_bytes": self.fetched,
@@ -291,9 +298,7 @@ class RangeWindow:
 
     def close(self) -> None:
         """Stop admitting and fetching, wait for the GETs under way, close and remove the local files."""
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
+        self.stop()
         self.admitter.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
         with self.cond:
