@@ -26,9 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
-import numpy as np
-
-from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 from reshard.model.dtypes import dtype_named
 from reshard.model.tensor_values import is_tensor_value
@@ -42,7 +39,7 @@ from reshard.storage.checkpoints.dcp_writer import DcpWriter
 from reshard.storage.files.fileio import ALIGN, FdCache
 from reshard.engine.resume import Resumed, prove_spliced, whole_storages
 from reshard.engine.splice import run_jobs
-from reshard.engine.shares import Shares, held, locating, read_window, shares_of, source_ranges
+from reshard.engine.shares import Shares, held, item_reads, locating, read_window, recut, shares_of, source_ranges
 from reshard.engine.pipeline import Output, Run, writing_bytes
 from reshard.model.kinds import Action
 from reshard.model.plan import Plan
@@ -276,32 +273,17 @@ def _remote_reads(ix: CheckpointIndex, planned: dict, actions: dict, owns: Any =
                 yield e.location.file, e.location.offset, e.location.length
             continue
         t = planned[key]
-        if t.transform or t.copy_from or t.dtype != e.dtype_name:
+        if not recut(e, t):
             continue  # read by `write_transformed`, its own way
-        if not e.shape:  # a 0-d tensor: its one item per target chunk
-            for _rank, _offsets, _sizes in t.chunks:
-                if not mine(_rank):
-                    continue
-                for c in e.chunks:
-                    if not c.box.offsets and c.location is not None:
-                        yield c.location.file, c.location.offset, c.location.length
-            continue
-        tab = ChunkTable.of(e.chunks, len(e.shape))  # one array comparison per target chunk, not a Box per pair
-        lo, hi = tab.offsets, tab.offsets + tab.sizes
-        for _rank, offsets, sizes in t.chunks:
-            if not mine(_rank):
-                continue
-            o = np.asarray(offsets, dtype=np.int64)
-            hit = np.all((lo < o + np.asarray(sizes, dtype=np.int64)) & (hi > o), axis=1) & (tab.file >= 0)
-            for i in np.flatnonzero(hit):
-                yield tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])
+        for item, _taken, _numel in item_reads(e, t, mine):
+            yield item
 
 
 def _items_in_order(plan: Plan, ix: CheckpointIndex, w: DcpWriter, progress: Any, locator: Any, checked: set[str],
                     direct: bool = True, shares: Optional[Shares] = None):
     for e, a, t in kept_items(plan, ix, w, progress):
         if t is not None:
-            if t.transform or t.copy_from or t.dtype != e.dtype_name:  # copy_from: a slice's renumbered key
+            if not recut(e, t):  # transformed, cast, or copy_from: a slice's renumbered key
                 # imported here, not above: tensor arithmetic imports torch (about 2 s of CPU), which a
                 # conversion that only splices bytes never needs
                 from reshard.semantics.transforms import write_transformed

@@ -33,8 +33,8 @@ from reshard.errors import ReshardError
 from reshard.model.checkpoint import ChunkTable
 from reshard.model.geometry import Box
 
-__all__ = ["AHEAD", "ITEM_END", "TINY_ITEM", "WHOLE_ITEM", "Shares", "TensorHold", "held", "locating", "read_window",
-           "shares_of", "source_ranges"]
+__all__ = ["AHEAD", "ITEM_END", "TINY_ITEM", "WHOLE_ITEM", "Shares", "TensorHold", "held", "item_reads", "locating",
+           "read_window", "recut", "shares_of", "source_ranges"]
 
 #: An item the worker needs all of, up to this size, is fetched whole with its tensor (one GET).
 WHOLE_ITEM = 16 << 20
@@ -63,8 +63,8 @@ class Shares:
         self.items, self.whole, self.window, self.ahead = items, whole, window, ahead
         self.order = list(items)
         self.seq = {k: i for i, k in enumerate(self.order)}
-        self.units: dict[str, Any] = {}  # registered ahead, not begun yet
-        self.pending = 0                 # their bytes
+        self.units: dict[str, tuple[Any, int]] = {}  # registered ahead, not begun yet: the unit, its bytes
+        self.pending = 0                             # their bytes
         self.next = 0                    # the next tensor to register
 
     def begin(self, key: str) -> "TensorHold":
@@ -77,11 +77,11 @@ class Shares:
             if self.next > here and (self.next - here > AHEAD or self.pending + size > self.ahead):
                 break
             if size:
-                self.units[k] = self.window.need(self.whole[k], name=k, seq=self.seq[k], parent=True)
+                self.units[k] = (self.window.need(self.whole[k], name=k, seq=self.seq[k], parent=True), size)
                 self.pending += size
             self.next += 1
-        unit = self.units.pop(key, None)
-        self.pending -= sum(n for _f, _o, n in self.whole.get(key, ())) if unit is not None else 0
+        unit, size = self.units.pop(key, (None, 0))
+        self.pending -= size
         return TensorHold(key, here, self.window, unit)
 
     def partial(self, key: str, ranges: list[Item]) -> list[Item]:
@@ -154,43 +154,55 @@ def locating(shares: Shares, key: str) -> Iterator[None]:
             window.release(unit)
 
 
+def recut(e: Any, t: Any) -> bool:
+    """Whether the copy writes tensor entry ``e`` by splicing its source items' bytes (its plan ``t`` neither
+    transforms, casts nor copies it from another key: those are written by `write_transformed`)."""
+    return not (t.transform or t.copy_from or t.dtype != e.dtype_name)
+
+
+def item_reads(e: Any, t: Any, mine: Callable[[Any], bool]) -> Iterator[tuple[Item, int, int]]:
+    """For each target chunk of the re-cut tensor ``e`` (planned as ``t``) whose rank is ``mine``, the
+    source items it reads, in order: ``(item, elements of it the chunk takes, elements of the item's
+    chunk)``. One array comparison per target chunk, not a Box per pair."""
+    if not e.shape:  # a 0-d tensor: its one item per target chunk
+        for rank, _offsets, _sizes in t.chunks:
+            if mine(rank):
+                for c in e.chunks:
+                    if not c.box.offsets and c.location is not None:
+                        yield (c.location.file, c.location.offset, c.location.length), 1, 1
+        return
+    tab = ChunkTable.of(e.chunks, len(e.shape))
+    lo, hi = tab.offsets, tab.offsets + tab.sizes
+    for rank, offsets, sizes in t.chunks:
+        if not mine(rank):
+            continue
+        o = np.asarray(offsets, dtype=np.int64)
+        end = o + np.asarray(sizes, dtype=np.int64)
+        hit = np.all((lo < end) & (hi > o), axis=1) & (tab.file >= 0)
+        vol = np.clip(np.minimum(hi, end) - np.maximum(lo, o), 0, None).prod(axis=1)
+        for i in np.flatnonzero(hit):
+            yield (tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i])), int(vol[i]), int(tab.sizes[i].prod())
+
+
 def shares_of(ix: Any, planned: dict, actions: dict, owns: Callable[[int], bool],
               cap: int) -> tuple[dict[str, list[Item]], dict[str, list[Item]]]:
     """The source items a worker that ``owns`` these target ranks reads, by tensor key (the tensors the
-    copy splices: not left out, not rewritten, not transformed or cast), and of those the items it
-    fetches whole (`WHOLE_ITEM`, `TINY_ITEM`), at most ``cap`` bytes of them per tensor (a tensor's unit
-    stays within the window's budget): an item is needed whole when the worker's target chunks together
-    take every element of its chunk."""
+    copy splices: not left out, not rewritten, `recut`), and of those the items it fetches whole
+    (`WHOLE_ITEM`, `TINY_ITEM`), at most ``cap`` bytes of them per tensor (a tensor's unit stays within
+    the window's budget): an item is needed whole when the worker's target chunks together take every
+    element of its chunk."""
     items: dict[str, list[Item]] = {}
     whole: dict[str, list[Item]] = {}
     for key, e in ix.entries.items():
         a = actions[key]
-        if a.left_out or a.new_value or not e.is_tensor:
-            continue
-        t = planned[key]
-        if t.transform or t.copy_from or t.dtype != e.dtype_name:
+        if a.left_out or a.new_value or not e.is_tensor or not recut(e, planned[key]):
             continue
         taken: dict[Item, int] = {}
         numel: dict[Item, int] = {}
-        if not e.shape:  # a 0-d tensor: its one item, for each target chunk the worker writes
-            if any(owns(int(rank or 0)) for rank, _o, _s in t.chunks):
-                for c in e.chunks:
-                    if not c.box.offsets and c.location is not None:
-                        it = (c.location.file, c.location.offset, c.location.length)
-                        taken[it] = numel[it] = 1
-        else:
-            tab = ChunkTable.of(e.chunks, len(e.shape))
-            lo, hi = tab.offsets, tab.offsets + tab.sizes
-            for rank, offsets, sizes in t.chunks:
-                if not owns(int(rank or 0)):
-                    continue
-                o = np.asarray(offsets, dtype=np.int64)
-                end = o + np.asarray(sizes, dtype=np.int64)
-                vol = np.clip(np.minimum(hi, end) - np.maximum(lo, o), 0, None).prod(axis=1)
-                for i in np.flatnonzero((vol > 0) & (tab.file >= 0)):
-                    it = (tab.files[tab.file[i]], int(tab.start[i]), int(tab.length[i]))
-                    taken[it] = taken.get(it, 0) + int(vol[i])
-                    numel[it] = int(tab.sizes[i].prod())
+        for it, vol, n in item_reads(e, planned[key], lambda rank: owns(int(rank or 0))):
+            if vol:
+                taken[it] = taken.get(it, 0) + vol
+                numel[it] = n
         if taken:
             items[key] = list(taken)
             w, room = [], cap
@@ -211,13 +223,9 @@ def source_ranges(sources: list, box: Box, itemsize: int) -> list[Item]:
         x = s.box.intersect(box)
         if x is None or x.is_empty():
             continue
-        sizes = s.box.sizes
-        stride, strides = 1, [0] * len(sizes)
-        for d in range(len(sizes) - 1, -1, -1):
-            strides[d] = stride
-            stride *= sizes[d]
-        first = sum((x.offsets[d] - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
-        last = sum((x.offsets[d] + x.sizes[d] - 1 - s.box.offsets[d]) * strides[d] for d in range(len(sizes)))
+        rel = x.relative_to(s.box)
+        first = int(np.ravel_multi_index(rel.offsets, s.box.sizes))
+        last = int(np.ravel_multi_index(tuple(e - 1 for e in rel.ends), s.box.sizes))
         out.append((Path(s.path).name, s.storage_at + first * itemsize, (last - first + 1) * itemsize))
     return out
 

@@ -304,18 +304,12 @@ class StreamedStoreOutput(DistributedOutput):
 
 def _largest_item(plan: Any, owns: Callable[[int], bool]) -> int:
     """Bytes of the largest tensor item a worker that ``owns`` these target ranks writes (the rows a splice job reads)."""
+    from math import prod
+
     from reshard.model.dtypes import dtype_named
 
-    largest = 0
-    for t in plan.tensors:
-        size = dtype_named(t.dtype).itemsize
-        for rank, _offsets, sizes in t.chunks:
-            if owns(rank):
-                n = size
-                for d in sizes:
-                    n *= d
-                largest = max(largest, n)
-    return largest
+    return max((dtype_named(t.dtype).itemsize * prod(sizes) for t in plan.tensors
+                for rank, _offsets, sizes in t.chunks if owns(rank)), default=0)
 
 
 def _target_ranks(plan: Any) -> list[int]:

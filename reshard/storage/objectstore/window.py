@@ -144,10 +144,7 @@ class RangeWindow:
         """The unit registered under ``name``, once it is (a reader ahead of the registering thread waits)."""
         with self.cond:
             while name not in self.names:
-                if self.error is not None:
-                    raise self.error
-                if self.closed:
-                    raise RuntimeError("the read window was closed while a reader waited")
+                self._still_open()
                 self.cond.wait(1.0)
             return self.names.pop(name)
 
@@ -165,11 +162,15 @@ class RangeWindow:
         """Until every block of ``unit`` is on local disk; a fetch's error is raised here."""
         with self.cond:
             while not (unit.admitted and all(blk in self.present for blk in unit.blocks)):
-                if self.error is not None:
-                    raise self.error
-                if self.closed:
-                    raise RuntimeError("the read window was closed while a reader waited")
+                self._still_open()
                 self.cond.wait(1.0)
+
+    def _still_open(self) -> None:
+        """For a waiting reader (holding ``cond``): a fetch's error raised, or the window's closing."""
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise RuntimeError("the read window was closed while a reader waited")
 
     def release(self, unit: Unit) -> None:
         """``unit`` read: each block no other unit holds is punched out of its file. Idempotent."""
