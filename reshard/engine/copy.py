@@ -541,7 +541,10 @@ class CopyOutput(Output):
     def write(self, run: Run) -> None:
         from reshard.render.progress import phase_of
 
-        self._writer = w = DcpWriter(run.tmp, journal=self._journal)
+        watcher = self.watch(run) if self.watch is not None else None
+        self._writer = w = DcpWriter(run.tmp, journal=self._journal, observer=watcher)
+        if watcher is not None:
+            watcher.checksum_of = w.checksum_of  # read when an item's last byte is sent, after the writer filled it
         try:
             with phase_of(run.progress, self.phase, writing_bytes(run.plan, run.ix)) as bar:
                 write_items(run.plan, run.ix, w, bar, io=self.io, commit=False,

@@ -108,6 +108,10 @@ class Output:
     #: Called once the items are written, while the run goes on (`StoreOutput` starts the upload of the
     #: data files then, so it overlaps the verification); None: nothing.
     written: Optional[Callable[[Run], None]] = None
+    #: Called as the items start being written: a watcher of the writer (its ``reserved`` and ``filled``
+    #: items, `reshard.storage.checkpoints.dcp_writer.DcpWriter`'s observer) for an output that writes
+    #: through one (`StoreOutput` sends each data file's parts as soon as they are written); None: nothing.
+    watch: Optional[Callable[[Run], Any]] = None
     phase: ClassVar[str] = "writing"  # the progress phase of `write`
 
     # -- how steps run -------------------------------------------------------------------
@@ -246,6 +250,13 @@ def writing_bytes(plan: Plan, ix: CheckpointReader) -> int:
     """What the "writing" phase counts to: the logical bytes of the source keys the plan keeps."""
     left_out = {a.key for a in plan.keys if a.left_out}
     return sum(e.nbytes for key, e in ix.entries.items() if key not in left_out)
+
+
+def target_ranks(plan: Plan) -> list[int]:
+    """The target ranks that hold a data file of the output (every rank of the target world)."""
+    ranks = {int(r) for t in plan.tensors for r, _o, _s in t.chunks}
+    ranks |= {int(a.rank or 0) for a in plan.keys if not a.left_out}
+    return sorted(ranks)
 
 
 def check_tied_copies(run: Run) -> None:

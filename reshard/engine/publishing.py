@@ -10,6 +10,7 @@ call itself for a local destination.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
 from reshard.storage.objectstore import upload
+from reshard.storage.objectstore.stream import SpillStreamer
 from reshard.storage.files.atomic import fault_point
 from reshard.storage.files.integrity import check_items, item_bytes
 
@@ -28,6 +30,10 @@ if TYPE_CHECKING:
     from reshard.storage.source import Source
 
 __all__ = ["StoreOutput", "EarlyUpload", "export_into_store"]
+
+#: Parts of a single process's data files under way at once (`EarlyUpload.watch`): as many as
+#: `upload.Publisher.send_all` had (`upload.UPLOADERS` objects of `upload.PARTS_IN_FLIGHT` parts).
+STREAMED_IN_FLIGHT = 8
 
 
 @dataclass
@@ -61,7 +67,8 @@ class StoreOutput(Output):
                 stage.discard_output()
                 early = EarlyUpload(publisher) if type(self.inner).step is Output.step else None
                 inner = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url,
-                                written=early.start if early is not None else None)
+                                written=early.start if early is not None else None,
+                                watch=early.watch if early is not None else None)
                 try:
                     report = inner.around(plan, source, convert)
                 except BaseException:
@@ -78,25 +85,76 @@ class StoreOutput(Output):
 
 
 class EarlyUpload:
-    """The data files of a conversion bound for a store, uploaded as soon as they are written
-    (`Output.written`), while the run verifies the output, writes its manifest and reports and
-    commits it locally: by the time the local commit is made, most bytes are in the store, and
-    `upload.Publisher.finish` sends only the small files and `.metadata` (the commit) after them.
+    """The data files of a conversion bound for a store, sent while they are written: each file's
+    parts as soon as the writer has filled them (`watch`: a `SpillStreamer` that follows the writer
+    and leaves the stage whole), then, once every item is written (`Output.written`, `start`), each
+    file's last part and its upload completed, checked against the store's ETag and recorded
+    (`upload.Publisher.landed`), and any data file not streamed so sent whole; all while the run
+    verifies the output, writes its manifest and reports and commits it locally. By the time the local
+    commit is made, the data is in the store, and `upload.Publisher.finish` sends only the small files
+    and `.metadata` (the commit) after them.
 
-    Why it is safe: the objects go to their final names under the upload marker, and `.metadata`
-    goes only after the local output is verified and committed; a run refused, failed or killed
-    meanwhile commits nothing in the store (no `.metadata`), and its objects are recorded as this
-    machine's, so the rerun keeps or replaces them and nothing else there is touched. A data file
-    is final once written (the verification only reads it); a file changed after it was sent would
-    be sent again (`Publisher.send` compares its size and modification time)."""
+    Why it is safe: the objects go to their final names under the upload marker (put by `watch`,
+    before any), each name recorded as this machine's before its first request (`Publisher.intend`),
+    and `.metadata` goes only after the local output is verified and committed; a run refused,
+    failed or killed meanwhile commits nothing in the store (no `.metadata`). Its unfinished
+    multipart uploads are left for the rerun, which continues the newest of each recorded name
+    (keeping only the parts whose MD5, the store's ETag of the part, equals that of the bytes it
+    would send) and aborts the others. A data file is final once its items are filled (the
+    verification only reads it), and each part's items are CRC-32'd as sent against the writer's
+    record; a file changed after it was sent would be sent again (`Publisher.send` compares its size
+    and modification time)."""
 
     def __init__(self, publisher: upload.Publisher):
         self.publisher = publisher
+        self.streamer: Optional[SpillStreamer] = None
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
 
+    def watch(self, run: Any) -> SpillStreamer:
+        """The watcher of the writer of ``run`` (`Output.watch`), as the items start being written. The
+        files an interrupted upload already put are not followed (`send` keeps them if their bytes are
+        the same), and its unfinished uploads of names this machine recorded are continued."""
+        from reshard.engine.pipeline import target_ranks, writing_bytes
+
+        publisher = self.publisher
+        publisher.look()
+        bucket, prefix = publisher.base.split("/", 1)
+        files = max(1, len(target_ranks(run.plan)))
+        largest = writing_bytes(run.plan, run.ix) // files * 2 + (1 << 20)  # a file's bytes, with room for skew
+        self.streamer = SpillStreamer(publisher.fs, bucket, prefix, run.tmp, part=upload.send_part(largest),
+                                      budget=None, punch=False, in_flight=STREAMED_IN_FLIGHT,
+                                      resume_from=self._unfinished(bucket, prefix), on_part=fault_point,
+                                      before_upload=self._first_request,
+                                      skip=frozenset(t for t in publisher.recorded if publisher.may_keep(t)))
+        return self.streamer
+
+    def _first_request(self, name: str) -> None:
+        """Before the streamer's first request for ``name`` (on its one sender thread, or on the thread
+        of `_send` once the copy is over): the destination checked and the marker put on the first
+        (`Publisher.begin`: nothing is put in the store before a part is ready), the name recorded."""
+        self.publisher.begin()
+        self.publisher.intend(name)
+
+    def _unfinished(self, bucket: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+        """The unfinished multipart uploads of the names this machine recorded (an interrupted run's):
+        the newest of each, to continue; the older ones aborted. None listed where the store cannot
+        list them (the rerun then starts each upload anew)."""
+        from reshard.storage.objectstore.stream import abort_uploads, unfinished_uploads
+
+        fs, recorded = self.publisher.fs, self.publisher.recorded
+        try:
+            found = unfinished_uploads(fs, bucket, prefix + "/")
+        except Exception:  # noqa: BLE001 - a store without ListMultipartUploads: nothing to continue
+            return {}
+        ours = {k: v for k, v in found.items() if k.rsplit("/", 1)[-1] in recorded and k.startswith(prefix + "/")}
+        for v in ours.values():
+            abort_uploads(fs, bucket, v[:-1])
+        return {k: v[-1:] for k, v in ours.items()}
+
     def start(self, run: Any) -> None:
-        """Begin the upload of ``run.tmp``'s data files (`*.distcp`) in the background."""
+        """Every item is written: the streamed files finished and the rest of ``run.tmp``'s data files
+        (`*.distcp`) sent, in the background."""
         # opened now: the local commit renames their folder while they are read
         files = [(p.name, open(p, "rb")) for p in sorted(Path(run.tmp).glob("*.distcp"))]
         self.thread = threading.Thread(target=self._send, args=(files,), name="reshard-early-upload", daemon=True)
@@ -104,8 +162,16 @@ class EarlyUpload:
 
     def _send(self, files: list[tuple[str, BinaryIO]]) -> None:
         try:
+            if self.streamer is not None:
+                opened = dict(files)
+                objects = self.streamer.finish()  # its requests may begin the upload (`_first_request`)
+                self.streamer.close_readers()
+                for obj in objects:
+                    f = opened.get(obj.name)
+                    mtime = os.fstat(f.fileno()).st_mtime_ns if f is not None else 0
+                    self.publisher.landed(obj.name, upload.Sent(obj.size, mtime, obj.digests, obj.multipart, obj.crc32))
             self.publisher.begin()
-            self.publisher.send_all(files)
+            self.publisher.send_all(files)  # what was not streamed (a streamed file is done: skipped)
         except BaseException as exc:  # noqa: BLE001 - raised by `join`, on the run's thread
             self.error = exc
         finally:
@@ -113,10 +179,12 @@ class EarlyUpload:
                 f.close()
 
     def join(self, *, abandon: bool = False) -> None:
-        """Wait for it and raise its error; ``abandon`` (the run failed): no file more is begun, the
-        puts under way end, and its error is not raised (the run's own is)."""
+        """Wait for it and raise its error; ``abandon`` (the run failed): no part or file more is begun,
+        the puts under way end, and its error is not raised (the run's own is)."""
         if abandon:
             self.publisher.stopped = True
+            if self.streamer is not None:
+                self.streamer.stop()
         if self.thread is not None:
             self.thread.join()
         if self.error is not None and not abandon:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from reshard.engine.distributed import DistributedOutput
-from reshard.engine.pipeline import Output, Run
+from reshard.engine.pipeline import Output, Run, target_ranks
 
 __all__ = ["StreamedStoreOutput"]
 
@@ -103,7 +103,7 @@ class StreamedStoreOutput(DistributedOutput):
         from reshard.storage.checkpoints.dcp_writer import data_file_name
         from reshard.storage.objectstore.stream import abort_uploads, unfinished_uploads
 
-        names = [data_file_name(r) for r in _target_ranks(plan)]
+        names = [data_file_name(r) for r in target_ranks(plan)]
         with open(self._stage.uploads, "a") as log:
             for n in names:
                 log.write(json.dumps({"name": n, "intent": True}) + "\n")
@@ -189,8 +189,8 @@ class StreamedStoreOutput(DistributedOutput):
                                                     _largest_item(run.plan, self._owns) + READ_SLACK))
         fs, base = upload.destination(self.url)
         bucket, prefix = base.split("/", 1)
-        mine = [r for r in _target_ranks(run.plan) if self._owns(r)]
-        largest = writing_bytes(run.plan, run.ix) // max(1, len(_target_ranks(run.plan))) * 2 + (1 << 20)
+        mine = [r for r in target_ranks(run.plan) if self._owns(r)]
+        largest = writing_bytes(run.plan, run.ix) // max(1, len(target_ranks(run.plan))) * 2 + (1 << 20)
         copy_window = max(1 << 20, int((self.window - read_window) * COPY_SHARE))
         budget = self.window - read_window - copy_window
         part = part_size_for(budget, len(mine), largest)
@@ -310,13 +310,6 @@ def _largest_item(plan: Any, owns: Callable[[int], bool]) -> int:
 
     return max((dtype_named(t.dtype).itemsize * prod(sizes) for t in plan.tensors
                 for rank, _offsets, sizes in t.chunks if owns(rank)), default=0)
-
-
-def _target_ranks(plan: Any) -> list[int]:
-    """The target ranks that hold a data file of the output (every rank of the target world)."""
-    ranks = {int(r) for t in plan.tensors for r, _o, _s in t.chunks}
-    ranks |= {int(a.rank or 0) for a in plan.keys if not a.left_out}
-    return sorted(ranks)
 
 
 def _check_listing(listed: dict[str, dict[str, Any]], url: str, objects: list[dict[str, Any]]) -> int:

@@ -396,6 +396,7 @@ class DcpWriter:
         self._pending.discard(name)
         self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
         self._journal.kept_item(loc.file, loc.length)
+        self._kept(loc)
 
     def unproven(self, loc: ItemLocation, crc: int) -> None:
         """The candidate ``loc`` was not what the caller writes (its bytes as read have CRC-32 ``crc``):
@@ -671,7 +672,13 @@ class DcpWriter:
             return False
         self._checksums[f"{loc.file}:{loc.offset}"] = _crc_hex(crc)
         self._journal.kept_item(loc.file, loc.length)
+        self._kept(loc)
         return True
+
+    def _kept(self, loc: ItemLocation) -> None:
+        """A journaled item kept (its bytes on disk proven): final, as a filled one is, for the observer."""
+        if self._observer is not None:
+            self._observer.filled(loc.file, loc.offset, loc.length, True)
 
     def _write_blob(self, rank: int, blob: Any) -> ItemLocation:
         loc = self._reserve(rank, len(blob))

@@ -160,6 +160,8 @@ class _File:
         self.check_item = 0                  # index of the item the sent-bytes check is in
         self.check_crc = 0
         self.closed = False
+        self.declared = False                # its multipart upload declared CRC-32 (each part's checksum is sent)
+        self.opened = False                  # its interrupted upload looked for (`SpillStreamer._open`)
 
 
 class SpillStreamer:
@@ -171,10 +173,21 @@ class SpillStreamer:
     of an item, read when the item's last byte is sent. ``on_part(label)``: a hook the tests use to
     kill a worker at a chosen part."""
 
-    def __init__(self, fs: Any, bucket: str, prefix: str, directory: Path, *, part: int, budget: int,
-                 resume_from: Optional[dict[str, list[dict[str, Any]]]] = None, on_part: Any = None):
+    def __init__(self, fs: Any, bucket: str, prefix: str, directory: Path, *, part: int, budget: Optional[int],
+                 resume_from: Optional[dict[str, list[dict[str, Any]]]] = None, on_part: Any = None,
+                 punch: bool = True, in_flight: int = IN_FLIGHT, before_upload: Optional[Callable[[str], None]] = None,
+                 skip: frozenset[str] = frozenset()):
         self.fs, self.bucket, self.prefix, self.directory = fs, bucket, prefix.rstrip("/"), Path(directory)
         self.part, self.budget, self.on_part = part, budget, on_part
+        #: False: the files stay whole on disk (a single process's stage, committed locally and verified
+        #: there): parts are sent behind the writer but never punched, and the writer never waits
+        #: (``budget`` None)
+        self.punch, self.in_flight = punch, in_flight
+        #: called with a file's name before the first request that may leave an object or an upload of it in
+        #: the store (the caller records the name as its own first, so a rerun may replace it)
+        self.before_upload = before_upload
+        #: files not followed (an interrupted upload's object the caller may keep whole): never sent here
+        self.skip = skip
         #: ``(file, offset)`` -> the writer's CRC-32 of that item (`DcpWriter.checksum_of`), set once the
         #: writer this streamer watches exists
         self.checksum_of: Callable[[str, int], Optional[str]] = lambda _file, _offset: None
@@ -198,15 +211,20 @@ class SpillStreamer:
 
     # -- the writer's side ---------------------------------------------------------------------
     def reserved(self, file: str, offset: int, length: int) -> None:
+        if file in self.skip:
+            return
         with self.cond:
             f = self.files.get(file)
-            if f is None:
+            if f is None:  # opened now (read and write: `punch_hole` needs it): a local commit may rename the folder
                 f = self.files[file] = _File(file, self.directory / file)
+                f.fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
             f.items.append([offset, length, 0, 0])
 
     def filled(self, file: str, offset: int, length: int, spliced: bool) -> None:
         """An item's bytes are on disk: the file's final prefix may grow by parts; the caller waits
         while more than the budget is unsent and the sender has parts to send."""
+        if file in self.skip:
+            return
         with self.cond:
             self._raise()
             f = self.files[file]
@@ -216,7 +234,7 @@ class SpillStreamer:
                     break
             else:
                 return
-            if spliced and length <= SMALL_ITEM:  # read by every worker's verification (step counters): kept aside
+            if self.punch and spliced and length <= SMALL_ITEM:  # read by every worker's verification: kept aside
                 self.small.append((file, offset, os.pread(self._reader(f), length, offset)))
             self.unsent += length
             self.most_unsent = max(self.most_unsent, self.unsent)
@@ -227,7 +245,8 @@ class SpillStreamer:
                 self.queue.append((f, f.queued, f.queued + self.part, False))
                 f.queued += self.part
             self.cond.notify_all()
-            while self.unsent > self.budget and (self.queue or self._flying) and not self.error and not self.stopped:
+            while (self.budget is not None and self.unsent > self.budget and (self.queue or self._flying)
+                   and not self.error and not self.stopped):
                 self.cond.wait(0.5)
             self._raise()
 
@@ -289,7 +308,7 @@ class SpillStreamer:
             raise self.error
 
     def _sender(self) -> None:
-        flying: deque[tuple[_File, int, int, Any, bool, bool]] = deque()
+        flying: deque[tuple[_File, int, int, Any, bool, int, str]] = deque()
         try:
             while True:
                 with self.cond:
@@ -301,14 +320,16 @@ class SpillStreamer:
                         self.cond.wait(0.5)
                     if self.stopped:
                         return
-                    job = self.queue.popleft() if self.queue and len(flying) < IN_FLIGHT else None
+                    job = self.queue.popleft() if self.queue and len(flying) < self.in_flight else None
                     self._flying = len(flying) + (job is not None)
                 if job is not None:
                     f, start, end, last = job
                     got = self._send(f, start, end, last)
                     if got is not None:
                         flying.append(got)
-                    elif last:
+                    elif last:  # nothing more to send of it: completed once its parts in flight have landed
+                        while any(fl[0] is f for fl in flying):
+                            self._landed(*flying.popleft())
                         self._complete(f)
                     continue
                 fl = flying.popleft()
@@ -323,12 +344,14 @@ class SpillStreamer:
                 self.cond.notify_all()
 
     def _open(self, f: _File) -> None:
-        if f.fd is None:  # read and write: `punch_hole` needs a descriptor open for writing
-            f.fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        """Before ``f``'s first part: the upload an interrupted run left of it, to continue."""
+        if not f.opened:
+            f.opened = True
             key = f"{self.prefix}/{f.name}"
             earlier = self.resume_from.get(key)
             if earlier:
                 f.upload_id = earlier[-1]["UploadId"]
+                f.declared = earlier[-1].get("ChecksumAlgorithm") == "CRC32"
                 try:
                     f.old_parts = _parts_of(self.fs, self.bucket, key, f.upload_id)
                 except Exception:  # noqa: BLE001 - gone meanwhile: a new upload
@@ -338,8 +361,13 @@ class SpillStreamer:
         from fsspec.asyn import sync
 
         if f.upload_id is None:
-            f.upload_id = sync(self.fs.loop, self.fs._call_s3, "create_multipart_upload",
-                               Bucket=self.bucket, Key=f"{self.prefix}/{f.name}")["UploadId"]
+            if self.before_upload is not None:
+                self.before_upload(f.name)
+            # declared CRC-32, as each part's checksum is (`upload.crc_header`): the store keeps the parts' CRC-32s
+            # rather than hashing the whole object again at the completion with an algorithm of its choosing
+            f.upload_id = sync(self.fs.loop, self.fs._call_s3, "create_multipart_upload", Bucket=self.bucket,
+                               Key=f"{self.prefix}/{f.name}", ChecksumAlgorithm="CRC32")["UploadId"]
+            f.declared = True
         return f.upload_id
 
     def _check_sent(self, f: _File, start: int, data: memoryview) -> None:
@@ -376,18 +404,26 @@ class SpillStreamer:
 
         from reshard.storage.files.fileio import crc32
 
+        from reshard.storage.checkpoints.archive import crc32_combine
+        from reshard.storage.objectstore.upload import crc_header
+
         self._open(f)
-        data = memoryview(os.pread(f.fd, end - start, start)) if end > start else memoryview(b"")
+        body = os.pread(f.fd, end - start, start) if end > start else b""
+        data = memoryview(body)
         if len(data) != end - start:
             raise OSError(f"{f.path}: read {len(data)} of {end - start} bytes at {start}")
         self._check_sent(f, start, data)
-        f.obj.crc32 = crc32(data, f.obj.crc32)
+        part_crc = crc32(data)  # the part's, for its request; the object's composed from it (no second pass)
+        f.obj.crc32 = crc32_combine(f.obj.crc32, part_crc, len(data))
         f.obj.size = end
+        said = crc_header(part_crc)
         if last and not f.obj.digests and end <= self.part and not f.old_parts:  # a small file: one PUT
             f.obj.multipart = False
             f.obj.digests.append(hashlib.md5(data).digest())
+            if self.before_upload is not None:
+                self.before_upload(f.name)
             sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=self.bucket, Key=f"{self.prefix}/{f.name}",
-                 Body=bytes(data))
+                 Body=body, **said)
             f.obj.parts_sent += 1
             self._sent(f, start, end, punch=False)
             return None
@@ -398,19 +434,21 @@ class SpillStreamer:
         number = len(f.obj.digests)
         old = f.old_parts.get(number)
         if old is not None and old["Size"] == len(data) and old["ETag"] == md5.hex():
-            f.done_parts.append({"PartNumber": number, "ETag": '"' + md5.hex() + '"'})
+            f.done_parts.append({"PartNumber": number, "ETag": '"' + md5.hex() + '"', "ChecksumCRC32": said["ChecksumCRC32"]})
             f.obj.parts_kept += 1
             f.obj.bytes_kept += len(data)
             self._sent(f, start, end, punch=not last)
             return None
+        upload_id = self._upload_id(f)
         fut = asyncio.run_coroutine_threadsafe(
-            self.fs._call_s3("upload_part", Bucket=self.bucket, Key=f"{self.prefix}/{f.name}",
-                             UploadId=self._upload_id(f), PartNumber=number, Body=bytes(data)), self.fs.loop)
-        return (f, start, end, fut, last, number)
+            self.fs._call_s3("upload_part", Bucket=self.bucket, Key=f"{self.prefix}/{f.name}", UploadId=upload_id,
+                             PartNumber=number, Body=body, **(said if f.declared else {})), self.fs.loop)
+        del body, data
+        return (f, start, end, fut, last, number, said["ChecksumCRC32"])
 
-    def _landed(self, f: _File, start: int, end: int, fut: Any, last: bool, number: int) -> None:
+    def _landed(self, f: _File, start: int, end: int, fut: Any, last: bool, number: int, sent_crc: str) -> None:
         got = fut.result()
-        f.done_parts.append({"PartNumber": number, "ETag": got["ETag"]})
+        f.done_parts.append({"PartNumber": number, "ETag": got["ETag"], "ChecksumCRC32": got.get("ChecksumCRC32") or sent_crc})
         f.obj.parts_sent += 1
         if self.on_part is not None:
             self.on_part(f"part {f.name} {number}")
@@ -422,7 +460,8 @@ class SpillStreamer:
         from fsspec.asyn import sync
 
         if f.obj.multipart and f.upload_id is not None:
-            parts = sorted(f.done_parts, key=lambda p: p["PartNumber"])
+            parts = sorted(({k: v for k, v in p.items() if k != "ChecksumCRC32" or f.declared} for p in f.done_parts),
+                           key=lambda p: p["PartNumber"])
             sync(self.fs.loop, self.fs._call_s3, "complete_multipart_upload", Bucket=self.bucket,
                  Key=f"{self.prefix}/{f.name}", UploadId=f.upload_id, MultipartUpload={"Parts": parts})
         if f.fd is not None:
@@ -434,11 +473,13 @@ class SpillStreamer:
 
     def _sent(self, f: _File, start: int, end: int, *, punch: bool) -> None:
         """Part ``[start, end)`` is in the store: punched out of the spill file unless an item in it is
-        read again by the verification (not spliced)."""
+        read again by the verification (not spliced), or the files stay whole (``punch`` False)."""
         keep = any(not it[3] for it in f.items if it[0] < end and it[0] + it[1] > start)
-        disk = self._disk()
-        with self.cond:
-            self.peak_disk = max(self.peak_disk, disk)
+        if self.punch:
+            disk = self._disk()
+            with self.cond:
+                self.peak_disk = max(self.peak_disk, disk)
+        punch = punch and self.punch
         if punch and not keep:
             if punch_hole(f.fd, start, end - start):
                 self.punched += end - start

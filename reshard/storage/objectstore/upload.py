@@ -30,7 +30,7 @@ from reshard.storage.objectstore.remote import DATA_SUFFIX, METADATA_FILE, Count
 
 __all__ = ["destination", "listing", "UPLOAD_MARKER", "STAGING_ENV", "PROBE_PREFIX", "ENTRY_FILES", "Stage", "Published", "staging_root",
            "stage_folder", "staged_output", "committed_at", "timed_put", "tree_bytes", "upload_order", "etag_matches",
-           "etag_verdict", "part_bytes", "Sent", "Publisher", "publish"]
+           "etag_verdict", "part_bytes", "crc_header", "Sent", "Publisher", "publish"]
 
 
 #: Written first under a destination prefix and removed after `.metadata`: the prefix holds an
@@ -350,7 +350,7 @@ def _file_crc(f: BinaryIO) -> int:
     return crc
 
 
-def _crc_header(crc: int) -> dict[str, str]:
+def crc_header(crc: int) -> dict[str, str]:
     """The request parameters that hand the store the CRC-32 of a request's body, as botocore sends it
     (``x-amz-checksum-crc32``, base64 of the big-endian value, and the algorithm's name): the store still
     checks the body against it, and botocore, finding the checksum given, does not compute it again."""
@@ -463,7 +463,7 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
     if size <= SEND_PART:
         data = f.read()
         crc, digests = crc32(data), [hashlib.md5(data).digest()]
-        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **_crc_header(crc))
+        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **crc_header(crc))
         counted.add(len(data))
         return Sent(size, st.st_mtime_ns, digests, False, crc)
     # declared CRC-32, as the parts' checksums are: the store then keeps the parts' CRC-32s (a composite
@@ -482,7 +482,7 @@ def _put_digesting(fs: Any, f: BinaryIO, bucket: str, key: str, counted: Any) ->
             block_crc = crc32(block)  # the part's, for its request; the whole file's composed from it (no second pass)
             crc = crc32_combine(crc, block_crc, len(block))
             digests.append(hashlib.md5(block).digest())
-            said = _crc_header(block_crc)
+            said = crc_header(block_crc)
             fut = asyncio.run_coroutine_threadsafe(
                 fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
                             PartNumber=len(digests), Body=block, **said), fs.loop)
@@ -554,8 +554,7 @@ class Publisher:
         if self.begun:
             return
         url = self.stage.url
-        self.there = listing(self.fs, self.base, url)
-        self.recorded = self.stage.recorded()
+        self.look()
         foreign = self.stage.foreign(self.there)
         if foreign:  # appeared since `staged_output` looked, or a stage made elsewhere: not ours to delete or overwrite
             raise BadInput(f"the destination prefix holds {len(foreign)} objects no upload of this machine recorded "
@@ -578,6 +577,11 @@ class Publisher:
         self.begun = True
         if self.on_event is not None:
             self.on_event(f"upload {UPLOAD_MARKER}")
+
+    def look(self) -> None:
+        """What the destination lists now (``there``) and what this machine's record names (``recorded``)."""
+        self.there = listing(self.fs, self.base, self.stage.url)
+        self.recorded = self.stage.recorded()
 
     def send_all(self, files: list[tuple[str, Path | BinaryIO]], *, at_once: int = UPLOADERS) -> None:
         """`send` of each ``(tail, path or open file)``, at most ``at_once`` at a time; the first error is raised."""
@@ -620,12 +624,28 @@ class Publisher:
             with self.lock:
                 self.done[tail] = (st.st_size, st.st_mtime_ns)
             return
+        with self._errors():
+            self.intend(tail)  # a kill after the put leaves it ours
+            bucket, obj, _v = self.fs.split_path(f"{self.base}/{tail}")
+            self.landed(tail, _put_digesting(self.fs, path, bucket, obj, self.progress))
+
+    def intend(self, tail: str) -> None:
+        """Record ``tail`` as this machine's before any request that may leave its object (or an
+        unfinished upload of it) in the store, so a rerun may replace it (thread-safe)."""
+        import json
+
+        with self._errors(), self.lock, open(self.stage.uploads, "a") as log:
+            log.write(json.dumps({"name": tail, "intent": True}) + "\n")
+
+    def landed(self, tail: str, got: Sent) -> None:
+        """``got``, an object put at ``tail`` (by `send`, or streamed behind the writer by
+        `reshard.storage.objectstore.stream.SpillStreamer`), checked against the ETag and size the store
+        lists for it and recorded for a rerun (its local file's size, modification time and CRC-32,
+        the store's version tag); a difference is an error, nothing committed (thread-safe)."""
+        import json
+
         key, url = f"{self.base}/{tail}", self.stage.url
         with self._errors():
-            with self.lock, open(self.stage.uploads, "a") as log:  # a kill after the put leaves it ours
-                log.write(json.dumps({"name": tail, "intent": True}) + "\n")
-            bucket, obj, _v = self.fs.split_path(key)
-            got = _put_digesting(self.fs, path, bucket, obj, self.progress)
             self.sent.add(tail, got.size)
             self.fs.invalidate_cache(key)
             info = self.fs.info(key)
@@ -674,14 +694,20 @@ class Publisher:
         return Published(self.sent, self.kept, self.checked, self.unchecked)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _unchanged(self, tail: str, f: BinaryIO, st: os.stat_result) -> bool:
-        """An object an interrupted upload put: listed with the size and tag recorded, from a local
-        file with the same modification time, else the same CRC-32 (an export made again writes the
-        same bytes at a new time). `.metadata` is always sent again (it is the commit)."""
+    def may_keep(self, tail: str) -> bool:
+        """Whether an interrupted upload put ``tail`` and the store still lists it with the size and tag
+        recorded (after `begin`): `send` then keeps it if the local file is the same. `.metadata` is
+        always sent again (it is the commit)."""
         r, info = self.recorded.get(tail), self.there.get(tail)
-        if (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
-                or not r.get("size") == st.st_size == int(info.get("size") or -1)):
+        return not (r is None or info is None or tail == METADATA_FILE or r.get("tag") != version_tag(info)
+                    or r.get("size") != int(info.get("size") or -1))
+
+    def _unchanged(self, tail: str, f: BinaryIO, st: os.stat_result) -> bool:
+        """An object an interrupted upload put (`may_keep`) from a local file of its size with the same
+        modification time, else the same CRC-32 (an export made again writes the same bytes at a new time)."""
+        if not self.may_keep(tail) or self.recorded[tail].get("size") != st.st_size:
             return False
+        r = self.recorded[tail]
         return r.get("mtime_ns") == st.st_mtime_ns or r.get("crc32") == _file_crc(f)
 
     @contextmanager
