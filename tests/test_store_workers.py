@@ -19,6 +19,9 @@ starts torchrun inside the command; two torchrun agents with a c10d rendezvous s
   the other node exits non-zero with one paragraph naming worker 1; the same two commands again
   resume, keep the parts worker 1 had sent (proven by their MD5) and commit the bytes a single
   process writes.
+- `test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_continues` (issue 45): one
+  process, no ``--workers``: the data files' parts go while the copy still writes, the rerun of a run
+  killed mid-copy resumes its journal and continues its multipart uploads, keeping the proven parts.
 """
 from __future__ import annotations
 
@@ -339,3 +342,50 @@ def test_a_corrupt_source_item_in_the_store_is_named_there_and_nothing_is_commit
     assert f"{src}/__1_0.distcp" in err and "fails its CRC-32" in err, err
     assert "reads-" not in err, err
     assert ".metadata" not in s3.keys("w2/corrupt-out")
+
+
+def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_continues(s3, big_ckpt, staging, tmp_path,
+                                                                                    monkeypatch):
+    """`convert LOCAL s3://...` in one process (issue 45): each data file's parts go while the copy is
+    still writing (paused after 12 of its 20 items, a part lands before the last item is written), every
+    item checked as sent, the objects the local conversion's bytes, checked by ETag. SIGKILLed mid-copy
+    once its first part is in the store, the same command resumes the copy from its journal (items
+    kept, each proven) and continues that multipart upload: the part is kept (its MD5 equals that of
+    the bytes it would send), the rest sent, the result again the local conversion's bytes, and no
+    multipart upload is left unfinished."""
+    import forked
+
+    local, seen = tmp_path / "local", tmp_path / "local-events"
+    monkeypatch.setenv("RESHARD_FAULT_COUNT", str(seen))
+    code, _o, err = cli(["convert", big_ckpt, local, "--to", "dp=2", "--quiet"])
+    assert code == 0, err
+    twelfth = [x for x in (ln.split(" ", 1)[1] for ln in seen.read_text().splitlines()) if x.startswith("item ")][11]
+    events = tmp_path / "events"
+    monkeypatch.setenv("RESHARD_FAULT_COUNT", str(events))
+    monkeypatch.setenv("RESHARD_FAULT_SLEEP_AT", f"{twelfth}:2")  # the copy paused after 12 of its 20 items
+    code, out, err = cli(["convert", big_ckpt, s3.url("one/a"), "--to", "dp=2", "--quiet", "--json"])
+    assert code == 0, err
+    monkeypatch.delenv("RESHARD_FAULT_COUNT")
+    monkeypatch.delenv("RESHARD_FAULT_SLEEP_AT")
+    up = json.loads(out)["uploaded"]
+    streamed = up["streamed"]
+    assert streamed["objects"] == 2 and streamed["parts_sent"] >= 4 and streamed["items_checked_as_sent"] >= 10, up
+    assert up["checked_by_etag"] == up["objects"] and up["not_checked"] == 0, up
+    labels = [ln.split(" ", 1)[1] for ln in events.read_text().splitlines()]
+    items = [i for i, x in enumerate(labels) if x.startswith("item ")]
+    parts = [i for i, x in enumerate(labels) if x.startswith("part ")]
+    assert parts and items and parts[0] < items[-1], labels  # sent while the copy still wrote
+    _same_as_local(s3, "one/a", local)
+
+    argv = ["convert", big_ckpt, s3.url("one/b"), "--to", "dp=2", "--quiet"]
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_SLEEP_AT": f"{twelfth}:2",  # killed mid-copy
+                              "RESHARD_FAULT_KILL_AT": "part __0_0.distcp 1"})
+    assert r.returncode == -9, r.stderr
+    assert ".metadata" not in s3.keys("one/b")
+    code, out, err = cli([*argv, "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["uploaded"]["streamed"]["parts_kept"] >= 1, report["uploaded"]
+    assert report["resume"]["resumed"] and report["resume"]["items_kept"] >= 1, report["resume"]  # the journal's
+    _same_as_local(s3, "one/b", local)
+    assert not s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix="one/").get("Uploads")

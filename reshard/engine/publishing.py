@@ -21,7 +21,7 @@ from reshard.engine.resume import resume_key
 from reshard.planning.describe import inspect_checkpoint
 from reshard.render.progress import phase_of
 from reshard.storage.objectstore import upload
-from reshard.storage.objectstore.stream import SpillStreamer
+from reshard.storage.objectstore.stream import SpillStreamer, StreamedObject
 from reshard.storage.files.atomic import fault_point
 from reshard.storage.files.integrity import check_items, item_bytes
 
@@ -81,6 +81,8 @@ class StoreOutput(Output):
                     return report  # a worker that does not commit: worker 0 uploads
                 stage.record_converted(resume_key(plan, source).to_dict(), report)
             _upload(publisher, report, self.progress)
+            if early is not None and early.objects:
+                report["uploaded"]["streamed"] = early.summary()
         return report
 
 
@@ -108,6 +110,7 @@ class EarlyUpload:
     def __init__(self, publisher: upload.Publisher):
         self.publisher = publisher
         self.streamer: Optional[SpillStreamer] = None
+        self.objects: list[StreamedObject] = []  # the files streamed, once finished
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
 
@@ -164,7 +167,7 @@ class EarlyUpload:
         try:
             if self.streamer is not None:
                 opened = dict(files)
-                objects = self.streamer.finish()  # its requests may begin the upload (`_first_request`)
+                self.objects = objects = self.streamer.finish()  # its requests may begin the upload (`_first_request`)
                 self.streamer.close_readers()
                 for obj in objects:
                     f = opened.get(obj.name)
@@ -177,6 +180,16 @@ class EarlyUpload:
         finally:
             for _name, f in files:
                 f.close()
+
+    def summary(self) -> dict[str, Any]:
+        """What the report says of the files streamed behind the writer."""
+        o = self.objects
+        return {"objects": len(o), "parts_sent": sum(x.parts_sent for x in o),
+                "parts_kept": sum(x.parts_kept for x in o), "bytes_kept": sum(x.bytes_kept for x in o),
+                "items_checked_as_sent": sum(x.items_checked for x in o),
+                "note": "each data file's parts sent while the copy wrote the rest, each item's bytes as sent CRC-32'd "
+                        "against the writer's record; parts_kept: parts an interrupted run had sent, kept because "
+                        "their MD5 (the store's ETag of the part) equals that of the bytes this run would send"}
 
     def join(self, *, abandon: bool = False) -> None:
         """Wait for it and raise its error; ``abandon`` (the run failed): no part or file more is begun,

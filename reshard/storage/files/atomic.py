@@ -144,7 +144,7 @@ def fault_point(label: str) -> int:
             f.write(f"{n} {label}\n")
     pause = env.get(FAULT_SLEEP_ENV)
     if pause:
-        at, _, secs = pause.partition(":")
+        at, _, secs = pause.rpartition(":")  # a label may hold colons (item FILE:OFFSET)
         if at.strip() in (str(n), label):
             time.sleep(float(secs or 1))
     kill = env.get(FAULT_KILL_ENV)
