@@ -63,6 +63,7 @@ class StoreOutput(Output):
                 earlier = None  # another conversion (plan, source or versions differ) waits there: made anew
             report = _taken_again(stage, earlier["report"], self.progress) if earlier is not None else None
             publisher = upload.Publisher(stage, on_event=fault_point)
+            early: Optional[EarlyUpload] = None
             if report is None:
                 stage.discard_output()
                 early = EarlyUpload(publisher) if type(self.inner).step is Output.step else None
