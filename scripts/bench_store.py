@@ -284,6 +284,40 @@ def helper(a, srv: Server, code: str, *args: str) -> str:
     return r.stdout
 
 
+def timeline(argv: list[str], env: dict, srv: Server, cwd: Path, timeout: float, every: float = 0.25) -> dict:
+    """``argv`` run once more, the client's and the server's CPU sampled every ``every`` s (`/proc/PID/stat`):
+    how long the client ran alone before the server had work (``head_s``: until the server first used a
+    fifth of a CPU), how long the server ran alone after the client's last busy sample (``tail_s``), and
+    the series (seconds from the start, client and server CPUs used in the interval)."""
+    tck = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / tck
+
+    t0, s0 = time.monotonic(), srv.cpu_s()
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    series, last = [], (0.0, 0.0, s0)
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        time.sleep(every)
+        t, c, sv = time.monotonic() - t0, cpu(proc.pid), srv.cpu_s()
+        if c is None:
+            break
+        dt = t - last[0]
+        series.append((round(t, 2), round((c - last[1]) / dt, 2), round((sv - last[2]) / dt, 2)))
+        last = (t, c, sv)
+    code = proc.wait()
+    wall = time.monotonic() - t0
+    busy_server = [t for t, _c, sv in series if sv >= 0.2]
+    busy_client = [t for t, c, _s in series if c >= 0.2]
+    return {"exit": code, "wall_s": round(wall, 2), "head_s": busy_server[0] - every if busy_server else None,
+            "tail_s": round(wall - busy_client[-1], 2) if busy_client else None,
+            "series": series}
+
+
 def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     local = work / "src"
     rows_, cols_ = a.shape
@@ -307,6 +341,7 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
         names.insert(1, "s2s_base")
     rows: dict[str, list[dict]] = {k: [] for k in names}
     identical = None
+    timelines: list[dict] = []
     out, dl = work / "out", work / "download"
 
     def timed(name: str, argv: list[str], env: dict, i: int) -> dict:
@@ -342,6 +377,12 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
             r = timed("s2s_threads", [a.python, "-c", THREADS_CODE, "convert", src, f"s3://{BUCKET}/dst", *conv],
                       dict(env_tree, BENCH_THREADS_OUT=str(said)), i)
             r["threads"] = json.loads(said.read_text()) if r["exit"] == 0 and said.is_file() else None
+        if a.timeline:  # apart from the rows above: the same command, client and server CPU sampled over time
+            helper(a, srv, EMPTY_CODE, BUCKET, "dst")
+            tl = timeline([*rsh, src, f"s3://{BUCKET}/dst", *conv], env_tree, srv, work, a.timeout)
+            timelines.append(tl)
+            print(f"  [{i + 1}/{a.runs}] timeline: {tl['wall_s']} s, client alone at the start {tl['head_s']} s, "
+                  f"server alone at the end {tl['tail_s']} s, exit {tl['exit']}", file=sys.stderr, flush=True)
         if identical is not None and "local" not in identical and lo["exit"] == 0:
             identical["local"] = digest_outputs(out)
             identical["equal"] = identical["store"] == identical["local"]
@@ -354,7 +395,7 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
     if identical is None or not identical.get("equal"):
         problems.append("the store-to-store output was not shown byte-identical to the local conversion's")
     return {"ranks": a.ranks, "tensors": a.tensors, "shape": [rows_, cols_], "to": to, "build": facts, "upload": up,
-            "bytes_on_disk": dir_bytes(local), "identical_to_local": identical,
+            "bytes_on_disk": dir_bytes(local), "identical_to_local": identical, "timelines": timelines,
             "rows": {k: summary(v) for k, v in rows.items()}}
 
 
@@ -404,6 +445,20 @@ def markdown(rep: dict) -> str:
             cells = [(f"{t[k]['user_s'] + t[k]['sys_s']:.2f} ({t[k]['user_s']:.2f} + {t[k]['sys_s']:.2f})" if k in t else "-")
                      for t in sampled]
             lines.append(f"| `{k}` x{max(t.get(k, {}).get('threads', 0) for t in sampled)} | " + " | ".join(cells) + " |")
+    tls = [t for t in b.get("timelines", []) if t["exit"] == 0 and t["head_s"] is not None and t["tail_s"] is not None]
+    if tls:
+        up = rows["naive_upload"]["runs"]
+        lines += ["", "Timeline of the store-to-store command (`--timeline`, client and server CPU sampled every 0.25 s), per "
+                  "round: wall; the client alone before the server first used a fifth of a CPU (head); the server alone "
+                  "after the client's last busy sample (tail); the naive route's upload in the same round (the server "
+                  "taking the same GiB); 0.7x the naive route's wall:", "",
+                  "| round | wall (s) | head (s) | tail (s) | naive upload (s) | head + naive upload (s) | 0.7x naive route (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for i, t in enumerate(tls):
+            u = up[i]["wall_s"] if i < len(up) else None
+            n = naive["runs"][i]["wall_s"] if i < len(naive["runs"]) else None
+            lines.append(f"| {i + 1} | {t['wall_s']:.2f} | {t['head_s']:.2f} | {t['tail_s']:.2f} | {f(u)} | "
+                         f"{f(t['head_s'] + u if u is not None else None)} | {f(0.7 * n if n is not None else None)} |")
     ident = b["identical_to_local"] or {}
     lines.append(f"Objects committed by the store-to-store conversion against the local conversion's files "
                  f"(`.metadata` and data, {ident.get('files', 0)} files): "
@@ -427,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3rver", default=None, help="path of the s3rver binary (" + S3RVER_INSTALL + ")")
     ap.add_argument("--threads", action="store_true", help="after each round, the store-to-store command again with "
                     "each thread's CPU sampled (a row of its own, not in the ratios)")
+    ap.add_argument("--timeline", action="store_true", help="after each round, the store-to-store command again with "
+                    "the client's and the server's CPU sampled over time (not in the ratios)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--tmp", default=None)
