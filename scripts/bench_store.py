@@ -47,6 +47,12 @@ Usage::
     PYTHONPATH=. .venv/bin/python scripts/bench_store.py --runs 3 --base-tree /work/main
     PYTHONPATH=. .venv/bin/python scripts/bench_store.py --quick      # 4 ranks x 4 x 1024x1024, 1 round
     PYTHONPATH=. .venv/bin/python scripts/bench_store.py --server s3rver --s3rver DIR/node_modules/.bin/s3rver
+    PYTHONPATH=. .venv/bin/python scripts/bench_store.py --runs 2 --timeline   # where the wall goes
+
+``--threads`` runs the store-to-store command once more per round with each thread's CPU sampled;
+``--timeline`` once more with the client's and the server's CPU sampled every 0.25 s: how long the
+client runs alone before the server has work (the head), how long the server is busy from then on
+and how much of that the client waits for it (neither row is in the ratios).
 
 Writes ``bench_store.md`` (also printed) and ``bench_store.json`` into ``--out``. Exit 2 if the
 checkpoint could not be built or uploaded, a measured command failed or the outputs differ.
@@ -310,12 +316,25 @@ def timeline(argv: list[str], env: dict, srv: Server, cwd: Path, timeout: float,
         series.append((round(t, 2), round((c - last[1]) / dt, 2), round((sv - last[2]) / dt, 2)))
         last = (t, c, sv)
     code = proc.wait()
-    wall = time.monotonic() - t0
-    busy_server = [t for t, _c, sv in series if sv >= 0.2]
-    busy_client = [t for t, c, _s in series if c >= 0.2]
-    return {"exit": code, "wall_s": round(wall, 2), "head_s": busy_server[0] - every if busy_server else None,
-            "tail_s": round(wall - busy_client[-1], 2) if busy_client else None,
-            "series": series}
+    return dict(spans(series), exit=code, wall_s=round(time.monotonic() - t0, 2), server_cpu_s=round(srv.cpu_s() - s0, 2),
+                series=series)
+
+
+def spans(series: list) -> dict:
+    """Of a `timeline` series ``(t, client CPUs, server CPUs)``: the head (the client alone until the server
+    first used a fifth of a CPU), the server's busy span (from then to its last such sample) and the
+    time within it the client was idle (under a fifth of a CPU) while the server worked; the server's CPU
+    as sampled."""
+    used = round(sum(sv * (t - (series[i - 1][0] if i else 0.0)) for i, (t, _c, sv) in enumerate(series)), 2)
+    busy = [i for i, (_t, _c, sv) in enumerate(series) if sv >= 0.2]
+    if not busy:
+        return {"head_s": None, "server_busy_s": None, "server_alone_s": None, "server_cpu_s": used}
+    first, last = busy[0], busy[-1]
+    start = series[first - 1][0] if first else 0.0
+    alone = sum(series[i][0] - (series[i - 1][0] if i else 0.0)
+                for i in range(first, last + 1) if series[i][1] < 0.2 and series[i][2] >= 0.2)
+    return {"head_s": round(start, 2), "server_busy_s": round(series[last][0] - start, 2), "server_alone_s": round(alone, 2),
+            "server_cpu_s": used}
 
 
 def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
@@ -382,7 +401,8 @@ def rows_of(a, srv: Server, work: Path, problems: list[str]) -> dict | None:
             tl = timeline([*rsh, src, f"s3://{BUCKET}/dst", *conv], env_tree, srv, work, a.timeout)
             timelines.append(tl)
             print(f"  [{i + 1}/{a.runs}] timeline: {tl['wall_s']} s, client alone at the start {tl['head_s']} s, "
-                  f"server alone at the end {tl['tail_s']} s, exit {tl['exit']}", file=sys.stderr, flush=True)
+                  f"server busy {tl['server_busy_s']} s, {tl['server_alone_s']} s of it alone, exit {tl['exit']}",
+                  file=sys.stderr, flush=True)
         if identical is not None and "local" not in identical and lo["exit"] == 0:
             identical["local"] = digest_outputs(out)
             identical["equal"] = identical["store"] == identical["local"]
@@ -445,20 +465,18 @@ def markdown(rep: dict) -> str:
             cells = [(f"{t[k]['user_s'] + t[k]['sys_s']:.2f} ({t[k]['user_s']:.2f} + {t[k]['sys_s']:.2f})" if k in t else "-")
                      for t in sampled]
             lines.append(f"| `{k}` x{max(t.get(k, {}).get('threads', 0) for t in sampled)} | " + " | ".join(cells) + " |")
-    tls = [t for t in b.get("timelines", []) if t["exit"] == 0 and t["head_s"] is not None and t["tail_s"] is not None]
+    tls = [dict(spans(t["series"]), **t) for t in b.get("timelines", []) if t["exit"] == 0]
     if tls:
-        up = rows["naive_upload"]["runs"]
         lines += ["", "Timeline of the store-to-store command (`--timeline`, client and server CPU sampled every 0.25 s), per "
-                  "round: wall; the client alone before the server first used a fifth of a CPU (head); the server alone "
-                  "after the client's last busy sample (tail); the naive route's upload in the same round (the server "
-                  "taking the same GiB); 0.7x the naive route's wall:", "",
-                  "| round | wall (s) | head (s) | tail (s) | naive upload (s) | head + naive upload (s) | 0.7x naive route (s) |",
+                  "round: its wall; the client alone before the server first used a fifth of a CPU (head); the span the "
+                  "server was busy from then on, and the part of it the client was idle; the server's CPU in the run; "
+                  "0.7x the naive route's wall in the same round:", "",
+                  "| round | wall (s) | head (s) | server busy (s) | of it, the client idle (s) | server CPU (s) | 0.7x naive route (s) |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for i, t in enumerate(tls):
-            u = up[i]["wall_s"] if i < len(up) else None
             n = naive["runs"][i]["wall_s"] if i < len(naive["runs"]) else None
-            lines.append(f"| {i + 1} | {t['wall_s']:.2f} | {t['head_s']:.2f} | {t['tail_s']:.2f} | {f(u)} | "
-                         f"{f(t['head_s'] + u if u is not None else None)} | {f(0.7 * n if n is not None else None)} |")
+            lines.append(f"| {i + 1} | {t['wall_s']:.2f} | {f(t['head_s'])} | {f(t['server_busy_s'])} | "
+                         f"{f(t['server_alone_s'])} | {f(t.get('server_cpu_s'))} | {f(0.7 * n if n is not None else None)} |")
     ident = b["identical_to_local"] or {}
     lines.append(f"Objects committed by the store-to-store conversion against the local conversion's files "
                  f"(`.metadata` and data, {ident.get('files', 0)} files): "

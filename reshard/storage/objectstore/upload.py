@@ -611,8 +611,6 @@ class Publisher:
         if isinstance(path, Path):
             with open(path, "rb") as f:
                 return self.send(tail, f)
-        import json
-
         check_key_tail(tail, where=self.stage.url)
         st = os.fstat(path.fileno())
         with self.lock:
