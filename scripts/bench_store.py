@@ -471,7 +471,7 @@ def markdown(rep: dict) -> str:
                   "round: its wall; the client alone before the server first used a fifth of a CPU (head); the span the "
                   "server was busy from then on, and the part of it the client was idle; the server's CPU in the run; "
                   "0.7x the naive route's wall in the same round:", "",
-                  "| round | wall (s) | head (s) | server busy (s) | of it, the client idle (s) | server CPU (s) | 0.7x naive route (s) |",
+                  "| round | wall (s) | head (s) | server busy (s) | of it, the client idle (s) | server CPU, sampled (s) | 0.7x naive route (s) |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for i, t in enumerate(tls):
             n = naive["runs"][i]["wall_s"] if i < len(naive["runs"]) else None
