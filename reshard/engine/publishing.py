@@ -97,8 +97,8 @@ class EarlyUpload:
     commit is made, the data is in the store, and `upload.Publisher.finish` sends only the small files
     and `.metadata` (the commit) after them.
 
-    Why it is safe: the objects go to their final names under the upload marker (put by `watch`,
-    before any), each name recorded as this machine's before its first request (`Publisher.intend`),
+    Why it is safe: the objects go to their final names under the upload marker (put before the
+    first request, `_first_request`), each name recorded as this machine's before its first request (`Publisher.intend`),
     and `.metadata` goes only after the local output is verified and committed; a run refused,
     failed or killed meanwhile commits nothing in the store (no `.metadata`). Its unfinished
     multipart uploads are left for the rerun, which continues the newest of each recorded name
@@ -151,7 +151,7 @@ class EarlyUpload:
             found = unfinished_uploads(fs, bucket, prefix + "/")
         except Exception:  # noqa: BLE001 - a store without ListMultipartUploads: nothing to continue
             return {}
-        ours = {k: v for k, v in found.items() if k.rsplit("/", 1)[-1] in recorded and k.startswith(prefix + "/")}
+        ours = {k: v for k, v in found.items() if k.startswith(prefix + "/") and k[len(prefix) + 1:] in recorded}
         for v in ours.values():
             abort_uploads(fs, bucket, v[:-1])
         return {k: v[-1:] for k, v in ours.items()}

@@ -304,8 +304,16 @@ class SpillStreamer:
 
     # -- the sender ------------------------------------------------------------------------------
     def _raise(self) -> None:
-        if self.error is not None:
+        """The sender's error, on the writer's thread: the store's own errors in one paragraph naming the prefix."""
+        from reshard.errors import BadInput, ReshardError
+
+        if self.error is None:
+            return
+        if isinstance(self.error, (ReshardError, OSError)):
             raise self.error
+        raise BadInput(f"the upload failed: {type(self.error).__name__}: {self.error}",
+                       where=f"s3://{self.bucket}/{self.prefix}",
+                       hint="Nothing is committed there; run the same command again (it resumes).") from self.error
 
     def _sender(self) -> None:
         flying: deque[tuple[_File, int, int, Any, bool, int, str]] = deque()
