@@ -386,6 +386,10 @@ def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_conti
     assert code == 0, err
     report = json.loads(out)
     assert report["uploaded"]["streamed"]["parts_kept"] >= 1, report["uploaded"]
+    from reshard.render.report import store_lines
+
+    said = [ln for ln in store_lines(report) if ln.startswith("streamed")]
+    assert said and "kept from the interrupted upload" in said[0], store_lines(report)
     assert report["resume"]["resumed"] and report["resume"]["items_kept"] >= 1, report["resume"]  # the journal's
     _same_as_local(s3, "one/b", local)
     assert not s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix="one/").get("Uploads")

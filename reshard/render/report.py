@@ -415,6 +415,12 @@ def store_lines(r: dict[str, Any]) -> list[str]:
         out.append(f"uploaded    {human_bytes(up['bytes'])} in {up['objects']} objects ({checked})"
                    + (f"; {kept['objects']} objects ({human_bytes(kept['bytes'])}) already there from the interrupted "
                       "upload, kept" if kept["objects"] else ""))
+        streamed = up.get("streamed")
+        if streamed:
+            out.append(f"streamed    {streamed['parts_sent']} parts of {streamed['objects']} data files sent while the copy "
+                       f"wrote, {streamed['items_checked_as_sent']} items checked as sent against their CRC-32"
+                       + (f"; {streamed['parts_kept']} parts ({human_bytes(streamed['bytes_kept'])}) kept from the "
+                          "interrupted upload (their MD5 the same)" if streamed["parts_kept"] else ""))
     return out
 
 
