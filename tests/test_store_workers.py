@@ -352,7 +352,8 @@ def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_conti
     once its first part is in the store, the same command resumes the copy from its journal (items
     kept, each proven) and continues that multipart upload: the part is kept (its MD5 equals that of
     the bytes it would send), the rest sent, the result again the local conversion's bytes, and no
-    multipart upload is left unfinished."""
+    multipart upload is left unfinished. Killed so again and run with ``--restart``, it keeps nothing:
+    the unfinished upload is aborted and every part sent again."""
     import forked
 
     local, seen = tmp_path / "local", tmp_path / "local-events"
@@ -392,4 +393,17 @@ def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_conti
     assert said and "kept from the interrupted upload" in said[0], store_lines(report)
     assert report["resume"]["resumed"] and report["resume"]["items_kept"] >= 1, report["resume"]  # the journal's
     _same_as_local(s3, "one/b", local)
+    assert not s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix="one/").get("Uploads")
+
+    # --restart keeps nothing of the killed run: its unfinished uploads aborted, every part sent again
+    argv = ["convert", big_ckpt, s3.url("one/c"), "--to", "dp=2", "--quiet"]
+    r = forked.run(argv, env={**os.environ, "RESHARD_FAULT_SLEEP_AT": f"{twelfth}:2",
+                              "RESHARD_FAULT_KILL_AT": "part __0_0.distcp 1"})
+    assert r.returncode == -9, r.stderr
+    assert s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix="one/c/").get("Uploads")
+    code, out, err = cli([*argv, "--restart", "--json"])
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["uploaded"]["streamed"]["parts_kept"] == 0 and not report["resume"]["resumed"], report["uploaded"]
+    _same_as_local(s3, "one/c", local)
     assert not s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix="one/").get("Uploads")

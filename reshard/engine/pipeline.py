@@ -259,6 +259,12 @@ def target_ranks(plan: Plan) -> list[int]:
     return sorted(ranks)
 
 
+def file_bytes_bound(plan: Plan, ix: CheckpointReader) -> int:
+    """A bound on one data file's bytes, to size multipart uploads by (10,000 parts at most): twice the
+    even share of the bytes written, with room for the skew between ranks, plus 1 MiB."""
+    return writing_bytes(plan, ix) // max(1, len(target_ranks(plan))) * 2 + (1 << 20)
+
+
 def check_tied_copies(run: Run) -> None:
     """Tied keys the plan writes once (`Plan.checks`) must be bitwise equal in the source: the target
     would otherwise keep one of them silently."""

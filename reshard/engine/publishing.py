@@ -66,7 +66,7 @@ class StoreOutput(Output):
             early: Optional[EarlyUpload] = None
             if report is None:
                 stage.discard_output()
-                early = EarlyUpload(publisher) if type(self.inner).step is Output.step else None
+                early = EarlyUpload(publisher, restart=self.restart) if type(self.inner).step is Output.step else None
                 inner = replace(self.inner, dst=stage.out, overwrite=False, url=stage.url,
                                 written=early.start if early is not None else None,
                                 watch=early.watch if early is not None else None)
@@ -108,8 +108,8 @@ class EarlyUpload:
     record; a file changed after it was sent would be sent again (`Publisher.send` compares its size
     and modification time)."""
 
-    def __init__(self, publisher: upload.Publisher):
-        self.publisher = publisher
+    def __init__(self, publisher: upload.Publisher, *, restart: bool = False):
+        self.publisher, self.restart = publisher, restart  # restart: no interrupted upload continued
         self.streamer: Optional[SpillStreamer] = None
         self.objects: list[StreamedObject] = []  # the files streamed, once finished
         self.thread: Optional[threading.Thread] = None
@@ -119,14 +119,13 @@ class EarlyUpload:
         """The watcher of the writer of ``run`` (`Output.watch`), as the items start being written. The
         files an interrupted upload already put are not followed (`send` keeps them if their bytes are
         the same), and its unfinished uploads of names this machine recorded are continued."""
-        from reshard.engine.pipeline import target_ranks, writing_bytes
+        from reshard.engine.pipeline import file_bytes_bound
 
         publisher = self.publisher
         publisher.look()
         bucket, prefix = publisher.base.split("/", 1)
-        files = max(1, len(target_ranks(run.plan)))
-        largest = writing_bytes(run.plan, run.ix) // files * 2 + (1 << 20)  # a file's bytes, with room for skew
-        self.streamer = SpillStreamer(publisher.fs, bucket, prefix, run.tmp, part=upload.send_part(largest),
+        self.streamer = SpillStreamer(publisher.fs, bucket, prefix, run.tmp,
+                                      part=upload.send_part(file_bytes_bound(run.plan, run.ix)),
                                       budget=None, punch=False, in_flight=STREAMED_IN_FLIGHT,
                                       resume_from=self._unfinished(bucket, prefix), on_part=fault_point,
                                       before_upload=self._first_request,
@@ -142,19 +141,15 @@ class EarlyUpload:
 
     def _unfinished(self, bucket: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
         """The unfinished multipart uploads of the names this machine recorded (an interrupted run's):
-        the newest of each, to continue; the older ones aborted. None listed where the store cannot
-        list them (the rerun then starts each upload anew)."""
-        from reshard.storage.objectstore.stream import abort_uploads, unfinished_uploads
+        the newest of each, to continue; the older ones aborted, and all of them with ``--restart``.
+        None where the store cannot list them (the rerun then starts each upload anew)."""
+        from reshard.storage.objectstore.stream import uploads_to_continue
 
-        fs, recorded = self.publisher.fs, self.publisher.recorded
         try:
-            found = unfinished_uploads(fs, bucket, prefix + "/")
+            return uploads_to_continue(self.publisher.fs, bucket, prefix, set(self.publisher.recorded),
+                                       restart=self.restart)
         except Exception:  # noqa: BLE001 - a store without ListMultipartUploads: nothing to continue
             return {}
-        ours = {k: v for k, v in found.items() if k.startswith(prefix + "/") and k[len(prefix) + 1:] in recorded}
-        for v in ours.values():
-            abort_uploads(fs, bucket, v[:-1])
-        return {k: v[-1:] for k, v in ours.items()}
 
     def start(self, run: Any) -> None:
         """Every item is written: the streamed files finished and the rest of ``run.tmp``'s data files

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from reshard.engine.distributed import DistributedOutput
-from reshard.engine.pipeline import Output, Run, target_ranks
+from reshard.engine.pipeline import Output, Run, file_bytes_bound, target_ranks
 
 __all__ = ["StreamedStoreOutput"]
 
@@ -101,7 +101,7 @@ class StreamedStoreOutput(DistributedOutput):
         """Worker 0: every data object of this output recorded as this machine's before any is put, and
         the unfinished multipart uploads of those names (to continue); those of other names are not ours."""
         from reshard.storage.checkpoints.dcp_writer import data_file_name
-        from reshard.storage.objectstore.stream import abort_uploads, unfinished_uploads
+        from reshard.storage.objectstore.stream import uploads_to_continue
 
         names = [data_file_name(r) for r in target_ranks(plan)]
         with open(self._stage.uploads, "a") as log:
@@ -111,13 +111,8 @@ class StreamedStoreOutput(DistributedOutput):
             os.fsync(log.fileno())
         fs, base = self._publisher.fs, self._publisher.base
         bucket, prefix = base.split("/", 1)
-        found = unfinished_uploads(fs, bucket, prefix + "/")
-        ours = {f"{prefix}/{n}" for n in names}
-        resumable = {k: v for k, v in found.items() if k in ours and self._stage.recorded().get(k.rsplit("/", 1)[-1])}
-        for k, v in resumable.items():  # one to continue, the older ones aborted (all of them: --restart)
-            abort_uploads(fs, bucket, v if self.restart else v[:-1])
-            resumable[k] = v[-1:]
-        return {} if self.restart else resumable
+        recorded = self._stage.recorded()
+        return uploads_to_continue(fs, bucket, prefix, {n for n in names if recorded.get(n)}, restart=self.restart)
 
     # -- the steps ---------------------------------------------------------------------------------
     def preflight(self, run: Run) -> dict[str, Any]:
@@ -190,7 +185,7 @@ class StreamedStoreOutput(DistributedOutput):
         fs, base = upload.destination(self.url)
         bucket, prefix = base.split("/", 1)
         mine = [r for r in target_ranks(run.plan) if self._owns(r)]
-        largest = writing_bytes(run.plan, run.ix) // max(1, len(target_ranks(run.plan))) * 2 + (1 << 20)
+        largest = file_bytes_bound(run.plan, run.ix)
         copy_window = max(1 << 20, int((self.window - read_window) * COPY_SHARE))
         budget = self.window - read_window - copy_window
         part = part_size_for(budget, len(mine), largest)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = ["MIN_PART", "StreamedObject", "SpillStreamer", "part_size_for", "punch_hole", "unfinished_uploads",
-           "abort_uploads"]
+           "abort_uploads", "uploads_to_continue"]
 
 #: The smallest part a store takes (but for the last).
 MIN_PART = 5 << 20
@@ -106,6 +106,21 @@ def abort_uploads(fs: Any, bucket: str, uploads: list[dict[str, Any]]) -> int:
         except Exception:  # noqa: BLE001 - already gone: nothing of it is listed either way
             pass
     return n
+
+
+def uploads_to_continue(fs: Any, bucket: str, prefix: str, ours: set[str], *,
+                        restart: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """The unfinished multipart uploads under ``prefix`` of the object names ``ours`` (names under the
+    prefix this machine recorded): key -> the newest one, to continue; every older one aborted, and with
+    ``restart`` every one (none continued). Uploads of other names are not ours: left alone."""
+    keep: dict[str, list[dict[str, Any]]] = {}
+    for key, uploads in unfinished_uploads(fs, bucket, prefix + "/").items():
+        if key[len(prefix) + 1:] not in ours:
+            continue
+        abort_uploads(fs, bucket, uploads if restart else uploads[:-1])
+        if not restart:
+            keep[key] = uploads[-1:]
+    return keep
 
 
 def _parts_of(fs: Any, bucket: str, key: str, upload_id: str) -> dict[int, dict[str, Any]]:
@@ -305,10 +320,10 @@ class SpillStreamer:
     # -- the sender ------------------------------------------------------------------------------
     def _raise(self) -> None:
         """The sender's error, on the writer's thread: the store's own errors in one paragraph naming the prefix."""
-        from reshard.errors import BadInput, ReshardError
-
         if self.error is None:
             return
+        from reshard.errors import BadInput, ReshardError
+
         if isinstance(self.error, (ReshardError, OSError)):
             raise self.error
         raise BadInput(f"the upload failed: {type(self.error).__name__}: {self.error}",
