@@ -352,7 +352,8 @@ def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_conti
     once its first part is in the store, the same command resumes the copy from its journal (items
     kept, each proven) and continues that multipart upload: the part is kept (its MD5 equals that of
     the bytes it would send), the rest sent, the result again the local conversion's bytes, and no
-    multipart upload is left unfinished. Killed so again and run with ``--restart``, it keeps nothing:
+    multipart upload is left unfinished; an object someone else puts under the prefix once the upload has
+    begun is left as it is (never deleted). Killed so again and run with ``--restart``, it keeps nothing:
     the unfinished upload is aborted and every part sent again."""
     import forked
 
@@ -364,8 +365,25 @@ def test_one_process_sends_each_file_behind_its_writer_and_a_killed_upload_conti
     events = tmp_path / "events"
     monkeypatch.setenv("RESHARD_FAULT_COUNT", str(events))
     monkeypatch.setenv("RESHARD_FAULT_SLEEP_AT", f"{twelfth}:2")  # the copy paused after 12 of its 20 items
+    c, put_at = s3.client(), []
+
+    def second_writer() -> None:  # someone else's object under the prefix once the upload has begun
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if events.is_file() and " part " in events.read_text():
+                c.put_object(Bucket=s3.bucket, Key="one/a/notes.txt", Body=b"someone else's")
+                put_at.append(time.monotonic())
+                return
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=second_writer)
+    writer.start()
     code, out, err = cli(["convert", big_ckpt, s3.url("one/a"), "--to", "dp=2", "--quiet", "--json"])
+    returned = time.monotonic()
+    writer.join()
     assert code == 0, err
+    assert put_at and put_at[0] < returned  # during the run
+    assert c.get_object(Bucket=s3.bucket, Key="one/a/notes.txt")["Body"].read() == b"someone else's"  # not ours: kept
     monkeypatch.delenv("RESHARD_FAULT_COUNT")
     monkeypatch.delenv("RESHARD_FAULT_SLEEP_AT")
     up = json.loads(out)["uploaded"]
